@@ -1,0 +1,60 @@
+"""OptimizerWorker: AdamW on its share of every stage, in place on the shared segments."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from megatrain_ray.config import Config
+from megatrain_ray.host import TORCH_DTYPES, HostStore, SegmentSpec
+from megatrain_ray.log import get_logger, init_logger
+from megatrain_ray.messages import UpdateDone, UpdateOrder
+from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.optim import FlatAdamW, split_span
+
+log = get_logger(__name__)
+
+
+def pin_to_cores(cores: list[int]) -> None:
+    """Affinity first, then the thread count: Ray's num_cpus is bookkeeping, not pinning."""
+    if not cores:  # in-process (local mode): the process's threads are not ours to pin
+        return
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
+class OptimizerWorker:
+    def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], index: int, num_workers: int,
+                 cores: list[int]):
+        init_logger(f"optim{index}")
+        pin_to_cores(cores)
+        self.index = index
+        self.layout = layout
+        self.store = HostStore(specs)
+        self.adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[cfg.precision.master_dtype])
+        self.spans = {s.index: split_span(s.numel, index, num_workers) for s in layout.stages}
+        log.info("optimizer worker %d/%d on cores %s, %d threads", index, num_workers, cores,
+                 torch.get_num_threads())
+
+    def apply(self, order: UpdateOrder) -> UpdateDone:
+        t0 = time.perf_counter()
+        stage = self.layout.stages[order.stage]
+        start, end = self.spans[order.stage]
+        store = self.store
+        stream_out = store.get("stream", order.stage) if store.has("stream", order.stage) else None
+        if not order.apply:
+            if stream_out is not None:
+                self.adamw.refresh(store.get("master", order.stage), stream_out, start, end)
+        elif end > start:
+            self.adamw.update(
+                master=store.get("master", order.stage), exp_avg=store.get("exp_avg", order.stage),
+                exp_avg_sq=store.get("exp_avg_sq", order.stage), grad=store.get(order.grad_kind, order.grad_index),
+                stream_out=stream_out, start=start, end=end, decay_end=stage.decay_numel,
+                adam_step=order.adam_step, lr=order.lr, grad_coef=order.grad_coef)
+        return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start)
+
+    def pid(self) -> int:
+        return os.getpid()

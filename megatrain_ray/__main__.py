@@ -1,0 +1,88 @@
+"""The `megatrain` command. Each subcommand maps to one plain function.
+
+    megatrain train configs/tiny.yaml [--set optimizer.lr=1e-3 ...] [--address ADDR] [--local]
+    megatrain config configs/tiny.yaml [--set ...]      # print the resolved config
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from megatrain_ray.config import Config, config_to_yaml, load_config
+from megatrain_ray.exceptions import MegatrainError
+from megatrain_ray.log import get_logger, init_logger
+
+log = get_logger(__name__)
+
+
+def _load(args: argparse.Namespace) -> Config:
+    overrides = list(args.set or [])
+    if getattr(args, "address", None):
+        overrides.append(f"runtime.address={args.address}")
+    if getattr(args, "local", False):
+        overrides.append("runtime.mode=local")
+    return load_config(args.config, overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a model as the config says; the run directory gets config.yaml and metrics.jsonl."""
+    from megatrain_ray.trainer import Trainer
+
+    cfg = _load(args)
+    trainer = Trainer(cfg)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        trainer.start()
+        history = trainer.train()
+    except KeyboardInterrupt:
+        log.warning("interrupted; shutting the actors down")
+        return 130
+    finally:
+        trainer.close()
+    last = history[-1]
+    log.info("done: %d steps, final loss %.4f, %s", len(history), last["loss"], trainer.run_dir / "metrics.jsonl")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the config after defaults and overrides, as the run would use it."""
+    sys.stdout.write(config_to_yaml(_load(args)))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatrain", description="Train LLMs on one GPU from host memory.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn in COMMANDS.items():
+        p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
+        p.add_argument("config", help="YAML config file (see configs/)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set optimizer.lr=1e-4 (repeatable)")
+        if name == "train":
+            p.add_argument("--address", help="Ray cluster address to attach to (default: a running local "
+                                             "cluster, else a private one on 127.0.0.1)")
+            p.add_argument("--local", action="store_true", help="run the actors in this process, without Ray")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger("driver", force=True)
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except MegatrainError as exc:
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,525 @@
+"""Configuration: one dataclass per concern, loaded strictly from YAML.
+
+A run is described by a YAML file whose sections map one to one onto `Config`'s fields.
+Unknown keys, wrong types and impossible values raise `ConfigError` naming the dotted key
+(`optimizer.lr`), the value received and what to do; all of it happens before anything is
+allocated. `--set a.b=c` overrides go through the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+
+import yaml
+
+from megatrain_ray.exceptions import ConfigError
+
+DType = Literal["bfloat16", "float16", "float32", "float64"]
+# Bytes per element of each dtype name, used by the planner and the host store.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+# Precision order: a streaming copy is never more precise than the master weights.
+DTYPE_RANK = {"bfloat16": 1, "float16": 1, "float32": 2, "float64": 3}
+
+
+def _fail(key: str, value: Any, why: str) -> None:
+    raise ConfigError(f"config key '{key}' = {value!r}: {why}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling, as in the `rope_scaling` entry of a Hugging Face config."""
+
+    SECTION: ClassVar[str] = "model.rope_scaling"
+    rope_type: Literal["llama3", "linear"] = "llama3"
+    """llama3: Llama 3.1's wavelength-dependent scaling; linear: positions divided by `factor`."""
+    factor: float = 8.0
+    """How much longer the context is than the one the model was trained on."""
+    low_freq_factor: float = 1.0
+    """llama3 only: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
+    high_freq_factor: float = 4.0
+    """llama3 only: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3 only: the context length of the unscaled model."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1.0:
+            _fail(f"{self.SECTION}.factor", self.factor, "must be >= 1")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            _fail(f"{self.SECTION}.low_freq_factor", self.low_freq_factor,
+                  "must be > 0 and below high_freq_factor")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The decoder's shape. Field names follow Hugging Face's config.json where one exists."""
+
+    SECTION: ClassVar[str] = "model"
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    """Architecture family; decides the Hugging Face class on export and the checks on load."""
+    vocab_size: int = 32000
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int = 4096
+    """Width of the residual stream."""
+    intermediate_size: int = 11008
+    """Width of the SwiGLU MLP."""
+    num_layers: int = 32
+    """Decoder layers; host memory grows with it, GPU memory does not (beyond kept activations)."""
+    num_attention_heads: int = 32
+    """Query heads."""
+    num_key_value_heads: int = 32
+    """Fewer than num_attention_heads means grouped-query attention."""
+    head_dim: int = 0
+    """0 means hidden_size // num_attention_heads (Qwen3 sets it explicitly)."""
+    rope_theta: float = 10000.0
+    """RoPE base: wavelengths grow geometrically from 2 pi to about 2 pi * rope_theta."""
+    rope_scaling: RopeScalingConfig | None = None
+    """null for plain RoPE, or a mapping of model.rope_scaling keys (below)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm's square root."""
+    tie_word_embeddings: bool = False
+    """True: the LM head reuses the embedding matrix (small Qwen models)."""
+    attention_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2 / Qwen2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    sliding_window: int = 0
+    """Tokens each query may look back over (Mistral); 0 means full causal attention."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model is meant for; data.seq_len may not exceed it without rope_scaling."""
+    initializer_range: float = 0.02
+    """Standard deviation of the random initialisation of matrices (as in Hugging Face)."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                _fail(f"{s}.{name}", getattr(self, name), "must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail(f"{s}.num_key_value_heads", self.num_key_value_heads,
+                  f"must divide num_attention_heads={self.num_attention_heads}")
+        if self.head_dim < 0:
+            _fail(f"{s}.head_dim", self.head_dim, "must be >= 0 (0 derives it)")
+        if self.head_dim == 0 and self.hidden_size % self.num_attention_heads:
+            _fail(f"{s}.head_dim", 0, f"hidden_size={self.hidden_size} is not divisible by "
+                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
+        if self.resolved_head_dim % 2:
+            _fail(f"{s}.head_dim", self.resolved_head_dim, "must be even for RoPE")
+        if self.rope_theta <= 0:
+            _fail(f"{s}.rope_theta", self.rope_theta, "must be > 0")
+        if self.rms_norm_eps <= 0:
+            _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.sliding_window < 0:
+            _fail(f"{s}.sliding_window", self.sliding_window, "must be >= 0 (0 disables it)")
+        if self.initializer_range <= 0:
+            _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where training tokens come from and how they are cut into batches."""
+
+    SECTION: ClassVar[str] = "data"
+    path: str = ""
+    """A token file (.npy of integers, or .bin of `token_dtype`), a UTF-8 text file (.txt, byte-level
+    tokens 0-255), or the word `synthetic` for seeded random tokens (benchmarks). Relative paths are
+    resolved against the config file's directory first, then the working directory."""
+    token_dtype: Literal["uint16", "uint32", "int32", "int64"] = "uint16"
+    """Element type of a raw .bin token file."""
+    seq_len: int = 2048
+    """Tokens per sequence (the model sees seq_len inputs and predicts seq_len next tokens)."""
+    batch_size: int = 1
+    """Sequences per optimizer step; the whole batch goes through each layer at once."""
+    shuffle: bool = True
+    """Visit the sequences of each epoch in a seeded random order."""
+    seed: int = 0
+    """Seed of the shuffle order (and of synthetic tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            _fail("data.seq_len", self.seq_len, "must be >= 1")
+        if self.batch_size < 1:
+            _fail("data.batch_size", self.batch_size, "must be >= 1")
+        if not self.path:
+            _fail("data.path", self.path, "is required: a token file, a .txt file or 'synthetic'")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW on the CPU optimizer workers (decoupled weight decay, as torch.optim.AdamW)."""
+
+    SECTION: ClassVar[str] = "optimizer"
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    beta1: float = 0.9
+    """Decay of the first moment (AdamW's beta1)."""
+    beta2: float = 0.95
+    """Decay of the second moment (AdamW's beta2)."""
+    eps: float = 1e-8
+    """Added to the square root of the second moment."""
+    weight_decay: float = 0.1
+    """Applied to matrices only (embeddings, projections, LM head); never to norms or biases."""
+    grad_clip: float = 1.0
+    """Exact global gradient-norm clipping threshold; 0 turns clipping off. With clipping on, updates
+    wait for the whole backward and then run in layer order, overlapped with the next forward."""
+    workers: int = 1
+    """Number of OptimizerWorker actors; each owns a slice of every layer. 0 means one per 4 cores."""
+    chunk_elems: int = 1 << 16
+    """Elements per optimizer pass chunk: the cast of the gradient and the write of the streaming copy
+    happen while the chunk is still in cache, so each byte crosses DRAM once."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if not self.lr > 0:
+            _fail(f"{s}.lr", self.lr, "must be > 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"{s}.{name}", getattr(self, name), "must be in [0, 1)")
+        if not self.eps > 0:
+            _fail(f"{s}.eps", self.eps, "must be > 0")
+        if self.weight_decay < 0:
+            _fail(f"{s}.weight_decay", self.weight_decay, "must be >= 0")
+        if self.grad_clip < 0:
+            _fail(f"{s}.grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+        if self.workers < 0:
+            _fail(f"{s}.workers", self.workers, "must be >= 0 (0 picks from the core count)")
+        if self.chunk_elems < 1024:
+            _fail(f"{s}.chunk_elems", self.chunk_elems, "must be >= 1024")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig:
+    """Learning-rate schedule over `train.steps` optimizer steps (see megatrain_ray/optim.py)."""
+
+    SECTION: ClassVar[str] = "schedule"
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = 0
+    """Steps of linear warmup: step s (0-based) uses lr * (s + 1) / warmup_steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine and linear)."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            _fail("schedule.warmup_steps", self.warmup_steps, "must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail("schedule.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    """Number formats of each copy of the weights."""
+
+    SECTION: ClassVar[str] = "precision"
+    master_dtype: Literal["float32", "float64"] = "float32"
+    """Master weights and both AdamW moments in host RAM. float64 exists for exact CPU tests."""
+    compute_dtype: DType = "bfloat16"
+    """Format of the layer math on the device."""
+    stream_dtype: DType | Literal["auto"] = "auto"
+    """Format of the host copy streamed to the device each step. auto = compute_dtype. When it equals
+    master_dtype the master weights are streamed directly (no extra copy in RAM, twice the PCIe bytes
+    for bf16 compute); otherwise the optimizer writes the copy in the same pass as the update and the
+    layer's gradients land in it after backward."""
+
+    def __post_init__(self) -> None:
+        if DTYPE_RANK[self.compute_dtype] > DTYPE_RANK[self.master_dtype]:
+            _fail("precision.compute_dtype", self.compute_dtype,
+                  f"is more precise than precision.master_dtype={self.master_dtype}; raise master_dtype")
+        if self.resolved_stream_dtype not in DTYPE_RANK:
+            _fail("precision.stream_dtype", self.stream_dtype, f"must be one of {sorted(DTYPE_RANK)} or 'auto'")
+        if DTYPE_RANK[self.resolved_stream_dtype] > DTYPE_RANK[self.master_dtype]:
+            _fail("precision.stream_dtype", self.stream_dtype,
+                  f"is more precise than precision.master_dtype={self.master_dtype}")
+        if DTYPE_RANK[self.compute_dtype] > DTYPE_RANK[self.resolved_stream_dtype]:
+            _fail("precision.compute_dtype", self.compute_dtype,
+                  f"is more precise than the streamed copy ({self.resolved_stream_dtype}); it would only "
+                  "compute on rounded weights. Set precision.stream_dtype to match")
+
+    @property
+    def resolved_stream_dtype(self) -> str:
+        return self.compute_dtype if self.stream_dtype == "auto" else self.stream_dtype
+
+    @property
+    def stream_is_master(self) -> bool:
+        """The streaming copy is the master buffer itself (same format)."""
+        return self.resolved_stream_dtype == self.master_dtype
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The layer stream on the compute worker."""
+
+    SECTION: ClassVar[str] = "engine"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: the GPU when CUDA is available, else the CPU (same code path, copies are plain memcpy)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the LM-head loss: logits never exceed loss_chunk_tokens x vocab_size."""
+    grad_slabs: int = 4
+    """Pinned host slabs for gradients in flight when the master weights are streamed directly and
+    clipping is off (otherwise gradients land in the streaming copy or per-layer buffers)."""
+    poison_buffers: bool = False
+    """Fill device and gradient buffers with NaN before first use, so that a read of memory nothing
+    wrote fails loudly (tests)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_chunk_tokens < 1:
+            _fail("engine.loss_chunk_tokens", self.loss_chunk_tokens, "must be >= 1")
+        if self.grad_slabs < 2:
+            _fail("engine.grad_slabs", self.grad_slabs, "must be >= 2 (one written, one read)")
+
+
+@dataclass(kw_only=True, slots=True)
+class HostConfig:
+    """The host store: shared-memory segments owned by HostShard actors."""
+
+    SECTION: ClassVar[str] = "host"
+    num_shards: int = 1
+    """HostShard actors; each owns a contiguous range of stages (one per NUMA node is the intent)."""
+    shm_dir: str = "/dev/shm"
+    """Directory of the shared-memory segments; must be a tmpfs large enough for the whole store."""
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            _fail("host.num_shards", self.num_shards, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """How the actors are launched."""
+
+    SECTION: ClassVar[str] = "runtime"
+    mode: Literal["ray", "local"] = "ray"
+    """ray: actors in a Ray cluster; local: the same classes in this process (debugging, fast tests)."""
+    address: str = ""
+    """Ray cluster to attach to. Empty: RAY_ADDRESS if set, else a cluster started with `ray start`
+    on this machine, else a private local Ray bound to 127.0.0.1."""
+    dashboard: bool = True
+    """Start the Ray dashboard with a private local Ray (127.0.0.1 only)."""
+    object_store_mb: int = 512
+    """Object store of a private local Ray. Bulk tensors never go through it, so it stays small."""
+
+    def __post_init__(self) -> None:
+        if self.object_store_mb < 64:
+            _fail("runtime.object_store_mb", self.object_store_mb, "must be >= 64")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The loop around the steps."""
+
+    SECTION: ClassVar[str] = "train"
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+    output_dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl. Relative paths are taken from the working directory."""
+    log_every: int = 1
+    """Steps between console log lines (metrics.jsonl gets every step)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            _fail("train.steps", self.steps, "must be >= 1")
+        if self.log_every < 1:
+            _fail("train.log_every", self.log_every, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """The root of a run's configuration: one field per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.schedule.warmup_steps > self.train.steps:
+            _fail("schedule.warmup_steps", self.schedule.warmup_steps,
+                  f"exceeds train.steps={self.train.steps}")
+        if self.data.seq_len > self.model.max_position_embeddings and self.model.rope_scaling is None:
+            _fail("data.seq_len", self.data.seq_len,
+                  f"exceeds model.max_position_embeddings={self.model.max_position_embeddings}; "
+                  "raise it or configure model.rope_scaling")
+        if self.data.path.endswith(".txt") and self.model.vocab_size < 256:
+            _fail("model.vocab_size", self.model.vocab_size, "must be >= 256 for byte-level text data")
+        if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
+            pass  # allowed (slow); tests of the bf16 path use it on purpose
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check `value` against the annotation `tp`, converting only where it is lossless."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(key, option, value)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[-1] if len(errors) == 1 else
+                          f"config key '{key}' = {value!r}: expected " +
+                          " or ".join(_type_name(o) for o in options if o is not type(None)))
+    if origin is Literal:
+        if value not in get_args(tp):
+            _fail(key, value, f"expected {_type_name(tp)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            _fail(key, value, f"expected a mapping of {tp.__name__} fields")
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, "expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            _fail(key, value, "expected a number")
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                _fail(key, value, "expected a number")
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(key, value, "expected a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(key, value, "expected a string")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {key}")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"section '{prefix}'" if prefix else "the top level"
+        raise ConfigError(f"unknown config key '{(prefix + '.') if prefix else ''}{unknown[0]}' in {where}; "
+                          f"known keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(key, hints[name], value)
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        key = f"{prefix}.{missing[0]}" if prefix else missing[0]
+        raise ConfigError(f"config key '{key}' is required")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a programming error in a section class, not user input
+        raise ConfigError(f"cannot build section '{prefix or 'root'}': {exc}") from exc
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], value), the value read as YAML (`1`, `true`, `[0.9, 0.95]`, `null`)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r}: empty key component")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{'.'.join(parts[:i + 1])}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                raw: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config file (or a raw mapping), apply `--set` overrides, validate everything."""
+    if raw is None:
+        if path is None:
+            raise ConfigError("no config given: pass a YAML file")
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    raw = apply_overrides(raw, list(overrides or []))
+    config = _build(Config, raw, "")
+    if path is not None:
+        config.data.path = resolve_data_path(config.data.path, Path(path).parent)
+    return config
+
+
+def resolve_data_path(data_path: str, config_dir: Path) -> str:
+    """Relative data paths are tried against the config's directory, then the working directory."""
+    if data_path == "synthetic" or Path(data_path).is_absolute():
+        return data_path
+    beside_config = (config_dir / data_path)
+    if beside_config.exists():
+        return str(beside_config.resolve())
+    return str(Path(data_path).resolve())
+
+
+def config_to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

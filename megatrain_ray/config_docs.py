@@ -1,0 +1,67 @@
+"""Renders docs/config.md from the config dataclasses: every key, its type, default and doc.
+
+    python -m megatrain_ray.config_docs > docs/config.md
+
+The attribute docstrings in megatrain_ray/config.py are the one source; a test keeps the file current.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import typing
+
+from megatrain_ray import config as config_module
+
+SECTIONS = {
+    "model": config_module.ModelConfig, "model.rope_scaling": config_module.RopeScalingConfig,
+    "data": config_module.DataConfig, "optimizer": config_module.OptimizerConfig,
+    "schedule": config_module.ScheduleConfig, "precision": config_module.PrecisionConfig,
+    "engine": config_module.EngineConfig, "host": config_module.HostConfig, "runtime": config_module.RuntimeConfig,
+    "train": config_module.TrainConfig,
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal right after each annotated field."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _type_text(tp: object) -> str:
+    text = str(tp).replace("typing.", "").replace("megatrain_ray.config.", "")
+    text = getattr(tp, "__name__", text) if not typing.get_args(tp) else text
+    return text.replace(" | ", " or ")
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return "null" if f.default is None else repr(f.default).replace("'", "")
+    return "(required)"
+
+
+def render() -> str:
+    lines = ["# Configuration reference", "",
+             "Generated from `megatrain_ray/config.py` by `python -m megatrain_ray.config_docs`. "
+             "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        lines += [f"## `{section}`", "", " ".join((cls.__doc__ or "").split()), "",
+                  "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            lines.append(f"| `{section}.{f.name}` | `{_type_text(hints[f.name])}` | `{_default(f)}` | "
+                         f"{docs.get(f.name, '').replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,352 @@
+"""The double-buffered layer stream: one training step, stage by stage.
+
+Forward: the embedding, then each layer, then the head. While layer i computes on one device
+buffer, layer i+1 is copied host->device into the other (the H2D stream); the input of each
+layer (the boundary activation) is kept, nothing else. The head computes the loss and its
+gradients in token chunks. Backward walks the layers in reverse: reload the layer's weights,
+recompute it with autograd on, take the gradients of its input and weights, copy the weight
+gradients device->host on the D2H stream, and hand the stage to the optimizer workers.
+
+Updates: with clipping off, each stage's update is ordered as soon as its gradients are on
+the host, overlapping the rest of the backward. With exact clipping on, the global norm is
+known only after the whole backward; the updates are then ordered in forward order, so the
+next step's forward of stage i waits only for stage i's update.
+
+The whole batch goes through stage i before stage i+1: no gradient accumulation buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatrain_ray.config import Config
+from megatrain_ray.engine.streams import DeviceStreams
+from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home
+from megatrain_ray.messages import StepResult, UpdateDone, UpdateOrder
+from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.templates import (
+    IGNORE_INDEX, LayerSpec, bind, decoder_layer, embed, head_logits, head_loss_and_grads, rope_tables,
+)
+
+
+@dataclass(slots=True)
+class WeightSlot:
+    """A device buffer that holds one stage's weights at a time."""
+
+    raw: torch.Tensor
+    """Destination of the H2D copy, in the streaming dtype."""
+    compute: torch.Tensor
+    """The same buffer when the streaming dtype is the compute dtype, else its cast."""
+    ready: Any = None
+    """Event: the copy (and cast) of `holds` is complete."""
+    free: Any = None
+    """Event: compute no longer reads the previous occupant."""
+    holds: int = -1
+
+
+@dataclass(slots=True)
+class GradSlot:
+    """A device buffer of one stage's weight gradients on their way to the host."""
+
+    buf: torch.Tensor
+    drained: Any = None
+    """Event: the previous D2H out of this buffer is complete."""
+
+
+def _gaps(stage: StageLayout) -> list[tuple[int, int]]:
+    """Padding between a stage's tensors: never written by the engine, kept at zero."""
+    gaps, end = [], 0
+    for slot in stage.slots:
+        if slot.offset > end:
+            gaps.append((end, slot.offset))
+        end = slot.offset + slot.numel
+    if stage.numel > end:
+        gaps.append((end, stage.numel))
+    return gaps
+
+
+class StreamEngine:
+    def __init__(self, cfg: Config, layout: ModelLayout, store: HostStore, optimizers: list[Any],
+                 device: torch.device):
+        self.cfg = cfg
+        self.layout = layout
+        self.store = store
+        self.optimizers = optimizers
+        self.device = device
+        self.streams = DeviceStreams(device)
+        self.spec = LayerSpec.from_config(cfg.model)
+        self.compute_dtype = TORCH_DTYPES[cfg.precision.compute_dtype]
+        self.stream_dtype = TORCH_DTYPES[cfg.precision.resolved_stream_dtype]
+        self.grad_dtype = TORCH_DTYPES[grad_dtype(cfg)]
+        self.grad_home = grad_home(cfg)
+        # Accumulation of the vocabulary-sized gradients and of norms: float32, or float64 when computing in it.
+        self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
+        self.clip = cfg.optimizer.grad_clip
+        poison = cfg.engine.poison_buffers
+
+        def weight_slot(numel: int) -> WeightSlot:
+            raw = torch.empty(numel, dtype=self.stream_dtype, device=device)
+            compute = raw if self.stream_dtype == self.compute_dtype else \
+                torch.empty(numel, dtype=self.compute_dtype, device=device)
+            for t in {id(raw): raw, id(compute): compute}.values():
+                t.fill_(float("nan") if poison else 0.0)
+            return WeightSlot(raw, compute)
+
+        def grad_slot(stage: StageLayout) -> GradSlot:
+            buf = torch.full((stage.numel,), float("nan") if poison else 0.0, dtype=self.grad_dtype, device=device)
+            for a, b in _gaps(stage):
+                buf[a:b].zero_()
+            return GradSlot(buf)
+
+        layer0 = layout.layers[0]
+        self.layer_slots = [weight_slot(layout.max_layer_numel) for _ in range(2)]
+        self.embed_slot = weight_slot(layout.embed.numel)
+        self.head_slot = weight_slot(layout.head.numel)
+        self.layer_grads = [grad_slot(layer0) for _ in range(2)]
+        self.embed_grad = grad_slot(layout.embed)
+        self.head_grad = grad_slot(layout.head)
+        v, h = cfg.model.vocab_size, cfg.model.hidden_size
+        self.vocab_acc = torch.zeros((v, h), dtype=self.acc_dtype, device=device)
+        # The host side of gradients in flight: (stage whose update reads it, slab) in pool mode.
+        self.pool = store.pool() if self.grad_home == "pool" else []
+        self.pool_users: list[int] = [-1] * len(self.pool)
+        self.next_pool = 0
+        self.pending: dict[int, Future] = {}
+        self.dispatcher = ThreadPoolExecutor(1, thread_name_prefix="update-dispatch")
+        self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._step_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ updates
+
+    def _wait_update(self, stage: int) -> None:
+        """Block the issuing thread until the last ordered update of `stage` is applied."""
+        pending = self.pending.pop(stage, None)
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        for done in pending.result():
+            result: UpdateDone = done.result()
+            self._step_stats["optimizer_seconds"] += result.seconds
+        self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
+
+    def _order_update(self, stage: int, drained: Any, order: UpdateOrder) -> None:
+        def send() -> list[Any]:
+            drained.synchronize()  # gradients are on the host before any worker reads them
+            return [worker.call("apply", order) for worker in self.optimizers]
+        self.pending[stage] = self.dispatcher.submit(send)
+
+    def flush(self) -> float:
+        """Wait for every ordered update; returns the optimizer seconds they took."""
+        self._step_stats = {"optimizer_seconds": 0.0, "update_wait_seconds": 0.0}
+        for stage in list(self.pending):
+            self._wait_update(stage)
+        return self._step_stats["optimizer_seconds"]
+
+    # ------------------------------------------------------------------ weights in
+
+    def _slot_for(self, stage: StageLayout) -> WeightSlot:
+        if stage.kind == "embed":
+            return self.embed_slot
+        if stage.kind == "head":
+            return self.head_slot
+        return self.layer_slots[stage.index % 2]
+
+    def _load(self, stage: StageLayout) -> WeightSlot:
+        """Issue the H2D copy of a stage's weights (no-op if its slot still holds them this step)."""
+        slot = self._slot_for(stage)
+        if slot.holds == stage.index:
+            return slot
+        self._wait_update(stage.index)
+        s = self.streams
+        with s.on(s.h2d):
+            s.wait(s.h2d, slot.free)
+            slot.raw[:stage.numel].copy_(self.store.stream(stage.index), non_blocking=True)
+            if slot.compute is not slot.raw:
+                slot.compute[:stage.numel].copy_(slot.raw[:stage.numel])
+            slot.ready = s.record(s.h2d)
+        slot.holds = stage.index
+        self._step_stats["h2d_bytes"] += stage.numel * slot.raw.element_size()
+        return slot
+
+    def _weights(self, stage: StageLayout, slot: WeightSlot) -> dict[str, torch.Tensor]:
+        self.streams.wait(self.streams.compute, slot.ready)
+        return bind(slot.compute[:stage.numel], stage)
+
+    def _release(self, slot: WeightSlot) -> None:
+        slot.free = self.streams.record(self.streams.compute)
+
+    # ------------------------------------------------------------------ gradients out
+
+    def _host_grad(self, stage: int) -> tuple[torch.Tensor, str, int]:
+        if self.grad_home == "stream":
+            return self.store.get("stream", stage), "stream", stage
+        if self.grad_home == "stage":
+            return self.store.get("grad", stage), "grad", stage
+        k = self.next_pool
+        self.next_pool = (k + 1) % len(self.pool)
+        if self.pool_users[k] >= 0:
+            self._wait_update(self.pool_users[k])  # the slab's last reader is done
+        self.pool_users[k] = stage
+        return self.pool[k], "gradpool", k
+
+    def _emit(self, stage: StageLayout, grad: GradSlot, deferred: list) -> None:
+        """Norm on the device, then D2H on its own stream; order the update (now or after clipping)."""
+        s = self.streams
+        flat = grad.buf[:stage.numel]
+        self._sqnorm += torch.linalg.vector_norm(flat, dtype=self.acc_dtype).square()
+        ready = s.record(s.compute)
+        host, kind, index = self._host_grad(stage.index)
+        with s.on(s.d2h):
+            s.wait(s.d2h, ready)
+            host[:stage.numel].copy_(flat, non_blocking=True)
+            grad.drained = s.record(s.d2h)
+        self._step_stats["d2h_bytes"] += stage.numel * flat.element_size()
+        if self.clip > 0:
+            deferred.append((stage.index, grad.drained, kind, index))
+        else:
+            self._order_update(stage.index, grad.drained,
+                               UpdateOrder(stage.index, kind, index, self._adam_step, self._lr))
+
+    def _write_grads(self, stage: StageLayout, grad: GradSlot, grads: dict[str, torch.Tensor]) -> None:
+        self.streams.wait(self.streams.compute, grad.drained)  # the previous D2H out of it is done
+        for slot in stage.slots:
+            grad.buf[slot.offset:slot.offset + slot.numel].copy_(grads[slot.name].reshape(-1))
+
+    # ------------------------------------------------------------------ the step
+
+    def _rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len not in self._rope_cache:
+            self._rope_cache[seq_len] = rope_tables(self.cfg.model, seq_len, self.device, self.compute_dtype)
+        return self._rope_cache[seq_len]
+
+    def _forward_layers(self, x: torch.Tensor, rope: tuple, keep: list | None) -> torch.Tensor:
+        layers = self.layout.layers
+        upcoming = self._load(layers[0])
+        for i, stage in enumerate(layers):
+            slot = upcoming
+            upcoming = self._load(layers[i + 1] if i + 1 < len(layers) else self.layout.head)
+            if keep is not None:
+                keep.append(x)
+            x = decoder_layer(x, self._weights(stage, slot), rope, self.spec)
+            self._release(slot)
+        return x
+
+    def _begin(self, lr: float, adam_step: int) -> None:
+        self._lr, self._adam_step = lr, adam_step
+        self._step_stats = {"optimizer_seconds": 0.0, "update_wait_seconds": 0.0, "h2d_bytes": 0, "d2h_bytes": 0}
+        self._sqnorm = torch.zeros((), dtype=self.acc_dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _end(self) -> None:
+        # Weights change with the updates just ordered: nothing on the device is current any more.
+        for slot in (*self.layer_slots, self.embed_slot, self.head_slot):
+            slot.holds = -1
+
+    @torch.no_grad()
+    def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int) -> StepResult:
+        """One optimizer step on a batch of [batch, seq_len + 1] token ids (labels are the shifted ids)."""
+        t0 = time.perf_counter()
+        self._begin(lr, adam_step)
+        layout, cfg = self.layout, self.cfg
+        n_valid = max(1, int((tokens[:, 1:] != IGNORE_INDEX).sum()))
+        tokens = tokens.to(self.device, non_blocking=True)
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        rope = self._rope(ids.shape[1])
+        deferred: list = []
+
+        # Forward: embedding, layers (inputs kept), head with loss and its gradients.
+        embed_slot = self._load(layout.embed)
+        embed_w = self._weights(layout.embed, embed_slot)["embed_tokens.weight"]
+        acts: list[torch.Tensor | None] = []
+        x = self._forward_layers(embed(ids, embed_w), rope, acts)
+        head_slot = self._slot_for(layout.head)
+        head_w = self._weights(layout.head, head_slot)
+        lm_w = head_w.get("lm_head.weight", embed_w)
+        self.vocab_acc.zero_()
+        head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, cfg.model.rms_norm_eps,
+                                   cfg.engine.loss_chunk_tokens, self.vocab_acc)
+        self._release(head_slot)
+        head_grads = {"model.norm.weight": head.grad_norm_weight}
+        if not layout.tied:
+            head_grads["lm_head.weight"] = self.vocab_acc
+        self._write_grads(layout.head, self.head_grad, head_grads)
+        self._emit(layout.head, self.head_grad, deferred)
+        grad_y = head.grad_x
+
+        # Backward: recompute each layer from its kept input, in reverse.
+        layers = layout.layers
+        upcoming = self._load(layers[-1])
+        for i in range(len(layers) - 1, -1, -1):
+            stage, slot = layers[i], upcoming
+            if i > 0:
+                upcoming = self._load(layers[i - 1])
+            w = self._weights(stage, slot)
+            with torch.enable_grad():
+                x_in = acts[i].requires_grad_(True)
+                params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
+                y = decoder_layer(x_in, params, rope, self.spec)
+                grads = torch.autograd.grad(y, [x_in, *params.values()], grad_y)
+            self._release(slot)
+            acts[i] = None
+            grad_slot = self.layer_grads[i % 2]
+            self._write_grads(stage, grad_slot, dict(zip(params, grads[1:])))
+            self._emit(stage, grad_slot, deferred)
+            grad_y = grads[0]
+
+        # Embedding: scatter-add of the input gradients (onto the LM head's part when tied).
+        if not layout.tied:
+            self.vocab_acc.zero_()
+        self.vocab_acc.index_add_(0, ids.reshape(-1), grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype))
+        self._release(embed_slot)
+        self._write_grads(layout.embed, self.embed_grad, {"embed_tokens.weight": self.vocab_acc})
+        self._emit(layout.embed, self.embed_grad, deferred)
+
+        loss = float(head.loss_sum)
+        grad_norm = float(self._sqnorm.sqrt())
+        skipped = False
+        if self.clip > 0:
+            skipped = not (torch.isfinite(torch.tensor(grad_norm)) and torch.isfinite(torch.tensor(loss)))
+            if not skipped:
+                # Exact global clipping, as torch.nn.utils.clip_grad_norm_: scale = min(1, clip / (norm + 1e-6)).
+                coef = min(1.0, self.clip / (grad_norm + 1e-6))
+                for index, drained, kind, src in sorted(deferred):
+                    self._order_update(index, drained, UpdateOrder(index, kind, src, adam_step, lr, coef))
+            else:
+                # Dropped step: weights stay as they are, but the streaming copies that hold gradients
+                # must be rewritten from the master weights before the next forward reads them.
+                for index, drained, kind, src in sorted(deferred):
+                    self._order_update(index, drained, UpdateOrder(index, kind, src, adam_step, lr, apply=False))
+        self._end()
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return StepResult(
+            loss=loss, grad_norm=grad_norm, tokens=ids.numel(), valid_tokens=n_valid,
+            seconds=time.perf_counter() - t0, update_wait_seconds=self._step_stats["update_wait_seconds"],
+            optimizer_seconds=self._step_stats["optimizer_seconds"], h2d_bytes=int(self._step_stats["h2d_bytes"]),
+            d2h_bytes=int(self._step_stats["d2h_bytes"]), skipped=skipped, gpu_peak_bytes=peak)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full logits of a small batch through the same layer stream (evaluation, tests)."""
+        self._begin(0.0, 0)
+        layout = self.layout
+        ids = ids.to(self.device)
+        embed_slot = self._load(layout.embed)
+        embed_w = self._weights(layout.embed, embed_slot)["embed_tokens.weight"]
+        x = self._forward_layers(embed(ids, embed_w), self._rope(ids.shape[1]), None)
+        head_w = self._weights(layout.head, self.head_slot)
+        out = head_logits(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w),
+                          self.cfg.model.rms_norm_eps)
+        self._release(self.head_slot)
+        self._release(embed_slot)
+        self._end()
+        return out.float().cpu()
+
+    def close(self) -> None:
+        self.flush()
+        self.dispatcher.shutdown(wait=True)

@@ -1,0 +1,64 @@
+"""Three device streams (H2D prefetch, compute, D2H gradients) and their events.
+
+On CUDA these are real streams ordered by events, never by `synchronize()` on the hot path.
+On the CPU every copy is synchronous, so streams and events become no-ops and the same
+engine code runs unchanged (that is how CI tests the engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+class NullEvent:
+    """Stands in for torch.cuda.Event on the CPU, where work is already ordered."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class DeviceStreams:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.compute = torch.cuda.current_stream(device)
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+        else:
+            self.compute = self.h2d = self.d2h = None
+
+    def event(self) -> "torch.cuda.Event | NullEvent":
+        return torch.cuda.Event() if self.is_cuda else NullEvent()
+
+    def record(self, stream: object) -> "torch.cuda.Event | NullEvent":
+        event = self.event()
+        if self.is_cuda:
+            event.record(stream)
+        return event
+
+    def wait(self, stream: object, event: "torch.cuda.Event | NullEvent | None") -> None:
+        """Make `stream` wait for `event` on the device; the host thread does not block."""
+        if self.is_cuda and event is not None:
+            stream.wait_event(event)
+
+    @contextlib.contextmanager
+    def on(self, stream: object) -> Iterator[None]:
+        if self.is_cuda:
+            with torch.cuda.stream(stream):
+                yield
+        else:
+            yield
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,33 @@
+"""Errors users see. Each one names what was wrong and what to do; all pickle across actors."""
+
+from __future__ import annotations
+
+
+class MegatrainError(Exception):
+    """Base of every error megatrain raises on purpose."""
+
+    def __reduce__(self):
+        return (self.__class__, self.args)
+
+
+class ConfigError(MegatrainError, ValueError):
+    """A config key, file or override is wrong; the message names the dotted key."""
+
+
+class DataError(MegatrainError):
+    """A data file is missing, unreadable or too small for the configured batch."""
+
+
+class HostMemoryError(MegatrainError):
+    """The host store does not fit: RAM, /dev/shm or pinned memory; the message gives the numbers."""
+
+
+class ActorFailedError(MegatrainError):
+    """An actor died or raised; `failures` maps actor names to what they raised."""
+
+    def __init__(self, message: str, failures: dict[str, BaseException] | None = None):
+        super().__init__(message, failures or {})
+        self.failures = failures or {}
+
+    def __str__(self) -> str:
+        return str(self.args[0])

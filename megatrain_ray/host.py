@@ -1,0 +1,233 @@
+"""The host store: named shared-memory segments, one flat buffer per stage per kind.
+
+Every process on the node maps the same files (`torch.from_file(..., shared=True)`), so the
+HostShard that owns them, the optimizer workers that update them and the GPU worker that
+streams from them all see one copy. Only `SegmentSpec`s (path, dtype, size) travel through
+Ray; the bytes never do. Kinds per stage:
+
+- `master`, `exp_avg`, `exp_avg_sq`: the fp32 (or fp64) weights and AdamW moments;
+- `stream`: the copy the GPU reads each step, in `precision.stream_dtype`; absent when it
+  would equal the master weights, which are then streamed directly;
+- `grad`: per-stage gradients, only when the master weights are streamed and clipping is on
+  (all gradients must wait for the global norm). Otherwise gradients land in the stage's
+  `stream` buffer, which is free between the layer's backward and its update, or, when the
+  master is streamed and clipping is off, in a small pool of `gradpool` slabs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatrain_ray.config import DTYPE_BYTES, Config
+from megatrain_ray.exceptions import HostMemoryError
+from megatrain_ray.log import get_logger
+from megatrain_ray.model.layout import ModelLayout, StageLayout
+
+log = get_logger(__name__)
+
+SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool"]
+GradHome = Literal["stream", "stage", "pool"]
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "float64": torch.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSpec:
+    """Everything another process needs to map a segment: where, what type, how long."""
+
+    path: str
+    dtype: str
+    numel: int
+    kind: SegmentKind
+    stage: int
+    """Stage index, or the slab number for `gradpool`."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+def grad_home(cfg: Config) -> GradHome:
+    """Where a stage's gradients land on the host (see the module docstring)."""
+    if not cfg.precision.stream_is_master:
+        return "stream"
+    return "stage" if cfg.optimizer.grad_clip > 0 else "pool"
+
+
+def grad_dtype(cfg: Config) -> str:
+    return cfg.precision.resolved_stream_dtype if grad_home(cfg) == "stream" else cfg.precision.master_dtype
+
+
+def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[int],
+                  with_pool: bool) -> list[SegmentSpec]:
+    """The segments one HostShard owns: its stages' buffers, plus the gradient pool on shard 0."""
+    directory = cfg.host.shm_dir
+    master = cfg.precision.master_dtype
+    specs: list[SegmentSpec] = []
+    home = grad_home(cfg)
+    for index in stages:
+        stage = layout.stages[index]
+        kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", master), ("exp_avg_sq", master)]
+        if not cfg.precision.stream_is_master:
+            kinds.append(("stream", cfg.precision.resolved_stream_dtype))
+        if home == "stage":
+            kinds.append(("grad", grad_dtype(cfg)))
+        for kind, dtype in kinds:
+            path = os.path.join(directory, f"megatrain-{run_id}-{stage.name}-{kind}")
+            specs.append(SegmentSpec(path, dtype, stage.numel, kind, index))
+    if with_pool and home == "pool":
+        for k in range(cfg.engine.grad_slabs):
+            path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
+            specs.append(SegmentSpec(path, grad_dtype(cfg), layout_max_numel(layout), "gradpool", k))
+    return specs
+
+
+def layout_max_numel(layout: ModelLayout) -> int:
+    return max(s.numel for s in layout.stages)
+
+
+def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:
+    """Contiguous ranges of stages of about equal size, one per shard."""
+    total = sum(s.numel for s in layout.stages)
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    running = 0
+    for stage in layout.stages:
+        shard = min(num_shards - 1, running * num_shards // total)
+        shards[shard].append(stage.index)
+        running += stage.numel
+    return shards
+
+
+def check_capacity(specs: list[SegmentSpec], shm_dir: str) -> None:
+    """Refuse before allocating when the segments cannot fit in the shared-memory filesystem."""
+    need = sum(s.nbytes for s in specs)
+    if not os.path.isdir(shm_dir):
+        raise HostMemoryError(f"host.shm_dir={shm_dir!r} is not a directory; point it at a tmpfs such as /dev/shm")
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise HostMemoryError(
+            f"the host store needs {need / 2**30:.2f} GiB in host.shm_dir={shm_dir!r} but only "
+            f"{free / 2**30:.2f} GiB is free there. Enlarge it (docker: --shm-size; or "
+            f"`mount -o remount,size=...`), or shrink the model, or stream the master weights "
+            f"(precision.stream_dtype equal to precision.master_dtype saves the streaming copy)")
+
+
+def create_segment(spec: SegmentSpec) -> None:
+    """A zero-filled file of the exact size (pages are allocated on first touch)."""
+    fd = os.open(spec.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, spec.nbytes)
+    finally:
+        os.close(fd)
+
+
+def map_segment(spec: SegmentSpec) -> torch.Tensor:
+    if not os.path.exists(spec.path):
+        raise HostMemoryError(f"shared-memory segment {spec.path} is missing: its HostShard has exited")
+    return torch.from_file(spec.path, shared=True, size=spec.numel, dtype=TORCH_DTYPES[spec.dtype])
+
+
+def unlink_segment(spec: SegmentSpec) -> None:
+    try:
+        os.unlink(spec.path)
+    except FileNotFoundError:
+        pass
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A per-tensor seed: initial weights do not depend on sharding or stage order."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class HostStore:
+    """Mapped views of a set of segments, from any process on the node."""
+
+    def __init__(self, specs: list[SegmentSpec]):
+        self.specs = list(specs)
+        self._tensors: dict[tuple[str, int], torch.Tensor] = {(s.kind, s.stage): map_segment(s) for s in specs}
+        self._registered: list[torch.Tensor] = []
+
+    def get(self, kind: SegmentKind, stage: int) -> torch.Tensor:
+        return self._tensors[(kind, stage)]
+
+    def has(self, kind: SegmentKind, stage: int) -> bool:
+        return (kind, stage) in self._tensors
+
+    def stream(self, stage: int) -> torch.Tensor:
+        """The buffer the device reads: the streaming copy, or the master weights themselves."""
+        found = self._tensors.get(("stream", stage))
+        return found if found is not None else self._tensors[("master", stage)]
+
+    def pool(self) -> list[torch.Tensor]:
+        return [t for (kind, _), t in sorted(self._tensors.items()) if kind == "gradpool"]
+
+    def register_pinned(self, kinds: tuple[SegmentKind, ...]) -> float:
+        """cudaHostRegister the segments the copy engines touch; returns the GiB registered."""
+        cudart = torch.cuda.cudart()
+        total = 0
+        for (kind, _), tensor in self._tensors.items():
+            if kind not in kinds or tensor.numel() == 0:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            err = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise HostMemoryError(f"cudaHostRegister of {nbytes / 2**20:.0f} MiB failed with CUDA error "
+                                      f"{int(err)}; the pinned-memory limit (ulimit -l) may be too low")
+            self._registered.append(tensor)
+            total += nbytes
+        return total / 2**30
+
+    def unregister_pinned(self) -> None:
+        if not self._registered:
+            return
+        cudart = torch.cuda.cudart()
+        for tensor in self._registered:
+            cudart.cudaHostUnregister(tensor.data_ptr())
+        self._registered.clear()
+
+    # --------------------------------------------------------------- whole-model views (tests, export)
+
+    def read_tensors(self, layout: ModelLayout, kind: SegmentKind = "master") -> dict[str, torch.Tensor]:
+        """Copies of every tensor of the stages this store maps, by Hugging Face name."""
+        out = {}
+        for stage in layout.stages:
+            if not self.has(kind, stage.index):
+                continue
+            flat = self.get(kind, stage.index)
+            for slot in stage.slots:
+                out[stage.hf_name(slot)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return out
+
+    def write_tensors(self, layout: ModelLayout, tensors: dict[str, torch.Tensor]) -> None:
+        """Set master weights (and their streaming copy) from Hugging Face-named tensors."""
+        for name, value in tensors.items():
+            stage, slot = layout.stage_of(name)
+            if tuple(value.shape) != slot.shape:
+                raise ValueError(f"tensor {name}: shape {tuple(value.shape)} != model's {slot.shape}")
+            for kind in ("master", "stream"):
+                if self.has(kind, stage.index):
+                    self.get(kind, stage.index)[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+
+
+def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> None:
+    """Random initialisation as in Hugging Face: normal(0, std) matrices, ones for norms, zero biases."""
+    master = store.get("master", stage.index)
+    for slot in stage.slots:
+        view = master[slot.offset:slot.offset + slot.numel]
+        if slot.init == "normal":
+            gen = torch.Generator().manual_seed(tensor_seed(seed, stage.hf_name(slot)))
+            view.normal_(0.0, std, generator=gen)
+        elif slot.init == "ones":
+            view.fill_(1.0)
+        else:
+            view.zero_()
+    if store.has("stream", stage.index):
+        store.get("stream", stage.index).copy_(master)

@@ -1,0 +1,50 @@
+"""One log format for the driver and every actor: `[megatrain <actor>] message`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(asctime)s [megatrain %(actor)s] %(levelname)s %(message)s"
+_warned: set[str] = set()
+
+
+class _ActorFilter(logging.Filter):
+    def __init__(self, actor: str):
+        super().__init__()
+        self.actor = actor
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.actor = self.actor
+        return True
+
+
+def init_logger(actor: str = "driver", level: str | None = None, force: bool = False) -> logging.Logger:
+    """Configure the `megatrain_ray` logger tree once per process; `actor` names the process in each line.
+
+    Actors call it in their constructor: in their own Ray process it sets their name; in-process
+    (runtime.mode=local) the driver's configuration stays.
+    """
+    root = logging.getLogger("megatrain_ray")
+    if root.handlers and not force:
+        return root
+    root.setLevel(level or os.environ.get("MEGATRAIN_LOG_LEVEL", "INFO"))
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(_ActorFilter(actor))
+    root.addHandler(handler)
+    root.propagate = False
+    return root
+
+
+def get_logger(name: str) -> logging.Logger:
+    return logging.getLogger(name if name.startswith("megatrain_ray") else f"megatrain_ray.{name}")
+
+
+def warn_once(logger: logging.Logger, message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)

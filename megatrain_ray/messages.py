@@ -1,0 +1,55 @@
+"""Small messages between the actors: control only, never bulk tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateOrder:
+    """Sent to every OptimizerWorker once a stage's gradients are on the host."""
+
+    stage: int
+    grad_kind: str
+    """Segment kind holding the gradients: `stream`, `grad` or `gradpool`."""
+    grad_index: int
+    """Stage index (stream, grad) or slab number (gradpool)."""
+    adam_step: int
+    """1-based count of updates, for the bias corrections."""
+    lr: float
+    grad_coef: float = 1.0
+    """Gradients are multiplied by this before the update (the clipping coefficient)."""
+    apply: bool = True
+    """False drops the update (non-finite gradients): the worker only rewrites the streaming copy,
+    which the gradients overwrote, from the untouched master weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateDone:
+    stage: int
+    worker: int
+    seconds: float
+    elems: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the GPU worker reports after one optimizer step's forward and backward."""
+
+    loss: float
+    grad_norm: float
+    tokens: int
+    valid_tokens: int
+    seconds: float
+    """Wall time of the step on the GPU worker, from its start to the last gradient handed over."""
+    update_wait_seconds: float
+    """Time the layer stream waited for optimizer updates of the previous step."""
+    optimizer_seconds: float
+    """Summed over workers: time spent in the previous step's updates that this step waited on."""
+    h2d_bytes: int
+    d2h_bytes: int
+    skipped: bool = False
+    """True when the gradients were not finite and the update was dropped."""
+    gpu_peak_bytes: int = 0
+    worker_rss_bytes: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,84 @@
+"""Per-step figures: model FLOPs, memory readings, metrics.jsonl and the console progress line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from megatrain_ray.config import ModelConfig
+from megatrain_ray.model.layout import ModelLayout
+
+
+def matmul_params(layout: ModelLayout) -> int:
+    """Parameters that take part in a matrix product per token: every matrix but the embedding
+    lookup, plus the LM head (counted once more when tied, since the product happens)."""
+    n = sum(s.numel for stage in layout.layers for s in stage.slots if s.decay)
+    return n + layout.embed.slots[0].numel
+
+
+def model_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -> float:
+    """Model FLOPs (no recompute counted) per trained token: 6 N + 6 L T d_attn.
+
+    6 N: forward (2 N) and backward (4 N) of the matrix products with N = matmul_params.
+    6 L T d_attn: causal attention, QK^T and AV, 4 T d_attn per token and layer in the forward
+    when full, halved for causality (2 T d_attn), times 3 for forward and backward.
+    """
+    d_attn = cfg.num_attention_heads * cfg.resolved_head_dim
+    return 6.0 * matmul_params(layout) + 6.0 * cfg.num_layers * seq_len * d_attn
+
+
+def shm_bytes(paths: list[str]) -> int:
+    """Bytes actually allocated to the given shared-memory files (pages touched so far)."""
+    total = 0
+    for p in paths:
+        try:
+            total += os.stat(p).st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to RUN_DIR/metrics.jsonl, flushed each line."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Progress:
+    """A one-line progress bar on a terminal, a log line every `every` steps otherwise."""
+
+    def __init__(self, total: int, every: int, stream: TextIO = sys.stderr):
+        self.total, self.every, self.stream = total, every, stream
+        self.tty = stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float, tok_per_s: float, tflops: float) -> None:
+        done = step + 1
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (self.total - done)
+        text = (f"step {done}/{self.total} loss {loss:.4f} {tok_per_s:,.0f} tok/s {tflops:.1f} TFLOPS "
+                f"eta {eta:.0f}s")
+        if self.tty:
+            width = 24
+            filled = int(width * done / self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
+            if done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+        elif done % self.every == 0 or done == self.total:
+            self.stream.write(f"[megatrain] {text}\n")
+            self.stream.flush()

@@ -1,0 +1,1 @@
+"""Model description: the flat layout of stages and the stateless layer templates."""

@@ -1,0 +1,71 @@
+"""Hugging Face config.json <-> ModelConfig for the supported families."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatrain_ray.config import ModelConfig, RopeScalingConfig
+from megatrain_ray.exceptions import ConfigError
+
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _family(hf: dict[str, Any]) -> str:
+    for arch in hf.get("architectures") or []:
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    if hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    raise ConfigError(f"unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
+                      f"supported: {', '.join(FAMILIES)}")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
+    # transformers 5 nests theta and scaling in `rope_parameters`; 4.x has rope_theta + rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "llama3":
+        return theta, RopeScalingConfig(
+            rope_type="llama3", factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    if kind == "linear":
+        return theta, RopeScalingConfig(rope_type="linear", factor=float(scaling["factor"]))
+    raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: llama3, linear)")
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json mapping."""
+    family = _family(hf)
+    theta, scaling = _rope(hf)
+    sliding = 0
+    if family == "mistral":
+        sliding = int(hf.get("sliding_window") or 0)
+    elif hf.get("use_sliding_window"):
+        raise ConfigError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
+    heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or 0)
+    if head_dim == hf["hidden_size"] // heads:
+        head_dim = 0
+    return ModelConfig(
+        family=family,  # type: ignore[arg-type]
+        vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=heads, num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias") or False),
+        qk_norm=family == "qwen3", sliding_window=sliding,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )

@@ -1,0 +1,154 @@
+"""Flat layout of the model: stages, and the tensors of each stage at fixed offsets.
+
+A *stage* is the unit the engine streams: the embedding, each decoder layer, and the head
+(final norm and LM head). Each stage's tensors live in one flat buffer per kind (master,
+moments, streaming copy, gradient), at offsets fixed here, so a stage moves host->device in
+one copy and the optimizer works on flat spans. Within a stage, tensors that get weight decay
+(matrices) come first, so decay is one contiguous span `[0, decay_numel)`.
+
+Tensor names are Hugging Face's, so loading and exporting checkpoints is a rename-free copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megatrain_ray.config import ModelConfig
+
+# Offsets are multiples of this many elements (256 bytes in fp32): vectorised loops and
+# device copies stay aligned for every dtype we use.
+ALIGN_ELEMS = 64
+
+StageKind = Literal["embed", "layer", "head"]
+
+
+def align(n: int) -> int:
+    return (n + ALIGN_ELEMS - 1) // ALIGN_ELEMS * ALIGN_ELEMS
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    name: str
+    """Name within the stage (e.g. `self_attn.q_proj.weight`)."""
+    shape: tuple[int, ...]
+    offset: int
+    """Element offset in the stage's flat buffer."""
+    init: Literal["normal", "ones", "zeros"]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def decay(self) -> bool:
+        return len(self.shape) >= 2
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayout:
+    index: int
+    """Position in forward order: 0 is the embedding, 1..L the layers, L+1 the head."""
+    kind: StageKind
+    prefix: str
+    """Prefix that turns a slot name into the Hugging Face name."""
+    slots: tuple[TensorSlot, ...]
+    numel: int
+    """Length of the flat buffer, padding included."""
+    decay_numel: int
+    """[0, decay_numel) gets weight decay; the rest does not."""
+
+    @property
+    def name(self) -> str:
+        return f"layer{self.index - 1}" if self.kind == "layer" else self.kind
+
+    def slot(self, name: str) -> TensorSlot:
+        for s in self.slots:
+            if s.name == name:
+                return s
+        raise KeyError(f"stage {self.name} has no tensor {name!r}")
+
+    def hf_name(self, slot: TensorSlot) -> str:
+        return self.prefix + slot.name
+
+
+def _stage(index: int, kind: StageKind, prefix: str, tensors: list[tuple[str, tuple[int, ...], str]]) -> StageLayout:
+    ordered = sorted(tensors, key=lambda t: len(t[1]) < 2)  # matrices first; stable otherwise
+    slots, offset, decay_numel = [], 0, 0
+    for name, shape, init in ordered:
+        slots.append(TensorSlot(name, shape, offset, init))  # type: ignore[arg-type]
+        offset = align(offset + math.prod(shape))
+        if len(shape) >= 2:
+            decay_numel = offset
+    return StageLayout(index, kind, prefix, tuple(slots), offset, decay_numel)
+
+
+def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    tensors = [
+        ("self_attn.q_proj.weight", (q, h), "normal"),
+        ("self_attn.k_proj.weight", (kv, h), "normal"),
+        ("self_attn.v_proj.weight", (kv, h), "normal"),
+        ("self_attn.o_proj.weight", (h, q), "normal"),
+        ("mlp.gate_proj.weight", (f, h), "normal"),
+        ("mlp.up_proj.weight", (f, h), "normal"),
+        ("mlp.down_proj.weight", (h, f), "normal"),
+        ("input_layernorm.weight", (h,), "ones"),
+        ("post_attention_layernorm.weight", (h,), "ones"),
+    ]
+    if cfg.attention_bias:
+        tensors += [("self_attn.q_proj.bias", (q,), "zeros"), ("self_attn.k_proj.bias", (kv,), "zeros"),
+                    ("self_attn.v_proj.bias", (kv,), "zeros")]
+    if cfg.qk_norm:
+        tensors += [("self_attn.q_norm.weight", (hd,), "ones"), ("self_attn.k_norm.weight", (hd,), "ones")]
+    return tensors
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    stages: tuple[StageLayout, ...]
+    tied: bool
+
+    @property
+    def embed(self) -> StageLayout:
+        return self.stages[0]
+
+    @property
+    def head(self) -> StageLayout:
+        return self.stages[-1]
+
+    @property
+    def layers(self) -> tuple[StageLayout, ...]:
+        return self.stages[1:-1]
+
+    @property
+    def max_layer_numel(self) -> int:
+        return max(s.numel for s in self.layers)
+
+    @property
+    def num_params(self) -> int:
+        return sum(s.numel for stage in self.stages for s in stage.slots)
+
+    def stage_of(self, hf_name: str) -> tuple[StageLayout, TensorSlot]:
+        for stage in self.stages:
+            if hf_name.startswith(stage.prefix):
+                for s in stage.slots:
+                    if stage.prefix + s.name == hf_name:
+                        return stage, s
+        raise KeyError(f"no tensor named {hf_name!r} in this model")
+
+
+def build_layout(cfg: ModelConfig) -> ModelLayout:
+    v, h = cfg.vocab_size, cfg.hidden_size
+    stages = [_stage(0, "embed", "model.", [("embed_tokens.weight", (v, h), "normal")])]
+    per_layer = layer_tensors(cfg)
+    for i in range(cfg.num_layers):
+        stages.append(_stage(i + 1, "layer", f"model.layers.{i}.", per_layer))
+    # The head's prefix is empty: its tensors are `model.norm.weight` and `lm_head.weight`.
+    head = [("model.norm.weight", (h,), "ones")]
+    if not cfg.tie_word_embeddings:
+        head.append(("lm_head.weight", (v, h), "normal"))
+    stages.append(_stage(cfg.num_layers + 1, "head", "", head))
+    return ModelLayout(tuple(stages), cfg.tie_word_embeddings)

@@ -1,0 +1,224 @@
+"""Stateless layer templates: the model's math as pure functions of (activations, weights).
+
+No function here owns a weight. The engine binds each stage's weights as views into the
+flat device buffer it just streamed in (`bind`) and calls the template of that stage's kind:
+`embed`, `decoder_layer` (the Llama family: GQA, RoPE with Llama 3.1 scaling, RMSNorm, SwiGLU,
+optional qkv bias for Qwen2, optional q/k norm for Qwen3, optional sliding window for
+Mistral) and the head (`head_logits`, or `head_loss_and_grads`, which computes the loss in
+token chunks so that full logits never exist).
+
+The math follows Hugging Face's modeling code operation by operation (norms in float32,
+RoPE tables in float32, the loss on float32 logits), so logits agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from megatrain_ray.config import ModelConfig
+from megatrain_ray.model.layout import StageLayout
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """The static facts a decoder layer template needs (derived from ModelConfig)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    qk_norm: bool
+    attention_bias: bool
+    sliding_window: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "LayerSpec":
+        return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.rms_norm_eps,
+                   cfg.qk_norm, cfg.attention_bias, cfg.sliding_window)
+
+
+def bind(buffer: torch.Tensor, stage: StageLayout) -> dict[str, torch.Tensor]:
+    """Views of one stage's tensors inside its flat buffer: no copy, no module."""
+    return {s.name: buffer[s.offset:s.offset + s.numel].view(s.shape) for s in stage.slots}
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Norms and RoPE run in float32 as in Hugging Face, and in float64 when the engine does.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(_norm_dtype(dtype))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    dim = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim] in `dtype`, computed in float32 (float64 for float64)."""
+    work = _norm_dtype(dtype)
+    inv_freq = rope_inv_freq(cfg, work).to(device)
+    positions = torch.arange(seq_len, device=device, dtype=work)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos, sin: [seq, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _sliding_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    return (j <= i) & (i - j < window)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """Causal attention through SDPA (flash on GPU); q: [B, H, T, D], k and v: [B, H_kv, T, D]."""
+    seq_len = q.shape[2]
+    if spec.num_kv_heads != spec.num_heads:
+        groups = spec.num_heads // spec.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scale = spec.head_dim ** -0.5
+    if spec.sliding_window and seq_len > spec.sliding_window:
+        mask = _sliding_mask(seq_len, spec.sliding_window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, weight)
+
+
+def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                  spec: LayerSpec) -> torch.Tensor:
+    """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). x: [B, T, hidden]."""
+    batch, seq_len, _ = x.shape
+    cos, sin = rope
+    h = rms_norm(x, w["input_layernorm.weight"], spec.eps)
+    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+    q = q.view(batch, seq_len, spec.num_heads, spec.head_dim)
+    k = k.view(batch, seq_len, spec.num_kv_heads, spec.head_dim)
+    v = v.view(batch, seq_len, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    if spec.qk_norm:
+        q = rms_norm(q, w["self_attn.q_norm.weight"], spec.eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps)
+    q = apply_rope(q.transpose(1, 2), cos, sin)
+    k = apply_rope(k.transpose(1, 2), cos, sin)
+    a = attention(q, k, v, spec).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
+    x = x + F.linear(a, w["self_attn.o_proj.weight"])
+    h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
+    m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
+    return x + F.linear(m, w["mlp.down_proj.weight"])
+
+
+def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Full logits, for evaluation and tests on small inputs only (training uses the chunked loss)."""
+    return F.linear(rms_norm(x, norm_weight, eps), lm_weight)
+
+
+@dataclass(slots=True)
+class HeadResult:
+    loss_sum: torch.Tensor
+    """Sum over valid tokens of the cross-entropy, divided by `n_valid` (so it is the mean)."""
+    grad_x: torch.Tensor
+    grad_norm_weight: torch.Tensor
+
+
+def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
+                        labels: torch.Tensor, n_valid: int, eps: float, chunk_tokens: int,
+                        grad_lm_acc: torch.Tensor) -> HeadResult:
+    """Mean cross-entropy over the valid labels and its gradients, in chunks of tokens.
+
+    Logits exist for one chunk at a time (chunk_tokens x vocab, upcast to float32 as in Hugging
+    Face's loss). The gradient of the LM head matrix is added into `grad_lm_acc` (float32 or
+    float64), which with tied embeddings also collects the embedding's gradient later.
+    """
+    batch, seq_len, hidden = x.shape
+    x = x.detach().requires_grad_(True)
+    norm_weight = norm_weight.detach().requires_grad_(True)
+    with torch.enable_grad():
+        normed = rms_norm(x, norm_weight, eps)
+    flat = normed.detach().reshape(-1, hidden)
+    flat_labels = labels.reshape(-1)
+    grad_flat = torch.empty_like(flat)
+    loss_dtype = _norm_dtype(x.dtype)
+    loss = torch.zeros((), dtype=loss_dtype, device=x.device)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        h = flat[start:start + chunk_tokens]
+        lab = flat_labels[start:start + chunk_tokens]
+        logits = F.linear(h, lm_weight).to(loss_dtype)
+        valid = lab != IGNORE_INDEX
+        safe = torch.where(valid, lab, 0)
+        lse = torch.logsumexp(logits, dim=-1)
+        target = logits.gather(1, safe[:, None]).squeeze(1)
+        loss += torch.where(valid, lse - target, 0).sum() / n_valid
+        # d(loss)/d(logits) = (softmax - onehot) / n_valid on valid rows, 0 elsewhere; built in place.
+        grad_logits = logits.sub_(lse[:, None]).exp_()
+        grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(lse[:, None]))
+        grad_logits.mul_((valid.to(loss_dtype) / n_valid)[:, None])
+        grad_logits = grad_logits.to(h.dtype)
+        grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
+        grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
+    grad_x, grad_norm = torch.autograd.grad(normed, (x, norm_weight), grad_flat.view(batch, seq_len, hidden))
+    return HeadResult(loss, grad_x, grad_norm)
+
+
+def model_logits(cfg: ModelConfig, stages: list[StageLayout], buffers: list[torch.Tensor],
+                 ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the whole model from one flat buffer per stage (all resident): small models only."""
+    spec = LayerSpec.from_config(cfg)
+    embed_w = bind(buffers[0], stages[0])["embed_tokens.weight"]
+    x = embed(ids, embed_w)
+    rope = rope_tables(cfg, ids.shape[1], x.device, x.dtype)
+    for stage, buffer in zip(stages[1:-1], buffers[1:-1]):
+        x = decoder_layer(x, bind(buffer, stage), rope, spec)
+    head = bind(buffers[-1], stages[-1])
+    return head_logits(x, head["model.norm.weight"], head.get("lm_head.weight", embed_w), cfg.rms_norm_eps)

@@ -1,0 +1,82 @@
+"""AdamW on flat host spans, and the learning-rate schedule.
+
+The update of a span runs in cache-sized chunks. Per chunk: the gradient is cast to the master
+dtype in a small scratch buffer (when it arrives in bf16 or fp32), torch's fused CPU AdamW
+updates master and moments, and the new weights are written to the streaming copy while the
+chunk is still in cache. Each byte of master, moments, gradient and streaming copy then
+crosses DRAM once per step, which is what bounds a CPU optimizer (see DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatrain_ray.config import OptimizerConfig, ScheduleConfig
+
+
+def lr_at(step: int, peak_lr: float, total_steps: int, schedule: ScheduleConfig) -> float:
+    """Learning rate of 0-based step `step` of `total_steps`.
+
+    Warmup: peak * (step + 1) / warmup_steps. Then, with p = (step - warmup) / (total - warmup) in
+    [0, 1): cosine: floor + (peak - floor) * (1 + cos(pi p)) / 2; linear: peak - (peak - floor) p;
+    constant: peak. floor = min_lr_ratio * peak.
+    """
+    warmup = schedule.warmup_steps
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    if schedule.kind == "constant":
+        return peak_lr
+    floor = schedule.min_lr_ratio * peak_lr
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    if schedule.kind == "linear":
+        return peak_lr - (peak_lr - floor) * progress
+    return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def split_span(numel: int, part: int, parts: int, align: int = 64) -> tuple[int, int]:
+    """[start, end) of one worker's share of a stage of `numel` elements, on aligned boundaries."""
+    def edge(k: int) -> int:
+        return min(numel, (numel * k // parts + align - 1) // align * align)
+    return edge(part), edge(part + 1)
+
+
+class FlatAdamW:
+    """AdamW over spans of flat buffers, chunk by chunk, fused with the streaming-copy write."""
+
+    def __init__(self, cfg: OptimizerConfig, master_dtype: torch.dtype):
+        self.cfg = cfg
+        self.chunk = cfg.chunk_elems
+        self.scratch = torch.empty(self.chunk, dtype=master_dtype)
+        self.master_dtype = master_dtype
+
+    def update(self, *, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+               stream_out: torch.Tensor | None, start: int, end: int, decay_end: int, adam_step: int, lr: float,
+               grad_coef: float) -> None:
+        """Update elements [start, end) of one stage; weight decay applies below `decay_end`.
+
+        The gradient is multiplied by `grad_coef` (the clipping coefficient) first, as
+        clip_grad_norm_ does, in the scratch chunk: the host gradient buffer is never modified.
+        """
+        cfg = self.cfg
+        step = torch.tensor(float(adam_step), dtype=torch.float32)
+        spans = ((start, min(end, decay_end), cfg.weight_decay), (max(start, decay_end), end, 0.0))
+        for lo, hi, weight_decay in spans:
+            for a in range(lo, hi, self.chunk):
+                b = min(a + self.chunk, hi)
+                g = self.scratch[:b - a].copy_(grad[a:b])  # cast to the master dtype while in cache
+                if grad_coef != 1.0:
+                    g.mul_(grad_coef)
+                p = master[a:b]
+                torch._fused_adamw_(
+                    [p], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step], lr=lr, beta1=cfg.beta1,
+                    beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False,
+                    grad_scale=None, found_inf=None)
+                if stream_out is not None:
+                    stream_out[a:b].copy_(p)  # the new streaming copy, in the same pass
+
+    @staticmethod
+    def refresh(master: torch.Tensor, stream_out: torch.Tensor, start: int, end: int) -> None:
+        """Rewrite the streaming copy from the master weights (after a dropped step)."""
+        stream_out[start:end].copy_(master[start:end])

@@ -1,0 +1,146 @@
+"""Two launch modes, one set of classes: Ray actors, or the same classes in this process.
+
+`spawn` returns a handle whose `call(method, *args)` gives a future with `.result()`. In Ray
+mode the future wraps an ObjectRef; in local mode each actor is an object with one thread of
+its own, so calls to one actor run in order, as Ray runs them, and calls to different actors
+run concurrently, as they do in Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from megatrain_ray.config import RuntimeConfig
+from megatrain_ray.exceptions import ActorFailedError
+from megatrain_ray.log import get_logger
+
+log = get_logger(__name__)
+
+# Set before Ray is imported for a private single-box Ray: every Ray socket (GCS, raylets,
+# dashboard, metrics) then binds 127.0.0.1 instead of the host's routable address. An internal
+# Ray switch, guarded by tests/test_runtime.py, which lists the listening sockets.
+_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class LocalHandle:
+    def __init__(self, instance: Any, name: str):
+        self.name = name
+        self.instance = instance
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        return self._thread.submit(getattr(self.instance, method), *args, **kwargs)
+
+    def kill(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+class RayFuture:
+    def __init__(self, ref: Any, actor: str, method: str):
+        self.ref, self.actor, self.method = ref, actor, method
+
+    def result(self, timeout: float | None = None) -> Any:
+        import ray
+
+        try:
+            return ray.get(self.ref, timeout=timeout)
+        except ray.exceptions.RayActorError as exc:
+            raise ActorFailedError(f"actor {self.actor} died during {self.method}: {exc}",
+                                   {self.actor: exc}) from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
+                raise cause from None  # the actor's own error, e.g. a ConfigError, unwrapped
+            raise ActorFailedError(f"actor {self.actor} failed in {self.method}: {exc}", {self.actor: exc}) from exc
+
+
+class RayHandle:
+    def __init__(self, actor: Any, name: str):
+        self.actor, self.name = actor, name
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> RayFuture:
+        return RayFuture(getattr(self.actor, method).remote(*args, **kwargs), self.name, method)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+Handle = LocalHandle | RayHandle
+
+
+def _running_cluster_address(cfg: RuntimeConfig) -> str | None:
+    """The cluster to attach to, or None when a private one should be started."""
+    if cfg.address:
+        return cfg.address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    # `ray start` writes the address of the newest local cluster here.
+    current = Path("/tmp/ray/ray_current_cluster")
+    if current.is_file() and current.read_text().strip():
+        return "auto"
+    return None
+
+
+def tighten_token_file() -> None:
+    """Ray writes ~/.ray/auth_token readable by everyone (0644); the token is a credential."""
+    token = Path.home() / ".ray" / "auth_token"
+    if token.is_file() and stat.S_IMODE(token.stat().st_mode) & 0o077:
+        token.chmod(0o600)
+
+
+def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None) -> bool:
+    """Attach to a running cluster, or start a private one on 127.0.0.1 with token auth.
+
+    Returns True when this call started Ray (the caller then shuts it down).
+    """
+    address = _running_cluster_address(cfg)
+    if "ray" not in sys.modules and address is None:
+        os.environ.setdefault(_LOOPBACK_ENV, "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        try:
+            ray.init(address=address, log_to_driver=True)
+            log.info("attached to Ray cluster at %s", address)
+            return False
+        except ConnectionError:
+            if cfg.address or os.environ.get("RAY_ADDRESS"):
+                raise
+            log.info("no Ray cluster answers at the address in /tmp/ray; starting a private one")
+    os.environ[_LOOPBACK_ENV] = "0"
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # if Ray was imported before the switch was set
+    # Token auth: Ray 2.60 turns it on by default for a new local cluster (unless RAY_AUTH_MODE says
+    # otherwise) and writes ~/.ray/auth_token when there is none.
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        address="local", include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1",
+        object_store_memory=cfg.object_store_mb * 2**20, num_gpus=num_gpus, log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+    )
+    tighten_token_file()
+    log.info("started a private Ray on 127.0.0.1 (token auth on)")
+    return True
+
+
+def spawn(mode: str, cls: type, *args: Any, name: str, num_gpus: float = 0, **kwargs: Any) -> Handle:
+    """Create an actor of `cls` in Ray or in this process."""
+    if mode == "local":
+        return LocalHandle(cls(*args, **kwargs), name)
+    import ray
+
+    # num_cpus=0: Ray's CPU count is bookkeeping, not pinning; workers pin their own cores.
+    actor = ray.remote(cls).options(name=name, num_cpus=0, num_gpus=num_gpus, max_restarts=0,
+                                    namespace="megatrain").remote(*args, **kwargs)
+    return RayHandle(actor, name)

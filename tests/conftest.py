@@ -1,0 +1,82 @@
+"""Shared fixtures: one private Ray per test module that needs it, tiny configs, CPU-only defaults."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatrain_ray.config import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_raw(**sections) -> dict:
+    """A tiny Llama on synthetic tokens; keyword arguments update whole sections."""
+    raw = {
+        "model": {"family": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_layers": 3,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                  "rms_norm_eps": 1e-6},
+        "data": {"path": "synthetic", "seq_len": 16, "batch_size": 4, "seed": 3},  # see tiny_config
+        "optimizer": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
+                      "workers": 1, "chunk_elems": 1024},
+        "schedule": {"kind": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1},
+        "precision": {"master_dtype": "float32", "compute_dtype": "float32"},
+        "engine": {"device": "cpu", "poison_buffers": True, "loss_chunk_tokens": 24},
+        "runtime": {"mode": "local", "dashboard": False},
+        "train": {"steps": 20, "seed": 7, "log_every": 100},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+def learnable_tokens(path, vocab: int, n: int = 4096, seed: int = 0) -> str:
+    """A token file where each next token is the previous plus 1, 2 or 3 (mod vocab): the loss of a
+    model that learns it falls from ln(vocab) towards ln(3)."""
+    steps = np.random.default_rng(seed).integers(1, 4, n)
+    np.save(path, (np.cumsum(steps) % vocab).astype(np.int32))
+    return str(path)
+
+
+def tiny_config(tmp_path, **sections):
+    """tiny_raw on a learnable token file in tmp_path (unless the data section names a path)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    raw = tiny_raw(**sections)
+    if "path" not in sections.get("data", {}):
+        raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", raw["model"]["vocab_size"])
+    raw["train"]["output_dir"] = str(tmp_path / "run")
+    return load_config(raw=raw)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A private local Ray for the module (about 5 s to start on 2 cores)."""
+    from megatrain_ray.config import RuntimeConfig
+    from megatrain_ray.runtime import start_ray
+
+    started = start_ray(RuntimeConfig(dashboard=False, object_store_mb=128))
+    yield
+    if started:
+        import ray
+
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_state():
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    yield
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

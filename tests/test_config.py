@@ -1,0 +1,109 @@
+"""Config loading: every shipped YAML loads; bad keys, types and values name the dotted key."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+
+import pytest
+
+from megatrain_ray.config import Config, ConfigError, load_config
+from megatrain_ray.model.layout import build_layout
+from tests.conftest import REPO, tiny_raw
+
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+def test_every_required_config_ships():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"tiny.yaml", "llama-3.5b-bench.yaml", "llama3-8b.yaml", "qwen2.5-7b.yaml", "qwen2.5-32b.yaml",
+            "mistral-7b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    build_layout(cfg.model)  # the shape is buildable
+
+
+# Parameter counts of the published models these shapes copy (from their model cards / safetensors index).
+@pytest.mark.parametrize("name, billions", [
+    ("llama3-8b.yaml", 8.03), ("qwen2.5-7b.yaml", 7.62), ("qwen2.5-32b.yaml", 32.76), ("mistral-7b.yaml", 7.24),
+    ("qwen2.5-14b.yaml", 14.77), ("llama-3.5b-bench.yaml", 3.5),
+])
+def test_model_shapes_have_the_published_size(name, billions):
+    layout = build_layout(load_config(os.path.join(REPO, "configs", name)).model)
+    assert math.isclose(layout.num_params / 1e9, billions, rel_tol=0.01)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["optimizer.lrr=1"], "optimizer.lrr"),
+    (["bogus.x=1"], "bogus"),
+    (["optimizer.lr=fast"], "optimizer.lr"),
+    (["optimizer.lr=-1"], "optimizer.lr"),
+    (["optimizer.workers=two"], "optimizer.workers"),
+    (["optimizer.beta2=1.0"], "optimizer.beta2"),
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads"),
+    (["model.hidden_size=0"], "model.hidden_size"),
+    (["model.family=gpt2"], "model.family"),
+    (["precision.compute_dtype=float64"], "precision.compute_dtype"),
+    (["precision.stream_dtype=float64"], "precision.stream_dtype"),
+    (["data.seq_len=100000"], "data.seq_len"),
+    (["data.batch_size=0"], "data.batch_size"),
+    (["train.steps=0"], "train.steps"),
+    (["schedule.warmup_steps=500"], "schedule.warmup_steps"),
+    (["runtime.mode=cluster"], "runtime.mode"),
+    (["engine.grad_slabs=1"], "engine.grad_slabs"),
+    (["model.rope_scaling.factor=0.5"], "model.rope_scaling.factor"),
+    (["train.steps=true"], "train.steps"),
+    (["model.tie_word_embeddings=1"], "model.tie_word_embeddings"),
+])
+def test_bad_values_name_their_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(raw=tiny_raw(), overrides=overrides)
+    assert f"'{key}" in str(info.value), str(info.value)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(raw=tiny_raw(), overrides=["optimizer.lr=1e-4", "optimizer.workers=3",
+                                                 "model.rope_scaling.factor=4", "precision.stream_dtype=float32"])
+    assert cfg.optimizer.lr == 1e-4 and cfg.optimizer.workers == 3
+    assert cfg.model.rope_scaling is not None and cfg.model.rope_scaling.factor == 4.0
+    assert cfg.model.rope_scaling.rope_type == "llama3"
+    assert cfg.precision.stream_is_master
+
+
+def test_missing_data_path_is_required():
+    raw = tiny_raw()
+    del raw["data"]["path"]
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(raw=raw)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_data_path_is_resolved_beside_the_config():
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"))
+    assert os.path.isfile(cfg.data.path)
+
+
+def test_every_key_is_documented_and_the_reference_is_current():
+    import dataclasses
+
+    from megatrain_ray.config_docs import SECTIONS, field_docs, render
+
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"undocumented keys in {section}: {missing}"
+    with open(os.path.join(REPO, "docs", "config.md")) as f:
+        assert f.read() == render(), "docs/config.md is stale: python -m megatrain_ray.config_docs > docs/config.md"

@@ -1,0 +1,147 @@
+"""GPU-only checks (marker `gpu`; skipped without CUDA). Run on the GPU machine:
+
+    python -m pytest tests/test_gpu.py -m gpu -s
+
+They print the figures the closing notes report (overlap fraction, peak memory by depth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatrain_ray.trainer import Trainer
+from tests.conftest import learnable_tokens, tiny_config
+from tests.reference_llama import RefLlama, reference_lr
+
+pytestmark = pytest.mark.gpu
+
+
+def gpu_config(tmp_path, layers: int, hidden: int, ffn: int, batch: int, seq: int, **sections):
+    model = {"vocab_size": 1024, "hidden_size": hidden, "intermediate_size": ffn, "num_layers": layers,
+             "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 128,
+             "max_position_embeddings": max(seq, 64)}
+    path = learnable_tokens(tmp_path / "tokens.npy", 1024, n=200_000)
+    base = dict(model=model, data={"path": path, "seq_len": seq, "batch_size": batch},
+                precision={"compute_dtype": "bfloat16", "master_dtype": "float32"},
+                engine={"device": "cuda", "poison_buffers": True, "loss_chunk_tokens": 4096})
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return tiny_config(tmp_path, **base)
+
+
+def test_bf16_training_tracks_the_float32_reference_over_50_steps(tmp_path):
+    cfg = gpu_config(tmp_path, layers=4, hidden=512, ffn=1376, batch=8, seq=256,
+                     optimizer={"lr": 1e-3, "workers": 2}, train={"steps": 50})
+    with Trainer(cfg) as trainer:
+        initial = trainer.master_weights()
+        batches = [trainer.data.batch(s) for s in range(50)]
+        ours = [trainer.step(s)["loss"] for s in range(50)]
+    m, o, s = cfg.model, cfg.optimizer, cfg.schedule
+    ref = RefLlama({"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+                    "num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+                    "num_key_value_heads": m.num_key_value_heads, "rms_norm_eps": m.rms_norm_eps,
+                    "rope_theta": m.rope_theta})
+    ref.load_state_dict(initial, strict=True)
+    ref = ref.cuda()
+    decay = [p for p in ref.parameters() if p.ndim >= 2]
+    other = [p for p in ref.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses = []
+    for step, tokens in enumerate(batches):
+        for g in opt.param_groups:
+            g["lr"] = reference_lr(step, o.lr, 50, s.warmup_steps, s.kind, s.min_lr_ratio)
+        opt.zero_grad()
+        loss = ref.loss(tokens.cuda())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), o.grad_clip)
+        opt.step()
+        ref_losses.append(loss.item())
+    worst = max(abs(a - b) / b for a, b in zip(ours, ref_losses))
+    print(f"\nbf16 vs fp32 reference over 50 steps: worst relative loss gap {worst:.4f}; "
+          f"loss {ours[0]:.3f} -> {ours[-1]:.3f} (reference {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f})")
+    assert worst <= 0.02
+    assert ours[-1] < ours[0] - 1.0
+
+
+def _merge(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _covered(a, b, merged):
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if y > a and x < b)
+
+
+def test_profiler_shows_copies_overlapping_compute(tmp_path):
+    """One step traced: the fraction of compute-kernel time during which an H2D or D2H copy ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = gpu_config(tmp_path, layers=8, hidden=2048, ffn=5504, batch=4, seq=1024, optimizer={"workers": 2})
+    with Trainer(cfg) as trainer:
+        for s in range(2):
+            trainer.step(s)
+        trainer.flush()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            trainer.step(2)
+            torch.cuda.synchronize()
+    path = os.path.join(os.environ.get("OUT", str(tmp_path)), "step_trace.json")
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    h2d = [e for e in copies if "HtoD" in e["name"]]
+    d2h = [e for e in copies if "DtoH" in e["name"]]
+    by_stream: dict = {}
+    for k in kernels:
+        by_stream[k["args"]["stream"]] = by_stream.get(k["args"]["stream"], 0) + k["dur"]
+    compute_stream = max(by_stream, key=by_stream.get)
+    compute = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if k["args"]["stream"] == compute_stream]
+    merged_compute = _merge(compute)
+    total = sum(b - a for a, b in merged_compute)
+    result = {}
+    for name, group in (("h2d", h2d), ("d2h", d2h), ("any", h2d + d2h)):
+        merged = _merge([(c["ts"], c["ts"] + c["dur"]) for c in group if c["args"]["stream"] != compute_stream])
+        result[name] = sum(_covered(a, b, merged) for a, b in merged_compute) / total
+    h2d_streams = {c["args"]["stream"] for c in h2d}
+    d2h_streams = {c["args"]["stream"] for c in d2h}
+    print(f"\ntrace {path}: compute {total / 1e3:.1f} ms on stream {compute_stream}; H2D on {h2d_streams}, "
+          f"D2H on {d2h_streams}; fraction of compute time with a copy in flight: H2D {result['h2d']:.2f}, "
+          f"D2H {result['d2h']:.2f}, either {result['any']:.2f}")
+    assert compute_stream not in h2d_streams | d2h_streams
+    assert result["h2d"] > 0.1 and result["d2h"] > 0.01
+
+
+def test_gpu_peak_memory_does_not_grow_with_depth_beyond_activations(tmp_path):
+    peaks = {}
+    for layers in (8, 32):
+        cfg = gpu_config(tmp_path / str(layers), layers=layers, hidden=2048, ffn=5504, batch=4, seq=1024)
+        with Trainer(cfg) as trainer:
+            peaks[layers] = max(trainer.step(s)["gpu_peak_gib"] for s in range(2)) * 2**30
+            layer_params = trainer.layout.layers[0].numel
+    activation = 4 * 1024 * 2048 * 2  # one kept layer input, bf16
+    growth = peaks[32] - peaks[8]
+    print(f"\nGPU peak: 8 layers {peaks[8] / 2**30:.3f} GiB, 32 layers {peaks[32] / 2**30:.3f} GiB; growth "
+          f"{growth / 2**20:.0f} MiB for 24 more layers; their kept activations are {24 * activation / 2**20:.0f} MiB; "
+          f"one layer's bf16 weights are {layer_params * 2 / 2**20:.0f} MiB")
+    assert growth <= 24 * activation * 1.05 + 64 * 2**20
+
+
+def test_ray_path_runs_on_the_gpu(tmp_path, ray_session):
+    cfg = gpu_config(tmp_path, layers=4, hidden=512, ffn=1376, batch=8, seq=256,
+                     runtime={"mode": "ray"}, optimizer={"workers": 2}, train={"steps": 20})
+    with Trainer(cfg) as trainer:
+        assert trainer.device_name != "cpu"
+        losses = [trainer.step(s)["loss"] for s in range(20)]
+    print(f"\nRay path on {trainer.device_name}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert losses[-1] < losses[0] - 0.5
