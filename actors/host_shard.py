@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -25,8 +27,7 @@ class HostShard:
                 create_segment(spec)
                 self._created.append(spec)
             self.store = HostStore(self.specs)
-            for index in stages:
-                init_stage(self.store, layout.stages[index], cfg.train.seed, cfg.model.initializer_range)
+            self._initialise(layout, stages, cfg)
             if cfg.engine.poison_buffers:
                 for spec in self.specs:
                     if spec.kind in ("grad", "gradpool"):
@@ -37,6 +38,21 @@ class HostShard:
         gib = sum(s.nbytes for s in self.specs) / 2**30
         log.info("shard %d: %d stages, %d segments, %.2f GiB in %s", shard, len(stages), len(self.specs), gib,
                  cfg.host.shm_dir)
+
+    def _initialise(self, layout: ModelLayout, stages: list[int], cfg: Config) -> None:
+        """Stages in parallel threads (the torch kernels release the GIL), with progress in the log."""
+        t0 = time.perf_counter()
+        threads = max(1, min(len(stages), len(os.sched_getaffinity(0))))
+        done = 0
+        with ThreadPoolExecutor(threads, thread_name_prefix="init") as pool:
+            futures = [pool.submit(init_stage, self.store, layout.stages[i], cfg.train.seed,
+                                   cfg.model.initializer_range) for i in stages]
+            for future in as_completed(futures):
+                future.result()
+                done += 1
+                if done % max(1, len(stages) // 5) == 0 or done == len(stages):
+                    log.info("shard %d: initialised %d/%d stages (%.0f s)", self.shard, done, len(stages),
+                             time.perf_counter() - t0)
 
     def segments(self) -> list[SegmentSpec]:
         return self.specs

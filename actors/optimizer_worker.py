@@ -17,27 +17,33 @@ from megatrain_ray.optim import FlatAdamW, split_span
 log = get_logger(__name__)
 
 
-def pin_to_cores(cores: list[int]) -> None:
-    """Affinity first, then the thread count: Ray's num_cpus is bookkeeping, not pinning."""
-    if not cores:  # in-process (local mode): the process's threads are not ours to pin
-        return
+def pin_to_cores(cores: list[int]) -> int:
+    """Pin this worker process to its cores; returns how many optimizer threads to run.
+
+    Affinity first (Ray's num_cpus is bookkeeping, not pinning), then one optimizer thread per
+    core, each running single-threaded torch kernels on its own piece of the span. In-process
+    (runtime.mode=local, no cores given) nothing is pinned and one thread runs the updates.
+    """
+    if not cores:
+        return 1
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
+    torch.set_num_threads(1)
+    return len(cores)
 
 
 class OptimizerWorker:
     def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], index: int, num_workers: int,
                  cores: list[int]):
         init_logger(f"optim{index}")
-        pin_to_cores(cores)
+        threads = pin_to_cores(cores)
         self.index = index
         self.layout = layout
         self.store = HostStore(specs)
-        self.adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[cfg.precision.master_dtype])
+        self.adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[cfg.precision.master_dtype], threads)
         self.spans = {s.index: split_span(s.numel, index, num_workers) for s in layout.stages}
-        log.info("optimizer worker %d/%d on cores %s, %d threads", index, num_workers, cores,
-                 torch.get_num_threads())
+        log.info("optimizer worker %d/%d on cores %s, %d optimizer threads", index, num_workers, cores or "(shared)",
+                 threads)
 
     def apply(self, order: UpdateOrder) -> UpdateDone:
         t0 = time.perf_counter()

@@ -178,7 +178,7 @@ class OptimizerConfig:
     wait for the whole backward and then run in layer order, overlapped with the next forward."""
     workers: int = 1
     """Number of OptimizerWorker actors; each owns a slice of every layer. 0 means one per 4 cores."""
-    chunk_elems: int = 1 << 16
+    chunk_elems: int = 1 << 18
     """Elements per optimizer pass chunk: the cast of the gradient and the write of the streaming copy
     happen while the chunk is still in cache, so each byte crosses DRAM once."""
 

@@ -218,7 +218,13 @@ class HostStore:
 
 
 def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> None:
-    """Random initialisation as in Hugging Face: normal(0, std) matrices, ones for norms, zero biases."""
+    """Random initialisation as in Hugging Face: normal(0, std) matrices, ones for norms, zero biases.
+
+    The moments are written too (zeros): every page of the stage is allocated now, so a store that
+    does not fit fails at start, not in the middle of the first step.
+    """
+    for kind in ("exp_avg", "exp_avg_sq"):
+        store.get(kind, stage.index).zero_()
     master = store.get("master", stage.index)
     for slot in stage.slots:
         view = master[slot.offset:slot.offset + slot.numel]

@@ -10,6 +10,7 @@ crosses DRAM once per step, which is what bounds a CPU optimizer (see DESIGN.md 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -43,13 +44,20 @@ def split_span(numel: int, part: int, parts: int, align: int = 64) -> tuple[int,
 
 
 class FlatAdamW:
-    """AdamW over spans of flat buffers, chunk by chunk, fused with the streaming-copy write."""
+    """AdamW over spans of flat buffers, chunk by chunk, fused with the streaming-copy write.
 
-    def __init__(self, cfg: OptimizerConfig, master_dtype: torch.dtype):
+    A span is split into `threads` contiguous pieces run by a thread pool; each thread walks its
+    piece chunk by chunk with single-threaded torch kernels (which release the GIL), so the cores
+    of a worker run in parallel without a fork/join per chunk.
+    """
+
+    def __init__(self, cfg: OptimizerConfig, master_dtype: torch.dtype, threads: int = 1):
         self.cfg = cfg
         self.chunk = cfg.chunk_elems
-        self.scratch = torch.empty(self.chunk, dtype=master_dtype)
         self.master_dtype = master_dtype
+        self.threads = max(1, threads)
+        self.scratch = [torch.empty(self.chunk, dtype=master_dtype) for _ in range(self.threads)]
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="adamw") if self.threads > 1 else None
 
     def update(self, *, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                stream_out: torch.Tensor | None, start: int, end: int, decay_end: int, adam_step: int, lr: float,
@@ -59,13 +67,26 @@ class FlatAdamW:
         The gradient is multiplied by `grad_coef` (the clipping coefficient) first, as
         clip_grad_norm_ does, in the scratch chunk: the host gradient buffer is never modified.
         """
-        cfg = self.cfg
+        tensors = (master, exp_avg, exp_avg_sq, grad, stream_out)
         step = torch.tensor(float(adam_step), dtype=torch.float32)
+        if self.pool is None:
+            self._piece(tensors, start, end, decay_end, step, lr, grad_coef, self.scratch[0])
+            return
+        edges = [start + split_span(end - start, k, self.threads)[0] for k in range(self.threads)] + [end]
+        futures = [self.pool.submit(self._piece, tensors, edges[k], edges[k + 1], decay_end, step, lr, grad_coef,
+                                    self.scratch[k]) for k in range(self.threads) if edges[k + 1] > edges[k]]
+        for future in futures:
+            future.result()
+
+    def _piece(self, tensors: tuple, start: int, end: int, decay_end: int, step: torch.Tensor, lr: float,
+               grad_coef: float, scratch: torch.Tensor) -> None:
+        master, exp_avg, exp_avg_sq, grad, stream_out = tensors
+        cfg = self.cfg
         spans = ((start, min(end, decay_end), cfg.weight_decay), (max(start, decay_end), end, 0.0))
         for lo, hi, weight_decay in spans:
             for a in range(lo, hi, self.chunk):
                 b = min(a + self.chunk, hi)
-                g = self.scratch[:b - a].copy_(grad[a:b])  # cast to the master dtype while in cache
+                g = scratch[:b - a].copy_(grad[a:b])  # cast to the master dtype while in cache
                 if grad_coef != 1.0:
                     g.mul_(grad_coef)
                 p = master[a:b]

@@ -32,8 +32,8 @@ def rope_complex(x: torch.Tensor, theta: float) -> torch.Tensor:
     """x: [B, H, T, D]; pairs (i, i + D/2) rotate by position * theta^(-2i/D)."""
     d = x.shape[-1]
     work = torch.promote_types(x.dtype, torch.float32)
-    freqs = 1.0 / theta ** (torch.arange(0, d // 2, dtype=work) * 2 / d)
-    angles = torch.arange(x.shape[2], dtype=work)[:, None] * freqs[None, :]
+    freqs = 1.0 / theta ** (torch.arange(0, d // 2, dtype=work, device=x.device) * 2 / d)
+    angles = torch.arange(x.shape[2], dtype=work, device=x.device)[:, None] * freqs[None, :]
     rot = torch.polar(torch.ones_like(angles), angles)
     z = torch.complex(x[..., : d // 2].to(work), x[..., d // 2:].to(work)) * rot
     return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
@@ -58,7 +58,7 @@ class RefAttention(nn.Module):
         k = k[:, :, None].expand(b, self.kv_heads, group, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
         v = v[:, :, None].expand(b, self.kv_heads, group, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.masked_fill(causal, float("-inf"))
         probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
         out = (probs @ v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)

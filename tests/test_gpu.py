@@ -24,6 +24,7 @@ def gpu_config(tmp_path, layers: int, hidden: int, ffn: int, batch: int, seq: in
     model = {"vocab_size": 1024, "hidden_size": hidden, "intermediate_size": ffn, "num_layers": layers,
              "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 128,
              "max_position_embeddings": max(seq, 64)}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = learnable_tokens(tmp_path / "tokens.npy", 1024, n=200_000)
     base = dict(model=model, data={"path": path, "seq_len": seq, "batch_size": batch},
                 precision={"compute_dtype": "bfloat16", "master_dtype": "float32"},
@@ -113,19 +114,23 @@ def test_profiler_shows_copies_overlapping_compute(tmp_path):
     for name, group in (("h2d", h2d), ("d2h", d2h), ("any", h2d + d2h)):
         merged = _merge([(c["ts"], c["ts"] + c["dur"]) for c in group if c["args"]["stream"] != compute_stream])
         result[name] = sum(_covered(a, b, merged) for a, b in merged_compute) / total
-    h2d_streams = {c["args"]["stream"] for c in h2d}
-    d2h_streams = {c["args"]["stream"] for c in d2h}
-    print(f"\ntrace {path}: compute {total / 1e3:.1f} ms on stream {compute_stream}; H2D on {h2d_streams}, "
-          f"D2H on {d2h_streams}; fraction of compute time with a copy in flight: H2D {result['h2d']:.2f}, "
-          f"D2H {result['d2h']:.2f}, either {result['any']:.2f}")
-    assert compute_stream not in h2d_streams | d2h_streams
+    def share_on_compute(group):  # token ids in, loss and norm out: tiny copies that may use the compute stream
+        total_bytes = sum(c["args"].get("bytes", 0) for c in group)
+        return sum(c["args"].get("bytes", 0) for c in group if c["args"]["stream"] == compute_stream) / total_bytes
+
+    print(f"\ntrace {path}: compute {total / 1e3:.1f} ms on stream {compute_stream}; H2D {len(h2d)} copies on "
+          f"streams {sorted({c['args']['stream'] for c in h2d})}, D2H {len(d2h)} on "
+          f"{sorted({c['args']['stream'] for c in d2h})}; fraction of compute time with a copy in flight: "
+          f"H2D {result['h2d']:.2f}, D2H {result['d2h']:.2f}, either {result['any']:.2f}")
+    assert share_on_compute(h2d) < 0.01 and share_on_compute(d2h) < 0.01
     assert result["h2d"] > 0.1 and result["d2h"] > 0.01
 
 
-def test_gpu_peak_memory_does_not_grow_with_depth_beyond_activations(tmp_path):
+def test_gpu_peak_memory_does_not_grow_with_depth_beyond_activations(tmp_path, ray_session):
     peaks = {}
     for layers in (8, 32):
-        cfg = gpu_config(tmp_path / str(layers), layers=layers, hidden=2048, ffn=5504, batch=4, seq=1024)
+        cfg = gpu_config(tmp_path / str(layers), layers=layers, hidden=2048, ffn=5504, batch=4, seq=1024,
+                         runtime={"mode": "ray"}, optimizer={"workers": 4})
         with Trainer(cfg) as trainer:
             peaks[layers] = max(trainer.step(s)["gpu_peak_gib"] for s in range(2)) * 2**30
             layer_params = trainer.layout.layers[0].numel

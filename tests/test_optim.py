@@ -36,9 +36,10 @@ def test_split_span_partitions_exactly(parts):
         assert all(s[0] % 64 == 0 for s in spans)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("grad_dtype, master_dtype", [
     (torch.float64, torch.float64), (torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
-def test_flat_adamw_matches_torch_adamw(grad_dtype, master_dtype):
+def test_flat_adamw_matches_torch_adamw(grad_dtype, master_dtype, threads):
     """Two workers' spans, chunks that do not divide the span, decay on a prefix, clipping coef,
     gradients in a lower precision, the streaming copy written in the same pass."""
     torch.manual_seed(0)
@@ -51,7 +52,7 @@ def test_flat_adamw_matches_torch_adamw(grad_dtype, master_dtype):
     ref_other = master[decay_end:].clone().requires_grad_()
     ref = torch.optim.AdamW([{"params": [ref_decay], "weight_decay": 0.3}, {"params": [ref_other], "weight_decay": 0}],
                             lr=1e-2, betas=(0.8, 0.9), eps=1e-6, foreach=False)
-    opts = [FlatAdamW(cfg, master_dtype) for _ in range(2)]
+    opts = [FlatAdamW(cfg, master_dtype, threads) for _ in range(2)]
     for step, coef in ((1, 1.0), (2, 0.37)):
         grad = torch.randn(n).to(grad_dtype)
         for k, opt in enumerate(opts):
