@@ -120,6 +120,15 @@ class RefLlama(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), tokens[:, 1:].reshape(-1))
 
 
+def config_of(m) -> dict:
+    """The reference's config dict from a megatrain ModelConfig (only the fields it reads)."""
+    return {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+            "num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_key_value_heads, "rms_norm_eps": m.rms_norm_eps,
+            "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_word_embeddings,
+            "attention_bias": m.attention_bias}
+
+
 def reference_lr(step: int, peak: float, total: int, warmup: int, kind: str, min_ratio: float) -> float:
     """Warmup then cosine/linear/constant, written out independently of megatrain_ray.optim."""
     if warmup and step < warmup:
@@ -135,11 +144,13 @@ def reference_lr(step: int, peak: float, total: int, warmup: int, kind: str, min
 
 def train_reference(c: dict, state: dict[str, torch.Tensor], batches: list[torch.Tensor], *, lr: float,
                     betas: tuple[float, float], eps: float, weight_decay: float, grad_clip: float,
-                    warmup: int, kind: str, min_ratio: float, dtype: torch.dtype) -> tuple[list[float], dict]:
+                    warmup: int, kind: str, min_ratio: float, dtype: torch.dtype,
+                    device: str = "cpu") -> tuple[list[float], dict]:
     """Train RefLlama with torch.optim.AdamW and clip_grad_norm_ on the given batches."""
     model = RefLlama(c).to(dtype)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model = model.to(device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -149,10 +160,19 @@ def train_reference(c: dict, state: dict[str, torch.Tensor], batches: list[torch
         for group in opt.param_groups:
             group["lr"] = reference_lr(step, lr, len(batches), warmup, kind, min_ratio)
         opt.zero_grad(set_to_none=True)
-        loss = model.loss(tokens)
+        loss = model.loss(tokens.to(device))
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def train_reference_like(cfg, state: dict[str, torch.Tensor], batches: list[torch.Tensor], dtype: torch.dtype,
+                         device: str = "cpu") -> tuple[list[float], dict]:
+    """train_reference with the model, optimizer and schedule settings of a megatrain Config."""
+    o, s = cfg.optimizer, cfg.schedule
+    return train_reference(config_of(cfg.model), state, batches, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                           weight_decay=o.weight_decay, grad_clip=o.grad_clip, warmup=s.warmup_steps, kind=s.kind,
+                           min_ratio=s.min_lr_ratio, dtype=dtype, device=device)

@@ -15,7 +15,7 @@ import torch
 
 from megatrain_ray.trainer import Trainer
 from tests.conftest import learnable_tokens, tiny_config
-from tests.reference_llama import RefLlama, reference_lr
+from tests.reference_llama import train_reference_like
 
 pytestmark = pytest.mark.gpu
 
@@ -41,28 +41,8 @@ def test_bf16_training_tracks_the_float32_reference_over_50_steps(tmp_path):
         initial = trainer.master_weights()
         batches = [trainer.data.batch(s) for s in range(50)]
         ours = [trainer.step(s)["loss"] for s in range(50)]
-    m, o, s = cfg.model, cfg.optimizer, cfg.schedule
-    ref = RefLlama({"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
-                    "num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
-                    "num_key_value_heads": m.num_key_value_heads, "rms_norm_eps": m.rms_norm_eps,
-                    "rope_theta": m.rope_theta})
-    ref.load_state_dict(initial, strict=True)
-    ref = ref.cuda()
-    decay = [p for p in ref.parameters() if p.ndim >= 2]
-    other = [p for p in ref.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref_losses = []
-    for step, tokens in enumerate(batches):
-        for g in opt.param_groups:
-            g["lr"] = reference_lr(step, o.lr, 50, s.warmup_steps, s.kind, s.min_lr_ratio)
-        opt.zero_grad()
-        loss = ref.loss(tokens.cuda())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), o.grad_clip)
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, _ = train_reference_like(cfg, initial, batches, torch.float32, device="cuda")
     worst = max(abs(a - b) / b for a, b in zip(ours, ref_losses))
     print(f"\nbf16 vs fp32 reference over 50 steps: worst relative loss gap {worst:.4f}; "
           f"loss {ours[0]:.3f} -> {ours[-1]:.3f} (reference {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f})")

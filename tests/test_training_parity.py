@@ -19,7 +19,7 @@ import torch
 
 from megatrain_ray.trainer import Trainer
 from tests.conftest import tiny_config
-from tests.reference_llama import train_reference
+from tests.reference_llama import train_reference_like
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -31,16 +31,8 @@ def run_both(tmp_path, ref_dtype: torch.dtype | None = None, **sections):
         batches = [trainer.data.batch(s) for s in range(cfg.train.steps)]
         ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
         final = trainer.master_weights()
-    m, o, s = cfg.model, cfg.optimizer, cfg.schedule
-    ref_cfg = {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
-               "num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
-               "num_key_value_heads": m.num_key_value_heads, "rms_norm_eps": m.rms_norm_eps,
-               "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_word_embeddings,
-               "attention_bias": m.attention_bias}
-    ref_losses, ref_state = train_reference(
-        ref_cfg, initial, batches, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-        grad_clip=o.grad_clip, warmup=s.warmup_steps, kind=s.kind, min_ratio=s.min_lr_ratio,
-        dtype=ref_dtype or DTYPES[cfg.precision.compute_dtype])
+    ref_losses, ref_state = train_reference_like(cfg, initial, batches,
+                                                 ref_dtype or DTYPES[cfg.precision.compute_dtype])
     return ours, ref_losses, final, ref_state, initial
 
 

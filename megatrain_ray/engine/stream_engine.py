@@ -30,7 +30,14 @@ from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home
 from megatrain_ray.messages import StepResult, UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
-    IGNORE_INDEX, LayerSpec, bind, decoder_layer, embed, head_logits, head_loss_and_grads, rope_tables,
+    IGNORE_INDEX,
+    LayerSpec,
+    bind,
+    decoder_layer,
+    embed,
+    head_logits,
+    head_loss_and_grads,
+    rope_tables,
 )
 
 
