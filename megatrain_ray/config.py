@@ -178,9 +178,13 @@ class OptimizerConfig:
     wait for the whole backward and then run in layer order, overlapped with the next forward."""
     workers: int = 1
     """Number of OptimizerWorker actors; each owns a slice of every layer. 0 means one per 4 cores."""
+    kernel: Literal["auto", "native", "torch"] = "auto"
+    """native: a one-pass C++ AdamW (compiled on first use, cached in ~/.cache/megatrain_ray) that reads
+    the bf16 or fp32 gradient and writes the bf16 streaming copy in the same pass; torch: torch's fused
+    AdamW in cache-sized chunks; auto: native where it applies (fp32 master) and builds, else torch."""
     chunk_elems: int = 1 << 18
-    """Elements per optimizer pass chunk: the cast of the gradient and the write of the streaming copy
-    happen while the chunk is still in cache, so each byte crosses DRAM once."""
+    """Elements per chunk of the torch kernel path: the cast of the gradient and the write of the
+    streaming copy happen while the chunk is still in cache."""
 
     def __post_init__(self) -> None:
         s = self.SECTION

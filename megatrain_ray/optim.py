@@ -15,6 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatrain_ray.config import OptimizerConfig, ScheduleConfig
+from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.kernels import KernelUnavailable, adamw_library
+from megatrain_ray.log import get_logger, warn_once
+
+log = get_logger(__name__)
 
 
 def lr_at(step: int, peak_lr: float, total_steps: int, schedule: ScheduleConfig) -> float:
@@ -56,8 +61,26 @@ class FlatAdamW:
         self.chunk = cfg.chunk_elems
         self.master_dtype = master_dtype
         self.threads = max(1, threads)
+        self.native = self._load_native()
         self.scratch = [torch.empty(self.chunk, dtype=master_dtype) for _ in range(self.threads)]
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="adamw") if self.threads > 1 else None
+
+    def _load_native(self):
+        if self.cfg.kernel == "torch" or self.master_dtype != torch.float32:
+            if self.cfg.kernel == "native":
+                raise ConfigError("optimizer.kernel=native needs precision.master_dtype=float32; use auto or torch")
+            return None
+        try:
+            return adamw_library()
+        except KernelUnavailable as exc:
+            if self.cfg.kernel == "native":
+                raise ConfigError(f"optimizer.kernel=native: {exc}; use optimizer.kernel=torch") from exc
+            warn_once(log, f"native AdamW kernel unavailable ({exc}); using torch's kernel")
+            return None
+
+    @property
+    def kernel_name(self) -> str:
+        return "native" if self.native is not None else "torch"
 
     def update(self, *, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                stream_out: torch.Tensor | None, start: int, end: int, decay_end: int, adam_step: int, lr: float,
@@ -68,6 +91,10 @@ class FlatAdamW:
         clip_grad_norm_ does, in the scratch chunk: the host gradient buffer is never modified.
         """
         tensors = (master, exp_avg, exp_avg_sq, grad, stream_out)
+        if self.native is not None and grad.dtype in (torch.float32, torch.bfloat16) and \
+                (stream_out is None or stream_out.dtype == torch.bfloat16):
+            self._native(tensors, start, end, decay_end, adam_step, lr, grad_coef)
+            return
         step = torch.tensor(float(adam_step), dtype=torch.float32)
         if self.pool is None:
             self._piece(tensors, start, end, decay_end, step, lr, grad_coef, self.scratch[0])
@@ -77,6 +104,20 @@ class FlatAdamW:
                                     self.scratch[k]) for k in range(self.threads) if edges[k + 1] > edges[k]]
         for future in futures:
             future.result()
+
+    def _native(self, tensors: tuple, start: int, end: int, decay_end: int, adam_step: int, lr: float,
+                grad_coef: float) -> None:
+        master, exp_avg, exp_avg_sq, grad, stream_out = tensors
+        cfg = self.cfg
+        fn = self.native.megatrain_adamw_bf16grad if grad.dtype == torch.bfloat16 else self.native.megatrain_adamw_f32grad
+        bc1 = 1.0 - cfg.beta1 ** adam_step
+        bc2_sqrt = math.sqrt(1.0 - cfg.beta2 ** adam_step)
+        for lo, hi, weight_decay in ((start, min(end, decay_end), cfg.weight_decay), (max(start, decay_end), end, 0.0)):
+            if hi <= lo:
+                continue
+            fn(master[lo:hi].data_ptr(), exp_avg[lo:hi].data_ptr(), exp_avg_sq[lo:hi].data_ptr(), grad[lo:hi].data_ptr(),
+               stream_out[lo:hi].data_ptr() if stream_out is not None else None, hi - lo, lr, cfg.beta1, cfg.beta2,
+               cfg.eps, weight_decay, bc1, bc2_sqrt, grad_coef, self.threads)
 
     def _piece(self, tensors: tuple, start: int, end: int, decay_end: int, step: torch.Tensor, lr: float,
                grad_coef: float, scratch: torch.Tensor) -> None:
