@@ -27,10 +27,10 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def rss_anon_bytes() -> int:
-    """Private resident memory of this process (shared segments excluded, so nothing counts twice)."""
+def rss_anon_bytes(pid: int | str = "self") -> int:
+    """Private resident memory of a process (shared segments excluded, so nothing counts twice)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("RssAnon:"):
                     return int(line.split()[1]) * 1024
@@ -56,15 +56,16 @@ class GPUWorker:
                  cfg.precision.resolved_stream_dtype)
 
     def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int) -> StepResult:
-        result = self.engine.train_step(tokens, lr, adam_step)
-        result.worker_rss_bytes = rss_anon_bytes()
-        return result
+        return self.engine.train_step(tokens, lr, adam_step)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.engine.logits(ids)
 
     def flush(self) -> float:
         return self.engine.flush()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"

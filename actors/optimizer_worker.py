@@ -60,7 +60,9 @@ class OptimizerWorker:
                 exp_avg_sq=store.get("exp_avg_sq", order.stage), grad=store.get(order.grad_kind, order.grad_index),
                 stream_out=stream_out, start=start, end=end, decay_end=stage.decay_numel,
                 adam_step=order.adam_step, lr=order.lr, grad_coef=order.grad_coef)
-        return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start)
+        return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start,
+                          (end - start) * self.adamw.bytes_per_element(store.get(order.grad_kind, order.grad_index),
+                                                                       stream_out, order.apply))
 
     def pid(self) -> int:
         return os.getpid()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,8 @@ class UpdateDone:
     worker: int
     seconds: float
     elems: int
+    dram_bytes: int
+    """Bytes the update read and wrote in host memory (counted from the kernel's data flow)."""
 
 
 @dataclass(slots=True)
@@ -43,13 +45,18 @@ class StepResult:
     seconds: float
     """Wall time of the step on the GPU worker, from its start to the last gradient handed over."""
     update_wait_seconds: float
-    """Time the layer stream waited for optimizer updates of the previous step."""
+    """Time the issuing thread waited for optimizer updates (of this step's or the previous one's)."""
     optimizer_seconds: float
-    """Summed over workers: time spent in the previous step's updates that this step waited on."""
+    """Summed over workers: time spent in the updates this step collected."""
+    optimizer_wall_seconds: float
+    """The same, counting each stage once (the slowest worker): the optimizer's critical time."""
+    optimizer_bytes: int
     h2d_bytes: int
     d2h_bytes: int
+    compute_seconds: float
+    """Device time of the compute kernels (timing events around each stage)."""
+    h2d_seconds: float
+    d2h_seconds: float
     skipped: bool = False
     """True when the gradients were not finite and the update was dropped."""
     gpu_peak_bytes: int = 0
-    worker_rss_bytes: int = 0
-    extra: dict = field(default_factory=dict)

@@ -78,6 +78,14 @@ class FlatAdamW:
             warn_once(log, f"native AdamW kernel unavailable ({exc}); using torch's kernel")
             return None
 
+    def bytes_per_element(self, grad: torch.Tensor, stream_out: torch.Tensor | None, apply: bool = True) -> int:
+        """Host-memory bytes an update reads and writes per element: master and both moments read and
+        written, the gradient read, the streaming copy written. The torch path's scratch stays in cache."""
+        copy = stream_out.element_size() if stream_out is not None else 0
+        if not apply:  # a dropped step only rewrites the copy from the master
+            return self.master_dtype.itemsize + copy
+        return 6 * self.master_dtype.itemsize + grad.element_size() + copy
+
     @property
     def kernel_name(self) -> str:
         return "native" if self.native is not None else "torch"

@@ -129,6 +129,7 @@ class Trainer:
         self.gpu = spawn(mode, GPUWorker, cfg, self.layout, self.specs, self.optimizers, name=f"{tag}-gpu",
                          num_gpus=num_gpus)
         self.device_name = self.gpu.call("device_name").result()
+        self.actor_pids = [h.call("pid").result() for h in (*self.shards, *self.optimizers, self.gpu)]
         self._metrics = MetricsWriter(metrics_path)
         log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s", self.run_id, cfg.model.family,
                  self.layout.num_params / 1e9, cfg.data.tokens_per_step, self.device_name, self.run_dir)
@@ -174,21 +175,32 @@ class Trainer:
         result = self.gpu.call("train_step", tokens, lr, step + 1).result()
         seconds = time.perf_counter() - t0
         tok_per_s = result.tokens / seconds
+        params = self.layout.num_params
         record = {
             "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens": result.tokens,
-            "tok_per_s": tok_per_s, "tflops": tok_per_s * self.flops_per_token / 1e12,
-            "step_seconds": seconds, "optimizer_seconds": result.optimizer_seconds,
-            "update_wait_seconds": result.update_wait_seconds,
+            "tok_per_s": tok_per_s, "tflops": tok_per_s * self.flops_per_token / 1e12, "step_seconds": seconds,
+            "gpu_busy": min(1.0, result.compute_seconds / seconds),
+            "optimizer_seconds": result.optimizer_wall_seconds, "update_wait_seconds": result.update_wait_seconds,
+            "optimizer_hidden": max(0.0, 1.0 - result.update_wait_seconds / result.optimizer_wall_seconds)
+            if result.optimizer_wall_seconds else 1.0,
             "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
             "h2d_gbps": result.h2d_bytes / seconds / 1e9, "d2h_gbps": result.d2h_bytes / seconds / 1e9,
-            "host_mem_gib": (shm_bytes([s.path for s in self.specs]) + rss_anon_bytes()
-                             + result.worker_rss_bytes) / 2**30,
+            "h2d_link_gbps": result.h2d_bytes / result.h2d_seconds / 1e9 if result.h2d_seconds else 0.0,
+            "d2h_link_gbps": result.d2h_bytes / result.d2h_seconds / 1e9 if result.d2h_seconds else 0.0,
+            "dram_bytes_per_param": (result.h2d_bytes + result.d2h_bytes + result.optimizer_bytes) / params,
+            "host_mem_gib": self.host_memory_bytes() / 2**30,
             "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": result.skipped,
             "epoch": self.data.epoch_of(step + 1),
         }
         if self._metrics:
             self._metrics.write(record)
         return record
+
+    def host_memory_bytes(self) -> int:
+        """Shared segments actually allocated, plus the private memory of the driver and of every actor on
+        this node (a process on another node reads as 0)."""
+        private = {os.getpid(), *self.actor_pids}
+        return shm_bytes([s.path for s in self.specs]) + sum(rss_anon_bytes(pid) for pid in private)
 
     def train(self) -> list[dict[str, Any]]:
         steps = self.cfg.train.steps

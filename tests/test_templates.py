@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain_ray.model.hf import model_config_from_hf  # noqa: E402
+from megatrain_ray.model.hf import hf_config_from_model, model_config_from_hf  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.model.templates import model_logits  # noqa: E402
 from megatrain_ray.trainer import Trainer  # noqa: E402
@@ -86,3 +86,10 @@ def test_config_mapping_reads_families():
     assert llama.rope_scaling is not None and llama.rope_scaling.original_max_position_embeddings == 16
     assert llama.rope_theta == 500000.0
     assert model_config_from_hf(hf_model("mistral-sliding-window").config.to_dict()).sliding_window == 7
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_hf_config_round_trip(name):
+    cfg = model_config_from_hf(hf_model(name).config.to_dict())
+    hf = transformers.AutoConfig.for_model(**hf_config_from_model(cfg))
+    assert model_config_from_hf(hf.to_dict()) == cfg

@@ -65,6 +65,33 @@ class GradSlot:
     """Event: the previous D2H out of this buffer is complete."""
 
 
+_STEP_STATS = ("optimizer_seconds", "optimizer_wall_seconds", "optimizer_bytes", "update_wait_seconds", "h2d_bytes",
+               "d2h_bytes")
+
+
+class Timeline:
+    """Device time of each activity in a step (compute, H2D, D2H), from timing events that are
+    read once at the end of the step: no synchronisation inside it."""
+
+    def __init__(self, streams: DeviceStreams):
+        self.streams = streams
+        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": []}
+
+    def start(self, stream: Any) -> Any:
+        return self.streams.record(stream, timing=True)
+
+    def stop(self, kind: str, stream: Any, start: Any) -> None:
+        self.spans[kind].append((start, self.streams.record(stream, timing=True)))
+
+    def seconds(self) -> dict[str, float]:
+        out = {}
+        for kind, spans in self.spans.items():
+            if spans:
+                spans[-1][1].synchronize()
+            out[kind] = sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return out
+
+
 def _gaps(stage: StageLayout) -> list[tuple[int, int]]:
     """Padding between a stage's tensors: never written by the engine, kept at zero."""
     gaps, end = [], 0
@@ -126,7 +153,8 @@ class StreamEngine:
         self.pending: dict[int, Future] = {}
         self.dispatcher = ThreadPoolExecutor(1, thread_name_prefix="update-dispatch")
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._step_stats: dict[str, float] = {}
+        self._step_stats: dict[str, float] = dict.fromkeys(_STEP_STATS, 0.0)
+        self.timeline = Timeline(self.streams)
 
     # ------------------------------------------------------------------ updates
 
@@ -136,10 +164,11 @@ class StreamEngine:
         if pending is None:
             return
         t0 = time.perf_counter()
-        for done in pending.result():
-            result: UpdateDone = done.result()
-            self._step_stats["optimizer_seconds"] += result.seconds
+        results: list[UpdateDone] = [done.result() for done in pending.result()]
         self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
+        self._step_stats["optimizer_seconds"] += sum(r.seconds for r in results)
+        self._step_stats["optimizer_wall_seconds"] += max(r.seconds for r in results)
+        self._step_stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
 
     def _order_update(self, stage: int, drained: Any, order: UpdateOrder) -> None:
         def send() -> list[Any]:
@@ -149,7 +178,7 @@ class StreamEngine:
 
     def flush(self) -> float:
         """Wait for every ordered update; returns the optimizer seconds they took."""
-        self._step_stats = {"optimizer_seconds": 0.0, "update_wait_seconds": 0.0}
+        self._step_stats = dict.fromkeys(_STEP_STATS, 0.0)
         for stage in list(self.pending):
             self._wait_update(stage)
         return self._step_stats["optimizer_seconds"]
@@ -172,9 +201,11 @@ class StreamEngine:
         s = self.streams
         with s.on(s.h2d):
             s.wait(s.h2d, slot.free)
+            start = self.timeline.start(s.h2d)
             slot.raw[:stage.numel].copy_(self.store.stream(stage.index), non_blocking=True)
             if slot.compute is not slot.raw:
                 slot.compute[:stage.numel].copy_(slot.raw[:stage.numel])
+            self.timeline.stop("h2d", s.h2d, start)
             slot.ready = s.record(s.h2d)
         slot.holds = stage.index
         self._step_stats["h2d_bytes"] += stage.numel * slot.raw.element_size()
@@ -210,7 +241,9 @@ class StreamEngine:
         host, kind, index = self._host_grad(stage.index)
         with s.on(s.d2h):
             s.wait(s.d2h, ready)
+            start = self.timeline.start(s.d2h)
             host[:stage.numel].copy_(flat, non_blocking=True)
+            self.timeline.stop("d2h", s.d2h, start)
             grad.drained = s.record(s.d2h)
         self._step_stats["d2h_bytes"] += stage.numel * flat.element_size()
         if self.clip > 0:
@@ -239,13 +272,17 @@ class StreamEngine:
             upcoming = self._load(layers[i + 1] if i + 1 < len(layers) else self.layout.head)
             if keep is not None:
                 keep.append(x)
-            x = decoder_layer(x, self._weights(stage, slot), rope, self.spec)
+            weights = self._weights(stage, slot)
+            start = self.timeline.start(self.streams.compute)
+            x = decoder_layer(x, weights, rope, self.spec)
+            self.timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
 
     def _begin(self, lr: float, adam_step: int) -> None:
         self._lr, self._adam_step = lr, adam_step
-        self._step_stats = {"optimizer_seconds": 0.0, "update_wait_seconds": 0.0, "h2d_bytes": 0, "d2h_bytes": 0}
+        self._step_stats = dict.fromkeys(_STEP_STATS, 0.0)
+        self.timeline = Timeline(self.streams)
         self._sqnorm = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -268,6 +305,7 @@ class StreamEngine:
         deferred: list = []
 
         # Forward: embedding, layers (inputs kept), head with loss and its gradients.
+        compute = self.streams.compute
         embed_slot = self._load(layout.embed)
         embed_w = self._weights(layout.embed, embed_slot)["embed_tokens.weight"]
         acts: list[torch.Tensor | None] = []
@@ -275,6 +313,7 @@ class StreamEngine:
         head_slot = self._slot_for(layout.head)
         head_w = self._weights(layout.head, head_slot)
         lm_w = head_w.get("lm_head.weight", embed_w)
+        start = self.timeline.start(compute)
         self.vocab_acc.zero_()
         head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, cfg.model.rms_norm_eps,
                                    cfg.engine.loss_chunk_tokens, self.vocab_acc)
@@ -283,6 +322,7 @@ class StreamEngine:
         if not layout.tied:
             head_grads["lm_head.weight"] = self.vocab_acc
         self._write_grads(layout.head, self.head_grad, head_grads)
+        self.timeline.stop("compute", compute, start)
         self._emit(layout.head, self.head_grad, deferred)
         grad_y = head.grad_x
 
@@ -294,6 +334,7 @@ class StreamEngine:
             if i > 0:
                 upcoming = self._load(layers[i - 1])
             w = self._weights(stage, slot)
+            start = self.timeline.start(compute)
             with torch.enable_grad():
                 x_in = acts[i].requires_grad_(True)
                 params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
@@ -303,15 +344,18 @@ class StreamEngine:
             acts[i] = None
             grad_slot = self.layer_grads[i % 2]
             self._write_grads(stage, grad_slot, dict(zip(params, grads[1:])))
+            self.timeline.stop("compute", compute, start)
             self._emit(stage, grad_slot, deferred)
             grad_y = grads[0]
 
         # Embedding: scatter-add of the input gradients (onto the LM head's part when tied).
+        start = self.timeline.start(compute)
         if not layout.tied:
             self.vocab_acc.zero_()
         self.vocab_acc.index_add_(0, ids.reshape(-1), grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype))
         self._release(embed_slot)
         self._write_grads(layout.embed, self.embed_grad, {"embed_tokens.weight": self.vocab_acc})
+        self.timeline.stop("compute", compute, start)
         self._emit(layout.embed, self.embed_grad, deferred)
 
         loss = float(head.loss_sum)
@@ -330,12 +374,16 @@ class StreamEngine:
                 for index, drained, kind, src in sorted(deferred):
                     self._order_update(index, drained, UpdateOrder(index, kind, src, adam_step, lr, apply=False))
         self._end()
+        device_seconds = self.timeline.seconds()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        stats = self._step_stats
         return StepResult(
             loss=loss, grad_norm=grad_norm, tokens=ids.numel(), valid_tokens=n_valid,
-            seconds=time.perf_counter() - t0, update_wait_seconds=self._step_stats["update_wait_seconds"],
-            optimizer_seconds=self._step_stats["optimizer_seconds"], h2d_bytes=int(self._step_stats["h2d_bytes"]),
-            d2h_bytes=int(self._step_stats["d2h_bytes"]), skipped=skipped, gpu_peak_bytes=peak)
+            seconds=time.perf_counter() - t0, update_wait_seconds=stats["update_wait_seconds"],
+            optimizer_seconds=stats["optimizer_seconds"], optimizer_wall_seconds=stats["optimizer_wall_seconds"],
+            optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
+            d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
+            h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -8,22 +8,30 @@ engine code runs unchanged (that is how CI tests the engine).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import torch
 
 
 class NullEvent:
-    """Stands in for torch.cuda.Event on the CPU, where work is already ordered."""
+    """Stands in for torch.cuda.Event on the CPU, where work is already ordered; it keeps the
+    host time it was recorded at, so that timings read the same way on both devices."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
 
     def record(self, stream: object = None) -> None:
-        pass
+        self.at = time.perf_counter()
 
     def synchronize(self) -> None:
         pass
 
     def query(self) -> bool:
         return True
+
+    def elapsed_time(self, end: "NullEvent") -> float:
+        return (end.at - self.at) * 1e3
 
 
 class DeviceStreams:
@@ -37,11 +45,11 @@ class DeviceStreams:
         else:
             self.compute = self.h2d = self.d2h = None
 
-    def event(self) -> "torch.cuda.Event | NullEvent":
-        return torch.cuda.Event() if self.is_cuda else NullEvent()
+    def event(self, timing: bool = False) -> "torch.cuda.Event | NullEvent":
+        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else NullEvent()
 
-    def record(self, stream: object) -> "torch.cuda.Event | NullEvent":
-        event = self.event()
+    def record(self, stream: object, timing: bool = False) -> "torch.cuda.Event | NullEvent":
+        event = self.event(timing)
         if self.is_cuda:
             event.record(stream)
         return event

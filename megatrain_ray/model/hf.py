@@ -69,3 +69,33 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         initializer_range=float(hf.get("initializer_range", 0.02)),
     )
+
+
+ARCHITECTURES = {family: arch for arch, family in FAMILIES.items()}
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face config.json mapping for a ModelConfig (transformers 5 spelling of RoPE)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope.update(rope_type=cfg.rope_scaling.rope_type, factor=cfg.rope_scaling.factor)
+        if cfg.rope_scaling.rope_type == "llama3":
+            rope.update(low_freq_factor=cfg.rope_scaling.low_freq_factor,
+                        high_freq_factor=cfg.rope_scaling.high_freq_factor,
+                        original_max_position_embeddings=cfg.rope_scaling.original_max_position_embeddings)
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.resolved_head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.initializer_range, "hidden_act": "silu",
+    }
+    if cfg.family in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.attention_bias
+    if cfg.family == "mistral":
+        out["sliding_window"] = cfg.sliding_window or None
+    if cfg.family in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+    return out

@@ -1,0 +1,103 @@
+"""Plots and a markdown table from benchmark results, written next to the JSON file.
+
+    python benchmarks/plot.py benchmarks/results/bench-h200-....json [more.json ...]
+
+For each file: <name>-throughput.png (tok/s against tokens per step, one line per system, at
+each depth), <name>-depth.png (model TFLOPS against depth, when several depths ran) and
+<name>.md (the table the README quotes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"megatrain": "tab:blue", "megatrain-noclip": "tab:cyan", "resident": "tab:green", "deepspeed": "tab:red"}
+
+
+def ok(rows):
+    return [r for r in rows if r["status"] == "ok"]
+
+
+def throughput_plot(result: dict, path: Path) -> None:
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for depth in sorted({r["layers"] for r in rows}):
+        for system in COLORS:
+            pts = sorted((r["tokens_per_step"], r["tok_per_s"]) for r in ok(rows)
+                         if r["system"] == system and r["layers"] == depth)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=COLORS[system], label=f"{system} ({depth} layers)",
+                        linestyle="-" if depth == max(r["layers"] for r in rows) else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per step")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{result['config']} on {result['device']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def depth_plot(result: dict, path: Path) -> bool:
+    rows = ok(result["rows"])
+    if len({r["layers"] for r in rows}) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for system in COLORS:
+        for tokens in sorted({r["tokens_per_step"] for r in rows if r["system"] == system}):
+            pts = sorted((r["layers"], r["tflops"]) for r in rows if r["system"] == system
+                         and r["tokens_per_step"] == tokens)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=COLORS[system], label=f"{system}, {tokens} tok/step")
+    ax.set_xlabel("layers")
+    ax.set_ylabel("model TFLOPS")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['config']} on {result['device']} (commit {result['commit'][:12]}, {result['date']})", "",
+             "| system | layers | tokens/step | tok/s | model TFLOPS | vs GPU-resident | GPU peak GiB | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(result["rows"], key=lambda r: (r["layers"], r["tokens_per_step"], r["system"])):
+        if r["status"] != "ok":
+            lines.append(f"| {r['system']} | {r['layers']} | {r['tokens_per_step']} | {r['status'].upper()} | | | | "
+                         f"{r.get('error', '')[:80].replace('|', '/')} |")
+            continue
+        notes = ""
+        if r["system"].startswith("megatrain"):
+            notes = (f"busy {r['gpu_busy']:.2f}, optimizer hidden {r['optimizer_hidden_fraction']:.2f}, "
+                     f"host {r['host_bytes_per_param']:.1f} B/param, roofline {r['roofline_fraction']:.2f}, "
+                     f"clip {r['clip']}")
+        vs = f"{r['vs_resident']:.2f}" if "vs_resident" in r else ""
+        lines.append(f"| {r['system']} | {r['layers']} | {r['tokens_per_step']} | {r['tok_per_s']:,.0f} | "
+                     f"{r['tflops']:.0f} | {vs} | {r['gpu_peak_gib']:.1f} | {notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(paths: list[str]) -> int:
+    for name in paths:
+        path = Path(name)
+        result = json.loads(path.read_text())
+        throughput_plot(result, path.with_name(path.stem + "-throughput.png"))
+        depth_plot(result, path.with_name(path.stem + "-depth.png"))
+        path.with_suffix(".md").write_text(table(result))
+        print(f"wrote plots and table for {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,352 @@
+"""Benchmark harness: megatrain-ray, a GPU-resident PyTorch baseline and DeepSpeed ZeRO-3 offload,
+on the same model, batch and sequence, in one invocation.
+
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4,16,32 \\
+        --systems megatrain,resident,deepspeed [--layers 8,16,24] [--steps 5 --warmup 2] [--set KEY=VALUE]
+
+Each (system, depth, batch) point runs in a process of its own, so one system's memory never
+weighs on the next; a point that fails records its error (OOM included) instead of a figure.
+The results go to one JSON file in benchmarks/results/ that names the device and the commit.
+
+Systems:
+- megatrain: the product through its Ray path (Trainer, actors, shared-memory host store), with the
+  config's clipping; megatrain-noclip: the same with optimizer.grad_clip=0.
+- resident: the whole model on the GPU (Hugging Face LlamaForCausalLM in bf16, SDPA attention,
+  activation checkpointing per layer, torch fused AdamW on the GPU, clip_grad_norm_).
+- deepspeed: the same Hugging Face model under DeepSpeed ZeRO-3 with parameters and optimizer
+  offloaded to pinned CPU memory (DeepSpeedCPUAdam), bf16, activation checkpointing.
+
+Model TFLOPS = tok/s x (6 N + 6 L T d_attn) / 1e12 for every system (megatrain_ray/metrics.py):
+N = parameters in matrix products (LM head included), L layers, T sequence length, d_attn =
+heads x head_dim; recomputation is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULT_TAG = "BENCH_RESULT "
+
+
+# ----------------------------------------------------------------------------- one point (child process)
+
+
+def _load(spec: dict):
+    from megatrain_ray.config import load_config
+
+    overrides = [*spec["overrides"], f"data.batch_size={spec['batch']}", f"model.num_layers={spec['layers']}",
+                 f"train.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
+                 f"train.output_dir={spec['run_dir']}", "runtime.dashboard=false"]
+    return load_config(spec["config"], overrides)
+
+
+def _common(cfg, tokens_per_s: float) -> dict:
+    from megatrain_ray.metrics import model_flops_per_token
+    from megatrain_ray.model.layout import build_layout
+
+    layout = build_layout(cfg.model)
+    flops = model_flops_per_token(cfg.model, layout, cfg.data.seq_len)
+    return {"params": layout.num_params, "tok_per_s": tokens_per_s, "tflops": tokens_per_s * flops / 1e12}
+
+
+def run_megatrain(spec: dict) -> dict:
+    from megatrain_ray.host import grad_home
+    from megatrain_ray.metrics import shm_bytes
+    from megatrain_ray.trainer import Trainer
+
+    cfg = _load(spec)
+    with Trainer(cfg) as trainer:
+        records = [trainer.step(s) for s in range(spec["warmup"] + spec["steps"])]
+        trainer.flush()
+        host_bytes = trainer.host_memory_bytes()
+        by_kind: dict[str, int] = {}
+        for s in trainer.specs:
+            by_kind[s.kind] = by_kind.get(s.kind, 0) + shm_bytes([s.path])
+        private = host_bytes - sum(by_kind.values())
+        device = trainer.device_name
+        workers = len(trainer.optimizers)
+    measured = records[spec["warmup"]:]
+    wall = sum(r["step_seconds"] for r in measured)
+    tokens = sum(r["tokens"] for r in measured)
+    row = _common(cfg, tokens / wall)
+    params = row["params"]
+    mean = lambda key: sum(r[key] for r in measured) / len(measured)  # noqa: E731
+    opt_wall = mean("optimizer_seconds")
+    row.update({
+        "device": device, "gpu_peak_gib": max(r["gpu_peak_gib"] for r in measured),
+        "host_bytes_per_param": host_bytes / params,
+        "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()}, "private_rss": private / params},
+        "grad_home": grad_home(cfg), "clip": cfg.optimizer.grad_clip, "stream_dtype": cfg.precision.resolved_stream_dtype,
+        "optimizer_workers": workers,
+        "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),
+        "compute_seconds": mean("gpu_busy") * wall / len(measured),
+        "h2d_gbps_link": mean("h2d_link_gbps"), "d2h_gbps_link": mean("d2h_link_gbps"),
+        "h2d_gbps_avg": mean("h2d_gbps"), "d2h_gbps_avg": mean("d2h_gbps"),
+        "optimizer_seconds": opt_wall, "optimizer_wait_seconds": mean("update_wait_seconds"),
+        "optimizer_hidden_fraction": max(0.0, 1 - mean("update_wait_seconds") / opt_wall) if opt_wall else 1.0,
+        "optimizer_gparams_per_s": params / opt_wall / 1e9 if opt_wall else None,
+        "dram_bytes_per_param": mean("dram_bytes_per_param"),
+        "losses": [r["loss"] for r in records],
+    })
+    return row
+
+
+def _hf_model(cfg, torch_mod):
+    import transformers
+
+    from megatrain_ray.model.hf import hf_config_from_model
+
+    hf = transformers.AutoConfig.for_model(**hf_config_from_model(cfg.model))
+    hf._attn_implementation = "sdpa"
+    cls = getattr(transformers, hf.architectures[0])
+    return cls, hf
+
+
+def run_resident(spec: dict) -> dict:
+    import torch
+
+    from megatrain_ray.data import TokenBatches
+
+    cfg = _load(spec)
+    cls, hf = _hf_model(cfg, torch)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = cls(hf)
+    torch.set_default_dtype(torch.float32)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=True)
+    data = TokenBatches(cfg.data, cfg.model.vocab_size)
+    times, losses = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(spec["warmup"] + spec["steps"]):
+        ids = data.batch(step)[:, :-1].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    wall = sum(times[spec["warmup"]:])
+    row = _common(cfg, spec["batch"] * cfg.data.seq_len * spec["steps"] / wall)
+    row.update({"device": torch.cuda.get_device_name(), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "step_seconds": wall / spec["steps"], "losses": losses,
+                "precision": "bf16 weights, bf16 AdamW states (torch fused AdamW on the GPU)"})
+    return row
+
+
+def run_deepspeed(spec: dict) -> dict:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed
+    import torch
+
+    from megatrain_ray.data import TokenBatches
+
+    cfg = _load(spec)
+    o = cfg.optimizer
+    ds_config = {
+        "train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True}, "gradient_clipping": o.grad_clip,
+        "zero_optimization": {
+            "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
+                                                  "weight_decay": o.weight_decay}},
+        "steps_per_print": 10**9,
+    }
+    deepspeed.init_distributed(dist_backend="nccl")
+    cls, hf = _hf_model(cfg, torch)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = cls(hf)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    data = TokenBatches(cfg.data, cfg.model.vocab_size)
+    times, losses = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(spec["warmup"] + spec["steps"]):
+        ids = data.batch(step)[:, :-1].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    wall = sum(times[spec["warmup"]:])
+    row = _common(cfg, spec["batch"] * cfg.data.seq_len * spec["steps"] / wall)
+    row.update({"device": torch.cuda.get_device_name(), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "step_seconds": wall / spec["steps"], "losses": losses,
+                "host_bytes_per_param": _process_host_bytes() / row["params"]})
+    return row
+
+
+def _process_host_bytes() -> int:
+    """Resident memory of this process and its children (DeepSpeed keeps everything in-process)."""
+    total = 0
+    for pid in [os.getpid()]:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
+SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "deepspeed": run_deepspeed}
+# Variants: a system run with extra config overrides (the row keeps the variant's name).
+VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"])}
+
+
+def child(system: str, spec: dict) -> None:
+    try:
+        base, extra = VARIANTS.get(system, (system, []))
+        row = SYSTEMS[base]({**spec, "overrides": [*spec["overrides"], *extra]})
+        row["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - a failed point is a result too
+        text = f"{type(exc).__name__}: {exc}"
+        row = {"status": "oom" if "out of memory" in text.lower() else "error", "error": text[-2000:],
+               "traceback": traceback.format_exc()[-4000:]}
+    print(RESULT_TAG + json.dumps(row), flush=True)
+
+
+# ----------------------------------------------------------------------------- the invocation (parent)
+
+
+def dram_bandwidth_gbs(gib: float = 2.0, repeats: int = 5) -> float:
+    """Host memory bandwidth, read + write bytes of a large multi-threaded copy (the best of a few)."""
+    import torch
+
+    n = int(gib * 2**30 / 4)
+    src, dst = torch.ones(n), torch.empty(n)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best / 1e9
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "") if commit else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "llama-3.5b-bench.yaml"))
+    parser.add_argument("--systems", default="megatrain,resident,deepspeed")
+    parser.add_argument("--batches", default="4,16,32", help="sequences per step, comma-separated")
+    parser.add_argument("--layers", default="", help="depths, comma-separated (default: the config's)")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per point")
+    parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--name", default="bench", help="name of the results file")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per point")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--child", nargs=2, metavar=("SYSTEM", "SPEC_JSON"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], json.loads(args.child[1]))
+        return 0
+
+    from megatrain_ray.config import load_config
+
+    base = load_config(args.config, args.set)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else [base.model.num_layers]
+    batches = [int(x) for x in args.batches.split(",")]
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {sorted(SYSTEMS) + sorted(VARIANTS)}")
+    bandwidth = dram_bandwidth_gbs()
+    print(f"host DRAM bandwidth (copy, read + write): {bandwidth:.1f} GB/s", flush=True)
+    rows = []
+    for depth in layers:
+        for batch in batches:
+            for system in systems:
+                with tempfile.TemporaryDirectory() as tmp:
+                    spec = {"config": args.config, "overrides": args.set, "batch": batch, "layers": depth,
+                            "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run")}
+                    t0 = time.perf_counter()
+                    try:
+                        proc = subprocess.run([sys.executable, __file__, "--child", system, json.dumps(spec)],
+                                              capture_output=True, text=True, timeout=args.timeout)
+                        found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+                        row = json.loads(found[-1][len(RESULT_TAG):]) if found else {
+                            "status": "error", "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+                    except subprocess.TimeoutExpired:
+                        row = {"status": "error", "error": f"timed out after {args.timeout} s"}
+                row.update(system=system, layers=depth, batch=batch, seq_len=base.data.seq_len,
+                           tokens_per_step=batch * base.data.seq_len, wall_seconds=time.perf_counter() - t0)
+                if system.startswith("megatrain") and row["status"] == "ok":
+                    dram_seconds = row["dram_bytes_per_param"] * row["params"] / (bandwidth * 1e9)
+                    row["roofline_seconds"] = max(row["compute_seconds"], dram_seconds)
+                    row["roofline_fraction"] = row["roofline_seconds"] / row["step_seconds"]
+                rows.append(row)
+                print(summary_line(row), flush=True)
+    for row in rows:
+        same = [r for r in rows if r["layers"] == row["layers"] and r["batch"] == row["batch"]
+                and r["system"] == "resident" and r["status"] == "ok"]
+        if same and row["status"] == "ok":
+            row["vs_resident"] = row["tok_per_s"] / same[0]["tok_per_s"]
+    device = next((r["device"] for r in rows if r.get("device")), "unknown")
+    result = {
+        "device": device, "host": socket.gethostname(), "cpu_count": os.cpu_count(), "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "config": os.path.relpath(args.config, ROOT), "overrides": args.set,
+        "steps": args.steps, "warmup": args.warmup, "host_dram_gbs": bandwidth,
+        "tflops_formula": "tok/s * (6 N + 6 L T d_attn) / 1e12; N = parameters in matrix products",
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = device.replace("NVIDIA ", "").replace(" ", "-").lower()
+    path = out / f"{args.name}-{slug}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return 0
+
+
+def summary_line(row: dict) -> str:
+    head = f"{row['system']:>9} L{row['layers']:<3} B{row['batch']:<3} {row['tokens_per_step']:>7} tok/step: "
+    if row["status"] != "ok":
+        return head + f"{row['status'].upper()} {row.get('error', '')[:300]}"
+    text = head + f"{row['tok_per_s']:>9,.0f} tok/s {row['tflops']:6.1f} TFLOPS peak {row['gpu_peak_gib']:.1f} GiB"
+    if row["system"].startswith("megatrain"):
+        text += (f" | busy {row['gpu_busy']:.2f} H2D {row['h2d_gbps_link']:.0f} GB/s opt {row['optimizer_seconds']:.2f}s "
+                 f"hidden {row['optimizer_hidden_fraction']:.2f} host {row['host_bytes_per_param']:.1f} B/param "
+                 f"dram {row['dram_bytes_per_param']:.1f} B/param roofline {row['roofline_fraction']:.2f}")
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
