@@ -1,6 +1,7 @@
 """Plots and a markdown table from benchmark results, written next to the JSON file.
 
     python benchmarks/plot.py benchmarks/results/bench-h200-....json [more.json ...]
+    python benchmarks/plot.py --combine benchmarks/results/NAME a.json b.json ...   # one plot of several files
 
 For each file: <name>-throughput.png (tok/s against tokens per step, one line per system, at
 each depth), <name>-depth.png (model TFLOPS against depth, when several depths ran) and
@@ -80,7 +81,8 @@ def table(result: dict) -> str:
         notes = ""
         if r["system"].startswith("megatrain"):
             notes = (f"busy {r['gpu_busy']:.2f}, optimizer hidden {r['optimizer_hidden_fraction']:.2f}, "
-                     f"host {r['host_bytes_per_param']:.1f} B/param, roofline {r['roofline_fraction']:.2f}, "
+                     f"host {r['host_bytes_per_param']:.1f} B/param, roofline "
+                     f"{'n/a' if r['roofline_fraction'] is None else format(r['roofline_fraction'], '.2f')}, "
                      f"clip {r['clip']}")
         vs = f"{r['vs_resident']:.2f}" if "vs_resident" in r else ""
         lines.append(f"| {r['system']} | {r['layers']} | {r['tokens_per_step']} | {r['tok_per_s']:,.0f} | "
@@ -88,14 +90,37 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(paths: list[str]) -> int:
-    for name in paths:
+def combine(paths: list[Path]) -> dict:
+    """One result from several files of the same config and device (rows concatenated)."""
+    results = [json.loads(p.read_text()) for p in paths]
+    keys = {(r["config"], r["device"]) for r in results}
+    if len(keys) != 1:
+        raise SystemExit(f"--combine needs files of one config and device, got {sorted(keys)}")
+    merged = dict(results[0])
+    merged["rows"] = [row for r in results for row in r["rows"]]
+    merged["commit"] = ", ".join(sorted({r["commit"][:12] for r in results}))
+    merged["date"] = ", ".join(sorted({r["date"][:10] for r in results}))
+    merged["sources"] = [p.name for p in paths]
+    return merged
+
+
+def write(result: dict, stem: Path) -> None:
+    throughput_plot(result, stem.with_name(stem.name + "-throughput.png"))
+    depth_plot(result, stem.with_name(stem.name + "-depth.png"))
+    text = table(result)
+    if result.get("sources"):
+        text += "\nFrom: " + ", ".join(result["sources"]) + "\n"
+    stem.with_name(stem.name + ".md").write_text(text)
+    print(f"wrote plots and table {stem}.md")
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--combine"]:
+        write(combine([Path(p) for p in argv[2:]]), Path(argv[1]))
+        return 0
+    for name in argv:
         path = Path(name)
-        result = json.loads(path.read_text())
-        throughput_plot(result, path.with_name(path.stem + "-throughput.png"))
-        depth_plot(result, path.with_name(path.stem + "-depth.png"))
-        path.with_suffix(".md").write_text(table(result))
-        print(f"wrote plots and table for {path}")
+        write(json.loads(path.read_text()), path.with_suffix(""))
     return 0
 
 
