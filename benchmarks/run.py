@@ -375,6 +375,7 @@ def main() -> int:
                 row.update(system=system, layers=depth, batch=batch, seq_len=base.data.seq_len,
                            tokens_per_step=batch * base.data.seq_len, wall_seconds=time.perf_counter() - t0)
                 rows.append(row)
+                derive(rows, bandwidth)
                 print(summary_line(row), flush=True)
     derive(rows, bandwidth)
     device = next((r["device"] for r in rows if r.get("device")), "unknown")
