@@ -89,8 +89,10 @@ def run_megatrain(spec: dict) -> dict:
     row.update({
         "device": device, "gpu_peak_gib": max(r["gpu_peak_gib"] for r in measured),
         "host_bytes_per_param": host_bytes / params,
-        "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()}, "private_rss": private / params},
-        "grad_home": grad_home(cfg), "clip": cfg.optimizer.grad_clip, "stream_dtype": cfg.precision.resolved_stream_dtype,
+        "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
+                                           "private_rss": private / params},
+        "grad_home": grad_home(cfg), "clip": cfg.optimizer.grad_clip,
+        "stream_dtype": cfg.precision.resolved_stream_dtype,
         "optimizer_workers": workers,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),
         "compute_seconds": mean("gpu_busy") * wall / len(measured),
@@ -104,24 +106,44 @@ def run_megatrain(spec: dict) -> dict:
     return row
 
 
-def _hf_model(cfg, torch_mod):
+def _hf_model(cfg):
     import transformers
 
     from megatrain_ray.model.hf import hf_config_from_model
 
     hf = transformers.AutoConfig.for_model(**hf_config_from_model(cfg.model))
     hf._attn_implementation = "sdpa"
-    cls = getattr(transformers, hf.architectures[0])
-    return cls, hf
+    return getattr(transformers, hf.architectures[0]), hf
+
+
+def _timed_steps(spec: dict, cfg, train_step) -> dict:
+    """Run `train_step(input_ids) -> loss tensor` for warmup + measured steps on the harness's batches;
+    the row of a baseline (the same data, timing and figures for every system but megatrain)."""
+    import torch
+
+    from megatrain_ray.data import TokenBatches
+
+    data = TokenBatches(cfg.data, cfg.model.vocab_size)
+    times, losses = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(spec["warmup"] + spec["steps"]):
+        ids = data.batch(step)[:, :-1].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses.append(train_step(ids).item())
+        times.append(time.perf_counter() - t0)
+    wall = sum(times[spec["warmup"]:])
+    row = _common(cfg, spec["batch"] * cfg.data.seq_len * spec["steps"] / wall)
+    row.update({"device": torch.cuda.get_device_name(), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "step_seconds": wall / spec["steps"], "losses": losses})
+    return row
 
 
 def run_resident(spec: dict) -> dict:
     import torch
 
-    from megatrain_ray.data import TokenBatches
-
     cfg = _load(spec)
-    cls, hf = _hf_model(cfg, torch)
+    cls, hf = _hf_model(cfg)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = cls(hf)
@@ -131,25 +153,17 @@ def run_resident(spec: dict) -> dict:
     o = cfg.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, fused=True)
-    data = TokenBatches(cfg.data, cfg.model.vocab_size)
-    times, losses = [], []
-    torch.cuda.reset_peak_memory_stats()
-    for step in range(spec["warmup"] + spec["steps"]):
-        ids = data.batch(step)[:, :-1].cuda()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def train_step(ids):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-    wall = sum(times[spec["warmup"]:])
-    row = _common(cfg, spec["batch"] * cfg.data.seq_len * spec["steps"] / wall)
-    row.update({"device": torch.cuda.get_device_name(), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "step_seconds": wall / spec["steps"], "losses": losses,
-                "precision": "bf16 weights, bf16 AdamW states (torch fused AdamW on the GPU)"})
+        return loss
+
+    row = _timed_steps(spec, cfg, train_step)
+    row["precision"] = "bf16 weights, bf16 AdamW states (torch fused AdamW on the GPU)"
     return row
 
 
@@ -157,9 +171,6 @@ def run_deepspeed(spec: dict) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     import deepspeed
-    import torch
-
-    from megatrain_ray.data import TokenBatches
 
     cfg = _load(spec)
     o = cfg.optimizer
@@ -175,41 +186,31 @@ def run_deepspeed(spec: dict) -> dict:
         "steps_per_print": 10**9,
     }
     deepspeed.init_distributed(dist_backend="nccl")
-    cls, hf = _hf_model(cfg, torch)
+    cls, hf = _hf_model(cfg)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = cls(hf)
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    data = TokenBatches(cfg.data, cfg.model.vocab_size)
-    times, losses = [], []
-    torch.cuda.reset_peak_memory_stats()
-    for step in range(spec["warmup"] + spec["steps"]):
-        ids = data.batch(step)[:, :-1].cuda()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def train_step(ids):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-    wall = sum(times[spec["warmup"]:])
-    row = _common(cfg, spec["batch"] * cfg.data.seq_len * spec["steps"] / wall)
-    row.update({"device": torch.cuda.get_device_name(), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "step_seconds": wall / spec["steps"], "losses": losses,
-                "host_bytes_per_param": _process_host_bytes() / row["params"]})
+        return loss
+
+    row = _timed_steps(spec, cfg, train_step)
+    row["host_bytes_per_param"] = _process_rss_bytes() / row["params"]
     return row
 
 
-def _process_host_bytes() -> int:
-    """Resident memory of this process and its children (DeepSpeed keeps everything in-process)."""
-    total = 0
-    for pid in [os.getpid()]:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-    return total
+def _process_rss_bytes() -> int:
+    """Resident memory of this process (DeepSpeed keeps its host state in-process)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "deepspeed": run_deepspeed}
@@ -409,7 +410,8 @@ def summary_line(row: dict) -> str:
         return head + f"{row['status'].upper()} {row.get('error', '')[:300]}"
     text = head + f"{row['tok_per_s']:>9,.0f} tok/s {row['tflops']:6.1f} TFLOPS peak {row['gpu_peak_gib']:.1f} GiB"
     if row["system"].startswith("megatrain"):
-        text += (f" | busy {row['gpu_busy']:.2f} H2D {row['h2d_gbps_link']:.0f} GB/s opt {row['optimizer_seconds']:.2f}s "
+        text += (f" | busy {row['gpu_busy']:.2f} H2D {row['h2d_gbps_link']:.0f} GB/s "
+                 f"opt {row['optimizer_seconds']:.2f}s "
                  f"hidden {row['optimizer_hidden_fraction']:.2f} host {row['host_bytes_per_param']:.1f} B/param "
                  f"dram {row['dram_bytes_per_param']:.1f} B/param roofline {_fraction(row['roofline_fraction'])}")
     return text

@@ -117,22 +117,26 @@ class FlatAdamW:
                 grad_coef: float) -> None:
         master, exp_avg, exp_avg_sq, grad, stream_out = tensors
         cfg = self.cfg
-        fn = self.native.megatrain_adamw_bf16grad if grad.dtype == torch.bfloat16 else self.native.megatrain_adamw_f32grad
+        native = self.native
+        fn = native.megatrain_adamw_bf16grad if grad.dtype == torch.bfloat16 else native.megatrain_adamw_f32grad
         bc1 = 1.0 - cfg.beta1 ** adam_step
         bc2_sqrt = math.sqrt(1.0 - cfg.beta2 ** adam_step)
-        for lo, hi, weight_decay in ((start, min(end, decay_end), cfg.weight_decay), (max(start, decay_end), end, 0.0)):
+        for lo, hi, weight_decay in self._decay_spans(start, end, decay_end):
             if hi <= lo:
                 continue
-            fn(master[lo:hi].data_ptr(), exp_avg[lo:hi].data_ptr(), exp_avg_sq[lo:hi].data_ptr(), grad[lo:hi].data_ptr(),
-               stream_out[lo:hi].data_ptr() if stream_out is not None else None, hi - lo, lr, cfg.beta1, cfg.beta2,
-               cfg.eps, weight_decay, bc1, bc2_sqrt, grad_coef, self.threads)
+            fn(master[lo:hi].data_ptr(), exp_avg[lo:hi].data_ptr(), exp_avg_sq[lo:hi].data_ptr(),
+               grad[lo:hi].data_ptr(), stream_out[lo:hi].data_ptr() if stream_out is not None else None, hi - lo, lr,
+               cfg.beta1, cfg.beta2, cfg.eps, weight_decay, bc1, bc2_sqrt, grad_coef, self.threads)
+
+    def _decay_spans(self, start: int, end: int, decay_end: int) -> tuple[tuple[int, int, float], ...]:
+        """[start, end) cut at decay_end: the part below gets weight decay, the rest none."""
+        return (start, min(end, decay_end), self.cfg.weight_decay), (max(start, decay_end), end, 0.0)
 
     def _piece(self, tensors: tuple, start: int, end: int, decay_end: int, step: torch.Tensor, lr: float,
                grad_coef: float, scratch: torch.Tensor) -> None:
         master, exp_avg, exp_avg_sq, grad, stream_out = tensors
         cfg = self.cfg
-        spans = ((start, min(end, decay_end), cfg.weight_decay), (max(start, decay_end), end, 0.0))
-        for lo, hi, weight_decay in spans:
+        for lo, hi, weight_decay in self._decay_spans(start, end, decay_end):
             for a in range(lo, hi, self.chunk):
                 b = min(a + self.chunk, hi)
                 g = scratch[:b - a].copy_(grad[a:b])  # cast to the master dtype while in cache
