@@ -27,18 +27,6 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def rss_anon_bytes(pid: int | str = "self") -> int:
-    """Private resident memory of a process (shared segments excluded, so nothing counts twice)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class GPUWorker:
     def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any]):
         init_logger("gpu")

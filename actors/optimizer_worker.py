@@ -51,18 +51,18 @@ class OptimizerWorker:
         start, end = self.spans[order.stage]
         store = self.store
         stream_out = store.get("stream", order.stage) if store.has("stream", order.stage) else None
+        grad = store.get(order.grad_kind, order.grad_index)
         if not order.apply:
             if stream_out is not None:
                 self.adamw.refresh(store.get("master", order.stage), stream_out, start, end)
         elif end > start:
             self.adamw.update(
                 master=store.get("master", order.stage), exp_avg=store.get("exp_avg", order.stage),
-                exp_avg_sq=store.get("exp_avg_sq", order.stage), grad=store.get(order.grad_kind, order.grad_index),
+                exp_avg_sq=store.get("exp_avg_sq", order.stage), grad=grad,
                 stream_out=stream_out, start=start, end=end, decay_end=stage.decay_numel,
                 adam_step=order.adam_step, lr=order.lr, grad_coef=order.grad_coef)
         return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start,
-                          (end - start) * self.adamw.bytes_per_element(store.get(order.grad_kind, order.grad_index),
-                                                                       stream_out, order.apply))
+                          (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply))
 
     def pid(self) -> int:
         return os.getpid()

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 RESULT_TAG = "BENCH_RESULT "
 
+from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
 
@@ -95,7 +96,7 @@ def run_megatrain(spec: dict) -> dict:
         "stream_dtype": cfg.precision.resolved_stream_dtype,
         "optimizer_workers": workers,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),
-        "compute_seconds": mean("gpu_busy") * wall / len(measured),
+        "compute_seconds": mean("compute_seconds"),
         "h2d_gbps_link": mean("h2d_link_gbps"), "d2h_gbps_link": mean("d2h_link_gbps"),
         "h2d_gbps_avg": mean("h2d_gbps"), "d2h_gbps_avg": mean("d2h_gbps"),
         "optimizer_seconds": opt_wall, "optimizer_wait_seconds": mean("update_wait_seconds"),
@@ -200,17 +201,8 @@ def run_deepspeed(spec: dict) -> dict:
         return loss
 
     row = _timed_steps(spec, cfg, train_step)
-    row["host_bytes_per_param"] = _process_rss_bytes() / row["params"]
+    row["host_bytes_per_param"] = proc_status_bytes("VmRSS") / row["params"]  # DeepSpeed's host state is in-process
     return row
-
-
-def _process_rss_bytes() -> int:
-    """Resident memory of this process (DeepSpeed keeps its host state in-process)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "deepspeed": run_deepspeed}
@@ -271,8 +263,8 @@ def adamw_bandwidth_gbs(params: int = 1 << 28, repeats: int = 3) -> float:
 
 def derive(rows: list[dict], bandwidth_gbs: float, adamw_measured: bool = True) -> None:
     """Figures computed from the measured ones (also rerun on stored files by --rederive):
-    - optimizer_exposed_seconds: GPU idle time per step (step - compute), at most the optimizer's time:
-      an upper bound on the optimizer time not hidden behind GPU work; hidden fraction = 1 - exposed/opt.
+    - optimizer_hidden_fraction: megatrain_ray.metrics.optimizer_hidden_fraction (GPU idle time bounds
+      the exposed optimizer time).
     - roofline_seconds = max(compute, DRAM bytes / DRAM bandwidth); roofline_fraction = that / step time.
     - vs_resident: tok/s over the GPU-resident baseline's at the same depth and batch.
     """
@@ -280,9 +272,8 @@ def derive(rows: list[dict], bandwidth_gbs: float, adamw_measured: bool = True) 
         if row["status"] != "ok":
             continue
         if row["system"].startswith("megatrain"):
-            opt, idle = row["optimizer_seconds"], max(0.0, row["step_seconds"] - row["compute_seconds"])
-            row["optimizer_exposed_seconds"] = min(opt, idle)
-            row["optimizer_hidden_fraction"] = 1 - row["optimizer_exposed_seconds"] / opt if opt else 1.0
+            row["optimizer_hidden_fraction"] = optimizer_hidden_fraction(
+                row["optimizer_seconds"], row["step_seconds"], row["compute_seconds"])
             dram_seconds = row["dram_bytes_per_param"] * row["params"] / (bandwidth_gbs * 1e9)
             row["roofline_seconds"] = max(row["compute_seconds"], dram_seconds)
             row["roofline_bound"] = "compute" if row["compute_seconds"] >= dram_seconds else "dram"

@@ -47,9 +47,7 @@ class StepResult:
     update_wait_seconds: float
     """Time the issuing thread waited for optimizer updates (of this step's or the previous one's)."""
     optimizer_seconds: float
-    """Summed over workers: time spent in the updates this step collected."""
-    optimizer_wall_seconds: float
-    """The same, counting each stage once (the slowest worker): the optimizer's critical time."""
+    """Time of the updates this step collected, each stage counted once (its slowest worker)."""
     optimizer_bytes: int
     h2d_bytes: int
     d2h_bytes: int

@@ -31,6 +31,33 @@ def model_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -
     return 6.0 * matmul_params(layout) + 6.0 * cfg.num_layers * seq_len * d_attn
 
 
+def optimizer_hidden_fraction(optimizer_seconds: float, step_seconds: float, compute_seconds: float) -> float:
+    """Share of the optimizer's time hidden behind GPU work. The GPU's idle time in the step
+    (step - compute) bounds the optimizer time that was exposed; the rest was hidden."""
+    if not optimizer_seconds:
+        return 1.0
+    exposed = min(optimizer_seconds, max(0.0, step_seconds - compute_seconds))
+    return 1.0 - exposed / optimizer_seconds
+
+
+def proc_status_bytes(field: str, pid: int | str = "self") -> int:
+    """A memory figure of /proc/PID/status (e.g. RssAnon, VmRSS) in bytes; 0 when unreadable
+    (a process gone, or on another node)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_anon_bytes(pid: int | str = "self") -> int:
+    """Private resident memory of a process (shared segments excluded, so nothing counts twice)."""
+    return proc_status_bytes("RssAnon", pid)
+
+
 def shm_bytes(paths: list[str]) -> int:
     """Bytes actually allocated to the given shared-memory files (pages touched so far)."""
     total = 0

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from actors.gpu_worker import GPUWorker, rss_anon_bytes
+from actors.gpu_worker import GPUWorker
 from actors.host_shard import HostShard
 from actors.optimizer_worker import OptimizerWorker
 from megatrain_ray.config import Config, config_to_yaml
@@ -28,7 +28,14 @@ from megatrain_ray.data import TokenBatches
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.host import HostStore, SegmentSpec, check_capacity, plan_segments, shard_stages
 from megatrain_ray.log import get_logger
-from megatrain_ray.metrics import MetricsWriter, Progress, model_flops_per_token, shm_bytes
+from megatrain_ray.metrics import (
+    MetricsWriter,
+    Progress,
+    model_flops_per_token,
+    optimizer_hidden_fraction,
+    rss_anon_bytes,
+    shm_bytes,
+)
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.optim import lr_at
 from megatrain_ray.runtime import Handle, spawn, start_ray
@@ -179,10 +186,9 @@ class Trainer:
         record = {
             "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens": result.tokens,
             "tok_per_s": tok_per_s, "tflops": tok_per_s * self.flops_per_token / 1e12, "step_seconds": seconds,
-            "gpu_busy": min(1.0, result.compute_seconds / seconds),
-            "optimizer_seconds": result.optimizer_wall_seconds, "update_wait_seconds": result.update_wait_seconds,
-            "optimizer_hidden": max(0.0, 1.0 - result.update_wait_seconds / result.optimizer_wall_seconds)
-            if result.optimizer_wall_seconds else 1.0,
+            "compute_seconds": result.compute_seconds, "gpu_busy": min(1.0, result.compute_seconds / seconds),
+            "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
+            "optimizer_hidden": optimizer_hidden_fraction(result.optimizer_seconds, seconds, result.compute_seconds),
             "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
             "h2d_gbps": result.h2d_bytes / seconds / 1e9, "d2h_gbps": result.d2h_bytes / seconds / 1e9,
             "h2d_link_gbps": result.h2d_bytes / result.h2d_seconds / 1e9 if result.h2d_seconds else 0.0,

@@ -65,8 +65,7 @@ class GradSlot:
     """Event: the previous D2H out of this buffer is complete."""
 
 
-_STEP_STATS = ("optimizer_seconds", "optimizer_wall_seconds", "optimizer_bytes", "update_wait_seconds", "h2d_bytes",
-               "d2h_bytes")
+_STEP_STATS = ("optimizer_seconds", "optimizer_bytes", "update_wait_seconds", "h2d_bytes", "d2h_bytes")
 
 
 class Timeline:
@@ -166,8 +165,7 @@ class StreamEngine:
         t0 = time.perf_counter()
         results: list[UpdateDone] = [done.result() for done in pending.result()]
         self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
-        self._step_stats["optimizer_seconds"] += sum(r.seconds for r in results)
-        self._step_stats["optimizer_wall_seconds"] += max(r.seconds for r in results)
+        self._step_stats["optimizer_seconds"] += max(r.seconds for r in results)
         self._step_stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
 
     def _order_update(self, stage: int, drained: Any, order: UpdateOrder) -> None:
@@ -380,7 +378,7 @@ class StreamEngine:
         return StepResult(
             loss=loss, grad_norm=grad_norm, tokens=ids.numel(), valid_tokens=n_valid,
             seconds=time.perf_counter() - t0, update_wait_seconds=stats["update_wait_seconds"],
-            optimizer_seconds=stats["optimizer_seconds"], optimizer_wall_seconds=stats["optimizer_wall_seconds"],
+            optimizer_seconds=stats["optimizer_seconds"],
             optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak)
