@@ -43,8 +43,8 @@ class GPUWorker:
         log.info("layer stream on %s: compute %s, streaming %s", self.device, cfg.precision.compute_dtype,
                  cfg.precision.resolved_stream_dtype)
 
-    def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int) -> StepResult:
-        return self.engine.train_step(tokens, lr, adam_step)
+    def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int, inject_nan: bool = False) -> StepResult:
+        return self.engine.train_step(tokens, lr, adam_step, inject_nan)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.engine.logits(ids)

@@ -1,13 +1,17 @@
-"""HostShard: creates and owns the shared-memory segments of a range of stages."""
+"""HostShard: creates and owns the shared-memory segments of a range of stages, fills them (random
+init or a checkpoint) and writes its stages of each checkpoint."""
 
 from __future__ import annotations
 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Callable
 
 import torch
 
+from megatrain_ray.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
 from megatrain_ray.config import Config
 from megatrain_ray.host import HostStore, SegmentSpec, create_segment, init_stage, plan_segments, unlink_segment
 from megatrain_ray.log import get_logger, init_logger
@@ -17,17 +21,26 @@ log = get_logger(__name__)
 
 
 class HostShard:
-    def __init__(self, cfg: Config, layout: ModelLayout, run_id: str, shard: int, stages: list[int]):
+    def __init__(self, cfg: Config, layout: ModelLayout, run_id: str, shard: int, stages: list[int],
+                 restore: CheckpointInfo | None = None):
         init_logger(f"host{shard}")
         self.shard = shard
-        self.specs = plan_segments(layout, cfg, run_id, stages, with_pool=shard == 0)
+        self.layout = layout
+        self.stages = stages
+        self.specs = plan_segments(layout, cfg, run_id, stages, shard)
         self._created: list[SegmentSpec] = []
+        self._writer: StageWriter | None = None
         try:
             for spec in self.specs:
                 create_segment(spec)
                 self._created.append(spec)
             self.store = HostStore(self.specs)
-            self._initialise(layout, stages, cfg)
+            self.gate = self.store.gates()[0]
+            if restore is None:
+                self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
+                                                                     cfg.model.initializer_range))
+            else:
+                self._each_stage(f"loaded from {restore.directory}", lambda i: self._restore_stage(restore, i))
             if cfg.engine.poison_buffers:
                 for spec in self.specs:
                     if spec.kind in ("grad", "gradpool"):
@@ -39,20 +52,45 @@ class HostShard:
         log.info("shard %d: %d stages, %d segments, %.2f GiB in %s", shard, len(stages), len(self.specs), gib,
                  cfg.host.shm_dir)
 
-    def _initialise(self, layout: ModelLayout, stages: list[int], cfg: Config) -> None:
-        """Stages in parallel threads (the torch kernels release the GIL), with progress in the log."""
+    def _each_stage(self, what: str, fill: Callable[[int], None]) -> None:
+        """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress."""
         t0 = time.perf_counter()
+        stages = self.stages
         threads = max(1, min(len(stages), len(os.sched_getaffinity(0))))
         done = 0
-        with ThreadPoolExecutor(threads, thread_name_prefix="init") as pool:
-            futures = [pool.submit(init_stage, self.store, layout.stages[i], cfg.train.seed,
-                                   cfg.model.initializer_range) for i in stages]
-            for future in as_completed(futures):
+        with ThreadPoolExecutor(threads, thread_name_prefix="fill") as pool:
+            for future in as_completed([pool.submit(fill, i) for i in stages]):
                 future.result()
                 done += 1
                 if done % max(1, len(stages) // 5) == 0 or done == len(stages):
-                    log.info("shard %d: initialised %d/%d stages (%.0f s)", self.shard, done, len(stages),
+                    log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard, what, done, len(stages),
                              time.perf_counter() - t0)
+
+    def _flats(self, stage: int) -> dict[str, torch.Tensor]:
+        return {kind: self.store.get(kind, stage) for kind in ("master", *OPTIMIZER_KINDS)}  # type: ignore[misc]
+
+    def _restore_stage(self, info: CheckpointInfo, stage: int) -> None:
+        load_stage(info.directory, self.layout.stages[stage], self._flats(stage), info.entry_of(stage))
+        if self.store.has("stream", stage):
+            self.store.get("stream", stage).copy_(self.store.get("master", stage))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_begin(self, step: int, directory: str, die_after_first: bool = False) -> None:
+        """Hold this shard's stages and start writing them in the background (returns at once)."""
+        if self._writer is not None:
+            self._writer.wait()
+        self._writer = StageWriter([self.layout.stages[i] for i in self.stages], self._flats, self.gate,
+                                   Path(directory), step, die_after_first)
+
+    def save_wait(self) -> list[dict]:
+        """The file entries of the checkpoint begun last, once they are on disk."""
+        assert self._writer is not None, "save_begin first"
+        writer, self._writer = self._writer, None
+        entries = writer.wait()
+        log.info("shard %d: wrote %d stage files of step %d in %.1f s", self.shard, len(entries), writer.step,
+                 writer.seconds)
+        return entries
 
     def segments(self) -> list[SegmentSpec]:
         return self.specs
@@ -67,6 +105,8 @@ class HostShard:
         self.store.write_tensors(layout, tensors)
 
     def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.thread.join()
         for spec in self._created:
             unlink_segment(spec)
         self._created.clear()

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from megatrain_ray.checkpoint import wait_for_gate
 from megatrain_ray.config import Config
 from megatrain_ray.host import TORCH_DTYPES, HostStore, SegmentSpec
 from megatrain_ray.log import get_logger, init_logger
@@ -40,12 +41,17 @@ class OptimizerWorker:
         self.index = index
         self.layout = layout
         self.store = HostStore(specs)
+        self.gates = self.store.gates()
         self.adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[cfg.precision.master_dtype], threads)
         self.spans = {s.index: split_span(s.numel, index, num_workers) for s in layout.stages}
         log.info("optimizer worker %d/%d on cores %s, %d optimizer threads", index, num_workers, cores or "(shared)",
                  threads)
 
     def apply(self, order: UpdateOrder) -> UpdateDone:
+        if order.apply:
+            held = wait_for_gate(self.gates, order.stage)  # a checkpoint is still writing this stage
+            if held > 0.1:
+                log.info("stage %d waited %.2f s for its checkpoint write", order.stage, held)
         t0 = time.perf_counter()
         stage = self.layout.stages[order.stage]
         start, end = self.spans[order.stage]

@@ -1,7 +1,11 @@
 """The `megatrain` command. Each subcommand maps to one plain function.
 
-    megatrain train configs/tiny.yaml [--set optimizer.lr=1e-3 ...] [--address ADDR] [--local]
+    megatrain train configs/tiny.yaml [--set optimizer.lr=1e-3 ...] [--address ADDR] [--local] [--resume auto|DIR]
+    megatrain plan configs/tiny.yaml [--set ...]        # memory needed against what this machine has
     megatrain config configs/tiny.yaml [--set ...]      # print the resolved config
+
+Exit codes: 0 done; 2 bad input or a failure with its message; 130/143 stopped by SIGINT/SIGTERM
+(after saving a checkpoint).
 """
 
 from __future__ import annotations
@@ -27,27 +31,54 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train a model as the config says; the run directory gets config.yaml and metrics.jsonl."""
-    from megatrain_ray.trainer import Trainer
+    """Train a model as the config says; the run directory gets config.yaml, metrics.jsonl and checkpoints."""
+    from megatrain_ray.trainer import Interrupted, Trainer
 
     cfg = _load(args)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, resume=args.resume, config_path=args.config)
 
     def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        if trainer.stop_signal is not None:  # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt
+        log.warning("signal %d: stopping after this step%s", signum,
+                    " with a checkpoint" if cfg.checkpoint.on_signal else "")
+        trainer.stop_signal = signum
 
-    signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         trainer.start()
         history = trainer.train()
+    except Interrupted as exc:
+        where = f"checkpoint {exc.checkpoint}; resume with: megatrain train {args.config} --resume auto" \
+            if exc.checkpoint else "no checkpoint saved (checkpoint.on_signal is false)"
+        log.warning("stopped by signal %d at step %d: %s", exc.signum, trainer.next_step, where)
+        return 128 + exc.signum
     except KeyboardInterrupt:
-        log.warning("interrupted; shutting the actors down")
+        log.warning("interrupted; shutting the actors down without a checkpoint")
         return 130
     finally:
         trainer.close()
-    last = history[-1]
-    log.info("done: %d steps, final loss %.4f, %s", len(history), last["loss"], trainer.run_dir / "metrics.jsonl")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if history:
+        log.info("done: %d steps, final loss %.4f, %s", trainer.next_step, history[-1]["loss"],
+                 trainer.run_dir / "metrics.jsonl")
+    else:
+        log.info("nothing to do: the checkpoint is already at train.steps=%d", cfg.train.steps)
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the host RAM, shared memory, pinned memory and GPU memory the config needs, against this
+    machine (or the one described by --host-memory/--gpu-memory); exit 2 when it does not fit."""
+    from megatrain_ray.plan import Machine, format_plan, plan_run
+
+    cfg = _load(args)
+    machine = Machine.detect(cfg.host.shm_dir).override(host_memory=args.host_memory, gpu_memory=args.gpu_memory,
+                                                         shm=args.shm)
+    plan = plan_run(cfg, machine)
+    sys.stdout.write(format_plan(plan))
+    return 0 if plan.fits else 2
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -56,7 +87,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config}
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "config": cmd_config}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--address", help="Ray cluster address to attach to (default: a running local "
                                              "cluster, else a private one on 127.0.0.1)")
             p.add_argument("--local", action="store_true", help="run the actors in this process, without Ray")
+            p.add_argument("--resume", metavar="auto|DIR",
+                           help="continue from a checkpoint: a checkpoint directory, or auto for the newest complete "
+                                "one under checkpoint.dir (starting afresh when there is none)")
+        if name == "plan":
+            for flag, what in (("--host-memory", "host RAM"), ("--gpu-memory", "GPU memory"),
+                               ("--shm", "/dev/shm size")):
+                p.add_argument(flag, metavar="SIZE", help=f"plan for a machine with this much {what} "
+                                                          "(e.g. 512GB, 80GiB) instead of this one")
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from megatrain_ray.exceptions import ConfigError
 
 DType = Literal["bfloat16", "float16", "float32", "float64"]
 # Bytes per element of each dtype name, used by the planner and the host store.
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4}
 # Precision order: a streaming copy is never more precise than the master weights.
 DTYPE_RANK = {"bfloat16": 1, "float16": 1, "float32": 2, "float64": 3}
 
@@ -343,6 +344,71 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpoints of the whole training state (master weights, both moments, step, data position)."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    every: int = 0
+    """Steps between checkpoints; 0 saves only at the end and on SIGTERM/SIGINT. Each one is written
+    by the HostShard actors in the background while training goes on."""
+    keep: int = 2
+    """How many of the newest complete checkpoints to keep; older ones are deleted once a newer one is complete."""
+    dir: str = ""
+    """Where checkpoints go; empty means `<train.output_dir>/checkpoints`."""
+    at_end: bool = True
+    """Save a checkpoint after the last step."""
+    on_signal: bool = True
+    """On SIGTERM or SIGINT, finish the current step, save a checkpoint and exit (code 130 or 143)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            _fail("checkpoint.every", self.every, "must be >= 0 (0: only at the end and on signals)")
+        if self.keep < 1:
+            _fail("checkpoint.keep", self.keep, "must be >= 1")
+
+
+DRILL_ACTIONS = ("kill", "nan_grad", "kill_during_checkpoint")
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultConfig:
+    """What happens when something goes wrong: dead actors, non-finite numbers."""
+
+    SECTION: ClassVar[str] = "fault"
+    max_restarts: int = 0
+    """Times the run may restart its actors and resume from the last good checkpoint by itself after an actor
+    dies; 0 stops with a message naming the actor and the command that resumes."""
+    nonfinite: Literal["skip", "stop"] = "skip"
+    """Policy for a non-finite loss or gradient norm: `skip` drops the step (weights and moments untouched);
+    `stop` saves the last good state as a checkpoint and exits non-zero. With optimizer.grad_clip = 0 a
+    non-finite gradient under a finite loss is found only after some layers were updated, so the run stops."""
+    drill: str = ""
+    """Fault drills, for testing recovery only: comma-separated `ACTION@STEP` with ACTION one of
+    `kill:ACTOR` (SIGKILL to `driver`, `gpu`, `hostK` or `optimK` while step STEP runs), `nan_grad`
+    (a NaN in one gradient of step STEP) or `kill_during_checkpoint` (the process writing the checkpoint
+    of step STEP dies after its first file). Empty in real runs."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            _fail("fault.max_restarts", self.max_restarts, "must be >= 0")
+        parse_drill(self.drill)
+
+
+def parse_drill(text: str) -> list[tuple[str, str, int]]:
+    """`kill:optim0@5,nan_grad@3` -> [("kill", "optim0", 5), ("nan_grad", "", 3)]."""
+    drills = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        action, _, step = item.partition("@")
+        action, _, target = action.partition(":")
+        if action not in DRILL_ACTIONS or not step.isdigit() or (action == "kill") != bool(target) \
+                or (target and not re.fullmatch(r"driver|gpu|host\d+|optim\d+", target)):
+            _fail("fault.drill", item, "expected ACTION@STEP with ACTION one of kill:driver, kill:gpu, kill:hostK, "
+                  "kill:optimK, nan_grad, kill_during_checkpoint")
+        drills.append((action, target, int(step)))
+    return drills
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     """The root of a run's configuration: one field per concern."""
 
@@ -355,6 +421,8 @@ class Config:
     host: HostConfig = field(default_factory=HostConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         if self.schedule.warmup_steps > self.train.steps:

@@ -41,6 +41,15 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
                     "or .txt")
 
 
+def token_range(tokens: np.ndarray, chunk: int = 1 << 26) -> tuple[int, int]:
+    """(min, max) of a token file, read in chunks so a memory-mapped file is never loaded whole."""
+    low, high = 0, 0
+    for begin in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[begin:begin + chunk])
+        low, high = min(low, int(part.min())), max(high, int(part.max()))
+    return low, high
+
+
 class TokenBatches:
     def __init__(self, cfg: DataConfig, vocab_size: int):
         self.cfg = cfg
@@ -58,6 +67,10 @@ class TokenBatches:
                             f"lower data.seq_len or data.batch_size, or give more data")
         self._perm_epoch = -1
         self._perm = np.arange(self.num_windows)
+        low, high = token_range(self.tokens)
+        if high >= vocab_size or low < 0:
+            raise DataError(f"data.path={cfg.path!r} holds token id {high if high >= vocab_size else low} outside "
+                            f"model.vocab_size={vocab_size}: the file was tokenized for another model")
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:

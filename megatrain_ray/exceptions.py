@@ -31,3 +31,11 @@ class ActorFailedError(MegatrainError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class CheckpointError(MegatrainError):
+    """A checkpoint is missing, incomplete, corrupt or belongs to another model; the message names it."""
+
+
+class NonFiniteError(MegatrainError):
+    """The loss or gradient norm was not finite and fault.nonfinite is `stop`."""

@@ -12,6 +12,9 @@ Ray; the bytes never do. Kinds per stage:
   (all gradients must wait for the global norm). Otherwise gradients land in the stage's
   `stream` buffer, which is free between the layer's backward and its update, or, when the
   master is streamed and clipping is off, in a small pool of `gradpool` slabs.
+
+Each shard also owns a `gate`: one int32 per stage of the model, set while a checkpoint still has
+to write that stage (megatrain_ray/checkpoint.py); optimizer workers wait on it.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from megatrain_ray.model.layout import ModelLayout, StageLayout
 
 log = get_logger(__name__)
 
-SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool"]
+SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate"]
 GradHome = Literal["stream", "stage", "pool"]
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "float64": torch.float64}
+                "float64": torch.float64, "int32": torch.int32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +68,9 @@ def grad_dtype(cfg: Config) -> str:
 
 
 def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[int],
-                  with_pool: bool) -> list[SegmentSpec]:
-    """The segments one HostShard owns: its stages' buffers, plus the gradient pool on shard 0."""
+                  shard: int) -> list[SegmentSpec]:
+    """The segments one HostShard owns: its stages' buffers and its checkpoint gate, plus the gradient
+    pool on shard 0."""
     directory = cfg.host.shm_dir
     master = cfg.precision.master_dtype
     specs: list[SegmentSpec] = []
@@ -81,7 +85,9 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
         for kind, dtype in kinds:
             path = os.path.join(directory, f"megatrain-{run_id}-{stage.name}-{kind}")
             specs.append(SegmentSpec(path, dtype, stage.numel, kind, index))
-    if with_pool and home == "pool":
+    specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-gate{shard}"), "int32",
+                             len(layout.stages), "gate", shard))
+    if shard == 0 and home == "pool":
         for k in range(cfg.engine.grad_slabs):
             path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
             specs.append(SegmentSpec(path, grad_dtype(cfg), layout_max_numel(layout), "gradpool", k))
@@ -102,21 +108,6 @@ def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:
         shards[shard].append(stage.index)
         running += stage.numel
     return shards
-
-
-def check_capacity(specs: list[SegmentSpec], shm_dir: str) -> None:
-    """Refuse before allocating when the segments cannot fit in the shared-memory filesystem."""
-    need = sum(s.nbytes for s in specs)
-    if not os.path.isdir(shm_dir):
-        raise HostMemoryError(f"host.shm_dir={shm_dir!r} is not a directory; point it at a tmpfs such as /dev/shm")
-    st = os.statvfs(shm_dir)
-    free = st.f_bavail * st.f_frsize
-    if need > free:
-        raise HostMemoryError(
-            f"the host store needs {need / 2**30:.2f} GiB in host.shm_dir={shm_dir!r} but only "
-            f"{free / 2**30:.2f} GiB is free there. Enlarge it (docker: --shm-size; or "
-            f"`mount -o remount,size=...`), or shrink the model, or stream the master weights "
-            f"(precision.stream_dtype equal to precision.master_dtype saves the streaming copy)")
 
 
 def create_segment(spec: SegmentSpec) -> None:
@@ -165,6 +156,9 @@ class HostStore:
         """The buffer the device reads: the streaming copy, or the master weights themselves."""
         found = self._tensors.get(("stream", stage))
         return found if found is not None else self._tensors[("master", stage)]
+
+    def gates(self) -> list[torch.Tensor]:
+        return [t for (kind, _), t in sorted(self._tensors.items()) if kind == "gate"]
 
     def pool(self) -> list[torch.Tensor]:
         return [t for (kind, _), t in sorted(self._tensors.items()) if kind == "gradpool"]

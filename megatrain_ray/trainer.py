@@ -11,7 +11,10 @@ a StepResult; bulk tensors stay in shared memory.
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import signal
 import socket
 import time
 import uuid
@@ -23,10 +26,18 @@ import torch
 from actors.gpu_worker import GPUWorker
 from actors.host_shard import HostShard
 from actors.optimizer_worker import OptimizerWorker
-from megatrain_ray.config import Config, config_to_yaml
+from megatrain_ray.checkpoint import (
+    CheckpointDir,
+    CheckpointInfo,
+    check_compatible,
+    read_manifest,
+    restore_rng,
+    rng_state,
+)
+from megatrain_ray.config import Config, config_to_yaml, parse_drill
 from megatrain_ray.data import TokenBatches
-from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.host import HostStore, SegmentSpec, check_capacity, plan_segments, shard_stages
+from megatrain_ray.exceptions import ActorFailedError, CheckpointError, ConfigError, NonFiniteError
+from megatrain_ray.host import HostStore, SegmentSpec, shard_stages, unlink_segment
 from megatrain_ray.log import get_logger
 from megatrain_ray.metrics import (
     MetricsWriter,
@@ -38,6 +49,7 @@ from megatrain_ray.metrics import (
 )
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.optim import lr_at
+from megatrain_ray.plan import check_plan
 from megatrain_ray.runtime import Handle, spawn, start_ray
 
 log = get_logger(__name__)
@@ -81,39 +93,109 @@ def sweep_stale_segments(shm_dir: str) -> None:
             continue
 
 
+def truncate_metrics(path: Path, next_step: int) -> None:
+    """Drop the records of steps >= next_step (written after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) < next_step]
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def state_config(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The config keys that decide what the saved state means: a checkpoint only loads where they agree."""
+    return {"model": cfg.to_dict()["model"], "precision": {"master_dtype": cfg.precision.master_dtype}}
+
+
+class Interrupted(Exception):
+    """SIGTERM/SIGINT arrived; a checkpoint was saved (or none could be) before stopping."""
+
+    def __init__(self, signum: int, checkpoint: Path | None):
+        super().__init__(signum, checkpoint)
+        self.signum, self.checkpoint = signum, checkpoint
+
+
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path | None = None):
+    """Runs a config from step 0, or from a checkpoint (`resume`: a checkpoint directory or "auto", the
+    newest complete one under checkpoint.dir, starting afresh when there is none)."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: str | None = None,
+                 config_path: str | None = None):
         self.cfg = cfg
         self.layout: ModelLayout = build_layout(cfg.model)
         self.run_dir = Path(run_dir or cfg.train.output_dir)
-        self.run_id = f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.config_path = config_path or str(self.run_dir / "config.yaml")
+        self.run_id = self._new_run_id()
         self.data = TokenBatches(cfg.data, cfg.model.vocab_size)  # bad data fails before any allocation
         self.stage_groups = shard_stages(self.layout, cfg.host.num_shards)
-        planned = [spec for k, stages in enumerate(self.stage_groups)
-                   for spec in plan_segments(self.layout, cfg, self.run_id, stages, with_pool=k == 0)]
+        self.checkpoints = CheckpointDir(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        self.resume = resume
+        self.restore = self._find_checkpoint(resume)
+        self.next_step = self.restore.step if self.restore else 0
+        self.updates_applied = int(self.restore.manifest["updates_applied"]) if self.restore else 0
+        self.drills = parse_drill(cfg.fault.drill)
+        if cfg.runtime.mode == "local" and any(a == "kill" and t != "driver" for a, t, _ in self.drills):
+            raise ConfigError("fault.drill: killing an actor needs runtime.mode=ray (in local mode every actor is "
+                              "this process); use kill:driver")
         sweep_stale_segments(cfg.host.shm_dir)
-        check_capacity(planned, cfg.host.shm_dir)
+        self.plan = check_plan(cfg)  # refuse before allocating anything
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
         self.shards: list[Handle] = []
         self.optimizers: list[Handle] = []
         self.gpu: Handle | None = None
         self.specs: list[SegmentSpec] = []
+        self.actor_names: list[str] = []
+        self.actor_pids: list[int] = []
+        self.restarts = 0
+        self.stop_signal: int | None = None
+        """Set by a signal handler: the run saves a checkpoint after the current step and stops."""
+        self._pending_save: tuple[int, int, Path, float] | None = None
         self._started_ray = False
         self._metrics: MetricsWriter | None = None
+
+    @staticmethod
+    def _new_run_id() -> str:
+        return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def _find_checkpoint(self, resume: str | None) -> CheckpointInfo | None:
+        if resume is None:
+            return None
+        info = self.checkpoints.latest() if resume == "auto" else read_manifest(resume)
+        if info is None:
+            log.info("--resume auto: no complete checkpoint under %s, starting from step 0", self.checkpoints.root)
+            return None
+        check_compatible(info, self.layout, state_config(self.cfg))
+        if info.step > self.cfg.train.steps:
+            raise CheckpointError(f"checkpoint {info.directory} is at step {info.step}, beyond "
+                                  f"train.steps={self.cfg.train.steps}; raise train.steps to continue training")
+        return info
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> "Trainer":
-        cfg, mode = self.cfg, self.cfg.runtime.mode
+        cfg = self.cfg
         metrics_path = self.run_dir / "metrics.jsonl"
-        if metrics_path.exists():
+        if metrics_path.exists() and self.resume is None:
             raise ConfigError(f"train.output_dir={str(self.run_dir)!r} already holds a run (metrics.jsonl); "
-                              "choose another train.output_dir or remove that directory")
+                              "continue it with --resume auto, or choose another train.output_dir")
+        if cfg.runtime.mode == "ray":
+            self._started_ray = start_ray(cfg.runtime)
+        self._spawn_actors()  # a checkpoint that fails its checks stops here, before the run directory changes
+        if self.restore is not None:
+            restore_rng(self.restore.manifest["rng"])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.yaml", config_to_yaml(cfg))
+        truncate_metrics(metrics_path, self.next_step)
+        self._metrics = MetricsWriter(metrics_path)
+        log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s%s", self.run_id, cfg.model.family,
+                 self.layout.num_params / 1e9, cfg.data.tokens_per_step, self.device_name, self.run_dir,
+                 f", resuming at step {self.next_step} from {self.restore.directory}" if self.restore else "")
+        return self
+
+    def _spawn_actors(self) -> None:
+        cfg, mode = self.cfg, self.cfg.runtime.mode
         num_gpus = 0
         if mode == "ray":
-            self._started_ray = start_ray(cfg.runtime)
             import ray
 
             has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
@@ -122,8 +204,9 @@ class Trainer:
             num_gpus = 1 if has_gpu and cfg.engine.device != "cpu" else 0
         t0 = time.perf_counter()
         tag = f"megatrain-{self.run_id}"
-        self.shards = [spawn(mode, HostShard, cfg, self.layout, self.run_id, k, stages, name=f"{tag}-host{k}")
-                       for k, stages in enumerate(self.stage_groups)]
+        self.shards = [spawn(mode, HostShard, cfg, self.layout, self.run_id, k, stages, self.restore,
+                             name=f"{tag}-host{k}") for k, stages in enumerate(self.stage_groups)]
+        self.specs = []
         for shard in self.shards:
             self.specs.extend(shard.call("segments").result())
         log.info("host store ready: %.2f GiB in %d segments (%.1f s)",
@@ -136,26 +219,39 @@ class Trainer:
         self.gpu = spawn(mode, GPUWorker, cfg, self.layout, self.specs, self.optimizers, name=f"{tag}-gpu",
                          num_gpus=num_gpus)
         self.device_name = self.gpu.call("device_name").result()
-        self.actor_pids = [h.call("pid").result() for h in (*self.shards, *self.optimizers, self.gpu)]
-        self._metrics = MetricsWriter(metrics_path)
-        log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s", self.run_id, cfg.model.family,
-                 self.layout.num_params / 1e9, cfg.data.tokens_per_step, self.device_name, self.run_dir)
-        return self
+        handles = [*self.shards, *self.optimizers, self.gpu]
+        self.actor_names = [h.name.removeprefix(tag + "-") for h in handles]
+        self.actor_pids = [h.call("pid").result() for h in handles]
 
-    def close(self) -> None:
-        """Wait for the last updates, stop the actors, remove the segments (also after errors)."""
+    def _teardown_actors(self) -> None:
+        """Stop the actors and remove the segments, tolerating actors that already died."""
         try:
             if self.gpu is not None:
                 self.gpu.call("shutdown").result()
-        finally:
-            for handle in self.shards:
+        except Exception as exc:  # a dead optimizer makes the last flush fail; keep closing
+            log.warning("gpu worker shutdown: %s", exc)
+        for handle in self.shards:
+            try:
+                handle.call("shutdown").result()
+            except Exception as exc:
+                log.warning("shard shutdown: %s", exc)
+        for handle in [*([self.gpu] if self.gpu else []), *self.optimizers, *self.shards]:
+            handle.kill()
+        for spec in self.specs:  # segments of a shard that died
+            unlink_segment(spec)
+        self.gpu, self.optimizers, self.shards = None, [], []
+
+    def close(self) -> None:
+        """Finish a checkpoint in flight, stop the actors, remove the segments (also after errors)."""
+        try:
+            if self._pending_save is not None and self.shards:
                 try:
-                    handle.call("shutdown").result()
-                except Exception as exc:  # keep closing the rest
-                    log.warning("shard shutdown failed: %s", exc)
-            for handle in [*([self.gpu] if self.gpu else []), *self.optimizers, *self.shards]:
-                handle.kill()
-            self.gpu, self.optimizers, self.shards = None, [], []
+                    self._finish_save()
+                except Exception as exc:
+                    log.warning("the checkpoint in flight could not be completed: %s", exc)
+        finally:
+            self._pending_save = None
+            self._teardown_actors()
             if self._metrics:
                 self._metrics.close()
                 self._metrics = None
@@ -173,14 +269,41 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    def _drills(self, step: int) -> tuple[bool, str | None, bool]:
+        """(NaN gradient, actor to kill, die while checkpointing) for `step`; each fires once per process."""
+        nan = kill = ckpt = None
+        for drill in [d for d in self.drills if d[2] == step]:
+            self.drills.remove(drill)
+            action, target, _ = drill
+            nan = nan or action == "nan_grad"
+            ckpt = ckpt or action == "kill_during_checkpoint"
+            kill = target if action == "kill" else kill
+        return bool(nan), kill, bool(ckpt)
+
+    def _kill(self, target: str) -> None:
+        pid = os.getpid() if target == "driver" else self.actor_pids[self.actor_names.index(target)]
+        log.warning("fault drill: SIGKILL to %s (pid %d)", target, pid)
+        os.kill(pid, signal.SIGKILL)
+
     def step(self, step: int) -> dict[str, Any]:
         assert self.gpu is not None, "Trainer.start() first"
         cfg = self.cfg
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
         tokens = self.data.batch(step)
+        inject_nan, kill, self._die_in_checkpoint = self._drills(step)
         t0 = time.perf_counter()
-        result = self.gpu.call("train_step", tokens, lr, step + 1).result()
+        future = self.gpu.call("train_step", tokens, lr, self.updates_applied + 1, inject_nan)
+        if kill:
+            time.sleep(0.05)  # let the step get going: the kill lands in the middle of it
+            self._kill(kill)
+        pings = [shard.call("pid") for shard in self.shards]  # a HostShard that died fails here
+        result = future.result()
+        for ping in pings:
+            ping.result()
         seconds = time.perf_counter() - t0
+        finite = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+        if finite:
+            self.updates_applied += 1
         tok_per_s = result.tokens / seconds
         params = self.layout.num_params
         record = {
@@ -195,29 +318,123 @@ class Trainer:
             "d2h_link_gbps": result.d2h_bytes / result.d2h_seconds / 1e9 if result.d2h_seconds else 0.0,
             "dram_bytes_per_param": (result.h2d_bytes + result.d2h_bytes + result.optimizer_bytes) / params,
             "host_mem_gib": self.host_memory_bytes() / 2**30,
-            "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": result.skipped,
+            "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": not finite,
             "epoch": self.data.epoch_of(step + 1),
         }
         if self._metrics:
             self._metrics.write(record)
+        if not finite:
+            self._nonfinite(step, result.loss, result.grad_norm)
         return record
+
+    def _nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+        what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
+        if self.cfg.optimizer.grad_clip <= 0:
+            last = self.checkpoints.latest()
+            raise NonFiniteError(f"non-finite {what}. With optimizer.grad_clip=0 the updates stream layer by layer, "
+                                 "so part of this step was applied; the last good state is "
+                                 f"{last.directory if last else 'the initial one (no checkpoint yet)'}. Resume with "
+                                 f"`megatrain train {self.config_path} --resume auto` after lowering the lr")
+        if self.cfg.fault.nonfinite == "skip":
+            log.warning("non-finite %s: step dropped, weights and moments unchanged", what)
+            return
+        self.next_step = step  # the dropped step is where a resume starts again
+        saved = self.save(wait=True)
+        raise NonFiniteError(f"non-finite {what}; fault.nonfinite=stop. The state before this step is saved in "
+                             f"{saved}; resume with `megatrain train {self.config_path} --resume auto` after "
+                             "lowering the lr or fixing the data")
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run the remaining steps; restarts the actors from the last checkpoint when one dies (fault.max_restarts)."""
+        history: list[dict[str, Any]] = []
+        while True:
+            try:
+                self._run_steps(history)
+                return history
+            except ActorFailedError as exc:
+                self._recover(exc)
+                history = [r for r in history if r["step"] < self.next_step]
+
+    def _run_steps(self, history: list[dict[str, Any]]) -> None:
+        cfg = self.cfg
+        steps, every = cfg.train.steps, cfg.checkpoint.every
+        progress = Progress(steps, cfg.train.log_every)
+        for step in range(self.next_step, steps):
+            record = self.step(step)
+            self.next_step = step + 1
+            history.append(record)
+            progress.update(step, record["loss"], record["tok_per_s"], record["tflops"])
+            if self._pending_save is not None:
+                self._finish_save()
+            if self.stop_signal is not None:
+                saved = self.save(wait=True) if cfg.checkpoint.on_signal else None
+                raise Interrupted(self.stop_signal, saved)
+            if every and self.next_step % every == 0 and self.next_step < steps:
+                self.save(wait=False)
+        self.flush()
+        if cfg.checkpoint.at_end and (self.checkpoints.latest() or CheckpointInfo(Path(), {"step": -1})).step \
+                != steps:
+            self.save(wait=True)
+
+    def _recover(self, exc: ActorFailedError) -> None:
+        dead = ", ".join(n.removeprefix(f"megatrain-{self.run_id}-") for n in exc.failures) or "an actor"
+        last = self.checkpoints.latest()
+        where = f"{last.directory} (step {last.step})" if last else "none yet (a restart begins at step 0)"
+        if self.restarts >= self.cfg.fault.max_restarts:
+            raise ActorFailedError(f"{dead} died during step {self.next_step}: {exc}. Last good checkpoint: {where}. "
+                                   f"Resume with: megatrain train {self.config_path} --resume auto", exc.failures) \
+                from exc
+        self.restarts += 1
+        log.error("%s died during step %d; restart %d of %d from checkpoint %s", dead, self.next_step, self.restarts,
+                  self.cfg.fault.max_restarts, where)
+        t0 = time.perf_counter()
+        self._pending_save = None
+        self._teardown_actors()
+        self.restore = last
+        self.next_step = last.step if last else 0
+        self.updates_applied = int(last.manifest["updates_applied"]) if last else 0
+        if self._metrics:
+            self._metrics.close()
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.next_step)
+        self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.run_id = self._new_run_id()
+        self._spawn_actors()
+        log.info("restarted in %.1f s; continuing at step %d", time.perf_counter() - t0, self.next_step)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, wait: bool) -> Path | None:
+        """Checkpoint the state after the steps run so far (`next_step` of them). The shards write in the
+        background; `wait` returns only once the checkpoint is complete and returns its directory."""
+        assert self.gpu is not None
+        if self._pending_save is not None:
+            self._finish_save()
+        self.flush()  # every ordered update is applied: the segments hold the state after next_step steps
+        partial = self.checkpoints.partial(self.next_step, self.run_id)
+        die = getattr(self, "_die_in_checkpoint", False)
+        for begun in [shard.call("save_begin", self.next_step, str(partial), die) for shard in self.shards]:
+            begun.result()
+        self._pending_save = (self.next_step, self.updates_applied, partial, time.perf_counter())
+        return self._finish_save() if wait else None
+
+    def _finish_save(self) -> Path:
+        assert self._pending_save is not None
+        step, updates, partial, t0 = self._pending_save
+        self._pending_save = None
+        files = [entry for shard in self.shards for entry in shard.call("save_wait").result()]
+        manifest = {"updates_applied": updates, "state_config": state_config(self.cfg), "config": self.cfg.to_dict(),
+                    "rng": rng_state(), "data": {"seed": self.cfg.data.seed, "epoch": self.data.epoch_of(step)},
+                    "run_id": self.run_id, "files": files}
+        final = self.checkpoints.commit(partial, step, manifest, self.cfg.checkpoint.keep)
+        log.info("checkpoint of step %d: %s (%.2f GiB, %.1f s)", step, final,
+                 sum(e["bytes"] for e in files) / 2**30, time.perf_counter() - t0)
+        return final
 
     def host_memory_bytes(self) -> int:
         """Shared segments actually allocated, plus the private memory of the driver and of every actor on
         this node (a process on another node reads as 0)."""
         private = {os.getpid(), *self.actor_pids}
         return shm_bytes([s.path for s in self.specs]) + sum(rss_anon_bytes(pid) for pid in private)
-
-    def train(self) -> list[dict[str, Any]]:
-        steps = self.cfg.train.steps
-        progress = Progress(steps, self.cfg.train.log_every)
-        history = []
-        for step in range(steps):
-            record = self.step(step)
-            history.append(record)
-            progress.update(step, record["loss"], record["tok_per_s"], record["tflops"])
-        self.flush()
-        return history
 
     def flush(self) -> None:
         assert self.gpu is not None

@@ -291,8 +291,9 @@ class StreamEngine:
             slot.holds = -1
 
     @torch.no_grad()
-    def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int) -> StepResult:
-        """One optimizer step on a batch of [batch, seq_len + 1] token ids (labels are the shifted ids)."""
+    def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int, inject_nan: bool = False) -> StepResult:
+        """One optimizer step on a batch of [batch, seq_len + 1] token ids (labels are the shifted ids).
+        `inject_nan` puts a NaN into the first layer's gradients (fault drill `nan_grad`)."""
         t0 = time.perf_counter()
         self._begin(lr, adam_step)
         layout, cfg = self.layout, self.cfg
@@ -342,6 +343,8 @@ class StreamEngine:
             acts[i] = None
             grad_slot = self.layer_grads[i % 2]
             self._write_grads(stage, grad_slot, dict(zip(params, grads[1:])))
+            if inject_nan and i == 0:
+                grad_slot.buf[:1].fill_(float("nan"))
             self.timeline.stop("compute", compute, start)
             self._emit(stage, grad_slot, deferred)
             grad_y = grads[0]

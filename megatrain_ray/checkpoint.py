@@ -1,0 +1,367 @@
+"""Checkpoints: the whole training state on disk, written by the HostShards while training goes on.
+
+    <checkpoint.dir>/step-00000010/
+        stage-0000.safetensors   one file per stage (embedding, each layer, head): the master weights
+                                 by Hugging Face name, then `optimizer.exp_avg.<name>` and
+                                 `optimizer.exp_avg_sq.<name>`
+        ...
+        manifest.json            written last: step, updates applied, config, RNG states, and for
+                                 each file its size and CRC-32
+
+A checkpoint is written into `.partial-step-00000010-<run>` and renamed to its final name only
+after every file and the manifest are on disk (fsync), so a directory named `step-*` with a
+manifest whose files all match is complete; anything else is never loaded. The streaming copy is
+not saved: it is the master weights cast to the streaming dtype, rebuilt on load.
+
+Snapshot semantics without a second copy of the state: each HostShard marks its stages as held in
+a small shared gate segment before the next step starts; an OptimizerWorker waits for a stage's
+mark to clear before it updates that stage. The shard writes its stages in the order the updates
+come (head, last layer ... first layer, embedding), so the writes usually finish before the
+optimizer needs them and the step does not wait.
+
+The files are plain safetensors (written here so the bytes stream from shared memory to disk with
+their checksum in one pass, and read back straight into the segments); any safetensors reader
+opens them. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.log import get_logger
+from megatrain_ray.model.layout import ModelLayout, StageLayout
+
+log = get_logger(__name__)
+
+FORMAT = "megatrain-checkpoint/1"
+MANIFEST = "manifest.json"
+OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16"}
+_CHUNK = 64 << 20
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def stage_file(stage: StageLayout) -> str:
+    return f"stage-{stage.index:04d}.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def stage_tensors(stage: StageLayout, flats: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Named views into a stage's flat buffers (`master`, `exp_avg`, `exp_avg_sq`), in file order."""
+    out = []
+    for kind in ("master", *OPTIMIZER_KINDS):
+        prefix = "" if kind == "master" else f"optimizer.{kind}."
+        flat = flats[kind]
+        for slot in stage.slots:
+            out.append((prefix + stage.hf_name(slot), flat[slot.offset:slot.offset + slot.numel].view(slot.shape)))
+    return out
+
+
+def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> dict:
+    """Stream the tensors to `path` (fsynced); returns {path, bytes, crc32} of the whole file."""
+    header = _header(tensors, metadata)
+    crc = zlib.crc32(header)
+    size = len(header)
+    with open(path, "wb") as f:
+        f.write(header)
+        for _, t in tensors:
+            view = _byte_view(t)
+            for begin in range(0, len(view), _CHUNK):
+                chunk = view[begin:begin + _CHUNK]
+                crc = zlib.crc32(chunk, crc)
+                f.write(chunk)
+            size += len(view)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"path": path.name, "bytes": size, "crc32": crc}
+
+
+def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor], expect: dict) -> None:
+    """Read a file written by write_safetensors straight into `targets` (views into segments), checking
+    its size, every tensor's dtype and shape, and the CRC-32 of the whole file."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from None
+    if size != expect["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} has {size} bytes, the manifest says {expect['bytes']}: "
+                              "it is truncated or was changed")
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > size:
+            raise CheckpointError(f"checkpoint file {path}: corrupt safetensors header")
+        header_bytes = f.read(header_len)
+        crc = zlib.crc32(header_bytes, zlib.crc32(raw_len))
+        try:
+            header = json.loads(header_bytes)
+        except ValueError:
+            raise CheckpointError(f"checkpoint file {path}: corrupt safetensors header") from None
+        entries = sorted(((v["data_offsets"][0], k, v) for k, v in header.items() if k != "__metadata__"))
+        missing = set(targets) - {k for _, k, _ in entries}
+        if missing:
+            raise CheckpointError(f"checkpoint file {path} lacks tensor {sorted(missing)[0]!r}: it was written for "
+                                  "another model shape")
+        for _, name, entry in entries:
+            target = targets.get(name)
+            if target is None or entry["dtype"] != _SAFETENSORS_DTYPES.get(target.dtype) \
+                    or list(target.shape) != entry["shape"]:
+                raise CheckpointError(f"checkpoint file {path}: tensor {name!r} is {entry['dtype']} "
+                                      f"{entry['shape']}, this run expects "
+                                      f"{_SAFETENSORS_DTYPES.get(target.dtype) if target is not None else 'none'} "
+                                      f"{list(target.shape) if target is not None else ''}: the checkpoint belongs "
+                                      "to another model or precision")
+            view = _byte_view(target)
+            for begin in range(0, len(view), _CHUNK):
+                chunk = view[begin:begin + _CHUNK]
+                if f.readinto(chunk) != len(chunk):
+                    raise CheckpointError(f"checkpoint file {path} ends early")
+                crc = zlib.crc32(chunk, crc)
+    if crc != expect["crc32"]:
+        raise CheckpointError(f"checkpoint file {path}: CRC-32 mismatch (the file is corrupt); use an older "
+                              "checkpoint or start afresh")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- shard side
+
+
+class StageWriter:
+    """Writes a shard's stages of one checkpoint in a background thread, clearing each stage's gate
+    mark once its file is on disk (see the module docstring)."""
+
+    def __init__(self, stages: list[StageLayout], flats: Callable[[int], dict[str, torch.Tensor]],
+                 gate: torch.Tensor, directory: Path, step: int, die_after_first: bool = False):
+        self.stages = sorted(stages, key=lambda s: -s.index)  # the order the updates come in
+        self.flats, self.gate, self.directory, self.step = flats, gate, directory, step
+        self.die_after_first = die_after_first
+        self.entries: list[dict] = []
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        for stage in self.stages:
+            gate[stage.index] = 1
+        self.thread = threading.Thread(target=self._run, name=f"checkpoint-{step}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for stage in self.stages:
+                entry = write_safetensors(self.directory / stage_file(stage),
+                                          stage_tensors(stage, self.flats(stage.index)),
+                                          {"format": FORMAT, "step": str(self.step), "stage": stage.name})
+                entry["stage"] = stage.index
+                self.entries.append(entry)
+                self.gate[stage.index] = 0
+                if self.die_after_first:
+                    log.warning("fault drill: this process dies in the middle of the checkpoint of step %d",
+                                self.step)
+                    os.kill(os.getpid(), 9)
+        except BaseException as exc:  # reported by wait(); the gate is cleared so training never hangs
+            self.error = exc
+        finally:
+            for stage in self.stages:
+                self.gate[stage.index] = 0
+            self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> list[dict]:
+        self.thread.join()
+        if self.error is not None:
+            raise CheckpointError(f"writing the checkpoint of step {self.step} into {self.directory} failed: "
+                                  f"{self.error}") from self.error
+        return sorted(self.entries, key=lambda e: e["stage"])
+
+
+def wait_for_gate(gates: list[torch.Tensor], stage: int) -> float:
+    """Block while a checkpoint holds `stage`; returns the seconds waited."""
+    if not any(int(g[stage]) for g in gates):
+        return 0.0
+    t0 = time.perf_counter()
+    while any(int(g[stage]) for g in gates):
+        time.sleep(0.0005)
+    return time.perf_counter() - t0
+
+
+def load_stage(directory: Path, stage: StageLayout, flats: dict[str, torch.Tensor], entry: dict) -> None:
+    read_safetensors_into(directory / entry["path"], dict(stage_tensors(stage, flats)), entry)
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    directory: Path
+    manifest: dict
+
+    @property
+    def step(self) -> int:
+        """Steps completed: training resumes at this step number."""
+        return int(self.manifest["step"])
+
+    def entry_of(self, stage: int) -> dict:
+        for entry in self.manifest["files"]:
+            if entry["stage"] == stage:
+                return entry
+        raise CheckpointError(f"checkpoint {self.directory} has no file for stage {stage}")
+
+
+def rng_state() -> dict[str, Any]:
+    """The driver's global generators. Training itself draws from none of them (batches and initial
+    weights come from seeded generators of their own), but code around a run may."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+class CheckpointDir:
+    """The checkpoints of a run: partial directories, atomic commit, pruning, finding the newest good one."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def partial(self, step: int, run_id: str) -> Path:
+        path = self.root / f".partial-{step_dir_name(step)}-{run_id}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, partial: Path, step: int, manifest: dict, keep: int) -> Path:
+        """Write the manifest, make everything durable, rename into place, prune to `keep`."""
+        manifest = {"format": FORMAT, "step": step, "created": time.time(), **manifest}
+        with open(partial / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(partial)
+        final = self.root / step_dir_name(step)
+        if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
+            stale = self.root / f".stale-{final.name}-{os.getpid()}"
+            os.replace(final, stale)
+            shutil.rmtree(stale)
+        os.replace(partial, final)
+        fsync_dir(self.root)
+        self.prune(keep)
+        return final
+
+    def complete(self) -> list[CheckpointInfo]:
+        """Checkpoints whose manifest parses and whose files all exist with their recorded sizes,
+        oldest first (CRCs are checked when the shards read them)."""
+        found = []
+        if not self.root.is_dir():
+            return found
+        for path in sorted(self.root.iterdir()):
+            if not _STEP_DIR.match(path.name):
+                continue
+            try:
+                found.append(read_manifest(path))
+            except CheckpointError as exc:
+                log.warning("ignoring %s: %s", path, exc)
+        return sorted(found, key=lambda c: c.step)
+
+    def latest(self) -> CheckpointInfo | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def prune(self, keep: int) -> None:
+        for info in self.complete()[:-keep]:
+            shutil.rmtree(info.directory, ignore_errors=True)
+        for path in self.root.iterdir():  # partial directories of writers that died
+            if path.name.startswith(".partial-") and not _owner_alive(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _owner_alive(name: str) -> bool:
+    """Partial directories end in the writer's run id, whose middle part is the driver's pid."""
+    parts = name.rsplit("-", 3)
+    try:
+        os.kill(int(parts[-2]), 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_manifest(directory: str | Path) -> CheckpointInfo:
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint {directory} does not exist")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it is incomplete") from None
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is corrupt ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is not a {FORMAT} manifest")
+    for entry in manifest.get("files", []):
+        file = directory / entry["path"]
+        if not file.is_file() or file.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint {directory}: {entry['path']} is missing or has the wrong size")
+    return CheckpointInfo(directory, manifest)
+
+
+def check_compatible(info: CheckpointInfo, layout: ModelLayout, state_config: dict) -> None:
+    """Refuse a checkpoint of another model shape or precision, naming the first key that differs."""
+    saved = info.manifest.get("state_config", {})
+    for section, values in state_config.items():
+        for key, value in values.items():
+            old = saved.get(section, {}).get(key)
+            if old != value:
+                raise CheckpointError(f"checkpoint {info.directory} was written with {section}.{key}={old!r}, "
+                                      f"this config has {value!r}: resume with the config of that run")
+    stages = {e["stage"] for e in info.manifest.get("files", [])}
+    if stages != {s.index for s in layout.stages}:
+        raise CheckpointError(f"checkpoint {info.directory} holds {len(stages)} stages, the model has "
+                              f"{len(layout.stages)}")

@@ -1,0 +1,281 @@
+"""Memory plan of a run: what it needs against what the machine has, before anything is allocated.
+
+`megatrain plan CONFIG` prints it; `Trainer` runs the same check and refuses with the same numbers.
+
+Host side, exact: the shared-memory segments are the ones `plan_segments` lays out (the same
+function the HostShards use). Pinned memory is the part of them the GPU worker registers. Process
+memory (interpreters, torch, the CUDA context's host side) is an estimate per process.
+
+GPU side, from the engine's buffers (exact) plus activations (a count of the tensors alive at the
+peak, per token):
+- kept layer inputs: one [tokens, hidden] tensor per layer, kept from forward for recompute;
+- the backward of one layer: its recomputed forward saves for autograd, per token, the norms'
+  outputs (2 h), q/k/v before and after RoPE (2 q + 4 kv), the attention output (q) and the
+  residual sum (h), the MLP's gate, up, activation and product (4 f); the backward then holds
+  about three f-sized gradients and two h-sized ones at once;
+- the loss head: one chunk of fp32 logits and their gradient (2 x chunk x vocab), the final
+  hidden states and their gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import subprocess
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from megatrain_ray.config import DTYPE_BYTES, Config
+from megatrain_ray.exceptions import ConfigError, HostMemoryError
+from megatrain_ray.host import grad_dtype, grad_home, plan_segments, shard_stages
+from megatrain_ray.model.layout import build_layout
+
+GiB = 2**30
+PROCESS_BYTES = int(0.35 * GiB)
+"""Private memory of a CPU actor or of the driver: the interpreter, torch and Ray (measured ~0.3 GiB)."""
+GPU_PROCESS_BYTES = int(1.0 * GiB)
+"""Private host memory of the GPU worker: the above plus the CUDA context's host side."""
+GPU_RESERVE_BYTES = int(1.5 * GiB)
+"""GPU memory outside torch's allocations: CUDA context, cuBLAS workspaces, allocator fragmentation."""
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, what: str) -> int:
+    """'512GB' -> 512e9, '80GiB' -> 80 * 2**30, '1.5T' -> 1.5e12."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"{what}={text!r}: expected a size such as 512GB, 80GiB or 1.5TB")
+    number, unit, binary = match.groups()
+    power = "kmgtp".find(unit.lower()) + 1 if unit else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+@dataclass(frozen=True)
+class Machine:
+    host_memory: int
+    """RAM this process may use: MemTotal, or the cgroup's memory.max when lower."""
+    host_available: int
+    """RAM free for the run now: MemAvailable, bounded by the cgroup's remaining allowance."""
+    shm_free: int
+    """Free bytes in host.shm_dir (a tmpfs: they come out of host RAM)."""
+    memlock: int | None
+    """RLIMIT_MEMLOCK for pinned memory; None when unlimited."""
+    gpu_memory: int | None
+    """Total memory of GPU 0, or None when no GPU is visible."""
+    gpu_name: str = ""
+    described: bool = False
+    """True when the sizes come from the command line rather than this machine."""
+
+    @classmethod
+    def detect(cls, shm_dir: str) -> "Machine":
+        meminfo = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            meminfo[key] = int(rest.split()[0]) * 1024
+        total, available = meminfo["MemTotal"], meminfo.get("MemAvailable", meminfo["MemFree"])
+        limit = _read_int("/sys/fs/cgroup/memory.max") or _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        if limit and limit < total:
+            used = _read_int("/sys/fs/cgroup/memory.current") or _read_int(
+                "/sys/fs/cgroup/memory/memory.usage_in_bytes") or 0
+            total, available = limit, min(available, limit - used)
+        if os.path.isdir(shm_dir):
+            st = os.statvfs(shm_dir)
+            shm_free = st.f_bavail * st.f_frsize
+        else:
+            shm_free = 0
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        gpu_memory, gpu_name = _gpu_memory()
+        return cls(total, available, shm_free, None if soft == resource.RLIM_INFINITY else soft, gpu_memory,
+                   gpu_name)
+
+    def override(self, host_memory: str | None = None, gpu_memory: str | None = None,
+                 shm: str | None = None) -> "Machine":
+        """The same machine with sizes from the command line (a box you plan for, not this one)."""
+        if not (host_memory or gpu_memory or shm):
+            return self
+        host = parse_size(host_memory, "--host-memory") if host_memory else self.host_memory
+        return replace(self, host_memory=host, host_available=host,
+                       shm_free=parse_size(shm, "--shm") if shm else host // 2 if host_memory else self.shm_free,
+                       gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else self.gpu_memory,
+                       memlock=None, gpu_name="" if gpu_memory else self.gpu_name, described=True)
+
+
+def _gpu_memory() -> tuple[int | None, str]:
+    """GPU 0's memory through nvidia-smi: no CUDA context in this process."""
+    if not shutil.which("nvidia-smi"):
+        return None, ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None, ""
+    if not out:
+        return None, ""
+    mib, _, name = out[0].partition(",")
+    return int(float(mib)) * 2**20, name.strip()
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    machine: Machine
+    host: dict[str, int] = field(default_factory=dict)
+    """Shared-memory segments by kind."""
+    processes: int = 0
+    pinned: int = 0
+    gpu: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def shm_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def host_total(self) -> int:
+        return self.shm_total + self.processes
+
+    @property
+    def gpu_peak(self) -> int:
+        """Peak of torch's allocations on the GPU (what torch.cuda.max_memory_allocated reports)."""
+        g = self.gpu
+        return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
+                + max(g["layer backward working set"], g["loss head working set"]))
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def gpu_bytes(cfg: Config) -> dict[str, int]:
+    """The engine's device buffers and the activation terms of the module docstring, in bytes."""
+    layout = build_layout(cfg.model)
+    m, d = cfg.model, cfg.data
+    stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
+    compute_b = DTYPE_BYTES[cfg.precision.compute_dtype]
+    grad_b = DTYPE_BYTES[grad_dtype(cfg)]
+    acc_b = max(4, compute_b)
+    per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
+    tokens = d.batch_size * d.seq_len
+    h, f, v = m.hidden_size, m.intermediate_size, m.vocab_size
+    q = m.num_attention_heads * m.resolved_head_dim
+    kv = m.num_key_value_heads * m.resolved_head_dim
+    chunk = min(cfg.engine.loss_chunk_tokens, tokens)
+    return {
+        "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
+        "gradient buffers": (2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel) * grad_b,
+        "vocabulary accumulator": v * h * acc_b,
+        "kept layer inputs": m.num_layers * tokens * h * compute_b,
+        "layer backward working set": tokens * compute_b * ((2 * h + 2 * q + 4 * kv + q + h + 4 * f)
+                                                            + (3 * f + 2 * h)),
+        "loss head working set": 2 * chunk * v * 4 + 2 * tokens * h * acc_b,
+    }
+
+
+def plan_run(cfg: Config, machine: Machine) -> Plan:
+    layout = build_layout(cfg.model)
+    plan = Plan(cfg, machine)
+    for k, stages in enumerate(shard_stages(layout, cfg.host.num_shards)):
+        for spec in plan_segments(layout, cfg, "plan", stages, k):
+            plan.host[spec.kind] = plan.host.get(spec.kind, 0) + spec.nbytes
+    pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if cfg.precision.stream_is_master else set())
+    plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
+    workers = cfg.optimizer.workers or max(1, len(os.sched_getaffinity(0)) // 4)
+    plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + GPU_PROCESS_BYTES
+    plan.gpu = gpu_bytes(cfg)
+    _check(plan)
+    return plan
+
+
+def _check(plan: Plan) -> None:
+    cfg, machine = plan.cfg, plan.machine
+    g = GiB
+    if not machine.described and not os.path.isdir(cfg.host.shm_dir):
+        plan.problems.append(f"host.shm_dir={cfg.host.shm_dir!r} is not a directory; point it at a tmpfs such as "
+                             "/dev/shm")
+    elif plan.shm_total > machine.shm_free:
+        plan.problems.append(
+            f"the host store needs {plan.shm_total / g:.1f} GiB in host.shm_dir={cfg.host.shm_dir!r}, "
+            f"{machine.shm_free / g:.1f} GiB is free there: enlarge it (docker --shm-size, "
+            "`mount -o remount,size=...`) or shrink the store: " + _host_advice(cfg))
+    if plan.host_total > machine.host_available:
+        plan.problems.append(
+            f"host RAM: {plan.host_total / g:.1f} GiB needed, {machine.host_available / g:.1f} GiB available: "
+            + _host_advice(cfg))
+    if machine.memlock is not None and cfg.engine.device != "cpu" and machine.gpu_memory \
+            and plan.pinned > machine.memlock:
+        plan.problems.append(f"pinned memory: {plan.pinned / g:.1f} GiB to register, RLIMIT_MEMLOCK is "
+                             f"{machine.memlock / g:.1f} GiB: raise it (ulimit -l unlimited)")
+    if machine.gpu_memory and cfg.engine.device != "cpu" and plan.gpu_peak + GPU_RESERVE_BYTES > machine.gpu_memory:
+        plan.problems.append(
+            f"GPU memory: {(plan.gpu_peak + GPU_RESERVE_BYTES) / g:.1f} GiB needed, the GPU has "
+            f"{machine.gpu_memory / g:.1f} GiB: lower data.batch_size (now {cfg.data.batch_size}) or data.seq_len "
+            f"(now {cfg.data.seq_len}); the kept layer inputs grow with both and with the depth")
+
+
+def _host_advice(cfg: Config) -> str:
+    tips = []
+    if not cfg.precision.stream_is_master:
+        tips.append("set precision.stream_dtype equal to precision.master_dtype (no separate streaming copy, "
+                    "twice the PCIe bytes per step)")
+    if cfg.precision.master_dtype == "float64":
+        tips.append("use precision.master_dtype=float32")
+    tips.append("train a smaller model or use a machine with more RAM (`megatrain plan --host-memory 1TB` shows "
+                "what a larger one needs)")
+    return "; or ".join(tips)
+
+
+_LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg_sq": "AdamW second moment",
+           "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
+           "gate": "checkpoint gates"}
+
+
+def format_plan(plan: Plan) -> str:
+    cfg, machine, g = plan.cfg, plan.machine, GiB
+    layout = build_layout(cfg.model)
+    lines = [f"megatrain plan: {cfg.model.family}, {layout.num_params / 1e9:.2f} B parameters, "
+             f"{cfg.model.num_layers} layers, {cfg.data.tokens_per_step:,} tokens/step "
+             f"(batch {cfg.data.batch_size} x {cfg.data.seq_len})",
+             f"machine{' (as described)' if machine.described else ''}: {machine.host_memory / g:.1f} GiB RAM "
+             f"({machine.host_available / g:.1f} available), {machine.shm_free / g:.1f} GiB free in "
+             f"{cfg.host.shm_dir}, GPU "
+             + (f"{machine.gpu_name or ''} {machine.gpu_memory / g:.1f} GiB".strip() if machine.gpu_memory
+                else "none visible"),
+             "", "host (shared memory, per kind):"]
+    dtypes = {"master": cfg.precision.master_dtype, "exp_avg": cfg.precision.master_dtype,
+              "exp_avg_sq": cfg.precision.master_dtype, "stream": cfg.precision.resolved_stream_dtype}
+    for kind, nbytes in plan.host.items():
+        if nbytes >= 2**20:
+            lines.append(f"  {_LABELS[kind]:<28}{dtypes.get(kind, grad_dtype(cfg)):>9} {nbytes / g:10.2f} GiB")
+    params = layout.num_params
+    lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)",
+              f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
+              f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
+              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  (grad home: {grad_home(cfg)})",
+              "", "GPU (torch allocations):"]
+    for name, nbytes in plan.gpu.items():
+        lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
+    lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
+              f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB", ""]
+    if plan.fits:
+        lines.append("fits.")
+    else:
+        lines += ["does NOT fit:", *(f"  - {p}" for p in plan.problems)]
+    return "\n".join(lines) + "\n"
+
+
+def check_plan(cfg: Config) -> Plan:
+    """The check `train` runs before allocating: raises HostMemoryError with the whole plan when it does not fit."""
+    plan = plan_run(cfg, Machine.detect(cfg.host.shm_dir))
+    if not plan.fits:
+        raise HostMemoryError("the run does not fit this machine:\n" + format_plan(plan))
+    return plan
