@@ -386,7 +386,7 @@ class FaultConfig:
     """Fault drills, for testing recovery only: comma-separated `ACTION@STEP` with ACTION one of
     `kill:ACTOR` (SIGKILL to `driver`, `gpu`, `hostK` or `optimK` while step STEP runs), `nan_grad`
     (a NaN in one gradient of step STEP) or `kill_during_checkpoint` (the process writing the checkpoint
-    of step STEP dies after its first file). Empty in real runs."""
+    taken after STEP steps dies after its first file). Steps count from 0. Empty in real runs."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

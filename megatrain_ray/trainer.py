@@ -269,16 +269,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _drills(self, step: int) -> tuple[bool, str | None, bool]:
-        """(NaN gradient, actor to kill, die while checkpointing) for `step`; each fires once per process."""
-        nan = kill = ckpt = None
-        for drill in [d for d in self.drills if d[2] == step]:
-            self.drills.remove(drill)
-            action, target, _ = drill
-            nan = nan or action == "nan_grad"
-            ckpt = ckpt or action == "kill_during_checkpoint"
-            kill = target if action == "kill" else kill
-        return bool(nan), kill, bool(ckpt)
+    def _drill(self, action: str, step: int) -> str | None:
+        """The target of a fault drill due now ("" when it has none), or None; each fires once per process."""
+        for drill in self.drills:
+            if drill[0] == action and drill[2] == step:
+                self.drills.remove(drill)
+                return drill[1]
+        return None
 
     def _kill(self, target: str) -> None:
         pid = os.getpid() if target == "driver" else self.actor_pids[self.actor_names.index(target)]
@@ -290,7 +287,7 @@ class Trainer:
         cfg = self.cfg
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
         tokens = self.data.batch(step)
-        inject_nan, kill, self._die_in_checkpoint = self._drills(step)
+        inject_nan, kill = self._drill("nan_grad", step) is not None, self._drill("kill", step)
         t0 = time.perf_counter()
         future = self.gpu.call("train_step", tokens, lr, self.updates_applied + 1, inject_nan)
         if kill:
@@ -381,11 +378,12 @@ class Trainer:
         last = self.checkpoints.latest()
         where = f"{last.directory} (step {last.step})" if last else "none yet (a restart begins at step 0)"
         if self.restarts >= self.cfg.fault.max_restarts:
-            raise ActorFailedError(f"{dead} died during step {self.next_step}: {exc}. Last good checkpoint: {where}. "
+            raise ActorFailedError(f"{dead} died, noticed at step {self.next_step} ({str(exc).splitlines()[0]}). "
+                                   f"Last good checkpoint: {where}. "
                                    f"Resume with: megatrain train {self.config_path} --resume auto", exc.failures) \
                 from exc
         self.restarts += 1
-        log.error("%s died during step %d; restart %d of %d from checkpoint %s", dead, self.next_step, self.restarts,
+        log.error("%s died, noticed at step %d; restart %d of %d from checkpoint %s", dead, self.next_step, self.restarts,
                   self.cfg.fault.max_restarts, where)
         t0 = time.perf_counter()
         self._pending_save = None
@@ -411,7 +409,7 @@ class Trainer:
             self._finish_save()
         self.flush()  # every ordered update is applied: the segments hold the state after next_step steps
         partial = self.checkpoints.partial(self.next_step, self.run_id)
-        die = getattr(self, "_die_in_checkpoint", False)
+        die = self._drill("kill_during_checkpoint", self.next_step) is not None
         for begun in [shard.call("save_begin", self.next_step, str(partial), die) for shard in self.shards]:
             begun.result()
         self._pending_save = (self.next_step, self.updates_applied, partial, time.perf_counter())
