@@ -88,15 +88,16 @@ class MetricsWriter:
 class Progress:
     """A one-line progress bar on a terminal, a log line every `every` steps otherwise."""
 
-    def __init__(self, total: int, every: int, stream: TextIO = sys.stderr):
-        self.total, self.every, self.stream = total, every, stream
-        self.tty = stream.isatty()
+    def __init__(self, total: int, every: int, first: int = 0, stream: TextIO | None = None):
+        self.total, self.every, self.first = total, every, first
+        self.stream = stream or sys.stderr  # looked up now: tests and callers may have replaced it
+        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
 
     def update(self, step: int, loss: float, tok_per_s: float, tflops: float) -> None:
         done = step + 1
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - done)
+        eta = elapsed / max(1, done - self.first) * (self.total - done)
         text = (f"step {done}/{self.total} loss {loss:.4f} {tok_per_s:,.0f} tok/s {tflops:.1f} TFLOPS "
                 f"eta {eta:.0f}s")
         if self.tty:

@@ -100,12 +100,13 @@ class Machine:
 
     def override(self, host_memory: str | None = None, gpu_memory: str | None = None,
                  shm: str | None = None) -> "Machine":
-        """The same machine with sizes from the command line (a box you plan for, not this one)."""
+        """The same machine with sizes from the command line (a box you plan for, not this one). Its /dev/shm
+        is taken as large as its RAM unless --shm says otherwise (the tmpfs default is half of it)."""
         if not (host_memory or gpu_memory or shm):
             return self
         host = parse_size(host_memory, "--host-memory") if host_memory else self.host_memory
         return replace(self, host_memory=host, host_available=host,
-                       shm_free=parse_size(shm, "--shm") if shm else host // 2 if host_memory else self.shm_free,
+                       shm_free=parse_size(shm, "--shm") if shm else host if host_memory else self.shm_free,
                        gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else self.gpu_memory,
                        memlock=None, gpu_name="" if gpu_memory else self.gpu_name, described=True)
 

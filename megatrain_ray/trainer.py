@@ -355,7 +355,7 @@ class Trainer:
     def _run_steps(self, history: list[dict[str, Any]]) -> None:
         cfg = self.cfg
         steps, every = cfg.train.steps, cfg.checkpoint.every
-        progress = Progress(steps, cfg.train.log_every)
+        progress = Progress(steps, cfg.train.log_every, first=self.next_step)
         for step in range(self.next_step, steps):
             record = self.step(step)
             self.next_step = step + 1
