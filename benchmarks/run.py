@@ -24,11 +24,8 @@ heads x head_dim; recomputation is not counted.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 RESULT_TAG = "BENCH_RESULT "
 
+from benchmarks.common import provenance, write_result  # noqa: E402
 from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
@@ -299,20 +297,6 @@ def rederive(paths: list[str]) -> None:
             print(summary_line(row))
 
 
-def git_commit() -> str:
-    """The commit measured: MEGATRAIN_COMMIT when set (the GPU machine gets a copy of the tree without
-    .git), else git's HEAD, marked -dirty when tracked files differ from it."""
-    if os.environ.get("MEGATRAIN_COMMIT"):
-        return os.environ["MEGATRAIN_COMMIT"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "") if len(commit) == 40 else "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "llama-3.5b-bench.yaml"))
@@ -372,22 +356,13 @@ def main() -> int:
     derive(rows, bandwidth)
     device = next((r["device"] for r in rows if r.get("device")), "unknown")
     result = {
-        "device": device, "host": socket.gethostname(), "cpu_count": os.cpu_count(), "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "config": os.path.relpath(args.config, ROOT), "overrides": args.set,
+        **provenance(device), "config": os.path.relpath(args.config, ROOT), "overrides": args.set,
         "steps": args.steps, "warmup": args.warmup, "host_dram_gbs": bandwidth,
         "host_dram_gbs_copy": copy_bw, "host_dram_gbs_adamw": adamw_bw,
         "tflops_formula": "tok/s * (6 N + 6 L T d_attn) / 1e12; N = parameters in matrix products",
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = device.replace("NVIDIA ", "").replace(" ", "-").lower()
-    path = out / f"{args.name}-{slug}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
-    print(f"wrote {path}")
+    write_result(args.name, result, args.out)
     return 0
 
 

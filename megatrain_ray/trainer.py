@@ -147,6 +147,8 @@ class Trainer:
         self.actor_names: list[str] = []
         self.actor_pids: list[int] = []
         self.restarts = 0
+        self.restart_events: list[dict[str, Any]] = []
+        """One entry per automatic restart: who died, when it was noticed, how long the restart took."""
         self.stop_signal: int | None = None
         """Set by a signal handler: the run saves a checkpoint after the current step and stops."""
         self._pending_save: tuple[int, int, Path, float] | None = None
@@ -375,18 +377,24 @@ class Trainer:
 
     def _recover(self, exc: ActorFailedError) -> None:
         dead = ", ".join(n.removeprefix(f"megatrain-{self.run_id}-") for n in exc.failures) or "an actor"
+        if self._pending_save is not None:  # its snapshot predates the failure: complete it if its writers live
+            try:
+                self._finish_save()
+            except Exception as failed:  # noqa: BLE001 (a dead shard): the previous checkpoint stands
+                log.warning("the checkpoint in flight is lost: %s", str(failed).splitlines()[0])
+                self._pending_save = None
         last = self.checkpoints.latest()
         where = f"{last.directory} (step {last.step})" if last else "none yet (a restart begins at step 0)"
+        noticed = self.next_step
         if self.restarts >= self.cfg.fault.max_restarts:
-            raise ActorFailedError(f"{dead} died, noticed at step {self.next_step} ({str(exc).splitlines()[0]}). "
+            raise ActorFailedError(f"{dead} died, noticed at step {noticed} ({str(exc).splitlines()[0]}). "
                                    f"Last good checkpoint: {where}. "
                                    f"Resume with: megatrain train {self.config_path} --resume auto", exc.failures) \
                 from exc
         self.restarts += 1
-        log.error("%s died, noticed at step %d; restart %d of %d from checkpoint %s", dead, self.next_step, self.restarts,
+        log.error("%s died, noticed at step %d; restart %d of %d from checkpoint %s", dead, noticed, self.restarts,
                   self.cfg.fault.max_restarts, where)
         t0 = time.perf_counter()
-        self._pending_save = None
         self._teardown_actors()
         self.restore = last
         self.next_step = last.step if last else 0
@@ -397,7 +405,10 @@ class Trainer:
         self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self.run_id = self._new_run_id()
         self._spawn_actors()
-        log.info("restarted in %.1f s; continuing at step %d", time.perf_counter() - t0, self.next_step)
+        seconds = time.perf_counter() - t0
+        self.restart_events.append({"dead": dead, "noticed_at_step": noticed, "resumed_at_step": self.next_step,
+                                    "restart_seconds": seconds})
+        log.info("restarted in %.1f s; continuing at step %d", seconds, self.next_step)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,0 +1,49 @@
+"""What every benchmark script shares: the commit measured and the results file."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def git_commit() -> str:
+    """The commit measured: MEGATRAIN_COMMIT when set (the GPU machine gets a copy of the tree without
+    .git), else git's HEAD, marked -dirty when tracked files differ from it."""
+    if os.environ.get("MEGATRAIN_COMMIT"):
+        return os.environ["MEGATRAIN_COMMIT"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=False).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=False).stdout.strip()
+        return commit + ("-dirty" if dirty else "") if len(commit) == 40 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def provenance(device: str) -> dict[str, Any]:
+    return {"device": device, "host": socket.gethostname(), "cpu_count": os.cpu_count(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version()}
+
+
+def write_result(name: str, result: dict[str, Any], out: str | Path = RESULTS) -> Path:
+    """benchmarks/results/<name>-<device>-<time>.json, written atomically."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = result.get("device", "unknown").replace("NVIDIA ", "").replace(" ", "-").lower()
+    path = out / f"{name}-{slug}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return path
