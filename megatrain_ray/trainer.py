@@ -26,6 +26,7 @@ from actors.optimizer_worker import OptimizerWorker
 from megatrain_ray.config import Config, config_to_yaml
 from megatrain_ray.data import TokenBatches
 from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.health import HealthMonitor, monitor_actors
 from megatrain_ray.host import HostStore, SegmentSpec, check_capacity, plan_segments, shard_stages
 from megatrain_ray.log import get_logger
 from megatrain_ray.metrics import (
@@ -38,23 +39,11 @@ from megatrain_ray.metrics import (
 )
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.optim import lr_at
+from megatrain_ray.placement import RunPlacement
+from megatrain_ray.ray_metrics import ray_metrics_for
 from megatrain_ray.runtime import Handle, spawn, start_ray
 
 log = get_logger(__name__)
-
-
-def optimizer_cores(num_workers: int, cores: list[int]) -> list[list[int]]:
-    """Disjoint core sets, one per worker; two cores stay free for the GPU worker on larger boxes."""
-    if len(cores) >= 8:
-        cores = cores[2:]
-    if num_workers >= len(cores):
-        return [[cores[w % len(cores)]] for w in range(num_workers)]
-    per = len(cores) // num_workers
-    return [cores[w * per:(w + 1) * per] for w in range(num_workers)]
-
-
-def resolve_workers(requested: int) -> int:
-    return requested or max(1, len(os.sched_getaffinity(0)) // 4)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -100,6 +89,8 @@ class Trainer:
         self.specs: list[SegmentSpec] = []
         self._started_ray = False
         self._metrics: MetricsWriter | None = None
+        self.placement: RunPlacement | None = None
+        self.health: HealthMonitor | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -122,28 +113,36 @@ class Trainer:
             num_gpus = 1 if has_gpu and cfg.engine.device != "cpu" else 0
         t0 = time.perf_counter()
         tag = f"megatrain-{self.run_id}"
-        self.shards = [spawn(mode, HostShard, cfg, self.layout, self.run_id, k, stages, name=f"{tag}-host{k}")
+        self.placement = placement = RunPlacement(cfg, use_gpu=num_gpus > 0)
+        self.shards = [spawn(mode, HostShard, cfg, self.layout, self.run_id, k, stages, *placement.shard_binding(k),
+                             name=f"{tag}-host{k}", ray_options=placement.options(f"host{k}"))
                        for k, stages in enumerate(self.stage_groups)]
         for shard in self.shards:
             self.specs.extend(shard.call("segments").result())
         log.info("host store ready: %.2f GiB in %d segments (%.1f s)",
                  sum(s.nbytes for s in self.specs) / 2**30, len(self.specs), time.perf_counter() - t0)
-        workers = resolve_workers(cfg.optimizer.workers)
-        core_sets = optimizer_cores(workers, sorted(os.sched_getaffinity(0))) if mode == "ray" else [[]] * workers
-        self.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, self.specs, w, workers, core_sets[w],
-                                 name=f"{tag}-optim{w}") for w in range(workers)]
-        log.info("%d optimizer worker(s), cores %s", workers, core_sets)
+        workers = placement.num_workers
+        self.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, self.specs, w, workers,
+                                 placement.worker_cores(w), name=f"{tag}-optim{w}",
+                                 ray_options=placement.options(f"optim{w}")) for w in range(workers)]
         self.gpu = spawn(mode, GPUWorker, cfg, self.layout, self.specs, self.optimizers, name=f"{tag}-gpu",
-                         num_gpus=num_gpus)
+                         num_gpus=num_gpus, ray_options=placement.options("gpu"))
         self.device_name = self.gpu.call("device_name").result()
         self.actor_pids = [h.call("pid").result() for h in (*self.shards, *self.optimizers, self.gpu)]
-        self._metrics = MetricsWriter(metrics_path)
+        exporter = ray_metrics_for(mode, self.run_id, f"{cfg.model.family}-{self.layout.num_params / 1e9:.2f}B")
+        self._metrics = MetricsWriter(metrics_path, exporter)
+        self.health = monitor_actors(cfg.runtime.heartbeat_interval_s if mode == "ray" else 0,
+                                     cfg.runtime.heartbeat_timeout_s, self.actor_handles(),
+                                     exporter.heartbeat_age if exporter else None)
         log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s", self.run_id, cfg.model.family,
                  self.layout.num_params / 1e9, cfg.data.tokens_per_step, self.device_name, self.run_dir)
         return self
 
     def close(self) -> None:
         """Wait for the last updates, stop the actors, remove the segments (also after errors)."""
+        if self.health is not None:
+            self.health.stop()
+            self.health = None
         try:
             if self.gpu is not None:
                 self.gpu.call("shutdown").result()
@@ -156,6 +155,9 @@ class Trainer:
             for handle in [*([self.gpu] if self.gpu else []), *self.optimizers, *self.shards]:
                 handle.kill()
             self.gpu, self.optimizers, self.shards = None, [], []
+            if self.placement is not None:
+                self.placement.close()
+                self.placement = None
             if self._metrics:
                 self._metrics.close()
                 self._metrics = None
@@ -164,6 +166,14 @@ class Trainer:
 
                 ray.shutdown()
                 self._started_ray = False
+
+    def actor_handles(self) -> dict[str, Handle]:
+        """Every actor by its short name: host<k>, optim<w>, gpu."""
+        handles: dict[str, Handle] = {f"host{k}": h for k, h in enumerate(self.shards)}
+        handles.update({f"optim{w}": h for w, h in enumerate(self.optimizers)})
+        if self.gpu is not None:
+            handles["gpu"] = self.gpu
+        return handles
 
     def __enter__(self) -> "Trainer":
         return self.start()
