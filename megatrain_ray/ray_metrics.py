@@ -67,6 +67,11 @@ class RayMetrics:
         self.heartbeat.set(seconds, tags={"actor": actor})
 
 
-def ray_metrics_for(mode: str, run: str, model: str) -> RayMetrics | None:
+def model_tag(family: str, num_params: int) -> str:
+    """The `model` tag: family and size, e.g. llama-3.50B or llama-0.8M."""
+    return f"{family}-{num_params / 1e9:.2f}B" if num_params >= 1e9 else f"{family}-{num_params / 1e6:.1f}M"
+
+
+def ray_metrics_for(mode: str, run: str, family: str, num_params: int) -> RayMetrics | None:
     """The run's Ray metrics, or None in-process (runtime.mode=local), where there is no Ray to export to."""
-    return RayMetrics(run, model) if mode == "ray" else None
+    return RayMetrics(run, model_tag(family, num_params)) if mode == "ray" else None

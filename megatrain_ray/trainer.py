@@ -129,7 +129,7 @@ class Trainer:
                          num_gpus=num_gpus, ray_options=placement.options("gpu"))
         self.device_name = self.gpu.call("device_name").result()
         self.actor_pids = [h.call("pid").result() for h in (*self.shards, *self.optimizers, self.gpu)]
-        exporter = ray_metrics_for(mode, self.run_id, f"{cfg.model.family}-{self.layout.num_params / 1e9:.2f}B")
+        exporter = ray_metrics_for(mode, self.run_id, cfg.model.family, self.layout.num_params)
         self._metrics = MetricsWriter(metrics_path, exporter)
         self.health = monitor_actors(cfg.runtime.heartbeat_interval_s if mode == "ray" else 0,
                                      cfg.runtime.heartbeat_timeout_s, self.actor_handles(),
