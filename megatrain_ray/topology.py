@@ -98,17 +98,13 @@ def parse_cpulist(text: str) -> list[int]:
 
 def format_cpus(cpus: tuple[int, ...] | list[int]) -> str:
     """The inverse of parse_cpulist, for log lines."""
-    out, run = [], []
+    runs: list[list[int]] = []
     for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out) or "-"
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "-"
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
