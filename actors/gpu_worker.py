@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from actors.base import ActorBase
 from megatrain_ray.config import Config
 from megatrain_ray.engine.stream_engine import StreamEngine
 from megatrain_ray.host import HostStore, SegmentSpec
@@ -27,7 +28,7 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-class GPUWorker:
+class GPUWorker(ActorBase):
     def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any]):
         init_logger("gpu")
         self.device = resolve_device(cfg.engine.device)
@@ -51,9 +52,6 @@ class GPUWorker:
 
     def flush(self) -> float:
         return self.engine.flush()
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"

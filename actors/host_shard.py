@@ -11,19 +11,25 @@ from typing import Callable
 
 import torch
 
+from actors.base import ActorBase
 from megatrain_ray.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
 from megatrain_ray.config import Config
 from megatrain_ray.host import HostStore, SegmentSpec, create_segment, init_stage, plan_segments, unlink_segment
 from megatrain_ray.log import get_logger, init_logger
 from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.topology import bind_process
 
 log = get_logger(__name__)
 
 
-class HostShard:
+class HostShard(ActorBase):
     def __init__(self, cfg: Config, layout: ModelLayout, run_id: str, shard: int, stages: list[int],
-                 restore: CheckpointInfo | None = None):
+                 cores: tuple[int, ...] = (), numa_node: int | None = None, restore: CheckpointInfo | None = None):
+        """`cores` and `numa_node` (Ray mode; see topology.plan_placement) bind the shard and the pages
+        it first touches to its node before any segment exists; in-process nothing is bound. `restore`
+        fills the segments from a checkpoint instead of the random initialisation."""
         init_logger(f"host{shard}")
+        binding = bind_process(cores, numa_node) if cores else "not bound (in-process)"
         self.shard = shard
         self.layout = layout
         self.stages = stages
@@ -49,8 +55,8 @@ class HostShard:
             self.shutdown()
             raise
         gib = sum(s.nbytes for s in self.specs) / 2**30
-        log.info("shard %d: %d stages, %d segments, %.2f GiB in %s", shard, len(stages), len(self.specs), gib,
-                 cfg.host.shm_dir)
+        log.info("shard %d: %d stages, %d segments, %.2f GiB in %s; %s", shard, len(stages), len(self.specs), gib,
+                 cfg.host.shm_dir, binding)
 
     def _each_stage(self, what: str, fill: Callable[[int], None]) -> None:
         """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress."""
@@ -94,9 +100,6 @@ class HostShard:
 
     def segments(self) -> list[SegmentSpec]:
         return self.specs
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def read_tensors(self, layout: ModelLayout, kind: str = "master") -> dict[str, torch.Tensor]:
         return self.store.read_tensors(layout, kind)  # type: ignore[arg-type]

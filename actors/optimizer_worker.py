@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
+from actors.base import ActorBase
 from megatrain_ray.checkpoint import wait_for_gate
 from megatrain_ray.config import Config
 from megatrain_ray.host import TORCH_DTYPES, HostStore, SegmentSpec
@@ -14,6 +14,7 @@ from megatrain_ray.log import get_logger, init_logger
 from megatrain_ray.messages import UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.optim import FlatAdamW, split_span
+from megatrain_ray.topology import bind_process
 
 log = get_logger(__name__)
 
@@ -27,13 +28,12 @@ def pin_to_cores(cores: list[int]) -> int:
     """
     if not cores:
         return 1
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
+    bind_process(cores)
     torch.set_num_threads(1)
     return len(cores)
 
 
-class OptimizerWorker:
+class OptimizerWorker(ActorBase):
     def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], index: int, num_workers: int,
                  cores: list[int]):
         init_logger(f"optim{index}")
@@ -70,5 +70,3 @@ class OptimizerWorker:
         return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start,
                           (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply))
 
-    def pid(self) -> int:
-        return os.getpid()

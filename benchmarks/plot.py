@@ -14,10 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from megatrain_ray.plot import Line, line_chart
 
 COLORS = {"megatrain": "tab:blue", "megatrain-noclip": "tab:cyan", "resident": "tab:green", "deepspeed": "tab:red"}
 
@@ -28,44 +27,24 @@ def ok(rows):
 
 def throughput_plot(result: dict, path: Path) -> None:
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for depth in sorted({r["layers"] for r in rows}):
-        for system in COLORS:
-            pts = sorted((r["tokens_per_step"], r["tok_per_s"]) for r in ok(rows)
-                         if r["system"] == system and r["layers"] == depth)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=COLORS[system], label=f"{system} ({depth} layers)",
-                        linestyle="-" if depth == max(r["layers"] for r in rows) else "--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per step")
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"{result['config']} on {result['device']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    deepest = max(r["layers"] for r in rows)
+    lines = [Line(f"{system} ({depth} layers)", [(r["tokens_per_step"], r["tok_per_s"]) for r in ok(rows)
+                                                 if r["system"] == system and r["layers"] == depth],
+                  color, "-" if depth == deepest else "--")
+             for depth in sorted({r["layers"] for r in rows}) for system, color in COLORS.items()]
+    line_chart(path, [line for line in lines if line.points], "tokens per step", "tokens / s",
+               f"{result['config']} on {result['device']}", log2_x=True)
 
 
 def depth_plot(result: dict, path: Path) -> bool:
     rows = ok(result["rows"])
     if len({r["layers"] for r in rows}) < 2:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for system in COLORS:
-        for tokens in sorted({r["tokens_per_step"] for r in rows if r["system"] == system}):
-            pts = sorted((r["layers"], r["tflops"]) for r in rows if r["system"] == system
-                         and r["tokens_per_step"] == tokens)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=COLORS[system], label=f"{system}, {tokens} tok/step")
-    ax.set_xlabel("layers")
-    ax.set_ylabel("model TFLOPS")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    lines = [Line(f"{system}, {tokens} tok/step", [(r["layers"], r["tflops"]) for r in rows
+                                                  if r["system"] == system and r["tokens_per_step"] == tokens], color)
+             for system, color in COLORS.items()
+             for tokens in sorted({r["tokens_per_step"] for r in rows if r["system"] == system})]
+    line_chart(path, [line for line in lines if line.points], "layers", "model TFLOPS", y_from_zero=True)
     return True
 
 

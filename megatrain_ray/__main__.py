@@ -3,6 +3,8 @@
     megatrain train configs/tiny.yaml [--set optimizer.lr=1e-3 ...] [--address ADDR] [--local] [--resume auto|DIR]
     megatrain plan configs/tiny.yaml [--set ...]        # memory needed against what this machine has
     megatrain config configs/tiny.yaml [--set ...]      # print the resolved config
+    megatrain plot runs/tiny [--out DIR]                # loss and throughput curves to PNG
+    megatrain resources                                 # NUMA resources for `ray start --resources`
 
 Exit codes: 0 done; 2 bad input or a failure with its message; 130/143 stopped by SIGINT/SIGTERM
 (after saving a checkpoint).
@@ -11,8 +13,10 @@ Exit codes: 0 done; 2 bad input or a failure with its message; 130/143 stopped b
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
+from pathlib import Path
 
 from megatrain_ray.config import Config, config_to_yaml, load_config
 from megatrain_ray.exceptions import MegatrainError
@@ -87,7 +91,26 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "config": cmd_config}
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw a run's loss and throughput (tok/s, model TFLOPS) curves from its metrics.jsonl to PNG."""
+    from megatrain_ray.plot import plot_run
+
+    for path in plot_run(Path(args.run_dir), Path(args.out) if args.out else None):
+        log.info("wrote %s", path)
+    return 0
+
+
+def cmd_resources(args: argparse.Namespace) -> int:
+    """Print this machine's NUMA nodes as Ray custom resources, for `ray start --head --resources=...`."""
+    from megatrain_ray.placement import numa_resources
+    from megatrain_ray.topology import detect_topology
+
+    sys.stdout.write(json.dumps(numa_resources(detect_topology())) + "\n")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "config": cmd_config, "plot": cmd_plot,
+            "resources": cmd_resources}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
+        if name == "plot":
+            p.add_argument("run_dir", help="run directory holding metrics.jsonl (train.output_dir)")
+            p.add_argument("--out", help="directory for the PNG files (default: the run directory)")
+        if name not in ("train", "plan", "config"):
+            continue
         p.add_argument("config", help="YAML config file (see configs/)")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="override a config key, e.g. --set optimizer.lr=1e-4 (repeatable)")

@@ -177,8 +177,11 @@ class OptimizerConfig:
     grad_clip: float = 1.0
     """Exact global gradient-norm clipping threshold; 0 turns clipping off. With clipping on, updates
     wait for the whole backward and then run in layer order, overlapped with the next forward."""
-    workers: int = 1
-    """Number of OptimizerWorker actors; each owns a slice of every layer. 0 means one per 4 cores."""
+    workers: int | Literal["auto"] = "auto"
+    """Number of OptimizerWorker actors; each owns a slice of every layer and pins itself to its own
+    cores. auto: min(4, usable cores // 2) on every NUMA node (CPU AdamW is bound by DRAM bandwidth,
+    so more workers on one socket add no throughput; see megatrain_ray/topology.py). The choice and
+    the core map are logged at start."""
     kernel: Literal["auto", "native", "torch"] = "auto"
     """native: a one-pass C++ AdamW (compiled on first use, cached in ~/.cache/megatrain_ray) that reads
     the bf16 or fp32 gradient and writes the bf16 streaming copy in the same pass; torch: torch's fused
@@ -200,8 +203,8 @@ class OptimizerConfig:
             _fail(f"{s}.weight_decay", self.weight_decay, "must be >= 0")
         if self.grad_clip < 0:
             _fail(f"{s}.grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
-        if self.workers < 0:
-            _fail(f"{s}.workers", self.workers, "must be >= 0 (0 picks from the core count)")
+        if self.workers != "auto" and self.workers < 1:
+            _fail(f"{s}.workers", self.workers, "must be >= 1, or auto to pick from the cores and NUMA nodes")
         if self.chunk_elems < 1024:
             _fail(f"{s}.chunk_elems", self.chunk_elems, "must be >= 1024")
 
@@ -316,10 +319,19 @@ class RuntimeConfig:
     """Start the Ray dashboard with a private local Ray (127.0.0.1 only)."""
     object_store_mb: int = 512
     """Object store of a private local Ray. Bulk tensors never go through it, so it stays small."""
+    heartbeat_interval_s: float = 5.0
+    """Seconds between health checks of the actors (Ray mode); 0 turns them off."""
+    heartbeat_timeout_s: float = 30.0
+    """An actor that has not answered a heartbeat for this long is logged as slow, by name."""
 
     def __post_init__(self) -> None:
         if self.object_store_mb < 64:
             _fail("runtime.object_store_mb", self.object_store_mb, "must be >= 64")
+        if self.heartbeat_interval_s < 0:
+            _fail("runtime.heartbeat_interval_s", self.heartbeat_interval_s, "must be >= 0 (0 turns checks off)")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            _fail("runtime.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                  f"must exceed runtime.heartbeat_interval_s={self.heartbeat_interval_s}")
 
 
 @dataclass(kw_only=True, slots=True)

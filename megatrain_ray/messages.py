@@ -58,3 +58,14 @@ class StepResult:
     skipped: bool = False
     """True when the gradients were not finite and the update was dropped."""
     gpu_peak_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ActorStatus:
+    """An actor's answer to heartbeat(): alive, and where it runs."""
+
+    pid: int
+    cores: tuple[int, ...]
+    """The CPUs the process may run on (os.sched_getaffinity), i.e. its pinning."""
+    resources: dict[str, float]
+    """Ray resources assigned to the actor (its placement-group bundle); empty in-process."""

@@ -31,6 +31,7 @@ from megatrain_ray.config import DTYPE_BYTES, Config
 from megatrain_ray.exceptions import ConfigError, HostMemoryError
 from megatrain_ray.host import grad_dtype, grad_home, plan_segments, shard_stages
 from megatrain_ray.model.layout import build_layout
+from megatrain_ray.topology import detect_topology, plan_placement
 
 GiB = 2**30
 PROCESS_BYTES = int(0.35 * GiB)
@@ -190,7 +191,7 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
             plan.host[spec.kind] = plan.host.get(spec.kind, 0) + spec.nbytes
     pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if cfg.precision.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
-    workers = cfg.optimizer.workers or max(1, len(os.sched_getaffinity(0)) // 4)
+    workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards).workers)
     plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + GPU_PROCESS_BYTES
     plan.gpu = gpu_bytes(cfg)
     _check(plan)

@@ -25,6 +25,9 @@ log = get_logger(__name__)
 # dashboard, metrics) then binds 127.0.0.1 instead of the host's routable address. An internal
 # Ray switch, guarded by tests/test_runtime.py, which lists the listening sockets.
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Concurrency group of every actor's heartbeat(), apart from its default group (one thread, so
+# the calls that touch its state run in order): a health check answers during a long step.
+HEALTH_GROUP = "health"
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -37,6 +40,12 @@ class LocalHandle:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
         return self._thread.submit(getattr(self.instance, method), *args, **kwargs)
 
+    def heartbeat(self) -> Future:
+        """Answered at once, beside whatever the actor's thread is doing (as Ray's health group)."""
+        future: Future = Future()
+        future.set_result(self.instance.heartbeat())
+        return future
+
     def kill(self) -> None:
         self._thread.shutdown(wait=True)
 
@@ -44,6 +53,11 @@ class LocalHandle:
 class RayFuture:
     def __init__(self, ref: Any, actor: str, method: str):
         self.ref, self.actor, self.method = ref, actor, method
+
+    def done(self) -> bool:
+        import ray
+
+        return bool(ray.wait([self.ref], timeout=0)[0])
 
     def result(self, timeout: float | None = None) -> Any:
         import ray
@@ -66,6 +80,11 @@ class RayHandle:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> RayFuture:
         return RayFuture(getattr(self.actor, method).remote(*args, **kwargs), self.name, method)
+
+    def heartbeat(self) -> RayFuture:
+        """Runs in the actor's `health` concurrency group: it answers while a long call is busy."""
+        ref = self.actor.heartbeat.options(concurrency_group=HEALTH_GROUP).remote()
+        return RayFuture(ref, self.name, "heartbeat")
 
     def kill(self) -> None:
         import ray
@@ -96,10 +115,12 @@ def tighten_token_file() -> None:
         token.chmod(0o600)
 
 
-def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None) -> bool:
+def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[str, float] | None = None) -> bool:
     """Attach to a running cluster, or start a private one on 127.0.0.1 with token auth.
 
-    Returns True when this call started Ray (the caller then shuts it down).
+    A private Ray declares `resources`, by default one `numa_node_<i>` resource per NUMA node
+    of this machine (megatrain_ray/placement.py). Returns True when this call started Ray (the
+    caller then shuts it down).
     """
     address = _running_cluster_address(cfg)
     if "ray" not in sys.modules and address is None:
@@ -123,24 +144,34 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None) -> bool:
     ray_constants.ENABLE_RAY_CLUSTER = False  # if Ray was imported before the switch was set
     # Token auth: Ray 2.60 turns it on by default for a new local cluster (unless RAY_AUTH_MODE says
     # otherwise) and writes ~/.ray/auth_token when there is none.
+    if resources is None:
+        from megatrain_ray.placement import numa_resources
+        from megatrain_ray.topology import detect_topology
+
+        resources = numa_resources(detect_topology())
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         address="local", include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1",
         object_store_memory=cfg.object_store_mb * 2**20, num_gpus=num_gpus, log_to_driver=True,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        resources=resources, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
     )
     tighten_token_file()
-    log.info("started a private Ray on 127.0.0.1 (token auth on)")
+    log.info("started a private Ray on 127.0.0.1 (token auth on), resources %s", resources)
     return True
 
 
-def spawn(mode: str, cls: type, *args: Any, name: str, num_gpus: float = 0, **kwargs: Any) -> Handle:
-    """Create an actor of `cls` in Ray or in this process."""
+def spawn(mode: str, cls: type, *args: Any, name: str, num_gpus: float = 0, ray_options: dict[str, Any] | None = None,
+          **kwargs: Any) -> Handle:
+    """Create an actor of `cls` in Ray or in this process.
+
+    `ray_options` (from placement.RayPlacement.options) places it in its bundle; without them it
+    asks for no CPU: Ray's CPU count is bookkeeping, not pinning, and workers pin their own cores.
+    """
     if mode == "local":
         return LocalHandle(cls(*args, **kwargs), name)
     import ray
 
-    # num_cpus=0: Ray's CPU count is bookkeeping, not pinning; workers pin their own cores.
-    actor = ray.remote(cls).options(name=name, num_cpus=0, num_gpus=num_gpus, max_restarts=0,
-                                    namespace="megatrain").remote(*args, **kwargs)
+    options = {"num_cpus": 0, "num_gpus": num_gpus, **(ray_options or {})}
+    remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)
+    actor = remote_cls.options(name=name, max_restarts=0, namespace="megatrain", **options).remote(*args, **kwargs)
     return RayHandle(actor, name)

@@ -37,6 +37,7 @@ from megatrain_ray.checkpoint import (
 from megatrain_ray.config import Config, config_to_yaml, parse_drill
 from megatrain_ray.data import TokenBatches
 from megatrain_ray.exceptions import ActorFailedError, CheckpointError, ConfigError, NonFiniteError
+from megatrain_ray.health import HealthMonitor, monitor_actors
 from megatrain_ray.host import HostStore, SegmentSpec, shard_stages, unlink_segment
 from megatrain_ray.log import get_logger
 from megatrain_ray.metrics import (
@@ -49,24 +50,12 @@ from megatrain_ray.metrics import (
 )
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.optim import lr_at
+from megatrain_ray.placement import RunPlacement
 from megatrain_ray.plan import check_plan
+from megatrain_ray.ray_metrics import RayMetrics, ray_metrics_for
 from megatrain_ray.runtime import Handle, spawn, start_ray
 
 log = get_logger(__name__)
-
-
-def optimizer_cores(num_workers: int, cores: list[int]) -> list[list[int]]:
-    """Disjoint core sets, one per worker; two cores stay free for the GPU worker on larger boxes."""
-    if len(cores) >= 8:
-        cores = cores[2:]
-    if num_workers >= len(cores):
-        return [[cores[w % len(cores)]] for w in range(num_workers)]
-    per = len(cores) // num_workers
-    return [cores[w * per:(w + 1) * per] for w in range(num_workers)]
-
-
-def resolve_workers(requested: int) -> int:
-    return requested or max(1, len(os.sched_getaffinity(0)) // 4)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -152,8 +141,13 @@ class Trainer:
         self.stop_signal: int | None = None
         """Set by a signal handler: the run saves a checkpoint after the current step and stops."""
         self._pending_save: tuple[int, int, Path, float] | None = None
+        self.placement: RunPlacement | None = None
+        self.health: HealthMonitor | None = None
+        self._exporter: RayMetrics | None = None
         self._started_ray = False
         self._metrics: MetricsWriter | None = None
+        self.placement: RunPlacement | None = None
+        self.health: HealthMonitor | None = None
 
     @staticmethod
     def _new_run_id() -> str:
@@ -182,13 +176,14 @@ class Trainer:
                               "continue it with --resume auto, or choose another train.output_dir")
         if cfg.runtime.mode == "ray":
             self._started_ray = start_ray(cfg.runtime)
+        self._exporter = ray_metrics_for(cfg.runtime.mode, self.run_id, cfg.model.family, self.layout.num_params)
         self._spawn_actors()  # a checkpoint that fails its checks stops here, before the run directory changes
         if self.restore is not None:
             restore_rng(self.restore.manifest["rng"])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.yaml", config_to_yaml(cfg))
         truncate_metrics(metrics_path, self.next_step)
-        self._metrics = MetricsWriter(metrics_path)
+        self._metrics = MetricsWriter(metrics_path, self._exporter)
         log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s%s", self.run_id, cfg.model.family,
                  self.layout.num_params / 1e9, cfg.data.tokens_per_step, self.device_name, self.run_dir,
                  f", resuming at step {self.next_step} from {self.restore.directory}" if self.restore else "")
@@ -206,27 +201,42 @@ class Trainer:
             num_gpus = 1 if has_gpu and cfg.engine.device != "cpu" else 0
         t0 = time.perf_counter()
         tag = f"megatrain-{self.run_id}"
-        self.shards = [spawn(mode, HostShard, cfg, self.layout, self.run_id, k, stages, self.restore,
-                             name=f"{tag}-host{k}") for k, stages in enumerate(self.stage_groups)]
+        self.placement = placement = RunPlacement(cfg, use_gpu=num_gpus > 0)
+        self.shards = [spawn(mode, HostShard, cfg, self.layout, self.run_id, k, stages, *placement.shard_binding(k),
+                             restore=self.restore, name=f"{tag}-host{k}", ray_options=placement.options(f"host{k}"))
+                       for k, stages in enumerate(self.stage_groups)]
         self.specs = []
         for shard in self.shards:
             self.specs.extend(shard.call("segments").result())
         log.info("host store ready: %.2f GiB in %d segments (%.1f s)",
                  sum(s.nbytes for s in self.specs) / 2**30, len(self.specs), time.perf_counter() - t0)
-        workers = resolve_workers(cfg.optimizer.workers)
-        core_sets = optimizer_cores(workers, sorted(os.sched_getaffinity(0))) if mode == "ray" else [[]] * workers
-        self.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, self.specs, w, workers, core_sets[w],
-                                 name=f"{tag}-optim{w}") for w in range(workers)]
-        log.info("%d optimizer worker(s), cores %s", workers, core_sets)
+        workers = placement.num_workers
+        self.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, self.specs, w, workers,
+                                 placement.worker_cores(w), name=f"{tag}-optim{w}",
+                                 ray_options=placement.options(f"optim{w}")) for w in range(workers)]
         self.gpu = spawn(mode, GPUWorker, cfg, self.layout, self.specs, self.optimizers, name=f"{tag}-gpu",
-                         num_gpus=num_gpus)
+                         num_gpus=num_gpus, ray_options=placement.options("gpu"))
         self.device_name = self.gpu.call("device_name").result()
-        handles = [*self.shards, *self.optimizers, self.gpu]
-        self.actor_names = [h.name.removeprefix(tag + "-") for h in handles]
-        self.actor_pids = [h.call("pid").result() for h in handles]
+        handles = self.actor_handles()
+        self.actor_names = list(handles)
+        self.actor_pids = [h.call("pid").result() for h in handles.values()]
+        self.health = monitor_actors(cfg.runtime.heartbeat_interval_s if mode == "ray" else 0,
+                                     cfg.runtime.heartbeat_timeout_s, handles,
+                                     self._exporter.heartbeat_age if self._exporter else None)
+
+    def actor_handles(self) -> dict[str, Handle]:
+        """Every actor by its short name: host<k>, optim<w>, gpu."""
+        handles: dict[str, Handle] = {f"host{k}": h for k, h in enumerate(self.shards)}
+        handles.update({f"optim{w}": h for w, h in enumerate(self.optimizers)})
+        if self.gpu is not None:
+            handles["gpu"] = self.gpu
+        return handles
 
     def _teardown_actors(self) -> None:
         """Stop the actors and remove the segments, tolerating actors that already died."""
+        if self.health is not None:
+            self.health.stop()
+            self.health = None
         try:
             if self.gpu is not None:
                 self.gpu.call("shutdown").result()
@@ -242,6 +252,9 @@ class Trainer:
         for spec in self.specs:  # segments of a shard that died
             unlink_segment(spec)
         self.gpu, self.optimizers, self.shards = None, [], []
+        if self.placement is not None:
+            self.placement.close()
+            self.placement = None
 
     def close(self) -> None:
         """Finish a checkpoint in flight, stop the actors, remove the segments (also after errors)."""
@@ -402,7 +415,7 @@ class Trainer:
         if self._metrics:
             self._metrics.close()
         truncate_metrics(self.run_dir / "metrics.jsonl", self.next_step)
-        self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl", self._exporter)
         self.run_id = self._new_run_id()
         self._spawn_actors()
         seconds = time.perf_counter() - t0

@@ -1,0 +1,268 @@
+"""CPU topology and the plan that places the actors on it.
+
+`detect_topology` reads the NUMA nodes and their CPUs from sysfs, keeps the CPUs this process
+may use (affinity, i.e. the cpuset) and trims them to the cgroup's CPU quota; without sysfs
+NUMA information everything is one node. `plan_placement` turns a topology into a core map:
+which optimizer worker runs on which node and cores, which node each HostShard binds its
+memory to, and which cores stay free for the GPU worker and the shards.
+
+Why few optimizer workers: CPU AdamW is bound by DRAM bandwidth, not by cores. Measured on
+the GPU machines (one NUMA node): 4.2 G params/s on 16 cores and 6.2 on 32, flat from 1 to 16
+worker processes (DESIGN.md section 3). On one socket more workers only add messages per
+stage; what helps is overlap with the GPU, which a few workers already give. Across sockets
+each socket's memory channels add bandwidth, so `auto` puts workers on every node:
+min(4, usable cores // 2) per node, each worker on its own disjoint cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatrain_ray.log import get_logger
+
+log = get_logger(__name__)
+
+NODE_SYSFS = Path("/sys/devices/system/node")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Cores kept free for the GPU worker (its launch thread and copy bookkeeping) and the host
+# shards on the GPU's node, on nodes large enough to spare them.
+RESERVED_CORES = 2
+RESERVE_FROM_CORES = 8
+MAX_AUTO_WORKERS_PER_NODE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class NumaNode:
+    index: int
+    cpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    nodes: tuple[NumaNode, ...]
+    source: str
+    """Where the nodes came from: the sysfs directory read, or why it fell back to one node."""
+
+    @property
+    def num_cpus(self) -> int:
+        return sum(len(n.cpus) for n in self.nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """One optimizer worker: its NUMA node and the cores it pins itself to."""
+
+    index: int
+    node: int
+    cores: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The core map of a run (logged at start; Ray bundles are built from it)."""
+
+    topology: Topology
+    workers: tuple[WorkerSlot, ...]
+    shard_nodes: tuple[int, ...]
+    """NUMA node whose memory HostShard k binds its segments to."""
+    gpu_node: int
+    gpu_cores: tuple[int, ...]
+    """Cores the GPU worker and the host shards of the GPU's node run on: the reserved ones, or
+    the whole node when it is too small to reserve any."""
+    workers_reason: str
+    shared_cores: bool = field(default=False)
+    """More workers than usable cores: some workers share a core (allowed, slower)."""
+
+    def summary(self) -> str:
+        nodes = ", ".join(f"node {n.index}: cpus {format_cpus(n.cpus)}" for n in self.topology.nodes)
+        workers = "; ".join(f"optim{w.index} -> node {w.node} cpus {format_cpus(w.cores)}" for w in self.workers)
+        shards = ", ".join(f"host{k} -> node {n}" for k, n in enumerate(self.shard_nodes))
+        return (f"topology ({self.topology.source}): {nodes}. {len(self.workers)} optimizer worker(s) "
+                f"({self.workers_reason}): {workers}. GPU worker: node {self.gpu_node} cpus "
+                f"{format_cpus(self.gpu_cores)}. {shards}")
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the sysfs and cpuset list format)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def format_cpus(cpus: tuple[int, ...] | list[int]) -> str:
+    """The inverse of parse_cpulist, for log lines."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "-"
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
+    """CPUs the cgroup's quota allows (cgroup v2 cpu.max or v1 cfs quota), None when unlimited."""
+    candidates = [(root / "cpu.max", None), (root / "cpu" / "cpu.cfs_quota_us", root / "cpu" / "cpu.cfs_period_us"),
+                  (root / "cpu,cpuacct" / "cpu.cfs_quota_us", root / "cpu,cpuacct" / "cpu.cfs_period_us")]
+    for quota_file, period_file in candidates:
+        try:
+            if period_file is None:
+                quota, period = quota_file.read_text().split()[:2]
+            else:
+                quota, period = quota_file.read_text().strip(), period_file.read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+    return None
+
+
+def detect_topology(root: Path | None = None, allowed: set[int] | None = None,
+                    cgroup_root: Path | None = None) -> Topology:
+    """NUMA nodes with the CPUs this process may use; one node when sysfs says nothing.
+
+    `root`, `allowed` and `cgroup_root` exist for tests (a fake sysfs tree); by default they
+    are /sys/devices/system/node, os.sched_getaffinity(0) and /sys/fs/cgroup.
+    """
+    root = root or NODE_SYSFS
+    allowed = allowed if allowed is not None else set(os.sched_getaffinity(0))
+    nodes = []
+    for node_dir in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            cpus = [c for c in parse_cpulist((node_dir / "cpulist").read_text()) if c in allowed]
+        except (OSError, ValueError):
+            continue
+        if cpus:  # a node without usable CPUs (memory-only, or outside the cpuset) hosts no actor
+            nodes.append(NumaNode(int(node_dir.name[4:]), tuple(cpus)))
+    source = str(root)
+    if not nodes:
+        nodes = [NumaNode(0, tuple(sorted(allowed)))]
+        source = f"no NUMA nodes readable in {root}: one node"
+    limit = cgroup_cpu_limit(cgroup_root or CGROUP_ROOT)
+    total = sum(len(n.cpus) for n in nodes)
+    if limit is not None and math.ceil(limit) < total:
+        nodes = _trim_to(nodes, max(1, math.ceil(limit)))
+        source += f", trimmed to the cgroup quota of {limit:g} CPUs"
+    return Topology(tuple(nodes), source)
+
+
+def _trim_to(nodes: list[NumaNode], keep: int) -> list[NumaNode]:
+    """Keep `keep` CPUs in all, taken from the nodes in proportion to their size."""
+    total = sum(len(n.cpus) for n in nodes)
+    counts = [len(n.cpus) * keep // total for n in nodes]
+    for i in sorted(range(len(nodes)), key=lambda i: -len(nodes[i].cpus)):
+        if sum(counts) >= keep:
+            break
+        counts[i] += 1
+    return [NumaNode(n.index, n.cpus[:c]) for n, c in zip(nodes, counts) if c]
+
+
+def usable_cores(node: NumaNode, gpu_node: int) -> tuple[int, ...]:
+    """A node's cores for optimizer workers: the GPU's node keeps RESERVED_CORES when it is large."""
+    if node.index == gpu_node and len(node.cpus) >= RESERVE_FROM_CORES:
+        return node.cpus[RESERVED_CORES:]
+    return node.cpus
+
+
+def auto_workers_per_node(cores: int) -> int:
+    """Workers `optimizer.workers: auto` puts on a node with `cores` usable cores (module docstring)."""
+    return max(1, min(MAX_AUTO_WORKERS_PER_NODE, cores // 2))
+
+
+def _split_workers(total: int, sizes: list[int]) -> list[int]:
+    """`total` workers over nodes in proportion to their usable cores, every node at least one
+    while there are enough workers (largest remainder)."""
+    if total < len(sizes):
+        order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+        return [1 if i in order[:total] else 0 for i in range(len(sizes))]
+    counts = [1] * len(sizes)
+    rest = total - len(sizes)
+    all_cores = sum(sizes)
+    shares = [rest * s / all_cores for s in sizes]
+    for i, share in enumerate(shares):
+        counts[i] += int(share)
+    for i in sorted(range(len(sizes)), key=lambda i: -(shares[i] - int(shares[i]))):
+        if sum(counts) == total:
+            break
+        counts[i] += 1
+    return counts
+
+
+def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_node: int | None = None) -> Placement:
+    """The core map: optimizer workers over nodes on disjoint cores, shards bound to nodes.
+
+    `workers` is a count or "auto". The GPU's node is `gpu_node` when given, else the first
+    node (megatrain does not initialise CUDA in the driver to ask the device's PCI node).
+    HostShard k holds a contiguous range of stages, so shard k goes to the node whose share of
+    the optimizer workers covers the middle of that range: the stages are split across nodes
+    in proportion to the workers there.
+    """
+    nodes = topology.nodes
+    gpu = gpu_node if gpu_node is not None and any(n.index == gpu_node for n in nodes) else nodes[0].index
+    usable = [usable_cores(n, gpu) for n in nodes]
+    if workers == "auto":
+        per_node = [auto_workers_per_node(len(u)) for u in usable]
+        reason = (f"auto: min({MAX_AUTO_WORKERS_PER_NODE}, usable cores // 2) per node; AdamW is bound by "
+                  "DRAM bandwidth, so more workers on one node add no throughput")
+    else:
+        per_node = _split_workers(int(workers), [len(u) for u in usable])
+        reason = f"optimizer.workers={workers}, spread over nodes by their cores"
+    slots, shared = [], False
+    for node, cores, count in zip(nodes, usable, per_node):
+        if count > len(cores):
+            shared = True
+            core_sets = [(cores[w % len(cores)],) for w in range(count)]
+        else:
+            per = len(cores) // count
+            core_sets = [cores[w * per:(w + 1) * per] for w in range(count)]
+        slots.extend(WorkerSlot(len(slots), node.index, tuple(c)) for c in core_sets)
+    worker_nodes = [s.node for s in slots]
+    shard_nodes = tuple(worker_nodes[min(len(slots) - 1, (2 * k + 1) * len(slots) // (2 * num_shards))]
+                        for k in range(num_shards))
+    gpu_cores = next(n.cpus[:RESERVED_CORES] if len(n.cpus) >= RESERVE_FROM_CORES else n.cpus
+                     for n in nodes if n.index == gpu)
+    return Placement(topology, tuple(slots), shard_nodes, gpu, tuple(gpu_cores), reason, shared)
+
+
+def node_cpus(placement: Placement, node: int) -> tuple[int, ...]:
+    return next(n.cpus for n in placement.topology.nodes if n.index == node)
+
+
+MPOL_PREFERRED = 1  # from <numaif.h>: allocate on the node, spill to others when it is full
+
+
+def bind_process(cores: tuple[int, ...] | list[int], node: int | None = None) -> str:
+    """Pin this process to `cores` and prefer `node` for the memory it touches from now on.
+
+    Call it first in an actor's __init__, before the actor touches its pages (Ray's num_cpus is
+    bookkeeping, and a raylet-spawned actor escapes numactl). The memory policy goes through
+    libnuma's set_mempolicy (MPOL_PREFERRED rather than BIND, so a full node spills instead of
+    killing the run); without libnuma, or for a node the kernel does not know (a simulated
+    topology), first touch from the pinned cores places the pages. Returns which of the two happened.
+    """
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    if node is None:
+        return "no memory policy"
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("numa") or "libnuma.so.1"
+    try:
+        libnuma = ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return f"first touch on node {node} (libnuma not found)"
+    mask = (ctypes.c_ulong * 16)()  # 1024 nodes
+    mask[node // 64] = 1 << (node % 64)
+    if libnuma.set_mempolicy(MPOL_PREFERRED, mask, ctypes.c_ulong(1024 + 1)) != 0:
+        err = ctypes.get_errno()
+        return f"first touch on node {node} (set_mempolicy failed: {os.strerror(err)})"
+    return f"memory preferred on node {node} (set_mempolicy)"

@@ -1,0 +1,85 @@
+"""NUMA topology from a simulated sysfs tree, and the core map built from it (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatrain_ray.topology import detect_topology, format_cpus, parse_cpulist, plan_placement
+
+
+def fake_sysfs(root: Path, nodes: list[str]) -> Path:
+    """/sys/devices/system/node as the kernel lays it out: nodeN/cpulist per node."""
+    for index, cpulist in enumerate(nodes):
+        (root / f"node{index}").mkdir(parents=True)
+        (root / f"node{index}" / "cpulist").write_text(cpulist + "\n")
+    (root / "online").write_text(f"0-{len(nodes) - 1}\n")
+    return root
+
+
+def two_sockets(tmp_path: Path, cpus_per_node: int = 16):
+    root = fake_sysfs(tmp_path / "node", [f"0-{cpus_per_node - 1}", f"{cpus_per_node}-{2 * cpus_per_node - 1}"])
+    return detect_topology(root, allowed=set(range(2 * cpus_per_node)), cgroup_root=tmp_path / "nocgroup")
+
+
+def test_cpulists_round_trip():
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert format_cpus((0, 1, 2, 3, 8, 10, 11)) == "0-3,8,10-11"
+
+
+def test_nodes_keep_only_the_cpus_this_process_may_use(tmp_path):
+    root = fake_sysfs(tmp_path / "node", ["0-3", "4-7", ""])  # node 2: memory only
+    topo = detect_topology(root, allowed={1, 2, 3, 5}, cgroup_root=tmp_path / "nocgroup")
+    assert [(n.index, n.cpus) for n in topo.nodes] == [(0, (1, 2, 3)), (1, (5,))]
+
+
+def test_without_numa_information_everything_is_one_node(tmp_path):
+    topo = detect_topology(tmp_path / "missing", allowed={0, 1, 2}, cgroup_root=tmp_path / "nocgroup")
+    assert [(n.index, n.cpus) for n in topo.nodes] == [(0, (0, 1, 2))]
+    assert "one node" in topo.source
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1"])
+def test_a_cgroup_quota_trims_the_cpus_across_nodes(tmp_path, layout):
+    cgroup = tmp_path / "cgroup"
+    if layout == "v2":
+        cgroup.mkdir()
+        (cgroup / "cpu.max").write_text("600000 100000\n")  # 6 CPUs
+    else:
+        (cgroup / "cpu").mkdir(parents=True)
+        (cgroup / "cpu" / "cpu.cfs_quota_us").write_text("600000\n")
+        (cgroup / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    root = fake_sysfs(tmp_path / "node", ["0-7", "8-15"])
+    topo = detect_topology(root, allowed=set(range(16)), cgroup_root=cgroup)
+    assert [len(n.cpus) for n in topo.nodes] == [3, 3] and "quota" in topo.source
+
+
+def test_auto_puts_a_few_workers_on_every_node_on_disjoint_cores(tmp_path):
+    plan = plan_placement(two_sockets(tmp_path), "auto", num_shards=2)
+    assert [w.node for w in plan.workers] == [0, 0, 0, 0, 1, 1, 1, 1]
+    cores = [set(w.cores) for w in plan.workers]
+    assert all(a.isdisjoint(b) for i, a in enumerate(cores) for b in cores[i + 1:])
+    for w in plan.workers:  # each worker's cores lie on its own node
+        assert set(w.cores) <= set(plan.topology.nodes[w.node].cpus)
+    # The GPU's node keeps two cores for the GPU worker and the shards; no worker uses them.
+    assert plan.gpu_node == 0 and plan.gpu_cores == (0, 1)
+    assert not set(plan.gpu_cores) & set().union(*cores)
+    assert plan.shard_nodes == (0, 1)
+    assert "optim4 -> node 1 cpus 16-19" in plan.summary()
+
+
+def test_an_explicit_count_is_spread_over_nodes_by_cores(tmp_path):
+    plan = plan_placement(two_sockets(tmp_path), 3, num_shards=1, gpu_node=1)
+    assert sorted(w.node for w in plan.workers) == [0, 0, 1]  # node 1 gives two cores to the GPU
+    assert plan.gpu_node == 1 and plan.shard_nodes == (0,)
+    cores = [set(w.cores) for w in plan.workers]
+    assert all(a.isdisjoint(b) for i, a in enumerate(cores) for b in cores[i + 1:])
+
+
+def test_small_boxes_reserve_nothing_and_more_workers_than_cores_share(tmp_path):
+    root = fake_sysfs(tmp_path / "node", ["0-1"])
+    topo = detect_topology(root, allowed={0, 1}, cgroup_root=tmp_path / "nocgroup")
+    assert [w.cores for w in plan_placement(topo, "auto", 1).workers] == [(0, 1)]
+    plan = plan_placement(topo, 3, 1)
+    assert [w.cores for w in plan.workers] == [(0,), (1,), (0,)] and plan.shared_cores
