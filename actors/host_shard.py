@@ -11,6 +11,7 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.host import HostStore, SegmentSpec, create_segment, init_stage, plan_segments, unlink_segment
 from megatrain_ray.log import get_logger, init_logger
+from megatrain_ray.model.hf_io import HFDirectory, load_stage
 from megatrain_ray.model.layout import ModelLayout
 
 log = get_logger(__name__)
@@ -40,18 +41,23 @@ class HostShard:
                  cfg.host.shm_dir)
 
     def _initialise(self, layout: ModelLayout, stages: list[int], cfg: Config) -> None:
-        """Stages in parallel threads (the torch kernels release the GIL), with progress in the log."""
+        """Random init or loading, stages in parallel threads (the torch kernels release the GIL), with progress in the log."""
         t0 = time.perf_counter()
         threads = max(1, min(len(stages), len(os.sched_getaffinity(0))))
         done = 0
         with ThreadPoolExecutor(threads, thread_name_prefix="init") as pool:
-            futures = [pool.submit(init_stage, self.store, layout.stages[i], cfg.train.seed,
-                                   cfg.model.initializer_range) for i in stages]
+            if cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
+                source = HFDirectory(cfg.model.path)
+                futures = [pool.submit(load_stage, self.store, layout.stages[i], source) for i in stages]
+            else:
+                futures = [pool.submit(init_stage, self.store, layout.stages[i], cfg.train.seed,
+                                       cfg.model.initializer_range) for i in stages]
             for future in as_completed(futures):
                 future.result()
                 done += 1
                 if done % max(1, len(stages) // 5) == 0 or done == len(stages):
-                    log.info("shard %d: initialised %d/%d stages (%.0f s)", self.shard, done, len(stages),
+                    log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard,
+                             "loaded" if cfg.model.path else "initialised", done, len(stages),
                              time.perf_counter() - t0)
 
     def segments(self) -> list[SegmentSpec]:

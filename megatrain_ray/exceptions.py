@@ -31,3 +31,7 @@ class ActorFailedError(MegatrainError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class CheckpointError(MegatrainError):
+    """A model directory (Hugging Face safetensors) is missing, corrupt, or does not match its config.json."""

@@ -26,7 +26,7 @@ from actors.optimizer_worker import OptimizerWorker
 from megatrain_ray.config import Config, config_to_yaml
 from megatrain_ray.data import TokenBatches
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.host import HostStore, SegmentSpec, check_capacity, plan_segments, shard_stages
+from megatrain_ray.host import HostStore, SegmentSpec, StoreTensors, check_capacity, plan_segments, shard_stages
 from megatrain_ray.log import get_logger
 from megatrain_ray.metrics import (
     MetricsWriter,
@@ -36,6 +36,7 @@ from megatrain_ray.metrics import (
     rss_anon_bytes,
     shm_bytes,
 )
+from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.optim import lr_at
 from megatrain_ray.runtime import Handle, spawn, start_ray
@@ -87,6 +88,8 @@ class Trainer:
         self.layout: ModelLayout = build_layout(cfg.model)
         self.run_dir = Path(run_dir or cfg.train.output_dir)
         self.run_id = f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
+            HFDirectory(cfg.model.path).check_against_layout(self.layout)
         self.data = TokenBatches(cfg.data, cfg.model.vocab_size)  # bad data fails before any allocation
         self.stage_groups = shard_stages(self.layout, cfg.host.num_shards)
         planned = [spec for k, stages in enumerate(self.stage_groups)
@@ -217,6 +220,8 @@ class Trainer:
             history.append(record)
             progress.update(step, record["loss"], record["tok_per_s"], record["tflops"])
         self.flush()
+        if self.cfg.train.export_dir:
+            self.export(self.cfg.train.export_dir, self.cfg.train.export_dtype)
         return history
 
     def flush(self) -> None:
@@ -230,6 +235,17 @@ class Trainer:
         self.flush()
         store = HostStore([s for s in self.specs if s.kind == "master"])
         return store.read_tensors(self.layout)
+
+    def export(self, out_dir: str | Path, dtype: str = "auto", shard_bytes: int = 5 * 10**9) -> Path:
+        """Write the master weights as a Hugging Face directory (see megatrain_ray/model/hf_io.py), one
+        tensor at a time straight from the shared segments."""
+        self.flush()
+        source = self.cfg.model.path or None
+        if dtype == "auto":
+            dtype = (source_dtype(source) if source else None) or "float32"
+        store = HostStore([s for s in self.specs if s.kind == "master"])
+        return export_hf(StoreTensors(store, self.layout), self.cfg.model, out_dir, source_dir=source, dtype=dtype,
+                         shard_bytes=shard_bytes)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite master weights (and the streaming copy) by Hugging Face name, before training."""
