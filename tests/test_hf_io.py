@@ -39,7 +39,8 @@ def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
+            names = f.keys()
+            out.update({k: f.get_tensor(k) for k in names})
     return out
 
 

@@ -93,7 +93,8 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         self.entries: dict[str, tuple[str, tuple[int, ...], str]] = {}
         for name in files:
             with self._open(name) as f:
-                for key in f.keys():
+                names = f.keys()  # safe_open is not a dict: its names come from keys()
+                for key in names:
                     piece = f.get_slice(key)
                     self.entries[key] = (name, tuple(piece.get_shape()), piece.get_dtype())
         if weight_map:
