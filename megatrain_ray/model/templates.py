@@ -25,7 +25,6 @@ from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout
 
 
-
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """The static facts a decoder layer template needs (derived from ModelConfig)."""
