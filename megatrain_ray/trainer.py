@@ -24,7 +24,7 @@ from actors.gpu_worker import GPUWorker
 from actors.host_shard import HostShard
 from actors.optimizer_worker import OptimizerWorker
 from megatrain_ray.config import Config, config_to_yaml
-from megatrain_ray.data import TokenBatches
+from megatrain_ray.data import make_batches, make_eval_batches
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.host import HostStore, SegmentSpec, StoreTensors, check_capacity, plan_segments, shard_stages
 from megatrain_ray.log import get_logger
@@ -90,7 +90,9 @@ class Trainer:
         self.run_id = f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
             HFDirectory(cfg.model.path).check_against_layout(self.layout)
-        self.data = TokenBatches(cfg.data, cfg.model.vocab_size)  # bad data fails before any allocation
+        # Bad data fails before any allocation.
+        self.data = make_batches(cfg.data, cfg.model)
+        self.eval_data = make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches) if cfg.train.eval_every else []
         self.stage_groups = shard_stages(self.layout, cfg.host.num_shards)
         planned = [spec for k, stages in enumerate(self.stage_groups)
                    for spec in plan_segments(self.layout, cfg, self.run_id, stages, with_pool=k == 0)]
@@ -180,14 +182,15 @@ class Trainer:
         assert self.gpu is not None, "Trainer.start() first"
         cfg = self.cfg
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
-        tokens = self.data.batch(step)
+        batch = self.data.batch(step)
         t0 = time.perf_counter()
-        result = self.gpu.call("train_step", tokens, lr, step + 1).result()
+        result = self.gpu.call("train_step", batch, lr, step + 1).result()
         seconds = time.perf_counter() - t0
         tok_per_s = result.tokens / seconds
         params = self.layout.num_params
         record = {
             "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens": result.tokens,
+            "loss_tokens": result.valid_tokens,
             "tok_per_s": tok_per_s, "tflops": tok_per_s * self.flops_per_token / 1e12, "step_seconds": seconds,
             "compute_seconds": result.compute_seconds, "gpu_busy": min(1.0, result.compute_seconds / seconds),
             "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
@@ -201,9 +204,21 @@ class Trainer:
             "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": result.skipped,
             "epoch": self.data.epoch_of(step + 1),
         }
+        every = cfg.train.eval_every
+        if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
+            record["eval_loss"] = self.evaluate()
         if self._metrics:
             self._metrics.write(record)
         return record
+
+    def evaluate(self) -> float:
+        """Loss over the fixed evaluation batches, each token weighted equally (forward only, after the
+        pending updates)."""
+        assert self.gpu is not None
+        self.flush()
+        results = [self.gpu.call("eval_loss", batch).result() for batch in self.eval_data]
+        tokens = sum(n for _, n in results)
+        return sum(loss * n for loss, n in results) / max(1, tokens)
 
     def host_memory_bytes(self) -> int:
         """Shared segments actually allocated, plus the private memory of the driver and of every actor on
