@@ -252,10 +252,10 @@ def weights_dir_of(source: str | Path) -> Path:
     src = Path(source)
     if (src / "config.json").is_file():
         return src
-    if (src / "config.yaml").is_file():  # a run directory
-        from megatrain_ray.config import load_config
+    if (src / "config.yaml").is_file():  # a run directory: its resolved config names the export
+        import yaml
 
-        export_dir = load_config(src / "config.yaml").train.export_dir
+        export_dir = ((yaml.safe_load((src / "config.yaml").read_text()) or {}).get("train") or {}).get("export_dir")
         if export_dir and (Path(export_dir) / "config.json").is_file():
             return Path(export_dir)
         raise CheckpointError(f"run directory {str(src)!r} holds no exported weights (train.export_dir was "
