@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -30,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatrain_ray.exceptions import DataError
+from megatrain_ray.files import atomic_directory, refuse_existing
 from megatrain_ray.log import get_logger
 
 log = get_logger(__name__)
@@ -250,8 +249,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     if not 0 <= opts.eval_fraction < 1:
         raise DataError(f"--eval-fraction {opts.eval_fraction} must be in [0, 1)")
     out = Path(opts.output_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"--output {str(out)!r} already exists and is not empty; choose another directory")
+    refuse_existing(out, DataError, "--output")  # before the tokenizing, which takes the time
     tok = Tokenizer(opts.tokenizer_dir)
     docs: list[tuple[list[int], list[int]]] = []
     dropped: Counter[str] = Counter()
@@ -292,19 +290,10 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
         "tokenizer_hash": tok.hash, "vocab_size": tok.vocab_size, "seed": opts.seed, "seq_len": opts.seq_len,
         "records": records, "documents": len(docs), "truncated": truncated, "dropped": dict(dropped), "splits": {},
     }
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out, DataError, "--output") as tmp:
         for split, split_docs in splits.items():
             manifest["splits"][split] = _write_split(tmp, split, split_docs)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     summary = ", ".join(f"{k}: {v['documents']} documents, {v['tokens']} tokens ({v['loss_tokens']} in the loss)"
                         for k, v in manifest["splits"].items())
     log.info("prepare: %d records -> %s; %d truncated, dropped %s; wrote %s (%.1f s)", records, summary, truncated,

@@ -15,7 +15,6 @@ is renamed into place at the end: a reader never sees half an export.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -26,6 +25,7 @@ from safetensors.torch import save_file
 
 from megatrain_ray.config import ModelConfig
 from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.files import atomic_directory, refuse_existing
 from megatrain_ray.host import TORCH_DTYPES, HostStore
 from megatrain_ray.log import get_logger
 from megatrain_ray.model.hf import hf_config_from_model, model_config_from_hf
@@ -195,9 +195,7 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
     if dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"export directory {str(out)!r} already exists and is not empty; choose another "
-                              "or remove it")
+    refuse_existing(out, CheckpointError, "export directory")
     layout = build_layout(model_cfg)
     names = [stage.hf_name(slot) for stage in layout.stages for slot in stage.slots]
     missing = [n for n in names if n not in tensors]
@@ -208,11 +206,7 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
     element = torch.empty((), dtype=torch_dtype).element_size()
     slots = {stage.hf_name(slot): slot for stage in layout.stages for slot in stage.slots}
     groups = _plan_shards(names, {n: slots[n].numel * element for n in names}, shard_bytes)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(out, CheckpointError, "export directory") as tmp:
         weight_map, total = {}, 0
         for k, group in enumerate(groups):
             file = SINGLE_FILE if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -237,12 +231,6 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
         for name in TOKENIZER_FILES if source_dir else ():
             if (Path(source_dir) / name).is_file():
                 shutil.copyfile(Path(source_dir) / name, tmp / name)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("export: %s (%d tensors, %.2f GB %s, %d shard(s))", out, len(names), total / 1e9, dtype, len(groups))
     return out
 
