@@ -245,3 +245,26 @@ def test_packing_and_eval_need_prepared_documents(model_dir, tmp_path):
         Trainer(finetune_config(tmp_path, model_dir, data={"path": str(tokens), "packing": True}))
     with pytest.raises(ConfigError, match="train.eval_every needs evaluation documents"):
         Trainer(finetune_config(tmp_path, model_dir, data={"path": str(tokens)}, train={"eval_every": 5}))
+
+
+@pytest.mark.ray
+def test_through_ray_two_host_shards_load_in_parallel_and_train_like_local(model_dir, prepared, tmp_path,
+                                                                          ray_session):
+    """Ray actors: each of two HostShards loads its own stages; packed batches and eval cross actor
+    boundaries; the run equals the in-process one."""
+    runs = {}
+    for mode in ("local", "ray"):
+        cfg = finetune_config(tmp_path, model_dir, runtime={"mode": mode}, host={"num_shards": 2},
+                              data={"path": str(prepared), "seq_len": 96, "batch_size": 2, "packing": True},
+                              train={"steps": 3, "eval_every": 3, "export_dir": str(tmp_path / f"export-{mode}")},
+                              schedule={"warmup_steps": 0})
+        with Trainer(cfg) as trainer:
+            history = trainer.train()
+        runs[mode] = [(r["loss"], r.get("eval_loss")) for r in history]
+    assert runs["ray"][-1][1] is not None
+    for (loss_l, eval_l), (loss_r, eval_r) in zip(runs["local"], runs["ray"]):
+        assert loss_r == pytest.approx(loss_l, abs=1e-6)
+        assert (eval_l is None) == (eval_r is None) and (eval_l is None or eval_r == pytest.approx(eval_l, abs=1e-6))
+    local = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export-local").state_dict()
+    ray_ = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export-ray").state_dict()
+    assert max((local[k] - ray_[k]).abs().max().item() for k in local) < 1e-5
