@@ -126,7 +126,7 @@ class Documents:
         offsets = ids.offsets.to_numpy()
         if not np.array_equal(offsets, mask.offsets.to_numpy()):
             raise DataError(f"{self.where}: input_ids and loss_mask differ in length; prepare the data again")
-        self.tokens = ids.values.to_numpy()[offsets[0]:offsets[-1]].astype(np.int64)
+        self.tokens = ids.values.to_numpy()[offsets[0]:offsets[-1]]  # int32 as stored; rows are int64
         self.mask = mask.values.to_numpy()[offsets[0]:offsets[-1]]
         self.starts = offsets - offsets[0]
         self.lengths = np.diff(self.starts)
@@ -163,22 +163,22 @@ class DocumentBatches:
         self.shuffle = cfg.shuffle and not evaluation  # evaluation reads the same rows every time
         self.docs = Documents(directory, split, key)
         self.docs.check(model, cfg.seq_len)
-        self._plans: list[list[list[int]]] = []
-        if not evaluation and len(self._plan(0)) < cfg.batch_size:
-            raise DataError(f"{self.docs.where} fills {len(self._plan(0))} rows of data.seq_len={cfg.seq_len}, "
+        self._plan_cache: tuple[int, list[list[int]]] = (-1, [])
+        self._rows_per_epoch: list[int] = []  # packed epochs differ in row count; only counts are kept
+        if not evaluation and self._rows_in(0) < cfg.batch_size:
+            raise DataError(f"{self.docs.where} fills {self._rows_in(0)} rows of data.seq_len={cfg.seq_len}, "
                             f"fewer than data.batch_size={cfg.batch_size}; lower data.batch_size or add data")
 
     def _plan(self, epoch: int) -> list[list[int]]:
-        """The rows of an epoch, each a list of document indices, in training order."""
-        while len(self._plans) <= epoch:
-            e = len(self._plans)
-            n = len(self.docs)
-            order = np.random.default_rng([self.cfg.seed, e]).permutation(n) if self.shuffle else np.arange(n)
-            if not self.cfg.packing:
-                self._plans.append([[int(d)] for d in order])
-                continue
-            rows: list[list[int]] = [[]]
-            used = 0
+        """The rows of an epoch, each a list of document indices, in training order (the last one cached)."""
+        if self._plan_cache[0] == epoch:
+            return self._plan_cache[1]
+        n = len(self.docs)
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if not self.cfg.packing:
+            rows = [[int(d)] for d in order]
+        else:
+            rows, used = [[]], 0
             for d in order:
                 need = int(self.docs.lengths[d]) - 1  # a document of L tokens gives L - 1 (input, label) pairs
                 if used + need > self.cfg.seq_len:
@@ -186,16 +186,26 @@ class DocumentBatches:
                     used = 0
                 rows[-1].append(int(d))
                 used += need
-            self._plans.append(rows)
-        return self._plans[epoch]
+        self._plan_cache = (epoch, rows)
+        return rows
+
+    def _rows_in(self, epoch: int) -> int:
+        while len(self._rows_per_epoch) <= epoch:
+            e = len(self._rows_per_epoch)
+            self._rows_per_epoch.append(len(self._plan(e)) if self.cfg.packing or not e else self._rows_per_epoch[0])
+        return self._rows_per_epoch[epoch]
+
+    def _locate(self, k: int) -> tuple[int, int]:
+        """(epoch, row within it) of row k of the run: epochs follow each other, each with its own order."""
+        epoch = 0
+        while k >= self._rows_in(epoch):
+            k -= self._rows_in(epoch)
+            epoch += 1
+        return epoch, k
 
     def _row(self, k: int) -> list[int]:
-        """Row k of the run: epochs follow each other, each with its own order."""
-        epoch = 0
-        while k >= len(self._plan(epoch)):
-            k -= len(self._plan(epoch))
-            epoch += 1
-        return self._plan(epoch)[k]
+        epoch, row = self._locate(k)
+        return self._plan(epoch)[row]
 
     def batch(self, step: int) -> Batch:
         b = self.cfg.batch_size
@@ -234,11 +244,8 @@ class DocumentBatches:
         return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(positions), tuple(segments))
 
     def epoch_of(self, step: int) -> float:
-        k, epoch = step * self.cfg.batch_size, 0
-        while k >= len(self._plan(epoch)):
-            k -= len(self._plan(epoch))
-            epoch += 1
-        return epoch + k / len(self._plan(epoch))
+        epoch, row = self._locate(step * self.cfg.batch_size)
+        return epoch + row / self._rows_in(epoch)
 
 
 def is_prepared(path: str) -> bool:
