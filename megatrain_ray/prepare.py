@@ -114,13 +114,18 @@ def _field(record: Any, name: str, where: str, fmt: str, required: bool = True) 
 
 
 def to_messages(record: Any, fmt: str, cols: Columns, where: str) -> list[dict[str, str]]:
-    """A chat record as [{"role", "content"}] with at least one assistant turn."""
+    """A chat record as [{"role", "content"}] with at least one assistant turn. As in LLaMA-Factory, a
+    `system` field becomes the first message and alpaca's `history` ([prompt, reply] pairs) the turns
+    before the instruction; every assistant turn is learned."""
+    system = _field(record, cols.system, where, fmt, required=False)
+    messages = [{"role": "system", "content": str(system)}] if system else []
     if fmt == "alpaca":
         prompt = str(_field(record, cols.prompt, where, fmt))
         query = _field(record, cols.query, where, fmt, required=False)
-        messages = []
-        if _field(record, cols.system, where, fmt, required=False):
-            messages.append({"role": "system", "content": str(record[cols.system])})
+        for k, pair in enumerate(_field(record, "history", where, fmt, required=False) or []):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise DataError(f"{where}: history entry {k} must be a [prompt, reply] pair")
+            messages += [{"role": "user", "content": str(pair[0])}, {"role": "assistant", "content": str(pair[1])}]
         messages.append({"role": "user", "content": f"{prompt}\n{query}" if query else prompt})
         messages.append({"role": "assistant", "content": str(_field(record, cols.response, where, fmt))})
         return messages
@@ -130,7 +135,6 @@ def to_messages(record: Any, fmt: str, cols: Columns, where: str) -> list[dict[s
     roles = cols.roles or (SHAREGPT_ROLES if fmt == "sharegpt" else {r: r for r in ("system", "user", "assistant")})
     if not isinstance(turns, list):
         raise DataError(f"{where}: the {fmt} format needs a list of turns, got {type(turns).__name__}")
-    messages = []
     for k, turn in enumerate(turns):
         speaker = _field(turn, role_tag, f"{where}, turn {k}", fmt)
         if speaker not in roles:

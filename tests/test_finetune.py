@@ -120,6 +120,21 @@ def test_chat_formats_and_registry_give_the_same_tokens(model_dir, tmp_path):
     assert all(r == results["alpaca"] for r in results.values())
 
 
+def test_system_field_and_alpaca_history_become_turns(model_dir, tmp_path):
+    alpaca = {"system": "Be brief.", "instruction": "And 4 + 4?", "output": "8", "history": [["2 + 3?", "5"]]}
+    messages = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"},
+                             {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 4 + 4?"},
+                             {"role": "assistant", "content": "8"}]}
+    for name, record, fmt in (("a", alpaca, "alpaca"), ("m", messages, "messages")):
+        (tmp_path / f"{name}.json").write_text(json.dumps([record]))
+        prepare(PrepareOptions(str(model_dir), fmt, [str(tmp_path / f"{name}.json")], str(tmp_path / name)))
+    assert documents(tmp_path / "a") == documents(tmp_path / "m")
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    (ids, mask), = documents(tmp_path / "a")
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "5<|im_end|>\n8<|im_end|>\n"
+    assert tok.decode(ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
 def test_text_documents_are_all_loss_and_end_with_eos(model_dir, tmp_path):
     (tmp_path / "a.txt").write_text("The capital of Peru is Lima.")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "Spell the word backwards."}) + "\n" +
