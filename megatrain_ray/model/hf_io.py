@@ -225,8 +225,8 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         hf = read_hf_config(source_dir) if source_dir and (Path(source_dir) / "config.json").is_file() else {}
-        hf.pop("torch_dtype", None)
-        hf.update(hf_config_from_model(model_cfg), dtype=dtype)
+        # `dtype` for transformers 5, `torch_dtype` for readers on transformers 4 (serving stacks lag behind).
+        hf.update(hf_config_from_model(model_cfg), dtype=dtype, torch_dtype=dtype)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
         for name in TOKENIZER_FILES if source_dir else ():
             if (Path(source_dir) / name).is_file():
