@@ -26,6 +26,7 @@ from actors.optimizer_worker import OptimizerWorker
 from megatrain_ray.config import Config, config_to_yaml
 from megatrain_ray.data import make_batches, make_eval_batches
 from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.files import refuse_existing
 from megatrain_ray.host import HostStore, SegmentSpec, StoreTensors, check_capacity, plan_segments, shard_stages
 from megatrain_ray.log import get_logger
 from megatrain_ray.metrics import (
@@ -90,6 +91,8 @@ class Trainer:
         self.run_id = f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
             HFDirectory(cfg.model.path).check_against_layout(self.layout)
+        if cfg.train.export_dir:  # found now, not after hours of training
+            refuse_existing(Path(cfg.train.export_dir), ConfigError, "train.export_dir")
         # Bad data fails before any allocation.
         self.data = make_batches(cfg.data, cfg.model)
         self.eval_data = make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches) if cfg.train.eval_every else []

@@ -153,4 +153,6 @@ def test_export_never_overwrites(tmp_path):
     (tmp_path / "out" / "keep.txt").write_text("x")
     with pytest.raises(CheckpointError, match="already exists and is not empty"):
         export_weights_dir(source, tmp_path / "out")
+    with pytest.raises(ConfigError, match="train.export_dir .* already exists"):  # before training, not after
+        Trainer(finetune_config(tmp_path, source, train={"export_dir": str(tmp_path / "out")}))
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
