@@ -267,9 +267,10 @@ class StreamEngine:
         positions = positions.to(self.device, non_blocking=True)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
-    def _forward(self, batch: Batch, keep: list | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple]:
-        """Embedding and layers; returns the last hidden state, the embedding's slot and weight, the rope."""
-        ids = batch.input_ids.to(self.device, non_blocking=True)
+    def _forward(self, ids: torch.Tensor, batch: Batch,
+                 keep: list | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple]:
+        """Embedding and layers over `ids` (the batch's ids on the device); returns the last hidden state,
+        the embedding's slot and weight, and the RoPE tables."""
         rope = self._rope(ids.shape[1], batch.positions)
         embed_slot = self._load(self.layout.embed)
         embed_w = self._weights(self.layout.embed, embed_slot)["embed_tokens.weight"]
@@ -324,7 +325,7 @@ class StreamEngine:
         # Forward: embedding, layers (inputs kept), head with loss and its gradients.
         compute = self.streams.compute
         acts: list[torch.Tensor | None] = []
-        x, embed_slot, embed_w, rope = self._forward(batch, acts)
+        x, embed_slot, embed_w, rope = self._forward(ids, batch, acts)
         head_slot = self._slot_for(layout.head)
         head_w = self._weights(layout.head, head_slot)
         lm_w = head_w.get("lm_head.weight", embed_w)
@@ -403,9 +404,10 @@ class StreamEngine:
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Full logits of a small batch through the same layer stream (tests, small inputs)."""
-        batch = Batch(ids, torch.full_like(ids, IGNORE_INDEX))
-        return self._forward_only(batch, lambda x, norm_w, lm_w: head_logits(x, norm_w, lm_w, self.cfg.model.rms_norm_eps)
-                                  .float().cpu())
+        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
+            return head_logits(x, norm_w, lm_w, self.cfg.model.rms_norm_eps).float().cpu()
+
+        return self._forward_only(Batch(ids, torch.full_like(ids, IGNORE_INDEX)), head)
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
@@ -413,14 +415,17 @@ class StreamEngine:
         n_valid = max(1, batch.loss_tokens)
         labels = batch.labels.to(self.device, non_blocking=True)
         cfg = self.cfg
-        loss = self._forward_only(batch, lambda x, norm_w, lm_w: head_loss_and_grads(
-            x, norm_w, lm_w, labels, n_valid, cfg.model.rms_norm_eps, cfg.engine.loss_chunk_tokens, None).loss_sum)
-        return float(loss), batch.loss_tokens
+
+        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
+            return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, cfg.model.rms_norm_eps,
+                                       cfg.engine.loss_chunk_tokens, grad_lm_acc=None).loss_sum
+
+        return float(self._forward_only(batch, head)), batch.loss_tokens
 
     def _forward_only(self, batch: Batch, head: Any) -> Any:
         """The forward of train_step (same stream, same templates) with `head(x, norm_w, lm_w)` at the end."""
         self._begin(0.0, 0)
-        x, embed_slot, embed_w, _ = self._forward(batch, None)
+        x, embed_slot, embed_w, _ = self._forward(batch.input_ids.to(self.device), batch, None)
         head_w = self._weights(self.layout.head, self.head_slot)
         out = head(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w))
         self._release(self.head_slot)
