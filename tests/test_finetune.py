@@ -283,3 +283,37 @@ def test_through_ray_two_host_shards_load_in_parallel_and_train_like_local(model
     local = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export-local").state_dict()
     ray_ = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export-ray").state_dict()
     assert max((local[k] - ray_[k]).abs().max().item() for k in local) < 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 3], ids=["causal", "sliding-window"])
+def test_document_attention_equals_attention_on_each_document_alone(window):
+    """The bucketed, padded attention of packed rows against SDPA on each document by itself (values and
+    gradients), with GQA, documents of many lengths, and a sliding window shorter than some of them."""
+    import torch.nn.functional as F
+
+    from megatrain_ray.model.templates import LayerSpec, attention, document_buckets
+
+    spec = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=8, eps=1e-6, qk_norm=False, attention_bias=False,
+                     sliding_window=window)
+    segments = ((1, 5, 9, 1), (16,), (3, 3, 10))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, 16, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    ours = attention(q, k, v, spec, document_buckets(segments, torch.device("cpu")))
+    rows = []
+    for b, lengths in enumerate(segments):
+        parts, start = [], 0
+        for n in lengths:
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            mask = (j <= i) & ((i - j < window) if window else True)
+            sl = slice(start, start + n)
+            parts.append(F.scaled_dot_product_attention(q[b:b + 1, :, sl], k[b:b + 1, :, sl].repeat_interleave(2, 1),
+                                                        v[b:b + 1, :, sl].repeat_interleave(2, 1), attn_mask=mask,
+                                                        scale=8 ** -0.5))
+            start += n
+        rows.append(torch.cat(parts, dim=2))
+    expected = torch.cat(rows)
+    assert (ours - expected).abs().max().item() < 1e-12
+    grad = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    ours_grads = torch.autograd.grad(ours, (q, k, v), grad)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    assert all((a - b).abs().max().item() < 1e-12 for a, b in zip(ours_grads, expected_grads))

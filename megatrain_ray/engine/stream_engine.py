@@ -30,10 +30,11 @@ from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
+    DocumentBucket,
     LayerSpec,
-    Segments,
     bind,
     decoder_layer,
+    document_buckets,
     embed,
     head_logits,
     head_loss_and_grads,
@@ -268,16 +269,18 @@ class StreamEngine:
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
     def _forward(self, ids: torch.Tensor, batch: Batch,
-                 keep: list | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple]:
+                 keep: list | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple, Any]:
         """Embedding and layers over `ids` (the batch's ids on the device); returns the last hidden state,
-        the embedding's slot and weight, and the RoPE tables."""
+        the embedding's slot and weight, the RoPE tables and the document buckets (packed rows) that the
+        backward reuses."""
         rope = self._rope(ids.shape[1], batch.positions)
+        documents = document_buckets(batch.segments, self.device) if batch.segments is not None else None
         embed_slot = self._load(self.layout.embed)
         embed_w = self._weights(self.layout.embed, embed_slot)["embed_tokens.weight"]
-        x = self._forward_layers(embed(ids, embed_w), rope, batch.segments, keep)
-        return x, embed_slot, embed_w, rope
+        x = self._forward_layers(embed(ids, embed_w), rope, documents, keep)
+        return x, embed_slot, embed_w, rope, documents
 
-    def _forward_layers(self, x: torch.Tensor, rope: tuple, segments: Segments | None,
+    def _forward_layers(self, x: torch.Tensor, rope: tuple, documents: tuple[DocumentBucket, ...] | None,
                         keep: list | None) -> torch.Tensor:
         layers = self.layout.layers
         upcoming = self._load(layers[0])
@@ -288,7 +291,7 @@ class StreamEngine:
                 keep.append(x)
             weights = self._weights(stage, slot)
             start = self.timeline.start(self.streams.compute)
-            x = decoder_layer(x, weights, rope, self.spec, segments)
+            x = decoder_layer(x, weights, rope, self.spec, documents)
             self.timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -325,7 +328,7 @@ class StreamEngine:
         # Forward: embedding, layers (inputs kept), head with loss and its gradients.
         compute = self.streams.compute
         acts: list[torch.Tensor | None] = []
-        x, embed_slot, embed_w, rope = self._forward(ids, batch, acts)
+        x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, acts)
         head_slot = self._slot_for(layout.head)
         head_w = self._weights(layout.head, head_slot)
         lm_w = head_w.get("lm_head.weight", embed_w)
@@ -354,7 +357,7 @@ class StreamEngine:
             with torch.enable_grad():
                 x_in = acts[i].requires_grad_(True)
                 params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
-                y = decoder_layer(x_in, params, rope, self.spec, batch.segments)
+                y = decoder_layer(x_in, params, rope, self.spec, documents)
                 grads = torch.autograd.grad(y, [x_in, *params.values()], grad_y)
             self._release(slot)
             acts[i] = None
@@ -425,7 +428,7 @@ class StreamEngine:
     def _forward_only(self, batch: Batch, head: Any) -> Any:
         """The forward of train_step (same stream, same templates) with `head(x, norm_w, lm_w)` at the end."""
         self._begin(0.0, 0)
-        x, embed_slot, embed_w, _ = self._forward(batch.input_ids.to(self.device), batch, None)
+        x, embed_slot, embed_w, _, _ = self._forward(batch.input_ids.to(self.device), batch, None)
         head_w = self._weights(self.layout.head, self.head_slot)
         out = head(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w))
         self._release(self.head_slot)

@@ -118,25 +118,55 @@ Segments = tuple[tuple[int, ...], ...]
 """Per row of a packed batch, the lengths of its documents in order (they sum to the row length)."""
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,
-              segments: Segments | None = None) -> torch.Tensor:
-    """Causal attention; with `segments`, causal within each document and never across documents.
+@dataclass(frozen=True, slots=True)
+class DocumentBucket:
+    """Documents of about the same length, attended to as one padded SDPA batch."""
 
-    Packed rows run SDPA once per document (is_causal on each slice) instead of building a T x T
-    block mask: memory stays that of one document, and the plain path has no extra work.
-    """
-    if segments is None:
-        return _causal_attention(q, k, v, spec)
-    rows = []
-    for b, lengths in enumerate(segments):
-        parts, start = [], 0
+    rows: torch.Tensor
+    """[n, 1] batch row of each document."""
+    positions: torch.Tensor
+    """[n, width] position in its row of each slot; padding repeats the document's last token."""
+    valid: torch.Tensor
+    """[n, width] True for the document's own tokens, False for padding."""
+
+
+def document_buckets(segments: Segments, device: torch.device) -> tuple[DocumentBucket, ...]:
+    """Group the documents of a packed batch by the power of two at or above their length: attention then
+    costs one SDPA call per bucket (O(log seq_len) per layer, at most twice the work of exact lengths),
+    not one per document and never a seq_len x seq_len mask. Built once per step, reused by every layer."""
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for row, lengths in enumerate(segments):
+        start = 0
         for length in lengths:
-            end = start + length
-            parts.append(_causal_attention(q[b:b + 1, :, start:end], k[b:b + 1, :, start:end],
-                                           v[b:b + 1, :, start:end], spec))
-            start = end
-        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
-    return torch.cat(rows, dim=0)
+            groups.setdefault(1 << (length - 1).bit_length(), []).append((row, start, length))
+            start += length
+    buckets = []
+    for width, docs in sorted(groups.items()):
+        table = torch.tensor(docs, dtype=torch.int64).to(device, non_blocking=True)
+        rows, starts, lengths = table[:, :1], table[:, 1:2], table[:, 2:]
+        offsets = torch.arange(width, device=device)[None, :]
+        buckets.append(DocumentBucket(rows, starts + torch.minimum(offsets, lengths - 1), offsets < lengths))
+    return tuple(buckets)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,
+              documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
+    """Causal attention; with `documents` (packed rows), causal within each document and never across.
+
+    Each document is gathered into a padded batch of its bucket; padding follows the document's tokens,
+    so causal attention never lets a real token see it, and its outputs are dropped.
+    """
+    if documents is None:
+        return _causal_attention(q, k, v, spec)
+    out = torch.empty_like(q)
+    for bucket in documents:
+        def gather(t: torch.Tensor, bucket: DocumentBucket = bucket) -> torch.Tensor:
+            return t[bucket.rows, :, bucket.positions].transpose(1, 2)  # [n, heads, width, head_dim]
+
+        per_doc = _causal_attention(gather(q), gather(k), gather(v), spec).transpose(1, 2)  # [n, width, H, D]
+        rows = bucket.rows.expand_as(bucket.positions)[bucket.valid]
+        out[rows, :, bucket.positions[bucket.valid]] = per_doc[bucket.valid]
+    return out
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
@@ -161,7 +191,7 @@ def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                  spec: LayerSpec, segments: Segments | None = None) -> torch.Tensor:
+                  spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
     """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). x: [B, T, hidden]."""
     batch, seq_len, _ = x.shape
     cos, sin = rope
@@ -177,7 +207,7 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
         k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps)
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
-    a = attention(q, k, v, spec, segments).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
+    a = attention(q, k, v, spec, documents).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
     x = x + F.linear(a, w["self_attn.o_proj.weight"])
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
     m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
