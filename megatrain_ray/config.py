@@ -64,7 +64,7 @@ class ModelConfig:
     """A Hugging Face model directory (config.json + model.safetensors or a sharded index) to fine-tune:
     its weights are loaded into the host store and every shape key below is read from its config.json
     (a shape key also set here must agree). Empty: random initialisation (pre-training from scratch).
-    Relative paths are resolved like data.path."""
+    Relative paths are resolved like data.path; on a multi-node cluster every HostShard's node must see it."""
     family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load."""
     vocab_size: int = 32000

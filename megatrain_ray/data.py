@@ -143,6 +143,9 @@ class Documents:
             bad = top if top >= model.vocab_size else int(self.tokens.min())
             raise DataError(f"{self.where} holds token id {bad} outside model.vocab_size={model.vocab_size}; "
                             "prepare it with the model's own tokenizer")
+        if int(self.lengths.min()) < 2:
+            raise DataError(f"{self.where}: document {int(self.lengths.argmin())} has fewer than 2 tokens, so no "
+                            "target; prepare the data with `megatrain prepare`, which drops such documents")
         longest = int(self.lengths.max())
         doc = int(self.lengths.argmax())
         if longest > model.max_position_embeddings:

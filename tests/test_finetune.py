@@ -317,3 +317,15 @@ def test_document_attention_equals_attention_on_each_document_alone(window):
     ours_grads = torch.autograd.grad(ours, (q, k, v), grad)
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
     assert all((a - b).abs().max().item() < 1e-12 for a, b in zip(ours_grads, expected_grads))
+
+
+def test_a_document_without_a_target_is_refused(model_dir, tmp_path):
+    import pyarrow as pa
+
+    out = tmp_path / "handmade"
+    out.mkdir()
+    pq.write_table(pa.table({"input_ids": pa.array([[5, 6, 7], [8]], type=pa.list_(pa.int32())),
+                             "loss_mask": pa.array([[1, 1, 1], [1]], type=pa.list_(pa.uint8()))}), out / "t.parquet")
+    (out / "manifest.json").write_text(json.dumps({"splits": {"train": {"files": ["t.parquet"]}}}))
+    with pytest.raises(DataError, match="document 1 has fewer than 2 tokens"):
+        Trainer(finetune_config(tmp_path, model_dir, data={"path": str(out), "seq_len": 16, "batch_size": 1}))
