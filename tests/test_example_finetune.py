@@ -50,3 +50,12 @@ def test_finetune_example_end_to_end(tmp_path):
 
     answers = generate(str(sft_bf16), max_new_tokens=4)
     assert len(answers) == len(PROMPTS) and all(isinstance(a, str) for a in answers)
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"instruction": "Say hi."}) + "\n")
+    proc = megatrain("prepare", "--tokenizer", str(tmp_path / "no-model"), "--format", "alpaca", "--input",
+                     str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "--tokenizer" in proc.stderr and "Traceback" not in proc.stderr
+    proc = megatrain("export", str(tmp_path), str(tmp_path / "out"))
+    assert proc.returncode == 2 and "neither a model directory" in proc.stderr and "Traceback" not in proc.stderr
