@@ -13,7 +13,7 @@ from megatrain_ray.config import Config
 from megatrain_ray.engine.stream_engine import StreamEngine
 from megatrain_ray.host import HostStore, SegmentSpec
 from megatrain_ray.log import get_logger, init_logger
-from megatrain_ray.messages import StepResult
+from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout
 
 log = get_logger(__name__)
@@ -44,8 +44,12 @@ class GPUWorker(ActorBase):
         log.info("layer stream on %s: compute %s, streaming %s", self.device, cfg.precision.compute_dtype,
                  cfg.precision.resolved_stream_dtype)
 
-    def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int, inject_nan: bool = False) -> StepResult:
-        return self.engine.train_step(tokens, lr, adam_step, inject_nan)
+    def train_step(self, batch: Batch | torch.Tensor, lr: float, adam_step: int,
+                   inject_nan: bool = False) -> StepResult:
+        return self.engine.train_step(batch, lr, adam_step, inject_nan)
+
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        return self.engine.eval_loss(batch)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.engine.logits(ids)

@@ -16,6 +16,8 @@ from megatrain_ray.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWrite
 from megatrain_ray.config import Config
 from megatrain_ray.host import HostStore, SegmentSpec, create_segment, init_stage, plan_segments, unlink_segment
 from megatrain_ray.log import get_logger, init_logger
+from megatrain_ray.model.hf_io import HFDirectory
+from megatrain_ray.model.hf_io import load_stage as load_hf_stage
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.topology import bind_process
 
@@ -42,11 +44,15 @@ class HostShard(ActorBase):
                 self._created.append(spec)
             self.store = HostStore(self.specs)
             self.gate = self.store.gates()[0]
-            if restore is None:
+            if restore is not None:
+                self._each_stage(f"loaded from {restore.directory}", lambda i: self._restore_stage(restore, i))
+            elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
+                source = HFDirectory(cfg.model.path)
+                self._each_stage(f"loaded from {cfg.model.path}",
+                                 lambda i: load_hf_stage(self.store, layout.stages[i], source))
+            else:
                 self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
                                                                      cfg.model.initializer_range))
-            else:
-                self._each_stage(f"loaded from {restore.directory}", lambda i: self._restore_stage(restore, i))
             if cfg.engine.poison_buffers:
                 for spec in self.specs:
                     if spec.kind in ("grad", "gradpool"):

@@ -35,9 +35,10 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +46,9 @@ import torch
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.log import get_logger
 from megatrain_ray.model.layout import ModelLayout, StageLayout
+
+if TYPE_CHECKING:
+    from megatrain_ray.config import ModelConfig
 
 log = get_logger(__name__)
 
@@ -365,3 +369,36 @@ def check_compatible(info: CheckpointInfo, layout: ModelLayout, state_config: di
     if stages != {s.index for s in layout.stages}:
         raise CheckpointError(f"checkpoint {info.directory} holds {len(stages)} stages, the model has "
                               f"{len(layout.stages)}")
+
+
+class CheckpointWeights(Mapping[str, torch.Tensor]):
+    """The master weights of a checkpoint by Hugging Face name, read one tensor per lookup (for export)."""
+
+    def __init__(self, info: CheckpointInfo):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.files: dict[str, Path] = {}
+        for entry in info.manifest["files"]:
+            path = info.directory / entry["path"]
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if not name.startswith("optimizer."):
+                        self.files[name] = path
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with self._open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def model_config_of(info: CheckpointInfo) -> ModelConfig:
+    """The model a checkpoint holds, from the config saved in its manifest."""
+    from megatrain_ray.config import ModelConfig, _build
+
+    return _build(ModelConfig, dict(info.manifest["config"]["model"]), "model")

@@ -61,6 +61,11 @@ class ModelConfig:
     """The decoder's shape. Field names follow Hugging Face's config.json where one exists."""
 
     SECTION: ClassVar[str] = "model"
+    path: str = ""
+    """A Hugging Face model directory (config.json + model.safetensors or a sharded index) to fine-tune:
+    its weights are loaded into the host store and every shape key below is read from its config.json
+    (a shape key also set here must agree). Empty: random initialisation (pre-training from scratch).
+    Relative paths are resolved like data.path; on a multi-node cluster every HostShard's node must see it."""
     family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load."""
     vocab_size: int = 32000
@@ -133,8 +138,9 @@ class DataConfig:
     SECTION: ClassVar[str] = "data"
     path: str = ""
     """A token file (.npy of integers, or .bin of `token_dtype`), a UTF-8 text file (.txt, byte-level
-    tokens 0-255), or the word `synthetic` for seeded random tokens (benchmarks). Relative paths are
-    resolved against the config file's directory first, then the working directory."""
+    tokens 0-255), a directory written by `megatrain prepare` (documents with a per-token loss mask), or
+    the word `synthetic` for seeded random tokens (benchmarks). Relative paths are resolved against the
+    config file's directory first, then the working directory."""
     token_dtype: Literal["uint16", "uint32", "int32", "int64"] = "uint16"
     """Element type of a raw .bin token file."""
     seq_len: int = 2048
@@ -145,6 +151,11 @@ class DataConfig:
     """Visit the sequences of each epoch in a seeded random order."""
     seed: int = 0
     """Seed of the shuffle order (and of synthetic tokens)."""
+    packing: bool = False
+    """Prepared data only. true: documents are packed whole into rows of seq_len tokens; RoPE positions
+    restart and attention stops at every document boundary. false: one document per row, padded."""
+    eval_path: str = ""
+    """A prepared directory for train.eval_every (its train split). Empty: the eval split of data.path."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -347,10 +358,24 @@ class TrainConfig:
     """Run directory: resolved config, metrics.jsonl. Relative paths are taken from the working directory."""
     log_every: int = 1
     """Steps between console log lines (metrics.jsonl gets every step)."""
+    eval_every: int = 0
+    """Steps between evaluations (forward-only loss over train.eval_batches batches of the eval data,
+    written as eval_loss in metrics.jsonl, also after the last step); 0 turns evaluation off."""
+    eval_batches: int = 4
+    """Batches of data.batch_size rows per evaluation, always the same ones (the first of the eval data)."""
+    export_dir: str = ""
+    """Write the trained model there as a Hugging Face directory (safetensors + config.json + the
+    tokenizer files of model.path) at the end of training. Empty: no export."""
+    export_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Format of the exported weights. auto: the dtype model.path's config.json declares, else float32."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             _fail("train.steps", self.steps, "must be >= 1")
+        if self.eval_every < 0:
+            _fail("train.eval_every", self.eval_every, "must be >= 0 (0 turns evaluation off)")
+        if self.eval_batches < 1:
+            _fail("train.eval_batches", self.eval_batches, "must be >= 1")
         if self.log_every < 1:
             _fail("train.log_every", self.log_every, "must be >= 1")
 
@@ -589,10 +614,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     raw = apply_overrides(raw, list(overrides or []))
+    config_dir = Path(path).parent if path is not None else Path.cwd()
+    _shape_from_checkpoint(raw, config_dir)
     config = _build(Config, raw, "")
     if path is not None:
-        config.data.path = resolve_data_path(config.data.path, Path(path).parent)
+        config.data.path = resolve_data_path(config.data.path, config_dir)
+        if config.data.eval_path:
+            config.data.eval_path = resolve_data_path(config.data.eval_path, config_dir)
     return config
+
+
+def _shape_from_checkpoint(raw: dict[str, Any], config_dir: Path) -> None:
+    """With model.path set, the model section becomes the checkpoint's config.json (plus the path);
+    shape keys the YAML also states must agree with it."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("path"):
+        return
+    if not isinstance(model["path"], str):
+        _fail("model.path", model["path"], "expected a string (a Hugging Face model directory)")
+    from megatrain_ray.model.hf_io import model_config_of_dir  # model code imports this module
+
+    model_dir = resolve_data_path(model["path"], config_dir)
+    if not Path(model_dir).is_dir():
+        _fail("model.path", model["path"], "is not a directory; give a Hugging Face model directory")
+    from_checkpoint = model_config_of_dir(model_dir)
+    stated = {k: v for k, v in model.items() if k != "path"}
+    base = _to_plain(from_checkpoint)
+    merged = _build(ModelConfig, {**base, **stated}, "model")
+    for key, value in stated.items():
+        if getattr(merged, key) != getattr(from_checkpoint, key):
+            _fail(f"model.{key}", value, f"disagrees with {model_dir}/config.json, which says "
+                  f"{getattr(from_checkpoint, key)!r}; with model.path set the shape comes from config.json: "
+                  "remove the key")
+    raw["model"] = {**base, "path": model_dir}
 
 
 def resolve_data_path(data_path: str, config_dir: Path) -> str:

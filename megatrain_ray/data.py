@@ -1,9 +1,14 @@
-"""Training tokens: a token file, a small text file (byte-level), or seeded synthetic tokens.
+"""Training batches: a token stream (token file, byte-level text, synthetic) or prepared documents.
 
-The stream of tokens is cut into non-overlapping windows of seq_len + 1 tokens (the inputs and
-their shifted labels). Sample k of the run is window perm_e[k mod n] of epoch e = k // n, where
-perm_e is a permutation seeded by (data.seed, e). The batch of a step is therefore a pure
-function of the step number: resuming needs only the step.
+Token streams (`TokenBatches`) are cut into non-overlapping windows of seq_len + 1 tokens (the
+inputs and their shifted labels). Sample k of the run is window perm_e[k mod n] of epoch
+e = k // n, where perm_e is a permutation seeded by (data.seed, e).
+
+Prepared documents (`DocumentBatches`, a directory written by `megatrain prepare`) become rows:
+one document per row (padded), or with data.packing several whole documents per row, each
+with its own RoPE positions and attention span. Epoch e's rows come from perm_e the same way.
+Either way the batch of a step is a pure function of (data.seed, step): resuming needs only
+the step.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain_ray.config import DataConfig
-from megatrain_ray.exceptions import DataError
+from megatrain_ray.config import DataConfig, ModelConfig
+from megatrain_ray.exceptions import ConfigError, DataError
+from megatrain_ray.messages import IGNORE_INDEX, Batch
 
 _BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 
@@ -102,3 +108,185 @@ class TokenBatches:
         if not self.num_windows:
             return 0.0
         return step * self.cfg.batch_size / self.num_windows
+
+
+# ----------------------------------------------------------------------------- prepared documents
+
+
+class Documents:
+    """One split of a prepared directory, in memory as flat arrays (fine-tuning sets are small)."""
+
+    def __init__(self, directory: str, split: str, key: str):
+        import json
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        root = Path(directory)
+        manifest_path = root / "manifest.json"
+        if not manifest_path.is_file():
+            raise DataError(f"{key}={directory!r} has no manifest.json: give a directory written by "
+                            "`megatrain prepare`")
+        self.manifest = json.loads(manifest_path.read_text())
+        split_info = self.manifest["splits"].get(split)
+        if split_info is None:
+            raise DataError(f"{key}={directory!r} has no {split!r} split (it has "
+                            f"{', '.join(self.manifest['splits'])}); run megatrain prepare with --eval-fraction")
+        self.where = f"{key}={directory!r} ({split})"
+        tables = [pq.read_table(root / f) for f in split_info["files"]]
+        table = pa.concat_tables(tables)
+        ids, mask = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
+        offsets = ids.offsets.to_numpy()
+        if not np.array_equal(offsets, mask.offsets.to_numpy()):
+            raise DataError(f"{self.where}: input_ids and loss_mask differ in length; prepare the data again")
+        self.tokens = ids.values.to_numpy()[offsets[0]:offsets[-1]]  # int32 as stored; rows are int64
+        self.mask = mask.values.to_numpy()[offsets[0]:offsets[-1]]
+        self.starts = offsets - offsets[0]
+        self.lengths = np.diff(self.starts)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def check(self, model: ModelConfig, seq_len: int) -> None:
+        """Token ids inside the vocabulary, documents that fit: raised before anything is allocated."""
+        if not len(self):
+            raise DataError(f"{self.where} holds no documents")
+        top = int(self.tokens.max())
+        if top >= model.vocab_size or int(self.tokens.min()) < 0:
+            bad = top if top >= model.vocab_size else int(self.tokens.min())
+            raise DataError(f"{self.where} holds token id {bad} outside model.vocab_size={model.vocab_size}; "
+                            "prepare it with the model's own tokenizer")
+        if int(self.lengths.min()) < 2:
+            raise DataError(f"{self.where}: document {int(self.lengths.argmin())} has fewer than 2 tokens, so no "
+                            "target; prepare the data with `megatrain prepare`, which drops such documents")
+        longest = int(self.lengths.max())
+        doc = int(self.lengths.argmax())
+        if longest > model.max_position_embeddings:
+            raise DataError(f"{self.where}: document {doc} has {longest} tokens, more than the model's "
+                            f"max_position_embeddings={model.max_position_embeddings}; prepare it again with "
+                            f"--seq-len {min(model.max_position_embeddings, seq_len + 1)}")
+        if longest > seq_len + 1:
+            raise DataError(f"{self.where}: document {doc} has {longest} tokens, more than data.seq_len + 1 = "
+                            f"{seq_len + 1}; raise data.seq_len or prepare it again with --seq-len {seq_len + 1}")
+
+
+class DocumentBatches:
+    """Rows of whole documents, packed (data.packing) or one per row; see the module docstring."""
+
+    def __init__(self, cfg: DataConfig, model: ModelConfig, directory: str, split: str = "train",
+                 key: str = "data.path", evaluation: bool = False):
+        self.cfg = cfg
+        self.shuffle = cfg.shuffle and not evaluation  # evaluation reads the same rows every time
+        self.docs = Documents(directory, split, key)
+        self.docs.check(model, cfg.seq_len)
+        self._plan_cache: tuple[int, list[list[int]]] = (-1, [])
+        self._rows_per_epoch: list[int] = []  # packed epochs differ in row count; only counts are kept
+        if not evaluation and self._rows_in(0) < cfg.batch_size:
+            raise DataError(f"{self.docs.where} fills {self._rows_in(0)} rows of data.seq_len={cfg.seq_len}, "
+                            f"fewer than data.batch_size={cfg.batch_size}; lower data.batch_size or add data")
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        """The rows of an epoch, each a list of document indices, in training order (the last one cached)."""
+        if self._plan_cache[0] == epoch:
+            return self._plan_cache[1]
+        n = len(self.docs)
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if not self.cfg.packing:
+            rows = [[int(d)] for d in order]
+        else:
+            rows, used = [[]], 0
+            for d in order:
+                need = int(self.docs.lengths[d]) - 1  # a document of L tokens gives L - 1 (input, label) pairs
+                if used + need > self.cfg.seq_len:
+                    rows.append([])
+                    used = 0
+                rows[-1].append(int(d))
+                used += need
+        self._plan_cache = (epoch, rows)
+        return rows
+
+    def _rows_in(self, epoch: int) -> int:
+        while len(self._rows_per_epoch) <= epoch:
+            e = len(self._rows_per_epoch)
+            self._rows_per_epoch.append(len(self._plan(e)) if self.cfg.packing or not e else self._rows_per_epoch[0])
+        return self._rows_per_epoch[epoch]
+
+    def _locate(self, k: int) -> tuple[int, int]:
+        """(epoch, row within it) of row k of the run: epochs follow each other, each with its own order."""
+        epoch = 0
+        while k >= self._rows_in(epoch):
+            k -= self._rows_in(epoch)
+            epoch += 1
+        return epoch, k
+
+    def _row(self, k: int) -> list[int]:
+        epoch, row = self._locate(k)
+        return self._plan(epoch)[row]
+
+    def batch(self, step: int) -> Batch:
+        b = self.cfg.batch_size
+        return self.rows_batch([self._row(k) for k in range(step * b, step * b + b)])
+
+    def eval_batches(self, count: int) -> list[Batch]:
+        """The first `count` batches of the (unshuffled) split, fewer when it has fewer rows."""
+        rows, b = self._plan(0), self.cfg.batch_size
+        return [self.rows_batch(rows[k:k + b]) for k in range(0, min(len(rows), count * b), b)]
+
+    def rows_batch(self, rows: list[list[int]]) -> Batch:
+        t = self.cfg.seq_len
+        ids = np.zeros((len(rows), t), dtype=np.int64)
+        labels = np.full((len(rows), t), IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros((len(rows), t), dtype=np.int64) if self.cfg.packing else None
+        segments = []
+        for r, row in enumerate(rows):
+            used, lengths = 0, []
+            for d in row:
+                start, end = int(self.docs.starts[d]), int(self.docs.starts[d + 1])
+                n = end - start - 1
+                ids[r, used:used + n] = self.docs.tokens[start:end - 1]
+                target = self.docs.tokens[start + 1:end]
+                labels[r, used:used + n] = np.where(self.docs.mask[start + 1:end] == 1, target, IGNORE_INDEX)
+                if positions is not None:
+                    positions[r, used:used + n] = np.arange(n)
+                lengths.append(n)
+                used += n
+            if used < t:  # padding: a segment of its own, so it never joins a document's attention
+                lengths.append(t - used)
+                if positions is not None:
+                    positions[r, used:] = np.arange(t - used)
+            segments.append(tuple(lengths))
+        if not self.cfg.packing:
+            return Batch(torch.from_numpy(ids), torch.from_numpy(labels))
+        return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(positions), tuple(segments))
+
+    def epoch_of(self, step: int) -> float:
+        epoch, row = self._locate(step * self.cfg.batch_size)
+        return epoch + row / self._rows_in(epoch)
+
+
+def is_prepared(path: str) -> bool:
+    return Path(path).is_dir()
+
+
+def make_batches(cfg: DataConfig, model: ModelConfig) -> TokenBatches | DocumentBatches:
+    """The training batches data.path describes."""
+    if is_prepared(cfg.path):
+        return DocumentBatches(cfg, model, cfg.path)
+    if cfg.packing:
+        raise ConfigError(f"data.packing needs documents: data.path={cfg.path!r} is a token stream; give a "
+                          "directory written by `megatrain prepare`, or set data.packing=false")
+    return TokenBatches(cfg, model.vocab_size)
+
+
+def make_eval_batches(cfg: DataConfig, model: ModelConfig, count: int) -> list[Batch]:
+    """train.eval_batches fixed batches: data.eval_path's documents, else the eval split of data.path."""
+    if cfg.eval_path:
+        if not is_prepared(cfg.eval_path):
+            raise ConfigError(f"data.eval_path={cfg.eval_path!r} is not a directory written by `megatrain prepare`")
+        source = DocumentBatches(cfg, model, cfg.eval_path, "train", "data.eval_path", evaluation=True)
+    elif is_prepared(cfg.path):
+        source = DocumentBatches(cfg, model, cfg.path, "eval", "data.path", evaluation=True)
+    else:
+        raise ConfigError("train.eval_every needs evaluation documents: set data.eval_path, or prepare data.path "
+                          "with --eval-fraction")
+    return source.eval_batches(count)

@@ -34,7 +34,8 @@ class ActorFailedError(MegatrainError):
 
 
 class CheckpointError(MegatrainError):
-    """A checkpoint is missing, incomplete, corrupt or belongs to another model; the message names it."""
+    """A checkpoint or a model directory is missing, incomplete, corrupt or belongs to another model;
+    the message names the file."""
 
 
 class NonFiniteError(MegatrainError):

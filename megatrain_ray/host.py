@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -191,14 +192,7 @@ class HostStore:
 
     def read_tensors(self, layout: ModelLayout, kind: SegmentKind = "master") -> dict[str, torch.Tensor]:
         """Copies of every tensor of the stages this store maps, by Hugging Face name."""
-        out = {}
-        for stage in layout.stages:
-            if not self.has(kind, stage.index):
-                continue
-            flat = self.get(kind, stage.index)
-            for slot in stage.slots:
-                out[stage.hf_name(slot)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-        return out
+        return {name: view.clone() for name, view in StoreTensors(self, layout, kind).items()}
 
     def write_tensors(self, layout: ModelLayout, tensors: dict[str, torch.Tensor]) -> None:
         """Set master weights (and their streaming copy) from Hugging Face-named tensors."""
@@ -209,6 +203,28 @@ class HostStore:
             for kind in ("master", "stream"):
                 if self.has(kind, stage.index):
                     self.get(kind, stage.index)[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+
+
+class StoreTensors(Mapping[str, torch.Tensor]):
+    """Views (no copies) of the tensors of the stages a store maps, by Hugging Face name, in layout order:
+    what export reads one tensor at a time."""
+
+    def __init__(self, store: HostStore, layout: ModelLayout, kind: SegmentKind = "master"):
+        self.store, self.layout, self.kind = store, layout, kind
+        self.names = [stage.hf_name(slot) for stage in layout.stages if store.has(kind, stage.index)
+                      for slot in stage.slots]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        stage, slot = self.layout.stage_of(name)
+        if not self.store.has(self.kind, stage.index):
+            raise KeyError(name)
+        return self.store.get(self.kind, stage.index)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> None:

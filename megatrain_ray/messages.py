@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+IGNORE_INDEX = -100
+"""Label of a token that does not count towards the loss (prompt, padding), as in Hugging Face."""
+
 
 @dataclass(frozen=True, slots=True)
 class UpdateOrder:
@@ -69,3 +74,27 @@ class ActorStatus:
     """The CPUs the process may run on (os.sched_getaffinity), i.e. its pinning."""
     resources: dict[str, float]
     """Ray resources assigned to the actor (its placement-group bundle); empty in-process."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's inputs, sent by the driver to the GPU worker (small: token ids, not weights)."""
+
+    input_ids: torch.Tensor
+    """[batch, seq_len] int64."""
+    labels: torch.Tensor
+    """[batch, seq_len] int64: the next token where it counts towards the loss, -100 elsewhere."""
+    positions: torch.Tensor | None = None
+    """[batch, seq_len] RoPE position of each token within its document; None means 0..seq_len-1."""
+    segments: tuple[tuple[int, ...], ...] | None = None
+    """Packed rows: per row, the lengths of its documents (they sum to seq_len); attention stays inside
+    each. None: every row is one sequence (no per-document work at all)."""
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor) -> Batch:
+        """A [batch, seq_len + 1] window of a token stream: inputs and their shifted labels."""
+        return cls(tokens[:, :-1], tokens[:, 1:])
+
+    @property
+    def loss_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())

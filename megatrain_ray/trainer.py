@@ -35,10 +35,11 @@ from megatrain_ray.checkpoint import (
     rng_state,
 )
 from megatrain_ray.config import Config, config_to_yaml, parse_drill
-from megatrain_ray.data import TokenBatches
+from megatrain_ray.data import make_batches, make_eval_batches
 from megatrain_ray.exceptions import ActorFailedError, CheckpointError, ConfigError, NonFiniteError
+from megatrain_ray.files import refuse_existing
 from megatrain_ray.health import HealthMonitor, monitor_actors
-from megatrain_ray.host import HostStore, SegmentSpec, shard_stages, unlink_segment
+from megatrain_ray.host import HostStore, SegmentSpec, StoreTensors, shard_stages, unlink_segment
 from megatrain_ray.log import get_logger
 from megatrain_ray.metrics import (
     MetricsWriter,
@@ -48,6 +49,7 @@ from megatrain_ray.metrics import (
     rss_anon_bytes,
     shm_bytes,
 )
+from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.optim import lr_at
 from megatrain_ray.placement import RunPlacement
@@ -115,7 +117,13 @@ class Trainer:
         self.run_dir = Path(run_dir or cfg.train.output_dir)
         self.config_path = config_path or str(self.run_dir / "config.yaml")
         self.run_id = self._new_run_id()
-        self.data = TokenBatches(cfg.data, cfg.model.vocab_size)  # bad data fails before any allocation
+        if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
+            HFDirectory(cfg.model.path).check_against_layout(self.layout)
+        if cfg.train.export_dir:  # found now, not after hours of training
+            refuse_existing(Path(cfg.train.export_dir), ConfigError, "train.export_dir")
+        # Bad data fails before any allocation.
+        self.data = make_batches(cfg.data, cfg.model)
+        self.eval_data = make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches) if cfg.train.eval_every else []
         self.stage_groups = shard_stages(self.layout, cfg.host.num_shards)
         self.checkpoints = CheckpointDir(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self.resume = resume
@@ -301,10 +309,10 @@ class Trainer:
         assert self.gpu is not None, "Trainer.start() first"
         cfg = self.cfg
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
-        tokens = self.data.batch(step)
+        batch = self.data.batch(step)
         inject_nan, kill = self._drill("nan_grad", step) is not None, self._drill("kill", step)
         t0 = time.perf_counter()
-        future = self.gpu.call("train_step", tokens, lr, self.updates_applied + 1, inject_nan)
+        future = self.gpu.call("train_step", batch, lr, self.updates_applied + 1, inject_nan)
         if kill:
             time.sleep(0.05)  # let the step get going: the kill lands in the middle of it
             self._kill(kill)
@@ -320,6 +328,7 @@ class Trainer:
         params = self.layout.num_params
         record = {
             "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens": result.tokens,
+            "loss_tokens": result.valid_tokens,
             "tok_per_s": tok_per_s, "tflops": tok_per_s * self.flops_per_token / 1e12, "step_seconds": seconds,
             "compute_seconds": result.compute_seconds, "gpu_busy": min(1.0, result.compute_seconds / seconds),
             "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
@@ -333,6 +342,9 @@ class Trainer:
             "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": not finite,
             "epoch": self.data.epoch_of(step + 1),
         }
+        every = cfg.train.eval_every
+        if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
+            record["eval_loss"] = self.evaluate()
         if self._metrics:
             self._metrics.write(record)
         if not finite:
@@ -387,6 +399,8 @@ class Trainer:
         if cfg.checkpoint.at_end and (self.checkpoints.latest() or CheckpointInfo(Path(), {"step": -1})).step \
                 != steps:
             self.save(wait=True)
+        if cfg.train.export_dir:
+            self.export(cfg.train.export_dir, cfg.train.export_dtype)
 
     def _recover(self, exc: ActorFailedError) -> None:
         dead = ", ".join(n.removeprefix(f"megatrain-{self.run_id}-") for n in exc.failures) or "an actor"
@@ -452,6 +466,15 @@ class Trainer:
                  sum(e["bytes"] for e in files) / 2**30, time.perf_counter() - t0)
         return final
 
+    def evaluate(self) -> float:
+        """Loss over the fixed evaluation batches, each token weighted equally (forward only, after the
+        pending updates)."""
+        assert self.gpu is not None
+        self.flush()
+        results = [self.gpu.call("eval_loss", batch).result() for batch in self.eval_data]
+        tokens = sum(n for _, n in results)
+        return sum(loss * n for loss, n in results) / max(1, tokens)
+
     def host_memory_bytes(self) -> int:
         """Shared segments actually allocated, plus the private memory of the driver and of every actor on
         this node (a process on another node reads as 0)."""
@@ -469,6 +492,17 @@ class Trainer:
         self.flush()
         store = HostStore([s for s in self.specs if s.kind == "master"])
         return store.read_tensors(self.layout)
+
+    def export(self, out_dir: str | Path, dtype: str = "auto", shard_bytes: int = 5 * 10**9) -> Path:
+        """Write the master weights as a Hugging Face directory (see megatrain_ray/model/hf_io.py), one
+        tensor at a time straight from the shared segments."""
+        self.flush()
+        source = self.cfg.model.path or None
+        if dtype == "auto":
+            dtype = (source_dtype(source) if source else None) or "float32"
+        store = HostStore([s for s in self.specs if s.kind == "master"])
+        return export_hf(StoreTensors(store, self.layout), self.cfg.model, out_dir, source_dir=source, dtype=dtype,
+                         shard_bytes=shard_bytes)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite master weights (and the streaming copy) by Hugging Face name, before training."""

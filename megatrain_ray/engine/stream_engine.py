@@ -27,13 +27,14 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home
-from megatrain_ray.messages import StepResult, UpdateDone, UpdateOrder
+from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
-    IGNORE_INDEX,
+    DocumentBucket,
     LayerSpec,
     bind,
     decoder_layer,
+    document_buckets,
     embed,
     head_logits,
     head_loss_and_grads,
@@ -257,12 +258,30 @@ class StreamEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def _rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, seq_len: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for positions 0..seq_len-1, or gathered per row for packed documents."""
         if seq_len not in self._rope_cache:
             self._rope_cache[seq_len] = rope_tables(self.cfg.model, seq_len, self.device, self.compute_dtype)
-        return self._rope_cache[seq_len]
+        cos, sin = self._rope_cache[seq_len]
+        if positions is None:
+            return cos, sin
+        positions = positions.to(self.device, non_blocking=True)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
-    def _forward_layers(self, x: torch.Tensor, rope: tuple, keep: list | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, batch: Batch,
+                 keep: list | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple, Any]:
+        """Embedding and layers over `ids` (the batch's ids on the device); returns the last hidden state,
+        the embedding's slot and weight, the RoPE tables and the document buckets (packed rows) that the
+        backward reuses."""
+        rope = self._rope(ids.shape[1], batch.positions)
+        documents = document_buckets(batch.segments, self.device) if batch.segments is not None else None
+        embed_slot = self._load(self.layout.embed)
+        embed_w = self._weights(self.layout.embed, embed_slot)["embed_tokens.weight"]
+        x = self._forward_layers(embed(ids, embed_w), rope, documents, keep)
+        return x, embed_slot, embed_w, rope, documents
+
+    def _forward_layers(self, x: torch.Tensor, rope: tuple, documents: tuple[DocumentBucket, ...] | None,
+                        keep: list | None) -> torch.Tensor:
         layers = self.layout.layers
         upcoming = self._load(layers[0])
         for i, stage in enumerate(layers):
@@ -272,7 +291,7 @@ class StreamEngine:
                 keep.append(x)
             weights = self._weights(stage, slot)
             start = self.timeline.start(self.streams.compute)
-            x = decoder_layer(x, weights, rope, self.spec)
+            x = decoder_layer(x, weights, rope, self.spec, documents)
             self.timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -291,24 +310,27 @@ class StreamEngine:
             slot.holds = -1
 
     @torch.no_grad()
-    def train_step(self, tokens: torch.Tensor, lr: float, adam_step: int, inject_nan: bool = False) -> StepResult:
-        """One optimizer step on a batch of [batch, seq_len + 1] token ids (labels are the shifted ids).
-        `inject_nan` puts a NaN into the first layer's gradients (fault drill `nan_grad`)."""
+    def train_step(self, batch: Batch | torch.Tensor, lr: float, adam_step: int,
+                   inject_nan: bool = False) -> StepResult:
+        """One optimizer step on a Batch, or on [batch, seq_len + 1] token ids (labels are the shifted ids).
+
+        The loss is the mean over the tokens whose label counts (labels != -100) in the whole batch.
+        `inject_nan` puts a NaN into the first layer's gradients (fault drill `nan_grad`).
+        """
         t0 = time.perf_counter()
+        if isinstance(batch, torch.Tensor):
+            batch = Batch.from_tokens(batch)
         self._begin(lr, adam_step)
         layout, cfg = self.layout, self.cfg
-        n_valid = max(1, int((tokens[:, 1:] != IGNORE_INDEX).sum()))
-        tokens = tokens.to(self.device, non_blocking=True)
-        ids, labels = tokens[:, :-1], tokens[:, 1:]
-        rope = self._rope(ids.shape[1])
+        n_valid = max(1, batch.loss_tokens)
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        labels = batch.labels.to(self.device, non_blocking=True)
         deferred: list = []
 
         # Forward: embedding, layers (inputs kept), head with loss and its gradients.
         compute = self.streams.compute
-        embed_slot = self._load(layout.embed)
-        embed_w = self._weights(layout.embed, embed_slot)["embed_tokens.weight"]
         acts: list[torch.Tensor | None] = []
-        x = self._forward_layers(embed(ids, embed_w), rope, acts)
+        x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, acts)
         head_slot = self._slot_for(layout.head)
         head_w = self._weights(layout.head, head_slot)
         lm_w = head_w.get("lm_head.weight", embed_w)
@@ -337,7 +359,7 @@ class StreamEngine:
             with torch.enable_grad():
                 x_in = acts[i].requires_grad_(True)
                 params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
-                y = decoder_layer(x_in, params, rope, self.spec)
+                y = decoder_layer(x_in, params, rope, self.spec, documents)
                 grads = torch.autograd.grad(y, [x_in, *params.values()], grad_y)
             self._release(slot)
             acts[i] = None
@@ -388,20 +410,35 @@ class StreamEngine:
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Full logits of a small batch through the same layer stream (evaluation, tests)."""
+        """Full logits of a small batch through the same layer stream (tests, small inputs)."""
+        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
+            return head_logits(x, norm_w, lm_w, self.cfg.model.rms_norm_eps).float().cpu()
+
+        return self._forward_only(Batch(ids, torch.full_like(ids, IGNORE_INDEX)), head)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        """Mean loss over the batch's loss tokens, and their number, without gradients or updates."""
+        n_valid = max(1, batch.loss_tokens)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        cfg = self.cfg
+
+        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
+            return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, cfg.model.rms_norm_eps,
+                                       cfg.engine.loss_chunk_tokens, grad_lm_acc=None).loss_sum
+
+        return float(self._forward_only(batch, head)), batch.loss_tokens
+
+    def _forward_only(self, batch: Batch, head: Any) -> Any:
+        """The forward of train_step (same stream, same templates) with `head(x, norm_w, lm_w)` at the end."""
         self._begin(0.0, 0)
-        layout = self.layout
-        ids = ids.to(self.device)
-        embed_slot = self._load(layout.embed)
-        embed_w = self._weights(layout.embed, embed_slot)["embed_tokens.weight"]
-        x = self._forward_layers(embed(ids, embed_w), self._rope(ids.shape[1]), None)
-        head_w = self._weights(layout.head, self.head_slot)
-        out = head_logits(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w),
-                          self.cfg.model.rms_norm_eps)
+        x, embed_slot, embed_w, _, _ = self._forward(batch.input_ids.to(self.device), batch, None)
+        head_w = self._weights(self.layout.head, self.head_slot)
+        out = head(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w))
         self._release(self.head_slot)
         self._release(embed_slot)
         self._end()
-        return out.float().cpu()
+        return out
 
     def close(self) -> None:
         self.flush()

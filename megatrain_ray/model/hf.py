@@ -7,6 +7,10 @@ from typing import Any
 from megatrain_ray.config import ModelConfig, RopeScalingConfig
 from megatrain_ray.exceptions import ConfigError
 
+
+class UnsupportedArchitectureError(ConfigError):
+    """config.json names a model class megatrain has no templates for."""
+
 FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -22,8 +26,9 @@ def _family(hf: dict[str, Any]) -> str:
             return FAMILIES[arch]
     if hf.get("model_type") in MODEL_TYPES:
         return MODEL_TYPES[hf["model_type"]]
-    raise ConfigError(f"unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
-                      f"supported: {', '.join(FAMILIES)}")
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
+        f"supported: {', '.join(FAMILIES)}")
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config import ModelConfig
+from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +100,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos, sin: [seq, head_dim]."""
+    """x: [batch, heads, seq, head_dim]; cos, sin: [seq, head_dim], or [batch, 1, seq, head_dim] when each
+    row has its own positions (packed documents)."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -114,7 +114,62 @@ def _sliding_mask(seq_len: int, window: int, device: torch.device) -> torch.Tens
     return (j <= i) & (i - j < window)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+Segments = tuple[tuple[int, ...], ...]
+"""Per row of a packed batch, the lengths of its documents in order (they sum to the row length)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentBucket:
+    """Documents of about the same length, attended to as one padded SDPA batch."""
+
+    rows: torch.Tensor
+    """[n, 1] batch row of each document."""
+    positions: torch.Tensor
+    """[n, width] position in its row of each slot; padding repeats the document's last token."""
+    valid: torch.Tensor
+    """[n, width] True for the document's own tokens, False for padding."""
+
+
+def document_buckets(segments: Segments, device: torch.device) -> tuple[DocumentBucket, ...]:
+    """Group the documents of a packed batch by the power of two at or above their length: attention then
+    costs one SDPA call per bucket (O(log seq_len) per layer, at most twice the work of exact lengths),
+    not one per document and never a seq_len x seq_len mask. Built once per step, reused by every layer."""
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for row, lengths in enumerate(segments):
+        start = 0
+        for length in lengths:
+            groups.setdefault(1 << (length - 1).bit_length(), []).append((row, start, length))
+            start += length
+    buckets = []
+    for width, docs in sorted(groups.items()):
+        table = torch.tensor(docs, dtype=torch.int64).to(device, non_blocking=True)
+        rows, starts, lengths = table[:, :1], table[:, 1:2], table[:, 2:]
+        offsets = torch.arange(width, device=device)[None, :]
+        buckets.append(DocumentBucket(rows, starts + torch.minimum(offsets, lengths - 1), offsets < lengths))
+    return tuple(buckets)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,
+              documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
+    """Causal attention; with `documents` (packed rows), causal within each document and never across.
+
+    Each document is gathered into a padded batch of its bucket; padding follows the document's tokens,
+    so causal attention never lets a real token see it, and its outputs are dropped.
+    """
+    if documents is None:
+        return _causal_attention(q, k, v, spec)
+    out = torch.empty_like(q)
+    for bucket in documents:
+        def gather(t: torch.Tensor, bucket: DocumentBucket = bucket) -> torch.Tensor:
+            return t[bucket.rows, :, bucket.positions].transpose(1, 2)  # [n, heads, width, head_dim]
+
+        per_doc = _causal_attention(gather(q), gather(k), gather(v), spec).transpose(1, 2)  # [n, width, H, D]
+        rows = bucket.rows.expand_as(bucket.positions)[bucket.valid]
+        out[rows, :, bucket.positions[bucket.valid]] = per_doc[bucket.valid]
+    return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
     """Causal attention through SDPA (flash on GPU); q: [B, H, T, D], k and v: [B, H_kv, T, D]."""
     seq_len = q.shape[2]
     if spec.num_kv_heads != spec.num_heads:
@@ -136,7 +191,7 @@ def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                  spec: LayerSpec) -> torch.Tensor:
+                  spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
     """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). x: [B, T, hidden]."""
     batch, seq_len, _ = x.shape
     cos, sin = rope
@@ -152,7 +207,7 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
         k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps)
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
-    a = attention(q, k, v, spec).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
+    a = attention(q, k, v, spec, documents).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
     x = x + F.linear(a, w["self_attn.o_proj.weight"])
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
     m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
@@ -168,23 +223,26 @@ def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Ten
 class HeadResult:
     loss_sum: torch.Tensor
     """Sum over valid tokens of the cross-entropy, divided by `n_valid` (so it is the mean)."""
-    grad_x: torch.Tensor
-    grad_norm_weight: torch.Tensor
+    grad_x: torch.Tensor | None
+    grad_norm_weight: torch.Tensor | None
+    """Both None for a forward-only loss (evaluation)."""
 
 
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
                         labels: torch.Tensor, n_valid: int, eps: float, chunk_tokens: int,
-                        grad_lm_acc: torch.Tensor) -> HeadResult:
+                        grad_lm_acc: torch.Tensor | None) -> HeadResult:
     """Mean cross-entropy over the valid labels and its gradients, in chunks of tokens.
 
     Logits exist for one chunk at a time (chunk_tokens x vocab, upcast to float32 as in Hugging
     Face's loss). The gradient of the LM head matrix is added into `grad_lm_acc` (float32 or
-    float64), which with tied embeddings also collects the embedding's gradient later.
+    float64), which with tied embeddings also collects the embedding's gradient later. With
+    `grad_lm_acc=None` only the loss is computed (evaluation).
     """
     batch, seq_len, hidden = x.shape
-    x = x.detach().requires_grad_(True)
-    norm_weight = norm_weight.detach().requires_grad_(True)
-    with torch.enable_grad():
+    with_grads = grad_lm_acc is not None
+    x = x.detach().requires_grad_(with_grads)
+    norm_weight = norm_weight.detach().requires_grad_(with_grads)
+    with torch.set_grad_enabled(with_grads):
         normed = rms_norm(x, norm_weight, eps)
     flat = normed.detach().reshape(-1, hidden)
     flat_labels = labels.reshape(-1)
@@ -200,6 +258,8 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
         lse = torch.logsumexp(logits, dim=-1)
         target = logits.gather(1, safe[:, None]).squeeze(1)
         loss += torch.where(valid, lse - target, 0).sum() / n_valid
+        if not with_grads:
+            continue
         # d(loss)/d(logits) = (softmax - onehot) / n_valid on valid rows, 0 elsewhere; built in place.
         grad_logits = logits.sub_(lse[:, None]).exp_()
         grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(lse[:, None]))
@@ -207,6 +267,8 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
         grad_logits = grad_logits.to(h.dtype)
         grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
         grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
+    if not with_grads:
+        return HeadResult(loss, None, None)
     grad_x, grad_norm = torch.autograd.grad(normed, (x, norm_weight), grad_flat.view(batch, seq_len, hidden))
     return HeadResult(loss, grad_x, grad_norm)
 

@@ -1,0 +1,110 @@
+"""Load time and peak extra RAM of loading a sharded Hugging Face checkpoint into the host store.
+
+    python benchmarks/load_checkpoint.py --dir /data/llama8b-random [--layers 32] [--shards 2]
+
+Writes (once) a Llama 3.1 8B-shaped checkpoint with random bf16 weights, 5 GB shards plus index, one
+tensor at a time, then starts a Trainer (actors in-process) with model.path pointing at it and reports
+the time to a ready host store and the peak private memory (RssAnon, sampled every 50 ms) on top of
+the shared segments. The host store needs 12 bytes/parameter with the fp32 master streamed directly
+(about 96 GB for 8B): use --layers to scale the depth down on smaller machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from megatrain_ray.config import ModelConfig, load_config
+from megatrain_ray.metrics import rss_anon_bytes
+from megatrain_ray.model.hf_io import export_hf
+from megatrain_ray.model.layout import build_layout
+
+LLAMA_8B = {"family": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}
+
+
+# A shape small enough for a smoke test of this script on any machine (--smoke).
+SMOKE = {**LLAMA_8B, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+         "num_key_value_heads": 2}
+
+
+class RandomTensors(Mapping[str, torch.Tensor]):
+    """Random bf16 tensors by name, made when asked for: export_hf takes one at a time."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return torch.randn(self.shapes[name], dtype=torch.bfloat16) * 0.02
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def write_checkpoint(directory: Path, shape: dict, layers: int, shard_bytes: int) -> None:
+    model = ModelConfig(**shape, num_layers=layers)
+    layout = build_layout(model)
+    shapes = {stage.hf_name(slot): slot.shape for stage in layout.stages for slot in stage.slots}
+    export_hf(RandomTensors(shapes), model, directory, dtype="bfloat16", shard_bytes=shard_bytes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True, type=Path)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--shards", type=int, default=1, help="host.num_shards (HostShard actors loading in parallel)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape (checks the script, measures nothing)")
+    args = parser.parse_args()
+    if not (args.dir / "config.json").is_file():
+        t0 = time.perf_counter()
+        write_checkpoint(args.dir, SMOKE if args.smoke else LLAMA_8B, args.layers,
+                         10**6 if args.smoke else 5 * 10**9)
+        print(f"wrote {args.dir} in {time.perf_counter() - t0:.0f} s")
+    from megatrain_ray.trainer import Trainer
+
+    cfg = load_config(raw={
+        "model": {"path": str(args.dir)}, "data": {"path": "synthetic", "seq_len": 1024, "batch_size": 1},
+        "precision": {"master_dtype": "float32", "compute_dtype": "bfloat16", "stream_dtype": "float32"},
+        "host": {"num_shards": args.shards}, "runtime": {"mode": "local"},
+        "optimizer": {"workers": 1}, "train": {"steps": 1, "output_dir": f"/tmp/load-bench-{os.getpid()}"}})
+    peak = {"bytes": 0}
+    done = threading.Event()
+
+    def sample() -> None:  # in-process actors (runtime.mode local): one process holds every loader thread
+        while not done.is_set():
+            peak["bytes"] = max(peak["bytes"], rss_anon_bytes())
+            time.sleep(0.05)
+
+    before = rss_anon_bytes()
+    trainer = Trainer(cfg)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    trainer.start()
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    size = sum(f.stat().st_size for f in args.dir.glob("*.safetensors"))
+    print(json.dumps({"layers": args.layers, "checkpoint_gb": size / 1e9, "load_seconds": seconds,
+                      "load_gbps": size / seconds / 1e9, "peak_private_gib": peak["bytes"] / 2**30,
+                      "private_before_gib": before / 2**30, "host_store_gib": sum(s.nbytes for s in trainer.specs) / 2**30,
+                      "host_shards": args.shards}))
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()

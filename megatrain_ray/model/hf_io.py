@@ -1,0 +1,273 @@
+"""Hugging Face model directories in and out: config.json + safetensors (one file or sharded).
+
+In: `HFDirectory` reads the index (or the single file's header) without touching tensor data,
+`check_against_layout` proves before any allocation that every tensor the model needs is there
+with the right shape and a float dtype, and `load_stage` copies one stage's tensors, one tensor
+at a time, into the host store (each HostShard loads its own stages, in parallel threads). No
+torch model is built and nothing is unpickled: safetensors is a JSON header plus raw bytes.
+
+Out: `export_hf` writes any mapping of Hugging Face names to tensors (the trainer's master
+weights, a directory read lazily) as safetensors shards of at most `shard_bytes`, the index,
+config.json and the tokenizer files of the source directory, into a temporary directory that
+is renamed into place at the end: a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from megatrain_ray.config import ModelConfig
+from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.files import atomic_directory, refuse_existing
+from megatrain_ray.host import TORCH_DTYPES, HostStore
+from megatrain_ray.log import get_logger
+from megatrain_ray.model.hf import hf_config_from_model, model_config_from_hf
+from megatrain_ray.model.layout import ModelLayout, StageLayout, build_layout
+
+log = get_logger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Files a model directory carries besides the weights, copied on export when the source has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json")
+# safetensors header dtype codes of floating formats we convert from, and the torch dtypes we write.
+FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
+EXPORT_DTYPES = ("bfloat16", "float32")
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"model.path={str(model_dir)!r} has no config.json; point model.path at a Hugging Face "
+                              "model directory (config.json + model.safetensors or its index)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def model_config_of_dir(model_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory (UnsupportedArchitectureError for other families)."""
+    return model_config_from_hf(read_hf_config(model_dir))
+
+
+def source_dtype(model_dir: str | Path) -> str | None:
+    """The dtype config.json declares (`dtype` in transformers 5, `torch_dtype` before), if one we export."""
+    hf = read_hf_config(model_dir)
+    found = hf.get("dtype") or hf.get("torch_dtype")
+    return found if found in EXPORT_DTYPES else None
+
+
+class HFDirectory(Mapping[str, torch.Tensor]):
+    """The tensors of a Hugging Face model directory by name, read lazily (one tensor per lookup)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index} is not a safetensors index (a JSON object with 'weight_map'): "
+                                      f"{exc}") from exc
+        elif (self.dir / SINGLE_FILE).is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{self.dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors "
+                                  "weights are read (convert .bin checkpoints with transformers' save_pretrained)")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        for name in files:
+            if not (self.dir / name).is_file():
+                raise CheckpointError(f"shard {name} listed in {index} is missing from {self.dir}; "
+                                      "copy the complete model directory")
+        # Headers only: name -> (file, shape, dtype code). The tensor data stays on disk.
+        self.entries: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        for name in files:
+            with self._open(name) as f:
+                names = f.keys()  # safe_open is not a dict: its names come from keys()
+                for key in names:
+                    piece = f.get_slice(key)
+                    self.entries[key] = (name, tuple(piece.get_shape()), piece.get_dtype())
+        if weight_map:
+            absent = sorted(k for k, f in weight_map.items() if self.entries.get(k, ("",))[0] != f)
+            if absent:
+                raise CheckpointError(f"{index} maps {absent[0]!r} to {weight_map[absent[0]]}, which does not "
+                                      f"hold it ({len(absent)} such tensors); the directory is inconsistent")
+
+    def _open(self, file: str):
+        try:
+            return safe_open(str(self.dir / file), framework="pt")
+        except SafetensorError as exc:
+            raise CheckpointError(f"{self.dir / file} is corrupt or truncated ({exc}); copy it again") from exc
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file = self.entries[name][0]
+        with self._open(file) as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def check_against_layout(self, layout: ModelLayout) -> None:
+        """Every tensor of the layout present, with its shape and a float dtype: raised before allocating."""
+        for stage in layout.stages:
+            for slot in stage.slots:
+                name = stage.hf_name(slot)
+                if name not in self.entries:
+                    raise CheckpointError(f"{self.dir} has no tensor {name!r}, which config.json's architecture "
+                                          "needs; the weights and config.json do not belong together")
+                _, shape, code = self.entries[name]
+                if shape != slot.shape:
+                    raise CheckpointError(f"{self.dir}: tensor {name!r} has shape {list(shape)} but config.json "
+                                          f"implies {list(slot.shape)}; the weights and config.json disagree")
+                if code not in FLOAT_CODES:
+                    raise CheckpointError(f"{self.dir}: tensor {name!r} is stored as {code}, which cannot be "
+                                          f"converted to float master weights (quantized checkpoints are not "
+                                          f"supported; supported: {', '.join(sorted(FLOAT_CODES))})")
+
+
+def load_stage(store: HostStore, stage: StageLayout, source: HFDirectory) -> None:
+    """Copy one stage's tensors from the checkpoint into its master weights, zero its moments and refresh
+    its streaming copy. Extra RAM: one tensor at a time."""
+    for kind in ("exp_avg", "exp_avg_sq"):
+        store.get(kind, stage.index).zero_()
+    master = store.get("master", stage.index)
+    for slot in stage.slots:
+        tensor = source[stage.hf_name(slot)]
+        master[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
+    if store.has("stream", stage.index):
+        store.get("stream", stage.index).copy_(master)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _plan_shards(names: list[str], nbytes: dict[str, int], shard_bytes: int) -> list[list[str]]:
+    """Names in order, cut into groups of at most shard_bytes (a larger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if shards[-1] and size + nbytes[name] > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes[name]
+    return shards
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a plain number of bytes."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit):
+            try:
+                return int(float(upper[:-len(unit)]) * factor)
+            except ValueError:
+                break
+    try:
+        return int(upper)
+    except ValueError:
+        raise CheckpointError(f"size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB") from None
+
+
+def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path,
+              source_dir: str | Path | None = None, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
+    """Write a directory that transformers' AutoModelForCausalLM.from_pretrained loads.
+
+    `tensors` maps Hugging Face names to tensors of the model `model_cfg` describes; it is read one
+    tensor at a time (a lazy mapping keeps peak RAM at one shard). `source_dir`, when given, is the
+    model directory the run started from: its config.json provides the keys megatrain does not model
+    (token ids, ...), and its tokenizer files are copied. The result appears at `out_dir` atomically.
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    out = Path(out_dir)
+    refuse_existing(out, CheckpointError, "export directory")
+    layout = build_layout(model_cfg)
+    names = [stage.hf_name(slot) for stage in layout.stages for slot in stage.slots]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise CheckpointError(f"cannot export: no tensor {missing[0]!r} among the weights given "
+                              f"({len(missing)} missing)")
+    torch_dtype = TORCH_DTYPES[dtype]
+    element = torch.empty((), dtype=torch_dtype).element_size()
+    slots = {stage.hf_name(slot): slot for stage in layout.stages for slot in stage.slots}
+    groups = _plan_shards(names, {n: slots[n].numel * element for n in names}, shard_bytes)
+    with atomic_directory(out, CheckpointError, "export directory") as tmp:
+        weight_map, total = {}, 0
+        for k, group in enumerate(groups):
+            file = SINGLE_FILE if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+            shard = {}
+            for name in group:
+                tensor = tensors[name]
+                if tuple(tensor.shape) != slots[name].shape:
+                    raise CheckpointError(f"cannot export {name!r}: shape {list(tensor.shape)}, model needs "
+                                          f"{list(slots[name].shape)}")
+                shard[name] = tensor.detach().to(device="cpu", dtype=torch_dtype).contiguous()
+                weight_map[name] = file
+                total += shard[name].numel() * element
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            log.info("export: wrote %s (%d tensors, %d/%d)", file, len(group), k + 1, len(groups))
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        hf = read_hf_config(source_dir) if source_dir and (Path(source_dir) / "config.json").is_file() else {}
+        # `dtype` for transformers 5, `torch_dtype` for readers on transformers 4 (serving stacks lag behind).
+        hf.update(hf_config_from_model(model_cfg), dtype=dtype, torch_dtype=dtype)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+        for name in TOKENIZER_FILES if source_dir else ():
+            if (Path(source_dir) / name).is_file():
+                shutil.copyfile(Path(source_dir) / name, tmp / name)
+    log.info("export: %s (%d tensors, %.2f GB %s, %d shard(s))", out, len(names), total / 1e9, dtype, len(groups))
+    return out
+
+
+def weights_dir_of(source: str | Path) -> Path:
+    """The directory holding safetensors weights: `source` itself, or the train.export_dir of a run directory."""
+    src = Path(source)
+    if (src / "config.json").is_file():
+        return src
+    if (src / "config.yaml").is_file():  # a run directory: its resolved config names the export
+        import yaml
+
+        export_dir = ((yaml.safe_load((src / "config.yaml").read_text()) or {}).get("train") or {}).get("export_dir")
+        if export_dir and (Path(export_dir) / "config.json").is_file():
+            return Path(export_dir)
+        raise CheckpointError(f"run directory {str(src)!r} holds no exported weights (train.export_dir was "
+                              f"{export_dir or 'unset'}); set train.export_dir and train again")
+    raise CheckpointError(f"{str(src)!r} is neither a model directory (config.json + model.safetensors), a "
+                          "checkpoint (manifest.json) nor a run directory (config.yaml)")
+
+
+def export_weights_dir(source: str | Path, out_dir: str | Path, dtype: str | None = None,
+                       shard_bytes: int = 5 * 10**9) -> Path:
+    """`megatrain export`: re-shard and convert a directory of safetensors weights or a megatrain
+    checkpoint, one tensor at a time."""
+    from megatrain_ray.checkpoint import MANIFEST, CheckpointWeights, model_config_of, read_manifest
+
+    if (Path(source) / MANIFEST).is_file():
+        info = read_manifest(source)
+        model_cfg = model_config_of(info)
+        origin = model_cfg.path if model_cfg.path and Path(model_cfg.path).is_dir() else None
+        return export_hf(CheckpointWeights(info), model_cfg, out_dir, source_dir=origin,
+                         dtype=dtype or (source_dtype(origin) if origin else None) or "float32",
+                         shard_bytes=shard_bytes)
+    src = weights_dir_of(source)
+    model_cfg = model_config_of_dir(src)
+    tensors = HFDirectory(src)
+    tensors.check_against_layout(build_layout(model_cfg))
+    return export_hf(tensors, model_cfg, out_dir, source_dir=src, dtype=dtype or source_dtype(src) or "float32",
+                     shard_bytes=shard_bytes)
