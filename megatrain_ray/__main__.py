@@ -5,7 +5,7 @@
     megatrain config configs/tiny.yaml [--set ...]      # print the resolved config
     megatrain plot runs/tiny [--out DIR]                # loss and throughput curves to PNG
     megatrain resources                                 # NUMA resources for `ray start --resources`
-    megatrain export SOURCE OUT_DIR [--dtype bfloat16|float32] [--shard-size 5GB]
+    megatrain export SOURCE OUT_DIR [--dtype bfloat16|float32] [--shard-size 5GB]  # SOURCE: model, run or checkpoint dir
     megatrain prepare --tokenizer MODEL_DIR --format alpaca --input data.json --output prepared/
 
 Exit codes: 0 done; 2 bad input or a failure with its message; 130/143 stopped by SIGINT/SIGTERM

@@ -174,3 +174,20 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, tiny_yaml):
     latest = CheckpointDir(tmp_path / "run" / "checkpoints").latest()
     assert latest is not None and latest.step == len(losses(tmp_path / "run"))
     assert "--resume auto" in err
+
+
+def test_export_of_a_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_ray.model.hf_io import export_weights_dir
+
+    cfg = tiny_config(tmp_path, checkpoint={"every": 3}, train={"steps": 6})
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        ours = trainer.logits(ids)
+    export_weights_dir(tmp_path / "run" / "checkpoints" / "step-00000006", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
