@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from benchmarks.common import provenance, write_result
 from megatrain_ray.config import ModelConfig, load_config
 from megatrain_ray.metrics import rss_anon_bytes
 from megatrain_ray.model.hf_io import export_hf
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--shards", type=int, default=1, help="host.num_shards (HostShard actors loading in parallel)")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape (checks the script, measures nothing)")
+    parser.add_argument("--out", default="", help="also write the figures as JSON into this results directory")
     args = parser.parse_args()
     if not (args.dir / "config.json").is_file():
         t0 = time.perf_counter()
@@ -99,11 +101,16 @@ def main() -> None:
     done.set()
     sampler.join()
     size = sum(f.stat().st_size for f in args.dir.glob("*.safetensors"))
-    print(json.dumps({"layers": args.layers, "checkpoint_gb": size / 1e9, "load_seconds": seconds,
-                      "load_gbps": size / seconds / 1e9, "peak_private_gib": peak["bytes"] / 2**30,
-                      "private_before_gib": before / 2**30, "host_store_gib": sum(s.nbytes for s in trainer.specs) / 2**30,
-                      "host_shards": args.shards}))
+    figures = {"layers": args.layers, "checkpoint_gb": size / 1e9, "load_seconds": seconds,
+               "load_gbps": size / seconds / 1e9, "peak_private_gib": peak["bytes"] / 2**30,
+               "private_before_gib": before / 2**30, "host_store_gib": sum(s.nbytes for s in trainer.specs) / 2**30,
+               "host_shards": args.shards,
+               "largest_shard_gb": max(f.stat().st_size for f in args.dir.glob("*.safetensors")) / 1e9}
+    print(json.dumps(figures))
     trainer.close()
+    if args.out:
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        write_result("load-checkpoint", {**provenance(device), **figures}, args.out)
 
 
 if __name__ == "__main__":
