@@ -114,9 +114,10 @@ def cmd_resources(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a Hugging Face model directory (safetensors shards, index, config.json, tokenizer files) from a
     directory of safetensors weights (train.export_dir of a run, or a Hugging Face model) or a run directory."""
-    from megatrain_ray.model.hf_io import export_weights_dir, parse_size
+    from megatrain_ray.config import parse_size
+    from megatrain_ray.model.hf_io import export_weights_dir
 
-    export_weights_dir(args.source, args.out_dir, dtype=args.dtype, shard_bytes=parse_size(args.shard_size))
+    export_weights_dir(args.source, args.out_dir, dtype=args.dtype, shard_bytes=parse_size(args.shard_size, "--shard-size"))
     return 0
 
 

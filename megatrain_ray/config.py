@@ -661,3 +661,16 @@ def resolve_data_path(data_path: str, config_dir: Path) -> str:
 
 def config_to_yaml(config: Config) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, what: str) -> int:
+    """'512GB' -> 512e9, '80GiB' -> 80 * 2**30, '1.5T' -> 1.5e12."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"{what}={text!r}: expected a size such as 512GB, 80GiB or 1.5TB")
+    number, unit, binary = match.groups()
+    power = "kmgtp".find(unit.lower()) + 1 if unit else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)

@@ -20,15 +20,14 @@ peak, per token):
 from __future__ import annotations
 
 import os
-import re
 import resource
 import shutil
 import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from megatrain_ray.config import DTYPE_BYTES, Config
-from megatrain_ray.exceptions import ConfigError, HostMemoryError
+from megatrain_ray.config import DTYPE_BYTES, Config, parse_size
+from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.host import grad_dtype, grad_home, plan_segments, shard_stages
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.topology import detect_topology, plan_placement
@@ -40,17 +39,6 @@ GPU_PROCESS_BYTES = int(1.0 * GiB)
 """Private host memory of the GPU worker: the above plus the CUDA context's host side."""
 GPU_RESERVE_BYTES = int(1.5 * GiB)
 """GPU memory outside torch's allocations: CUDA context, cuBLAS workspaces, allocator fragmentation."""
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str, what: str) -> int:
-    """'512GB' -> 512e9, '80GiB' -> 80 * 2**30, '1.5T' -> 1.5e12."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ConfigError(f"{what}={text!r}: expected a size such as 512GB, 80GiB or 1.5TB")
-    number, unit, binary = match.groups()
-    power = "kmgtp".find(unit.lower()) + 1 if unit else 0
-    return int(float(number) * (1024 if binary else 1000) ** power)
 
 
 def _read_int(path: str) -> int | None:

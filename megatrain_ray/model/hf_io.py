@@ -167,22 +167,6 @@ def _plan_shards(names: list[str], nbytes: dict[str, int], shard_bytes: int) -> 
     return shards
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB' or a plain number of bytes."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    upper = text.strip().upper()
-    for unit, factor in units.items():
-        if upper.endswith(unit):
-            try:
-                return int(float(upper[:-len(unit)]) * factor)
-            except ValueError:
-                break
-    try:
-        return int(upper)
-    except ValueError:
-        raise CheckpointError(f"size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB") from None
-
-
 def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path,
               source_dir: str | Path | None = None, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
     """Write a directory that transformers' AutoModelForCausalLM.from_pretrained loads.
