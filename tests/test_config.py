@@ -31,7 +31,8 @@ def test_shipped_config_loads(path):
 # Parameter counts of the published models these shapes copy (from their model cards / safetensors index).
 @pytest.mark.parametrize("name, billions", [
     ("llama3-8b.yaml", 8.03), ("qwen2.5-7b.yaml", 7.62), ("qwen2.5-32b.yaml", 32.76), ("mistral-7b.yaml", 7.24),
-    ("qwen2.5-14b.yaml", 14.77), ("llama-3.5b-bench.yaml", 3.5),
+    ("qwen2.5-14b.yaml", 14.77), ("llama-3.5b-bench.yaml", 3.5), ("llama3-70b.yaml", 70.55),
+    ("qwen2.5-72b.yaml", 72.71),
 ])
 def test_model_shapes_have_the_published_size(name, billions):
     layout = build_layout(load_config(os.path.join(REPO, "configs", name)).model)
