@@ -190,12 +190,19 @@ class Trainer:
             restore_rng(self.restore.manifest["rng"])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.yaml", config_to_yaml(cfg))
-        truncate_metrics(metrics_path, self.next_step)
-        self._metrics = MetricsWriter(metrics_path, self._exporter)
+        self._open_metrics()
         log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s%s", self.run_id, cfg.model.family,
                  self.layout.num_params / 1e9, cfg.data.tokens_per_step, self.device_name, self.run_dir,
                  f", resuming at step {self.next_step} from {self.restore.directory}" if self.restore else "")
         return self
+
+    def _open_metrics(self) -> None:
+        """metrics.jsonl without the records of steps not yet (re)run, open for appending."""
+        if self._metrics:
+            self._metrics.close()
+        path = self.run_dir / "metrics.jsonl"
+        truncate_metrics(path, self.next_step)
+        self._metrics = MetricsWriter(path, self._exporter)
 
     def _spawn_actors(self) -> None:
         cfg, mode = self.cfg, self.cfg.runtime.mode
@@ -396,8 +403,8 @@ class Trainer:
             if every and self.next_step % every == 0 and self.next_step < steps:
                 self.save(wait=False)
         self.flush()
-        if cfg.checkpoint.at_end and (self.checkpoints.latest() or CheckpointInfo(Path(), {"step": -1})).step \
-                != steps:
+        latest = self.checkpoints.latest()
+        if cfg.checkpoint.at_end and (latest is None or latest.step != steps):
             self.save(wait=True)
         if cfg.train.export_dir:
             self.export(cfg.train.export_dir, cfg.train.export_dtype)
@@ -426,10 +433,7 @@ class Trainer:
         self.restore = last
         self.next_step = last.step if last else 0
         self.updates_applied = int(last.manifest["updates_applied"]) if last else 0
-        if self._metrics:
-            self._metrics.close()
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.next_step)
-        self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl", self._exporter)
+        self._open_metrics()
         self.run_id = self._new_run_id()
         self._spawn_actors()
         seconds = time.perf_counter() - t0
