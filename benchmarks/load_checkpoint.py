@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -41,13 +43,35 @@ SMOKE = {**LLAMA_8B, "vocab_size": 1024, "hidden_size": 256, "intermediate_size"
 
 
 class RandomTensors(Mapping[str, torch.Tensor]):
-    """Random bf16 tensors by name, made when asked for: export_hf takes one at a time."""
+    """Random-looking bf16 tensors by name, made when asked for: export_hf takes one at a time.
+
+    Each tensor is a window of one 64M-element random pool starting at a name-dependent offset: the
+    values are irregular (no compression or zero-page shortcut helps the loader) but cost a memcpy, not
+    a random draw per element, so writing 16 GB takes as long as the disk needs.
+    """
+
+    POOL = 1 << 26
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]):
         self.shapes = shapes
+        self.pool = (torch.randn(self.POOL, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+        self.started = time.perf_counter()
+        self.written = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return torch.randn(self.shapes[name], dtype=torch.bfloat16) * 0.02
+        shape = self.shapes[name]
+        numel = math.prod(shape)
+        offset = zlib.crc32(name.encode()) % self.POOL
+        reps = (offset + numel + self.POOL - 1) // self.POOL
+        flat = self.pool.repeat(reps)[offset:offset + numel] if reps > 1 else self.pool[offset:offset + numel].clone()
+        if (self.written + numel * 2) // 10**9 > self.written // 10**9:
+            print(f"  {name}: {(self.written + numel * 2) / 1e9:.1f} GB made in "
+                  f"{time.perf_counter() - self.started:.0f} s", flush=True)
+        self.written += numel * 2
+        return flat.view(shape)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would make the tensor
+        return name in self.shapes
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -82,7 +106,7 @@ def main() -> None:
         "model": {"path": str(args.dir)}, "data": {"path": "synthetic", "seq_len": 1024, "batch_size": 1},
         "precision": {"master_dtype": "float32", "compute_dtype": "bfloat16", "stream_dtype": "float32"},
         "host": {"num_shards": args.shards}, "runtime": {"mode": "local"},
-        "optimizer": {"workers": 1}, "train": {"steps": 1, "output_dir": f"/tmp/load-bench-{os.getpid()}"}})
+        "optimizer": {"workers": 1, "grad_clip": 0.0}, "train": {"steps": 1, "output_dir": f"/tmp/load-bench-{os.getpid()}"}})
     peak = {"bytes": 0}
     done = threading.Event()
 
