@@ -41,8 +41,10 @@ class GPUWorker(ActorBase):
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
         self.engine = StreamEngine(cfg, layout, self.store, optimizers, self.device)
-        log.info("layer stream on %s: compute %s, streaming %s", self.device, cfg.precision.compute_dtype,
-                 cfg.precision.resolved_stream_dtype)
+        log.info("layer stream on %s: compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s)",
+                 self.device, cfg.precision.compute_dtype, cfg.precision.resolved_stream_dtype,
+                 "offloaded to pinned host memory" if self.engine.offload else "kept on the device",
+                 cfg.engine.activation_offload)
 
     def train_step(self, batch: Batch | torch.Tensor, lr: float, adam_step: int,
                    inject_nan: bool = False) -> StepResult:

@@ -65,9 +65,11 @@ def _common(cfg, tokens_per_s: float) -> dict:
 def run_megatrain(spec: dict) -> dict:
     from megatrain_ray.host import grad_home
     from megatrain_ray.metrics import shm_bytes
+    from megatrain_ray.plan import Machine, plan_run
     from megatrain_ray.trainer import Trainer
 
     cfg = _load(spec)
+    plan = plan_run(cfg, Machine.detect(cfg.host.shm_dir))  # before the store takes the shared memory
     with Trainer(cfg) as trainer:
         records = [trainer.step(s) for s in range(spec["warmup"] + spec["steps"])]
         trainer.flush()
@@ -101,6 +103,9 @@ def run_megatrain(spec: dict) -> dict:
         "optimizer_gparams_per_s": params / opt_wall / 1e9 if opt_wall else None,
         "dram_bytes_per_param": mean("dram_bytes_per_param"),
         "losses": [r["loss"] for r in records],
+        "activation_offload": plan.offload,
+        "plan": {"host_gib": plan.host_total / 2**30, "gpu_peak_gib": plan.gpu_peak / 2**30},
+        "host_gib": host_bytes / 2**30,
     })
     return row
 
@@ -303,6 +308,8 @@ def main() -> int:
     parser.add_argument("--systems", default="megatrain,resident,deepspeed")
     parser.add_argument("--batches", default="4,16,32", help="sequences per step, comma-separated")
     parser.add_argument("--layers", default="", help="depths, comma-separated (default: the config's)")
+    parser.add_argument("--seq-lens", default="", help="sequence lengths, comma-separated (default: the config's; "
+                        "model.max_position_embeddings is raised to each when below it)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per point")
     parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -323,6 +330,7 @@ def main() -> int:
 
     base = load_config(args.config, args.set)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else [base.model.num_layers]
+    seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else [base.data.seq_len]
     batches = [int(x) for x in args.batches.split(",")]
     systems = args.systems.split(",")
     unknown = set(systems) - set(SYSTEMS) - set(VARIANTS)
@@ -333,26 +341,31 @@ def main() -> int:
     print(f"host DRAM bandwidth: copy {copy_bw:.1f} GB/s, AdamW pattern {adamw_bw:.1f} GB/s (roofline uses "
           f"{bandwidth:.1f})", flush=True)
     rows = []
-    for depth in layers:
-        for batch in batches:
-            for system in systems:
-                with tempfile.TemporaryDirectory() as tmp:
-                    spec = {"config": args.config, "overrides": args.set, "batch": batch, "layers": depth,
-                            "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run")}
-                    t0 = time.perf_counter()
-                    try:
-                        proc = subprocess.run([sys.executable, __file__, "--child", system, json.dumps(spec)],
-                                              capture_output=True, text=True, timeout=args.timeout)
-                        found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-                        row = json.loads(found[-1][len(RESULT_TAG):]) if found else {
-                            "status": "error", "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
-                    except subprocess.TimeoutExpired:
-                        row = {"status": "error", "error": f"timed out after {args.timeout} s"}
-                row.update(system=system, layers=depth, batch=batch, seq_len=base.data.seq_len,
-                           tokens_per_step=batch * base.data.seq_len, wall_seconds=time.perf_counter() - t0)
-                rows.append(row)
-                derive(rows, bandwidth)
-                print(summary_line(row), flush=True)
+    points = [(seq, depth, batch, system) for seq in seq_lens for depth in layers for batch in batches
+              for system in systems]
+    for seq, depth, batch, system in points:
+        overrides = args.set if seq == base.data.seq_len else [
+            *args.set, f"data.seq_len={seq}",
+            f"model.max_position_embeddings={max(seq, base.model.max_position_embeddings)}"]
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {"config": args.config, "overrides": overrides, "batch": batch, "layers": depth,
+                    "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run")}
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--child", system, json.dumps(spec)],
+                                      capture_output=True, text=True, timeout=args.timeout)
+                found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+                row = json.loads(found[-1][len(RESULT_TAG):]) if found else {
+                    "status": "error", "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+            except subprocess.TimeoutExpired:
+                row = {"status": "error", "error": f"timed out after {args.timeout} s"}
+        row.update(system=system, layers=depth, batch=batch, seq_len=seq,
+                   tokens_per_step=batch * seq, wall_seconds=time.perf_counter() - t0)
+        if row.get("gpu_peak_gib"):
+            row["gpu_peak_bytes_per_token"] = row["gpu_peak_gib"] * 2**30 / (batch * seq)
+        rows.append(row)
+        derive(rows, bandwidth)
+        print(summary_line(row), flush=True)
     derive(rows, bandwidth)
     device = next((r["device"] for r in rows if r.get("device")), "unknown")
     result = {

@@ -37,8 +37,10 @@ class RopeScalingConfig:
     """RoPE frequency scaling, as in the `rope_scaling` entry of a Hugging Face config."""
 
     SECTION: ClassVar[str] = "model.rope_scaling"
-    rope_type: Literal["llama3", "linear"] = "llama3"
-    """llama3: Llama 3.1's wavelength-dependent scaling; linear: positions divided by `factor`."""
+    rope_type: Literal["llama3", "yarn", "linear"] = "llama3"
+    """llama3: Llama 3.1's wavelength-dependent scaling; yarn: YaRN (Qwen2.5 long context, as in
+    transformers: interpolated and extrapolated frequencies blended over a ramp, cos/sin scaled by
+    the attention factor); linear: positions divided by `factor`."""
     factor: float = 8.0
     """How much longer the context is than the one the model was trained on."""
     low_freq_factor: float = 1.0
@@ -46,7 +48,19 @@ class RopeScalingConfig:
     high_freq_factor: float = 4.0
     """llama3 only: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
-    """llama3 only: the context length of the unscaled model."""
+    """llama3 and yarn: the context length of the unscaled model."""
+    beta_fast: float = 32.0
+    """yarn only: rotations at which the ramp from extrapolation starts."""
+    beta_slow: float = 1.0
+    """yarn only: rotations at which the ramp to interpolation ends."""
+    attention_factor: float = 0.0
+    """yarn only: factor on cos and sin; 0 derives it from factor (and mscale, mscale_all_dim)."""
+    mscale: float = 0.0
+    """yarn only: with mscale_all_dim, derives attention_factor as in DeepSeek's configs; 0 when unused."""
+    mscale_all_dim: float = 0.0
+    """yarn only: see mscale."""
+    truncate: bool = True
+    """yarn only: round the ramp's ends to whole dimensions (transformers' default)."""
 
     def __post_init__(self) -> None:
         if self.factor < 1.0:
@@ -54,6 +68,26 @@ class RopeScalingConfig:
         if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             _fail(f"{self.SECTION}.low_freq_factor", self.low_freq_factor,
                   "must be > 0 and below high_freq_factor")
+        if self.rope_type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            _fail(f"{self.SECTION}.beta_slow", self.beta_slow, "must be > 0 and below beta_fast")
+        if self.original_max_position_embeddings < 1:
+            _fail(f"{self.SECTION}.original_max_position_embeddings", self.original_max_position_embeddings,
+                  "must be >= 1")
+
+    @property
+    def resolved_attention_factor(self) -> float:
+        """The factor on cos and sin (1 except for yarn), as transformers derives it."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+
+        def mscale_of(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale_of(self.factor, self.mscale) / mscale_of(self.factor, self.mscale_all_dim)
+        return mscale_of(self.factor)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -287,6 +321,15 @@ class EngineConfig:
     """auto: the GPU when CUDA is available, else the CPU (same code path, copies are plain memcpy)."""
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the LM-head loss: logits never exceed loss_chunk_tokens x vocab_size."""
+    mlp_chunk_tokens: int = 65536
+    """Tokens per chunk of each layer's MLP (forward and recomputed backward) when a step has more:
+    the [tokens, intermediate_size] tensors then exist for one chunk at a time (long sequences).
+    0 never chunks."""
+    activation_offload: bool | Literal["auto"] = "auto"
+    """Where the layer inputs kept for the backward live. false: on the GPU (one [tokens, hidden]
+    tensor per layer); true: copied to pinned host memory during the forward and back during the
+    backward on the copy streams, so GPU memory no longer grows with depth; auto: true when
+    `megatrain plan` finds that keeping them on the GPU does not fit its memory."""
     grad_slabs: int = 4
     """Pinned host slabs for gradients in flight when the master weights are streamed directly and
     clipping is off (otherwise gradients land in the streaming copy or per-layer buffers)."""
@@ -299,6 +342,8 @@ class EngineConfig:
             _fail("engine.loss_chunk_tokens", self.loss_chunk_tokens, "must be >= 1")
         if self.grad_slabs < 2:
             _fail("engine.grad_slabs", self.grad_slabs, "must be >= 2 (one written, one read)")
+        if self.mlp_chunk_tokens < 0:
+            _fail("engine.mlp_chunk_tokens", self.mlp_chunk_tokens, "must be >= 0 (0 never chunks)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -124,6 +124,10 @@ class Plan:
     processes: int = 0
     pinned: int = 0
     gpu: dict[str, int] = field(default_factory=dict)
+    offload: bool = False
+    """Layer inputs offloaded to pinned host memory (engine.activation_offload, resolved)."""
+    offloaded: int = 0
+    """Bytes of the pinned host buffers holding the offloaded layer inputs."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -132,21 +136,19 @@ class Plan:
 
     @property
     def host_total(self) -> int:
-        return self.shm_total + self.processes
+        return self.shm_total + self.processes + self.offloaded
 
     @property
     def gpu_peak(self) -> int:
         """Peak of torch's allocations on the GPU (what torch.cuda.max_memory_allocated reports)."""
-        g = self.gpu
-        return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
-                + max(g["layer backward working set"], g["loss head working set"]))
+        return _peak(self.gpu)
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
 
-def gpu_bytes(cfg: Config) -> dict[str, int]:
+def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
     """The engine's device buffers and the activation terms of the module docstring, in bytes."""
     layout = build_layout(cfg.model)
     m, d = cfg.model, cfg.data
@@ -160,15 +162,40 @@ def gpu_bytes(cfg: Config) -> dict[str, int]:
     q = m.num_attention_heads * m.resolved_head_dim
     kv = m.num_key_value_heads * m.resolved_head_dim
     chunk = min(cfg.engine.loss_chunk_tokens, tokens)
+    mlp_tokens = min(cfg.engine.mlp_chunk_tokens or tokens, tokens)
+    # Chunked MLP backward: float32 sums of its three matrices' gradients.
+    mlp_sums = 3 * h * f * acc_b if mlp_tokens < tokens else 0
     return {
         "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
         "gradient buffers": (2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel) * grad_b,
         "vocabulary accumulator": v * h * acc_b,
-        "kept layer inputs": m.num_layers * tokens * h * compute_b,
-        "layer backward working set": tokens * compute_b * ((2 * h + 2 * q + 4 * kv + q + h + 4 * f)
-                                                            + (3 * f + 2 * h)),
+        # Offloaded: the input in use and the next one coming back (or going out in the forward).
+        "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
+        "layer backward working set": tokens * compute_b * (2 * h + 2 * q + 4 * kv + q + h + 2 * h)
+        + mlp_tokens * compute_b * (4 * f + 3 * f) + mlp_sums,
         "loss head working set": 2 * chunk * v * 4 + 2 * tokens * h * acc_b,
     }
+
+
+def offloaded_bytes(cfg: Config) -> int:
+    """Pinned host memory for the layer inputs when they are offloaded."""
+    return cfg.model.num_layers * cfg.data.batch_size * cfg.data.seq_len * cfg.model.hidden_size \
+        * DTYPE_BYTES[cfg.precision.compute_dtype]
+
+
+def resolve_activation_offload(cfg: Config, gpu_memory: int | None) -> bool:
+    """engine.activation_offload with `auto` decided: offload when the kept layer inputs would not fit."""
+    choice = cfg.engine.activation_offload
+    if choice != "auto":
+        return bool(choice)
+    if not gpu_memory or cfg.engine.device == "cpu":
+        return False
+    return _peak(gpu_bytes(cfg, offload=False)) + GPU_RESERVE_BYTES > gpu_memory
+
+
+def _peak(g: dict[str, int]) -> int:
+    return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
+            + max(g["layer backward working set"], g["loss head working set"]))
 
 
 def plan_run(cfg: Config, machine: Machine) -> Plan:
@@ -181,7 +208,9 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
     workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards).workers)
     plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + GPU_PROCESS_BYTES
-    plan.gpu = gpu_bytes(cfg)
+    plan.offload = resolve_activation_offload(cfg, machine.gpu_memory)
+    plan.offloaded = offloaded_bytes(cfg) if plan.offload else 0
+    plan.gpu = gpu_bytes(cfg, plan.offload)
     _check(plan)
     return plan
 
@@ -209,7 +238,8 @@ def _check(plan: Plan) -> None:
         plan.problems.append(
             f"GPU memory: {(plan.gpu_peak + GPU_RESERVE_BYTES) / g:.1f} GiB needed, the GPU has "
             f"{machine.gpu_memory / g:.1f} GiB: lower data.batch_size (now {cfg.data.batch_size}) or data.seq_len "
-            f"(now {cfg.data.seq_len}); the kept layer inputs grow with both and with the depth")
+            f"(now {cfg.data.seq_len})" + ("" if plan.offload else "; the kept layer inputs grow with both and with the "
+                                        "depth: engine.activation_offload=true moves them to host RAM"))
 
 
 def _host_advice(cfg: Config) -> str:
@@ -249,9 +279,11 @@ def format_plan(plan: Plan) -> str:
     params = layout.num_params
     lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)",
               f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
+              *([f"  {'offloaded layer inputs (pinned)':<38}{plan.offloaded / g:10.2f} GiB"] if plan.offload else []),
               f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
               f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  (grad home: {grad_home(cfg)})",
-              "", "GPU (torch allocations):"]
+              "", f"GPU (torch allocations; layer inputs {'offloaded to host' if plan.offload else 'kept on the GPU'}, "
+              f"engine.activation_offload={str(cfg.engine.activation_offload).lower()}):"]
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",

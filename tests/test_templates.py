@@ -7,6 +7,7 @@ engine (host store -> streamed weights -> templates), which must give the same n
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -27,6 +28,11 @@ FAMILIES = {
     "llama3.1-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "qwen2.5-yarn": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 16}}),
+    "llama-yarn-mscale": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+        "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.7, "mscale_all_dim": 1.0}}),
     "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 7}),
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3-qknorm-headdim": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
@@ -85,6 +91,9 @@ def test_config_mapping_reads_families():
     llama = model_config_from_hf(hf_model("llama3.1-rope-scaling").config.to_dict())
     assert llama.rope_scaling is not None and llama.rope_scaling.original_max_position_embeddings == 16
     assert llama.rope_theta == 500000.0
+    yarn = model_config_from_hf(hf_model("qwen2.5-yarn").config.to_dict()).rope_scaling
+    assert yarn is not None and yarn.rope_type == "yarn" and yarn.factor == 4.0
+    assert yarn.resolved_attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
     assert model_config_from_hf(hf_model("mistral-sliding-window").config.to_dict()).sliding_window == 7
 
 

@@ -13,6 +13,8 @@ known only after the whole backward; the updates are then ordered in forward ord
 next step's forward of stage i waits only for stage i's update.
 
 The whole batch goes through stage i before stage i+1: no gradient accumulation buffers.
+Long sequences: the MLP runs in chunks of engine.mlp_chunk_tokens tokens; the kept layer inputs
+can live in pinned host memory instead of the GPU (engine.activation_offload, engine/activations.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from megatrain_ray.config import Config
+from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
@@ -34,12 +37,14 @@ from megatrain_ray.model.templates import (
     LayerSpec,
     bind,
     decoder_layer,
+    decoder_layer_backward,
     document_buckets,
     embed,
     head_logits,
     head_loss_and_grads,
     rope_tables,
 )
+from megatrain_ray.plan import resolve_activation_offload
 
 
 @dataclass(slots=True)
@@ -121,6 +126,9 @@ class StreamEngine:
         # Accumulation of the vocabulary-sized gradients and of norms: float32, or float64 when computing in it.
         self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
         self.clip = cfg.optimizer.grad_clip
+        self.mlp_chunk = cfg.engine.mlp_chunk_tokens
+        gpu_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        self.offload = resolve_activation_offload(cfg, gpu_memory)
         poison = cfg.engine.poison_buffers
 
         def weight_slot(numel: int) -> WeightSlot:
@@ -268,8 +276,13 @@ class StreamEngine:
         positions = positions.to(self.device, non_blocking=True)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
+    def _copied(self, kind: str, stream: Any, start: Any, nbytes: int) -> None:
+        """An activation copy of the stash: into the timeline and the byte counts with the weight copies."""
+        self.timeline.stop(kind, stream, start)
+        self._step_stats[f"{kind}_bytes"] += nbytes
+
     def _forward(self, ids: torch.Tensor, batch: Batch,
-                 keep: list | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple, Any]:
+                 keep: ActivationStash | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple, Any]:
         """Embedding and layers over `ids` (the batch's ids on the device); returns the last hidden state,
         the embedding's slot and weight, the RoPE tables and the document buckets (packed rows) that the
         backward reuses."""
@@ -281,17 +294,17 @@ class StreamEngine:
         return x, embed_slot, embed_w, rope, documents
 
     def _forward_layers(self, x: torch.Tensor, rope: tuple, documents: tuple[DocumentBucket, ...] | None,
-                        keep: list | None) -> torch.Tensor:
+                        keep: ActivationStash | None) -> torch.Tensor:
         layers = self.layout.layers
         upcoming = self._load(layers[0])
         for i, stage in enumerate(layers):
             slot = upcoming
             upcoming = self._load(layers[i + 1] if i + 1 < len(layers) else self.layout.head)
             if keep is not None:
-                keep.append(x)
+                keep.put(i, x)
             weights = self._weights(stage, slot)
             start = self.timeline.start(self.streams.compute)
-            x = decoder_layer(x, weights, rope, self.spec, documents)
+            x = decoder_layer(x, weights, rope, self.spec, documents, self.mlp_chunk)
             self.timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -329,7 +342,7 @@ class StreamEngine:
 
         # Forward: embedding, layers (inputs kept), head with loss and its gradients.
         compute = self.streams.compute
-        acts: list[torch.Tensor | None] = []
+        acts = ActivationStash(self.streams, self.offload, self._copied)
         x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, acts)
         head_slot = self._slot_for(layout.head)
         head_w = self._weights(layout.head, head_slot)
@@ -350,26 +363,25 @@ class StreamEngine:
         # Backward: recompute each layer from its kept input, in reverse.
         layers = layout.layers
         upcoming = self._load(layers[-1])
+        acts.prefetch(len(layers) - 1, self.device)
         for i in range(len(layers) - 1, -1, -1):
             stage, slot = layers[i], upcoming
             if i > 0:
                 upcoming = self._load(layers[i - 1])
+                acts.prefetch(i - 1, self.device)
             w = self._weights(stage, slot)
+            x_in = acts.take(i, self.device)
             start = self.timeline.start(compute)
-            with torch.enable_grad():
-                x_in = acts[i].requires_grad_(True)
-                params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
-                y = decoder_layer(x_in, params, rope, self.spec, documents)
-                grads = torch.autograd.grad(y, [x_in, *params.values()], grad_y)
+            grad_x, weight_grads = decoder_layer_backward(x_in, w, rope, self.spec, documents, grad_y, self.mlp_chunk)
+            del x_in
             self._release(slot)
-            acts[i] = None
             grad_slot = self.layer_grads[i % 2]
-            self._write_grads(stage, grad_slot, dict(zip(params, grads[1:])))
+            self._write_grads(stage, grad_slot, weight_grads)
             if inject_nan and i == 0:
                 grad_slot.buf[:1].fill_(float("nan"))
             self.timeline.stop("compute", compute, start)
             self._emit(stage, grad_slot, deferred)
-            grad_y = grads[0]
+            grad_y = grad_x
 
         # Embedding: scatter-add of the input gradients (onto the LM head's part when tied).
         start = self.timeline.start(compute)

@@ -44,9 +44,17 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
             rope_type="llama3", factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    if kind == "yarn":
+        optional = {key: float(scaling[key]) for key in ("beta_fast", "beta_slow", "attention_factor", "mscale",
+                                                          "mscale_all_dim") if scaling.get(key)}
+        # As transformers: without original_max_position_embeddings the model's own maximum is the original.
+        original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 4096)
+        factor = scaling.get("factor") or hf["max_position_embeddings"] / original
+        return theta, RopeScalingConfig(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(
+            original), truncate=bool(scaling.get("truncate", True)), **optional)
     if kind == "linear":
         return theta, RopeScalingConfig(rope_type="linear", factor=float(scaling["factor"]))
-    raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: llama3, linear)")
+    raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: llama3, yarn, linear)")
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -88,6 +96,12 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             rope.update(low_freq_factor=cfg.rope_scaling.low_freq_factor,
                         high_freq_factor=cfg.rope_scaling.high_freq_factor,
                         original_max_position_embeddings=cfg.rope_scaling.original_max_position_embeddings)
+        if cfg.rope_scaling.rope_type == "yarn":
+            yarn = cfg.rope_scaling
+            rope.update(original_max_position_embeddings=yarn.original_max_position_embeddings,
+                        beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, truncate=yarn.truncate)
+            rope.update({key: getattr(yarn, key) for key in ("attention_factor", "mscale", "mscale_all_dim")
+                         if getattr(yarn, key)})
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,

@@ -2,7 +2,7 @@
 
 No function here owns a weight. The engine binds each stage's weights as views into the
 flat device buffer it just streamed in (`bind`) and calls the template of that stage's kind:
-`embed`, `decoder_layer` (the Llama family: GQA, RoPE with Llama 3.1 scaling, RMSNorm, SwiGLU,
+`embed`, `decoder_layer` (the Llama family: GQA, RoPE with Llama 3.1 or YaRN scaling, RMSNorm, SwiGLU,
 optional qkv bias for Qwen2, optional q/k norm for Qwen3, optional sliding window for
 Mistral) and the head (`head_logits`, or `head_loss_and_grads`, which computes the loss in
 token chunks so that full logits never exist).
@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config import ModelConfig
+from megatrain_ray.config import ModelConfig, RopeScalingConfig
 from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout
 
@@ -71,6 +71,8 @@ def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, scaling, dim, cfg.rope_theta)
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -83,15 +85,35 @@ def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingConfig, dim: int, base: float) -> torch.Tensor:
+    """YaRN: dimensions that rotate more than beta_fast times over the original context keep their
+    frequency, those rotating fewer than beta_slow times are interpolated (divided by factor), a linear
+    ramp blends the ones in between (the paper's NTK-by-parts, as transformers computes it)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv_freq.dtype)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
 def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [seq_len, head_dim] in `dtype`, computed in float32 (float64 for float64)."""
+    """cos and sin of shape [seq_len, head_dim] in `dtype`, computed in float32 (float64 for float64)
+    and scaled by YaRN's attention factor when it applies."""
     work = _norm_dtype(dtype)
     inv_freq = rope_inv_freq(cfg, work).to(device)
     positions = torch.arange(seq_len, device=device, dtype=work)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    factor = cfg.rope_scaling.resolved_attention_factor if cfg.rope_scaling is not None else 1.0
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -190,9 +212,9 @@ def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)
 
 
-def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                  spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
-    """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). x: [B, T, hidden]."""
+def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                    spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
+    """The first half of a pre-norm decoder layer: x + attn(norm(x)). x: [B, T, hidden]."""
     batch, seq_len, _ = x.shape
     cos, sin = rope
     h = rms_norm(x, w["input_layernorm.weight"], spec.eps)
@@ -208,10 +230,80 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
     a = attention(q, k, v, spec, documents).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
-    x = x + F.linear(a, w["self_attn.o_proj.weight"])
+    return x + F.linear(a, w["self_attn.o_proj.weight"])
+
+
+def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
+    """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens)."""
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
     m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
     return x + F.linear(m, w["mlp.down_proj.weight"])
+
+
+MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight")
+
+
+def token_chunks(tokens: int, chunk_tokens: int) -> list[slice]:
+    """Slices of at most chunk_tokens tokens (one slice when chunk_tokens is 0 or not smaller)."""
+    if chunk_tokens <= 0 or tokens <= chunk_tokens:
+        return [slice(0, tokens)]
+    return [slice(a, min(a + chunk_tokens, tokens)) for a in range(0, tokens, chunk_tokens)]
+
+
+def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                  spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None,
+                  mlp_chunk_tokens: int = 0) -> torch.Tensor:
+    """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). x: [B, T, hidden].
+
+    With mlp_chunk_tokens > 0 (no autograd), the MLP runs over slices of that many tokens, so its
+    [tokens, intermediate] tensors exist for one slice at a time (long sequences)."""
+    x = attention_block(x, w, rope, spec, documents)
+    chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
+    if len(chunks) == 1:
+        return mlp_block(x, w, spec)
+    flat = x.view(-1, x.shape[-1])
+    out = torch.empty_like(flat)
+    for part in chunks:
+        out[part] = mlp_block(flat[part], w, spec)
+    return out.view_as(x)
+
+
+def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                           spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None, grad_y: torch.Tensor,
+                           mlp_chunk_tokens: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Recompute the layer from its input and return (grad of x, grads of the weights by name).
+
+    In one piece when the tokens fit one MLP chunk. Otherwise the attention half is recomputed once, the
+    MLP half chunk by chunk (recompute, backward, add its weight gradients into float32 sums), and the
+    attention half's backward takes the assembled gradient: the MLP's [tokens, intermediate] tensors
+    then exist for one chunk at a time."""
+    x = x.detach().requires_grad_(True)
+    params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
+    chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
+    with torch.enable_grad():
+        if len(chunks) == 1:
+            y = decoder_layer(x, params, rope, spec, documents)
+            grads = torch.autograd.grad(y, [x, *params.values()], grad_y)
+            return grads[0], dict(zip(params, grads[1:]))
+        mid = attention_block(x, params, rope, spec, documents)
+    mid_flat = mid.detach().view(-1, mid.shape[-1])
+    grad_y_flat = grad_y.reshape(-1, grad_y.shape[-1])
+    grad_mid = torch.empty_like(mid_flat)
+    mlp_params = {n: params[n] for n in MLP_WEIGHTS}
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    mlp_grads = {n: torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for n, t in mlp_params.items()}
+    for part in chunks:
+        with torch.enable_grad():
+            piece = mid_flat[part].requires_grad_(True)
+            out = mlp_block(piece, mlp_params, spec)
+            grads = torch.autograd.grad(out, [piece, *mlp_params.values()], grad_y_flat[part])
+        grad_mid[part] = grads[0]
+        for name, g in zip(mlp_params, grads[1:]):
+            mlp_grads[name] += g
+    attn_params = [n for n in params if n not in mlp_params]
+    grads = torch.autograd.grad(mid, [x, *(params[n] for n in attn_params)], grad_mid.view_as(mid))
+    return grads[0], {**dict(zip(attn_params, grads[1:])), **mlp_grads}
 
 
 def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor, eps: float) -> torch.Tensor:
