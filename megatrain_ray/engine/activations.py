@@ -3,7 +3,8 @@
 Kept on the device, they cost one [tokens, hidden] tensor per layer: GPU memory grows with depth
 and batch. Offloaded, each input is copied device->host on the D2H stream as soon as the forward
 has produced it (pinned host buffers, reused step after step), and copied back on the H2D stream
-one layer ahead of the backward that needs it. The device then holds at most two of them.
+one layer ahead of the backward that needs it. The device then holds at most two of them. The
+last layer's input stays on the device: the backward starts with it.
 
 Ordering, by events only: a D2H starts after compute produced the tensor; the tensor's memory is
 not reused before the D2H read it (`record_stream`); the H2D of layer i waits for its D2H; the next
@@ -21,10 +22,11 @@ from megatrain_ray.engine.streams import DeviceStreams
 
 
 class ActivationStash:
-    def __init__(self, streams: DeviceStreams, offload: bool, on_copy: Any):
+    def __init__(self, streams: DeviceStreams, offload: bool, num_layers: int, on_copy: Any):
         """`on_copy(kind, stream, start_event, nbytes)` is told of each copy (timeline and byte counts)."""
         self.streams = streams
         self.offload = offload
+        self.last = num_layers - 1
         self.on_copy = on_copy
         self.kept: dict[int, torch.Tensor] = {}
         self.host: dict[int, torch.Tensor] = {}
@@ -44,7 +46,7 @@ class ActivationStash:
 
     def put(self, index: int, x: torch.Tensor) -> None:
         """Keep layer `index`'s input (called in the forward, right after x was produced on compute)."""
-        if not self.offload:
+        if not self.offload or index == self.last:
             self.kept[index] = x
             return
         s = self.streams
@@ -62,7 +64,7 @@ class ActivationStash:
 
     def prefetch(self, index: int, device: torch.device) -> None:
         """Start bringing layer `index`'s input back (called one layer ahead in the backward)."""
-        if not self.offload or index < 0 or index in self.back:
+        if not self.offload or index < 0 or index in self.back or index in self.kept:
             return
         s = self.streams
         host = self.host[index]
@@ -78,7 +80,7 @@ class ActivationStash:
 
     def take(self, index: int, device: torch.device) -> torch.Tensor:
         """Layer `index`'s input on the device, ready for compute; the stash lets go of it."""
-        if not self.offload:
+        if index in self.kept:
             return self.kept.pop(index)
         self.prefetch(index, device)
         x, ready = self.back.pop(index)
@@ -87,8 +89,3 @@ class ActivationStash:
         if s.is_cuda:
             x.record_stream(s.compute)  # allocated on the H2D stream, used and freed on compute
         return x
-
-    def clear(self) -> None:
-        """Drop what a step left (an aborted step); pinned buffers stay for reuse."""
-        self.kept.clear()
-        self.back.clear()

@@ -342,7 +342,7 @@ class StreamEngine:
 
         # Forward: embedding, layers (inputs kept), head with loss and its gradients.
         compute = self.streams.compute
-        acts = ActivationStash(self.streams, self.offload, self._copied)
+        acts = ActivationStash(self.streams, self.offload, len(layout.layers), self._copied)
         x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, acts)
         head_slot = self._slot_for(layout.head)
         head_w = self._weights(layout.head, head_slot)
