@@ -163,6 +163,8 @@ class StreamEngine:
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step_stats: dict[str, float] = dict.fromkeys(_STEP_STATS, 0.0)
         self.timeline = Timeline(self.streams)
+        # Pinned host buffers of offloaded layer inputs live as long as the engine: allocated once.
+        self.activations = ActivationStash(self.streams, self.offload, len(layout.layers), self._copied)
 
     # ------------------------------------------------------------------ updates
 
@@ -342,7 +344,7 @@ class StreamEngine:
 
         # Forward: embedding, layers (inputs kept), head with loss and its gradients.
         compute = self.streams.compute
-        acts = ActivationStash(self.streams, self.offload, len(layout.layers), self._copied)
+        acts = self.activations
         x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, acts)
         head_slot = self._slot_for(layout.head)
         head_w = self._weights(layout.head, head_slot)
