@@ -287,6 +287,11 @@ class PrecisionConfig:
     master_dtype the master weights are streamed directly (no extra copy in RAM, twice the PCIe bytes
     for bf16 compute); otherwise the optimizer writes the copy in the same pass as the update and the
     layer's gradients land in it after backward."""
+    grad_dtype: DType | Literal["auto"] = "auto"
+    """Format of the gradients copied to the host when the master weights are streamed directly (with
+    a separate streaming copy they land in it, in its format). auto = compute_dtype: the device
+    computes them in that format, so a wider one only keeps the float32 sums of the embedding and LM
+    head (and of a chunked MLP) unrounded, at twice the PCIe, DRAM and RAM bytes."""
 
     def __post_init__(self) -> None:
         if DTYPE_RANK[self.compute_dtype] > DTYPE_RANK[self.master_dtype]:
@@ -301,10 +306,19 @@ class PrecisionConfig:
             _fail("precision.compute_dtype", self.compute_dtype,
                   f"is more precise than the streamed copy ({self.resolved_stream_dtype}); it would only "
                   "compute on rounded weights. Set precision.stream_dtype to match")
+        if self.resolved_grad_dtype not in DTYPE_RANK:
+            _fail("precision.grad_dtype", self.grad_dtype, f"must be one of {sorted(DTYPE_RANK)} or 'auto'")
+        if DTYPE_RANK[self.resolved_grad_dtype] > DTYPE_RANK[self.master_dtype]:
+            _fail("precision.grad_dtype", self.grad_dtype,
+                  f"is more precise than precision.master_dtype={self.master_dtype}")
 
     @property
     def resolved_stream_dtype(self) -> str:
         return self.compute_dtype if self.stream_dtype == "auto" else self.stream_dtype
+
+    @property
+    def resolved_grad_dtype(self) -> str:
+        return self.compute_dtype if self.grad_dtype == "auto" else self.grad_dtype
 
     @property
     def stream_is_master(self) -> bool:

@@ -65,7 +65,8 @@ def grad_home(cfg: Config) -> GradHome:
 
 
 def grad_dtype(cfg: Config) -> str:
-    return cfg.precision.resolved_stream_dtype if grad_home(cfg) == "stream" else cfg.precision.master_dtype
+    """Format of the gradients on the host: the streaming copy's when they land in it, else precision.grad_dtype."""
+    return cfg.precision.resolved_stream_dtype if grad_home(cfg) == "stream" else cfg.precision.resolved_grad_dtype
 
 
 def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[int],

@@ -137,3 +137,23 @@ def test_offloading_the_layer_inputs_changes_no_bit(tmp_path):
             runs[choice] = (losses, trainer.master_weights())
     assert runs["on"][0] == runs["off"][0]
     assert all(torch.equal(runs["on"][1][k], runs["off"][1][k]) for k in runs["off"][1])
+
+
+def test_bf16_host_gradients_carry_exactly_what_the_device_computed(tmp_path):
+    """Master streamed (fp32 copy), bf16 compute, clipping off: the layers' gradients are bf16 on the
+    device, so bf16 slabs (grad_dtype auto) update the layers exactly as float32 slabs do. Only the
+    embedding and LM head differ: their float32 sums are rounded to bf16 on the way out."""
+    finals = {}
+    for grad_dtype in ("auto", "float32"):
+        cfg = tiny_config(tmp_path / grad_dtype, train={"steps": 3}, optimizer={"grad_clip": 0.0},
+                          precision={"compute_dtype": "bfloat16", "stream_dtype": "float32", "grad_dtype": grad_dtype})
+        with Trainer(cfg) as trainer:
+            assert {s.dtype for s in trainer.specs if s.kind == "gradpool"} == \
+                {"bfloat16" if grad_dtype == "auto" else "float32"}
+            trainer.step(0)
+            finals[grad_dtype] = trainer.master_weights()
+    layer_names = [n for n in finals["auto"] if n.startswith("model.layers.")]
+    assert layer_names and all(torch.equal(finals["auto"][n], finals["float32"][n]) for n in layer_names)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        a, b = finals["auto"][name], finals["float32"][name]
+        assert 0 < (a - b).abs().max().item() < 1e-2
