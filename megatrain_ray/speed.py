@@ -51,7 +51,8 @@ A host of 512 GB .. 1.5 TB (the presets) is assumed to stream and update at the 
 measured 16-core VM of its GPU kind; a server with more DRAM channels updates faster (32 cores of
 `nvidia-h200-x2`: AdamW 6.2 G params/s, DESIGN.md section 3): `--optimizer-gparams` plans with another
 rate. tests/test_speed.py replays every measured megatrain point and holds the prediction within 10 %
-(docs/plan-large-models.md lists them: -6.6 % .. +1.9 %).
+(docs/plan-large-models.md lists them: -6.6 % .. +1.9 %). The H200 rows are in sample (the H200 rates are
+their medians): they test the schedule; the H100 run is out of sample.
 
 Limits. The rates were measured on one shape (3.5B-bench width: hidden 4096, T2048); wider layers run
 their matrix products at least as fast, so the GPU term is, if anything, pessimistic for 70B+ shapes,
