@@ -2,6 +2,7 @@
 
     megatrain train configs/tiny.yaml [--set optimizer.lr=1e-3 ...] [--address ADDR] [--local] [--resume auto|DIR]
     megatrain plan configs/tiny.yaml [--set ...]        # memory needed against what this machine has
+    megatrain plan configs/llama3-70b.yaml --machine h200-1tb   # ... against a described box, with expected tok/s
     megatrain config configs/tiny.yaml [--set ...]      # print the resolved config
     megatrain plot runs/tiny [--out DIR]                # loss and throughput curves to PNG
     megatrain resources                                 # NUMA resources for `ray start --resources`
@@ -18,6 +19,7 @@ import argparse
 import json
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from megatrain_ray.config import Config, config_to_yaml, load_config
@@ -75,13 +77,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the host RAM, shared memory, pinned memory and GPU memory the config needs, against this
-    machine (or the one described by --host-memory/--gpu-memory); exit 2 when it does not fit."""
+    """Print the host RAM, shared memory, pinned memory and GPU memory the config needs, and the expected
+    tok/s, against this machine (or one described by --machine and/or --host-memory/--gpu-memory/--shm);
+    exit 2 when it does not fit."""
+    from megatrain_ray.exceptions import ConfigError
     from megatrain_ray.plan import Machine, format_plan, plan_run
 
     cfg = _load(args)
-    machine = Machine.detect(cfg.host.shm_dir).override(host_memory=args.host_memory, gpu_memory=args.gpu_memory,
-                                                         shm=args.shm)
+    machine = Machine.from_preset(args.machine) if args.machine else Machine.detect(cfg.host.shm_dir)
+    machine = machine.override(host_memory=args.host_memory, gpu_memory=args.gpu_memory, shm=args.shm)
+    if args.optimizer_gparams is not None:
+        if args.optimizer_gparams <= 0:
+            raise ConfigError(f"--optimizer-gparams {args.optimizer_gparams:g}: must be > 0 (G params/s)")
+        if machine.profile is None:
+            raise ConfigError("--optimizer-gparams needs measured GPU rates: name a machine with --machine")
+        machine = replace(machine, profile=machine.profile.with_optimizer_rate(args.optimizer_gparams))
     plan = plan_run(cfg, machine)
     sys.stdout.write(format_plan(plan))
     return 0 if plan.fits else 2
@@ -149,9 +159,16 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="continue from a checkpoint: a checkpoint directory, or auto for the newest complete "
                             "one under checkpoint.dir (starting afresh when there is none)")
     if name == "plan":
+        from megatrain_ray.speed import PRESETS
+
+        p.add_argument("--machine", metavar="NAME", help="plan for a described machine instead of this one: "
+                       f"{', '.join(PRESETS)} (GPU kind and installed host RAM; the flags below override its sizes)")
         for flag, what in (("--host-memory", "host RAM"), ("--gpu-memory", "GPU memory"), ("--shm", "/dev/shm size")):
             p.add_argument(flag, metavar="SIZE", help=f"plan for a machine with this much {what} "
                                                       "(e.g. 512GB, 80GiB) instead of this one")
+        p.add_argument("--optimizer-gparams", type=float, metavar="RATE",
+                       help="CPU AdamW rate of the host in G params/s for the speed estimate (default: the "
+                            "measured box of the GPU kind; 6.2 was measured on a 32-core host)")
     if name == "plot":
         p.add_argument("run_dir", help="run directory holding metrics.jsonl (train.output_dir)")
         p.add_argument("--out", help="directory for the PNG files (default: the run directory)")

@@ -27,8 +27,19 @@ def model_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -
     6 L T d_attn: causal attention, QK^T and AV, 4 T d_attn per token and layer in the forward
     when full, halved for causality (2 T d_attn), times 3 for forward and backward.
     """
+    return sum(stage_flops_per_token(cfg, layout, seq_len))
+
+
+def stage_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -> list[float]:
+    """The same model FLOPs per token split by stage (layout.stages order), summing to
+    model_flops_per_token: the embedding lookup 0, each layer 6 x its matrices + 6 T d_attn, the
+    head 6 x the LM head's matrix (the embedding's when tied). The speed model times each stage by it."""
     d_attn = cfg.num_attention_heads * cfg.resolved_head_dim
-    return 6.0 * matmul_params(layout) + 6.0 * cfg.num_layers * seq_len * d_attn
+    flops = [0.0]
+    for stage in layout.layers:
+        flops.append(6.0 * sum(s.numel for s in stage.slots if s.decay) + 6.0 * seq_len * d_attn)
+    flops.append(6.0 * layout.embed.slots[0].numel)
+    return flops
 
 
 def optimizer_hidden_fraction(optimizer_seconds: float, step_seconds: float, compute_seconds: float) -> float:

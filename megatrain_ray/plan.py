@@ -30,6 +30,7 @@ from megatrain_ray.config import DTYPE_BYTES, Config, parse_size
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.host import grad_dtype, grad_home, plan_segments, shard_stages
 from megatrain_ray.model.layout import build_layout
+from megatrain_ray.speed import SpeedProfile, preset, profile_for_gpu, speed_lines
 from megatrain_ray.topology import detect_topology, plan_placement
 
 GiB = 2**30
@@ -64,6 +65,8 @@ class Machine:
     gpu_name: str = ""
     described: bool = False
     """True when the sizes come from the command line rather than this machine."""
+    profile: SpeedProfile | None = None
+    """Measured rates of this GPU and host for the speed estimate (megatrain_ray/speed.py); None: unknown."""
 
     @classmethod
     def detect(cls, shm_dir: str) -> "Machine":
@@ -85,7 +88,14 @@ class Machine:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         gpu_memory, gpu_name = _gpu_memory()
         return cls(total, available, shm_free, None if soft == resource.RLIM_INFINITY else soft, gpu_memory,
-                   gpu_name)
+                   gpu_name, profile=profile_for_gpu(gpu_name) if gpu_name else None)
+
+    @classmethod
+    def from_preset(cls, name: str) -> "Machine":
+        """A machine of speed.PRESETS (`--machine h200-1tb`): its GPU, its RAM, /dev/shm as large as the RAM."""
+        p = preset(name)
+        return cls(p.host_memory, p.host_memory, p.host_memory, None, p.gpu.memory, p.gpu.name, described=True,
+                   profile=p.profile)
 
     def override(self, host_memory: str | None = None, gpu_memory: str | None = None,
                  shm: str | None = None) -> "Machine":
@@ -97,7 +107,8 @@ class Machine:
         return replace(self, host_memory=host, host_available=host,
                        shm_free=parse_size(shm, "--shm") if shm else host if host_memory else self.shm_free,
                        gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else self.gpu_memory,
-                       memlock=None, gpu_name="" if gpu_memory else self.gpu_name, described=True)
+                       memlock=None, gpu_name="" if gpu_memory and not self.described else self.gpu_name,
+                       described=True, profile=None if gpu_memory and not self.described else self.profile)
 
 
 def _gpu_memory() -> tuple[int | None, str]:
@@ -288,6 +299,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
               f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB", ""]
+    lines += speed_lines(cfg, machine.profile)
     if plan.fits:
         lines.append("fits.")
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -32,11 +33,17 @@ def test_shipped_config_loads(path):
 @pytest.mark.parametrize("name, billions", [
     ("llama3-8b.yaml", 8.03), ("qwen2.5-7b.yaml", 7.62), ("qwen2.5-32b.yaml", 32.76), ("mistral-7b.yaml", 7.24),
     ("qwen2.5-14b.yaml", 14.77), ("llama-3.5b-bench.yaml", 3.5), ("llama3-70b.yaml", 70.55),
-    ("qwen2.5-72b.yaml", 72.71),
+    ("qwen2.5-72b.yaml", 72.71), ("dense-120b.yaml", 119.82),
 ])
 def test_model_shapes_have_the_published_size(name, billions):
     layout = build_layout(load_config(os.path.join(REPO, "configs", name)).model)
     assert math.isclose(layout.num_params / 1e9, billions, rel_tol=0.01)
+
+
+def test_the_120b_shape_has_the_count_its_comment_derives():
+    path = os.path.join(REPO, "configs", "dense-120b.yaml")
+    assert build_layout(load_config(path).model).num_params == 119_817_349_120
+    assert "total 119,817,349,120" in Path(path).read_text()
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -1,0 +1,157 @@
+"""The speed model (megatrain_ray/speed.py): its rates are the measured ones, its predictions match every
+measured megatrain point, and `megatrain plan --machine` prints them without the hardware."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from benchmarks.plan_table import CONFIGS, TOLERANCE, markdown, measured_points, row, validation_rows
+from megatrain_ray.__main__ import main
+from megatrain_ray.config import load_config
+from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.metrics import model_flops_per_token, stage_flops_per_token
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.plan import Machine, format_plan, plan_run
+from megatrain_ray.speed import H200, H200_BOX, PRESETS, SpeedProfile, estimate, preset, profile_for_gpu
+from tests.conftest import REPO
+
+RESULTS = Path(REPO) / "benchmarks" / "results"
+POINTS = measured_points(RESULTS)
+
+
+def megatrain_rows(pattern: str) -> list[dict]:
+    rows = []
+    for path in sorted(RESULTS.glob(pattern)):
+        result = json.loads(path.read_text())
+        rows += [r for r in result.get("rows", []) if r.get("system", "").startswith("megatrain")
+                 and r.get("status") == "ok"]
+    return rows
+
+
+def test_every_measured_megatrain_run_is_a_validation_point():
+    recoveries = [p for p in RESULTS.glob("*.json") if "recovery" in json.loads(p.read_text())]
+    assert len(POINTS) == len(megatrain_rows("*.json")) + len(recoveries) >= 15
+    assert {p.profile.gpu.kind for p in POINTS} == {"h100", "h200"}
+
+
+@pytest.mark.parametrize("point", POINTS, ids=[f"{p.source[:-5]}:{p.label}" for p in POINTS])
+def test_predicted_tok_per_s_is_within_tolerance_of_the_measured(point):
+    predicted = estimate(point.cfg, point.profile).tok_per_s
+    assert abs(predicted / point.tok_per_s - 1) <= TOLERANCE, (predicted, point.tok_per_s)
+
+
+def test_the_h200_rates_are_the_medians_of_the_measured_rows():
+    """Each constant of the H200 box is what its docstring says: a median over the megatrain rows."""
+    tflops, adamw, d2h = [], [], []
+    for p in POINTS:
+        if p.profile.gpu.kind != "h200":
+            continue
+        [r] = [r for r in megatrain_rows(p.source) if r["step_seconds"] == p.step_seconds]
+        flops = model_flops_per_token(p.cfg.model, build_layout(p.cfg.model), p.cfg.data.seq_len)
+        tflops.append(flops * r["tokens_per_step"] / r["compute_seconds"] / 1e12)
+        adamw.append(r["optimizer_gparams_per_s"])
+        d2h.append(r["d2h_gbps_link"])
+    assert len(tflops) == 14
+    assert H200.model_tflops == pytest.approx(statistics.median(tflops), rel=0.005)
+    assert H200_BOX.adamw_gparams == pytest.approx(statistics.median(adamw), rel=0.005)
+    assert H200_BOX.d2h_gbps == pytest.approx(statistics.median(d2h), rel=0.005)
+
+
+def test_the_h100_rates_come_from_the_optimizer_scaling_run():
+    [path] = RESULTS.glob("optimizer-scaling-h100-*.json")
+    rows = {(r["workers"], r["h2d"]): r for r in json.loads(path.read_text())["rows"]}
+    box = PRESETS["h100-1tb"].profile.host
+    assert box.adamw_gparams == pytest.approx(rows[4, False]["gparams_per_s"], rel=0.005)
+    assert box.h2d_loaded_gbps == pytest.approx(rows[4, True]["h2d_gbps"], rel=0.005)
+
+
+def test_stage_flops_sum_to_the_harness_formula():
+    cfg = load_config(os.path.join(REPO, "configs", "qwen2.5-72b.yaml"))
+    layout = build_layout(cfg.model)
+    per_stage = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
+    assert len(per_stage) == len(layout.stages) and per_stage[0] == 0
+    assert sum(per_stage) == pytest.approx(model_flops_per_token(cfg.model, layout, cfg.data.seq_len), rel=1e-12)
+
+
+def bench_cfg(*overrides: str):
+    return load_config(os.path.join(REPO, "configs", "llama-3.5b-bench.yaml"), list(overrides))
+
+
+def test_with_free_copies_and_optimizer_the_step_is_the_gpu_compute():
+    fast = replace(H200_BOX, h2d_gbps=1e9, h2d_loaded_gbps=1e9, d2h_gbps=1e9, adamw_gparams=1e9, control_seconds=0)
+    for clip in ("0", "1.0"):
+        est = estimate(bench_cfg(f"optimizer.grad_clip={clip}"), SpeedProfile(H200, fast))
+        assert est.step_seconds == pytest.approx(est.compute_seconds, rel=1e-3)
+        assert est.bound == "GPU compute"
+
+
+def test_a_slow_optimizer_bounds_the_step_and_clipping_off_hides_more_of_it():
+    slow = SpeedProfile(H200, replace(H200_BOX, adamw_gparams=1.0))
+    on, off = (estimate(bench_cfg(f"optimizer.grad_clip={c}"), slow) for c in ("1.0", "0"))
+    for est in (on, off):
+        assert est.step_seconds >= est.optimizer_seconds and est.bound == "CPU optimizer"
+    # Clipping off overlaps the updates with the backward; on, they wait for the whole backward.
+    assert off.step_seconds < on.step_seconds
+
+
+def test_presets_describe_the_gpu_and_host_ram():
+    assert set(PRESETS) == {f"{g}-{r}" for g in ("h100", "h200") for r in ("512gb", "1tb", "1.5tb")}
+    m = Machine.from_preset("H200-1TB")
+    assert m.described and m.gpu_memory == 143771 * 2**20 and m.host_memory == 1000 * 2**30
+    assert m.shm_free == m.host_memory and m.profile.gpu.kind == "h200"
+    assert Machine.from_preset("h100-1.5tb").gpu_memory == 81559 * 2**20
+    # --host-memory on a preset changes the RAM, keeps the GPU and its rates.
+    bigger = m.override(host_memory="2TiB")
+    assert bigger.host_memory == 2 * 2**40 and bigger.profile == m.profile and bigger.gpu_name == m.gpu_name
+    with pytest.raises(ConfigError, match="h200-1tb"):
+        preset("h300-1tb")
+    assert profile_for_gpu("NVIDIA H100 80GB HBM3").gpu.kind == "h100" and profile_for_gpu("Tesla T4") is None
+
+
+def test_plan_prints_expected_tok_per_s_for_a_preset(capsys):
+    config = os.path.join(REPO, "configs", "llama3-70b.yaml")
+    assert main(["plan", config, "--machine", "h200-1tb"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU NVIDIA H200 140.4 GiB" in out and "fits." in out
+    assert "expected speed: a prediction" in out and "tok/s" in out and "4.33 G params/s" in out
+    assert main(["plan", config, "--machine", "h200-1tb", "--optimizer-gparams", "6.2"]) == 0
+    assert "6.2 G params/s" in capsys.readouterr().out
+    assert main(["plan", config, "--machine", "h100-512gb"]) == 2  # 806 GiB of host RAM
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "host RAM" in out and "GPU memory" in out and "tok/s" in out
+
+
+def test_plan_names_the_presets_when_no_rates_were_measured_for_the_gpu(capsys):
+    cfg = load_config(os.path.join(REPO, "configs", "llama3-8b.yaml"))
+    machine = Machine(2**40, 2**40, 2**40, None, 24 * 2**30, "Tesla T4", described=True)
+    assert "no measured rates for this GPU; name a machine with --machine (h100-512gb" in \
+        format_plan(plan_run(cfg, machine))
+    assert main(["plan", os.path.join(REPO, "configs", "tiny.yaml"), "--machine", "h300-1tb"]) == 2
+    assert "--machine 'h300-1tb' is not a known machine" in capsys.readouterr().err
+
+
+def test_the_large_model_table_plans_every_config_on_every_preset(tmp_path):
+    rows = [row(os.path.join(REPO, c), m) for c in CONFIGS for m in ("h100-1tb", "h200-1.5tb")]
+    by = {(Path(r["config"]).stem, r["machine"]): r for r in rows}
+    assert by["dense-120b", "h200-1.5tb"]["host_fits"] and not by["dense-120b", "h100-1tb"]["host_fits"]
+    assert by["dense-120b", "h100-1tb"]["host_fits_bf16_moments"]
+    assert all(r["gpu_fits"] and r["expected_tok_per_s"] > 0 for r in rows)
+    # Where the config's batch does not fit an 80 GB GPU, the row plans a smaller one that does.
+    assert by["llama3-70b", "h100-1tb"]["batch_size"] < by["llama3-70b", "h100-1tb"]["config_batch_size"]
+    text = markdown(rows, validation_rows(RESULTS))
+    assert "tok/s is a prediction" in text and "planned, needs `optimizer.moment_dtype`" in text
+    assert "| dense-120b | 119.8 B | h200-1.5tb |" in text
+
+
+def test_the_committed_large_model_doc_has_every_row():
+    text = Path(REPO, "docs", "plan-large-models.md").read_text()
+    for c in CONFIGS:
+        for m in PRESETS:
+            assert f"| {Path(c).stem} |" in text and f"| {m} |" in text
+    assert "tok/s is a prediction" in text
