@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import provenance, write_result  # noqa: E402
 from megatrain_ray.config import load_config  # noqa: E402
+from megatrain_ray.host import grad_dtype  # noqa: E402
 from megatrain_ray.plan import GiB, Machine, plan_run  # noqa: E402
 from megatrain_ray.trainer import Trainer  # noqa: E402
 
@@ -80,6 +81,7 @@ def main() -> int:
                                                   "fault.max_restarts=1", f"fault.drill=kill:gpu@{args.kill_step}"]))
     diffs = [abs(a - b) for a, b in zip(clean["losses"], killed["losses"])]
     result.update(provenance(clean["device"]))
+    result["grad_dtype"] = grad_dtype(load_config(args.config, common))
     result["recovery"] = {
         "kill_step": args.kill_step, "checkpoint_every": args.every, "clean": clean, "killed": killed,
         "time_lost_seconds": killed["wall_seconds"] - clean["wall_seconds"],

@@ -56,6 +56,12 @@ class MeasuredPoint:
     step_seconds: float
 
 
+def _grads_as_measured(record: dict) -> list[str]:
+    """Runs from before precision.grad_dtype (their records name no grad_dtype) kept the gradients of a
+    streamed master in the master dtype (float32)."""
+    return [] if "grad_dtype" in record else ["precision.grad_dtype=float32"]
+
+
 def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
     """Every megatrain run with a step time in results/: the rows of benchmarks/run.py files (configs and
     overrides as the harness applied them) and the uninterrupted run of fault_recovery.py files (median
@@ -66,7 +72,7 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
         if "plan-large-models" in path.name:
             continue
         if "recovery" in result:
-            cfg = load_config(ROOT / result["config"], result["overrides"])
+            cfg = load_config(ROOT / result["config"], [*result["overrides"], *_grads_as_measured(result)])
             clean = result["recovery"]["clean"]
             step = statistics.median(clean["step_seconds"][1:])
             points.append(MeasuredPoint(
@@ -79,7 +85,7 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
                 continue
             extra = ["optimizer.grad_clip=0"] if r["system"] == "megatrain-noclip" else []
             cfg = load_config(ROOT / result["config"], [*result["overrides"], *extra, f"data.batch_size={r['batch']}",
-                                                        f"model.num_layers={r['layers']}"])
+                                                        f"model.num_layers={r['layers']}", *_grads_as_measured(r)])
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "
                      f"{cfg.precision.resolved_stream_dtype} stream")
             points.append(MeasuredPoint(label, path.name, cfg, profile_for_gpu(r["device"]), r["tok_per_s"],
@@ -128,7 +134,7 @@ def row(path: str, machine_name: str) -> dict:
     params = build_layout(cfg.model).num_params
     full = plan.host_total
     bf16_moments = full - (plan.host.get("exp_avg", 0) + plan.host.get("exp_avg_sq", 0)) // 2
-    est = estimate(cfg, machine.profile)
+    est = estimate(cfg, machine.profile, offload=plan.offload)
     return {
         "config": path, "model": cfg.model.family, "params": params, "machine": machine_name,
         "gpu": machine.gpu_name, "gpu_memory_gib": machine.gpu_memory / GiB,
@@ -136,6 +142,7 @@ def row(path: str, machine_name: str) -> dict:
         "host_needed_gib": full / GiB, "host_fits": host_fits(plan, full),
         "host_needed_bf16_moments_gib": bf16_moments / GiB, "host_fits_bf16_moments": host_fits(plan, bf16_moments),
         "batch_size": cfg.data.batch_size, "config_batch_size": base.data.batch_size,
+        "activation_offload": plan.offload,
         "tokens_per_step": cfg.data.tokens_per_step,
         "gpu_peak_gib": plan.gpu_peak / GiB, "gpu_needed_gib": (plan.gpu_peak + GPU_RESERVE_BYTES) / GiB,
         "gpu_fits": gpu_fits(plan),

@@ -63,7 +63,7 @@ def _common(cfg, tokens_per_s: float) -> dict:
 
 
 def run_megatrain(spec: dict) -> dict:
-    from megatrain_ray.host import grad_home
+    from megatrain_ray.host import grad_dtype, grad_home
     from megatrain_ray.metrics import shm_bytes
     from megatrain_ray.plan import Machine, plan_run
     from megatrain_ray.trainer import Trainer
@@ -92,7 +92,7 @@ def run_megatrain(spec: dict) -> dict:
         "host_bytes_per_param": host_bytes / params,
         "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
                                            "private_rss": private / params},
-        "grad_home": grad_home(cfg), "clip": cfg.optimizer.grad_clip,
+        "grad_home": grad_home(cfg), "grad_dtype": grad_dtype(cfg), "clip": cfg.optimizer.grad_clip,
         "stream_dtype": cfg.precision.resolved_stream_dtype,
         "optimizer_workers": workers,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),

@@ -299,7 +299,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
               f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB", ""]
-    lines += speed_lines(cfg, machine.profile)
+    lines += speed_lines(cfg, machine.profile, plan.offload)
     if plan.fits:
         lines.append("fits.")
     else:

@@ -188,21 +188,25 @@ class StageCost:
     """Layers: recompute + backward."""
     h2d_bytes: int
     d2h_bytes: int
+    activation_bytes: int = 0
+    """Layers, with activation offload: the layer input that goes to host memory and comes back."""
 
 
-def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None = None) -> list[StageCost]:
+def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None = None,
+                offload: bool = False) -> list[StageCost]:
     layout = layout or build_layout(cfg.model)
     tokens = cfg.data.tokens_per_step
     flops = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
     stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
     grad_b = DTYPE_BYTES[grad_dtype(cfg)]
     rate = profile.gpu.model_tflops * 1e12
+    activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype] if offload else 0
     costs = []
     for stage, f in zip(layout.stages, flops):
         seconds = f * tokens / rate
         fwd, bwd = (seconds / 4, 3 * seconds / 4) if stage.kind == "layer" else (seconds, 0.0)
         costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, stage.numel * stream_b,
-                               stage.numel * grad_b))
+                               stage.numel * grad_b, activation if stage.kind == "layer" else 0))
     return costs
 
 
@@ -234,6 +238,8 @@ class _Replay:
     slot_issued: dict[str, float] = field(default_factory=dict)
     slot_free: dict[str, float] = field(default_factory=dict)
     grad_drained: dict[str, float] = field(default_factory=dict)
+    stored: dict[int, float] = field(default_factory=dict)
+    """Offloaded layer input -> when its D2H is done (and when its H2D back is done, once issued)."""
     pool_users: list[int] = field(default_factory=list)
     next_pool: int = 0
 
@@ -259,10 +265,27 @@ class _Replay:
         self.busy["h2d"] += self.h2d - start
         self.slot_ready[slot], self.slot_holds[slot], self.slot_issued[slot] = self.h2d, c.index, self.issue
 
-    def run(self, c: StageCost, seconds: float, grad_slot: str | None = None) -> None:
+    def offload(self, c: StageCost) -> None:
+        """The layer's input (just produced on compute) goes to host memory on the D2H stream."""
+        start = max(self.issue, self.d2h, self.compute)
+        self.d2h = self.stored[c.index] = start + c.activation_bytes / (self.host.d2h_gbps * 1e9)
+        self.busy["d2h"] += self.d2h - start
+
+    def bring_back(self, c: StageCost) -> None:
+        """Its H2D, after the weights of the same layer on the H2D stream."""
+        if c.index not in self.stored:
+            return
+        start = max(self.issue, self.h2d, self.stored[c.index])
+        rate = self.host.h2d_loaded_gbps if self._optimizer_busy(start) else self.host.h2d_gbps
+        self.h2d = self.stored[c.index] = start + c.activation_bytes / (rate * 1e9)
+        self.busy["h2d"] += self.h2d - start
+
+    def run(self, c: StageCost, seconds: float, grad_slot: str | None = None, backward: bool = False) -> None:
         """Compute on the stage's weights (after their copy); a gradient write waits for its buffer's last D2H."""
         slot = self.slot(c)
         ready = self.slot_ready.get(slot, 0.0)
+        if backward and c.index in self.stored:
+            ready = max(ready, self.stored.pop(c.index))
         start = max(self.issue, self.compute, ready)
         # The issuing thread is late only where it waited for an update (or at the step's start: ~1 ms); a copy
         # issued late for that reason counts as waiting for the optimizer up to its issue, for the copy after.
@@ -314,6 +337,8 @@ class _Replay:
         self.load(layers[0])
         for i, c in enumerate(layers):
             self.load(layers[i + 1] if i + 1 < len(layers) else head)
+            if c.activation_bytes and i + 1 < len(layers):  # the last input stays on the device
+                self.offload(c)
             self.run(c, c.forward_seconds)
         self.run(head, head.forward_seconds, grad_slot="head")
         self.emit(head, "head", deferred)
@@ -321,7 +346,8 @@ class _Replay:
         for i in range(len(layers) - 1, -1, -1):
             if i > 0:
                 self.load(layers[i - 1])
-            self.run(layers[i], layers[i].backward_seconds, grad_slot=f"grad{i % 2}")
+                self.bring_back(layers[i - 1])
+            self.run(layers[i], layers[i].backward_seconds, grad_slot=f"grad{i % 2}", backward=True)
             self.emit(layers[i], f"grad{i % 2}", deferred)
         self.run(embed, embed.backward_seconds, grad_slot="embed")
         self.emit(embed, "embed", deferred)
@@ -371,10 +397,11 @@ class SpeedEstimate:
         return max(self.gpu_waits, key=self.gpu_waits.__getitem__)
 
 
-def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4) -> SpeedEstimate:
-    """Replay `steps` steps of the engine's schedule with the profile's rates; the last one is the estimate."""
+def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool = False) -> SpeedEstimate:
+    """Replay `steps` steps of the engine's schedule with the profile's rates; the last one is the estimate.
+    `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it)."""
     layout = build_layout(cfg.model)
-    costs = stage_costs(cfg, profile, layout)
+    costs = stage_costs(cfg, profile, layout, offload)
     pool = cfg.engine.grad_slabs if grad_home(cfg) == "pool" else 0
     replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, pool, pool_users=[-1] * pool)
     start = end = 0.0
@@ -407,11 +434,11 @@ def format_speed(est: SpeedEstimate) -> list[str]:
     ]
 
 
-def speed_lines(cfg: Config, profile: SpeedProfile | None) -> list[str]:
+def speed_lines(cfg: Config, profile: SpeedProfile | None, offload: bool = False) -> list[str]:
     """The speed part of `megatrain plan`: the estimate, or why there is none."""
     if cfg.engine.device == "cpu":
         return []
     if profile is None:
         return [f"expected speed: no measured rates for this GPU; name a machine with --machine "
                 f"({', '.join(PRESETS)})", ""]
-    return [*format_speed(estimate(cfg, profile)), ""]
+    return [*format_speed(estimate(cfg, profile, offload=offload)), ""]

@@ -124,7 +124,12 @@ def test_plan_prints_expected_tok_per_s_for_a_preset(capsys):
     assert "6.2 G params/s" in capsys.readouterr().out
     assert main(["plan", config, "--machine", "h100-512gb"]) == 2  # 806 GiB of host RAM
     out = capsys.readouterr().out
-    assert "does NOT fit" in out and "host RAM" in out and "GPU memory" in out and "tok/s" in out
+    # The layer inputs would not fit 80 GB at 32k tokens: auto offloads them (and the speed model copies them).
+    assert "does NOT fit" in out and "host RAM" in out and "GPU memory" not in out and "tok/s" in out
+    assert "layer inputs offloaded to host" in out
+    assert main(["plan", config, "--machine", "h100-1tb", "--set", "engine.activation_offload=false"]) == 2
+    out = capsys.readouterr().out
+    assert "GPU memory: " in out and "host RAM: " not in out
 
 
 def test_plan_names_the_presets_when_no_rates_were_measured_for_the_gpu(capsys):
@@ -142,8 +147,10 @@ def test_the_large_model_table_plans_every_config_on_every_preset(tmp_path):
     assert by["dense-120b", "h200-1.5tb"]["host_fits"] and not by["dense-120b", "h100-1tb"]["host_fits"]
     assert by["dense-120b", "h100-1tb"]["host_fits_bf16_moments"]
     assert all(r["gpu_fits"] and r["expected_tok_per_s"] > 0 for r in rows)
-    # Where the config's batch does not fit an 80 GB GPU, the row plans a smaller one that does.
-    assert by["llama3-70b", "h100-1tb"]["batch_size"] < by["llama3-70b", "h100-1tb"]["config_batch_size"]
+    # The config's batch fits an 80 GB GPU once the layer inputs go to host memory (auto); not needed on an H200.
+    assert by["llama3-70b", "h100-1tb"]["activation_offload"]
+    assert by["llama3-70b", "h100-1tb"]["batch_size"] == by["llama3-70b", "h100-1tb"]["config_batch_size"]
+    assert not by["llama3-70b", "h200-1.5tb"]["activation_offload"]
     text = markdown(rows, validation_rows(RESULTS))
     assert "tok/s is a prediction" in text and "planned, needs `optimizer.moment_dtype`" in text
     assert "| dense-120b | 119.8 B | h200-1.5tb |" in text
