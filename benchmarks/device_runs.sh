@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU-machine runs the open issues name, one device call each (each fits the 10-minute limit).
+#
+#   bash benchmarks/device_runs.sh NAME        (on the GPU machine, from the repository root)
+#
+# Every run writes its JSON into $OUT (the device tool brings it back) or benchmarks/results/.
+# Names and the issue each run answers:
+#   gpu-tests     tests/test_gpu.py (bf16 parity, copy overlap, peak vs depth, Ray path, 32K-token chunked
+#                 + offloaded step against the unchunked one, offloaded peak flat in depth)      any GPU
+#   load-8b       issue 5: load time and peak RAM of an 8B sharded checkpoint (random bf16)      nvidia-h200 / h100
+#   long-context  issue 8: 8B-width layers at 128K/256K/512K tokens, activation offload on;
+#                 depth 4 vs 8 at 128K (GPU peak flat in depth, linear in tokens)                nvidia-h200
+#   largest-h200  issue 8: Llama 3.1 8B, all 32 layers, full precision (fp32 master and moments,
+#                 master streamed, clipping off) on the 128 GiB box; the plan beside the figures nvidia-h200
+#   bench-3.5b    issue 4: the 3.5B bench against the GPU-resident baseline and DeepSpeed
+#                 (WITH_DEEPSPEED=1 before sourcing the bundle)                                  nvidia-h200
+#   qwen14b-x2    issues 4 and 8: Qwen2.5-14B shape at full precision with DeepSpeed beside it   nvidia-h200-x2
+#   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape        nvidia-h200-x2
+#   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
+set -euo pipefail
+OUT=${OUT:-benchmarks/results}
+export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+
+case "${1:-}" in
+  gpu-tests)
+    python -m pytest -q tests/test_gpu.py -m gpu -s ;;
+  load-8b)
+    python benchmarks/load_checkpoint.py --dir /tmp/llama8b-random --layers 32 --shards 2 --out "$OUT" ;;
+  long-context)
+    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 4 \
+      --seq-lens 131072,262144,524288 --steps 1 --warmup 1 --timeout 500 --name long-context --out "$OUT" \
+      --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32
+    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 8 \
+      --seq-lens 131072 --steps 1 --warmup 1 --name long-context-depth --out "$OUT" \
+      --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
+  largest-h200)
+    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 8 --steps 8 --warmup 2 \
+      --name largest-h200 --out "$OUT" --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
+  bench-3.5b)
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4,16,32 \
+      --systems megatrain,megatrain-noclip,resident,deepspeed --name bench-3.5b --out "$OUT" ;;
+  qwen14b-x2)
+    python benchmarks/run.py --config configs/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
+      --name qwen14b-x2 --out "$OUT" ;;
+  dp-x2)
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems megatrain \
+      --gpus 1,2 --name data-parallel-x2 --out "$OUT" ;;
+  optim-x2)
+    python benchmarks/optimizer_scaling.py --max-workers 32 --out "$OUT" ;;
+  *)
+    sed -n '2,20p' "$0"; exit 2 ;;
+esac
