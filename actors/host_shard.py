@@ -60,9 +60,10 @@ class HostShard(ActorBase):
         except BaseException:
             self.shutdown()
             raise
-        gib = sum(s.nbytes for s in self.specs) / 2**30
-        log.info("shard %d: %d stages, %d segments, %.2f GiB in %s; %s", shard, len(stages), len(self.specs), gib,
-                 cfg.host.shm_dir, binding)
+        gib = sum(s.nbytes for s in self.specs if not s.on_disk) / 2**30
+        disk = sum(s.nbytes for s in self.specs if s.on_disk)
+        log.info("shard %d: %d stages, %d segments, %.2f GiB in %s%s; %s", shard, len(stages), len(self.specs), gib,
+                 cfg.host.shm_dir, f", {disk / 1e9:.2f} GB of moments in {cfg.host.disk_dir}" if disk else "", binding)
 
     def _each_stage(self, what: str, fill: Callable[[int], None]) -> None:
         """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress."""

@@ -1,4 +1,5 @@
-"""OptimizerWorker: AdamW on its share of every stage, in place on the shared segments."""
+"""OptimizerWorker: AdamW on its share of every stage, in place on the shared segments (with the disk
+tier, on moments staged from disk: megatrain_ray/disk_tier.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from actors.base import ActorBase
 from megatrain_ray.checkpoint import wait_for_gate
 from megatrain_ray.config import Config
-from megatrain_ray.host import TORCH_DTYPES, HostStore, SegmentSpec
+from megatrain_ray.disk_tier import MOMENT_KINDS, MomentStager, piece_elems, update_order
+from megatrain_ray.host import TORCH_DTYPES, HostStore, SegmentSpec, moment_dtype
 from megatrain_ray.log import get_logger, init_logger
 from megatrain_ray.messages import UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout
@@ -44,8 +46,16 @@ class OptimizerWorker(ActorBase):
         self.gates = self.store.gates()
         self.adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[cfg.precision.master_dtype], threads)
         self.spans = {s.index: split_span(s.numel, index, num_workers) for s in layout.stages}
-        log.info("optimizer worker %d/%d on cores %s, %d optimizer threads", index, num_workers, cores or "(shared)",
-                 threads)
+        self.disk: MomentStager | None = None
+        if cfg.host.moments_tier == "disk":
+            paths = {(kind, s.index): self.store.get(kind, s.index).path for kind in MOMENT_KINDS
+                     for s in layout.stages}
+            self.disk = MomentStager(paths, self.spans, update_order(len(layout.stages), cfg.optimizer.grad_clip > 0),
+                                     TORCH_DTYPES[moment_dtype(cfg)], piece_elems(layout.max_layer_numel, num_workers),
+                                     poison=cfg.engine.poison_buffers)
+        log.info("optimizer worker %d/%d on cores %s, %d optimizer threads%s", index, num_workers,
+                 cores or "(shared)", threads,
+                 f", moments staged from disk through {self.disk.staging_bytes / 2**20:.0f} MiB" if self.disk else "")
 
     def apply(self, order: UpdateOrder) -> UpdateDone:
         if order.apply:
@@ -62,11 +72,34 @@ class OptimizerWorker(ActorBase):
             if stream_out is not None:
                 self.adamw.refresh(store.get("master", order.stage), stream_out, start, end)
         elif end > start:
-            self.adamw.update(
-                master=store.get("master", order.stage), exp_avg=store.get("exp_avg", order.stage),
-                exp_avg_sq=store.get("exp_avg_sq", order.stage), grad=grad,
-                stream_out=stream_out, start=start, end=end, decay_end=stage.decay_numel,
-                adam_step=order.adam_step, lr=order.lr, grad_coef=order.grad_coef)
+            # RAM tier: the whole span at once. Disk tier: piece by piece, each read ahead during the update
+            # before it, written back behind, in the worker's staging buffers (element 0 = the piece's first).
+            pieces = self.disk.pieces(order.stage) if self.disk is not None else [(start, end)]
+            for k, (lo, hi) in enumerate(pieces):
+                if self.disk is not None:
+                    (exp_avg, exp_avg_sq), base = self.disk.acquire((order.stage, k)), lo
+                else:
+                    exp_avg, exp_avg_sq = store.get("exp_avg", order.stage), store.get("exp_avg_sq", order.stage)
+                    base = 0
+                self.adamw.update(
+                    master=store.get("master", order.stage), exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad,
+                    stream_out=stream_out, start=lo, end=hi, decay_end=stage.decay_numel,
+                    adam_step=order.adam_step, lr=order.lr, grad_coef=order.grad_coef, stage=order.stage,
+                    moments_base=base)
+                if self.disk is not None:
+                    self.disk.release((order.stage, k))
         return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start,
                           (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply))
+
+    def sync(self) -> None:
+        """Return once every moment written back is on disk (before a checkpoint reads the files)."""
+        if self.disk is not None:
+            self.disk.drain()
+
+    def shutdown(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        if self.adamw.pool is not None:
+            self.adamw.pool.shutdown(wait=True)
 

@@ -3,7 +3,8 @@
     <checkpoint.dir>/step-00000010/
         stage-0000.safetensors   one file per stage (embedding, each layer, head): the master weights
                                  by Hugging Face name, then `optimizer.exp_avg.<name>` and
-                                 `optimizer.exp_avg_sq.<name>`
+                                 `optimizer.exp_avg_sq.<name>` in their own dtype (F32, or BF16 with
+                                 optimizer.moment_dtype=bfloat16)
         ...
         manifest.json            written last: step, updates applied, config, RNG states, and for
                                  each file its size and CRC-32
@@ -21,7 +22,9 @@ optimizer needs them and the step does not wait.
 
 The files are plain safetensors (written here so the bytes stream from shared memory to disk with
 their checksum in one pass, and read back straight into the segments); any safetensors reader
-opens them. Nothing is ever pickled.
+opens them. Nothing is ever pickled. With the disk tier (host.moments_tier=disk) the moments stream
+from and to their files in host.disk_dir through a bounce buffer (disk_tier.DiskTensor); the format
+is the same, so a checkpoint resumes in either tier.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from megatrain_ray.disk_tier import DiskTensor
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.log import get_logger
 from megatrain_ray.model.layout import ModelLayout, StageLayout
@@ -96,6 +100,35 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _read_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
+    """The bytes of a tensor, _CHUNK at a time: views of memory, or chunks read from a disk-tier file."""
+    if not isinstance(t, DiskTensor):
+        view = _byte_view(t)
+        for begin in range(0, len(view), _CHUNK):
+            yield view[begin:begin + _CHUNK]
+        return
+    bounce = memoryview(bytearray(min(_CHUNK, t.nbytes)))
+    for begin in range(0, t.nbytes, _CHUNK):
+        chunk = bounce[:min(_CHUNK, t.nbytes - begin)]
+        t.read_bytes(begin, chunk)
+        yield chunk
+
+
+def _fill_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
+    """Buffers to read a tensor's bytes into, _CHUNK at a time: views of its memory, or a bounce buffer
+    written to its disk-tier file once the caller has filled it (when the next chunk is asked for)."""
+    if not isinstance(t, DiskTensor):
+        view = _byte_view(t)
+        for begin in range(0, len(view), _CHUNK):
+            yield view[begin:begin + _CHUNK]
+        return
+    bounce = memoryview(bytearray(min(_CHUNK, t.nbytes)))
+    for begin in range(0, t.nbytes, _CHUNK):
+        chunk = bounce[:min(_CHUNK, t.nbytes - begin)]
+        yield chunk
+        t.write_bytes(begin, chunk)
+
+
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> dict:
     """Stream the tensors to `path` (fsynced); returns {path, bytes, crc32} of the whole file."""
     header = _header(tensors, metadata)
@@ -104,12 +137,10 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metad
     with open(path, "wb") as f:
         f.write(header)
         for _, t in tensors:
-            view = _byte_view(t)
-            for begin in range(0, len(view), _CHUNK):
-                chunk = view[begin:begin + _CHUNK]
+            for chunk in _read_chunks(t):
                 crc = zlib.crc32(chunk, crc)
                 f.write(chunk)
-            size += len(view)
+                size += len(chunk)
         f.flush()
         os.fsync(f.fileno())
     return {"path": path.name, "bytes": size, "crc32": crc}
@@ -150,9 +181,7 @@ def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor], expect: 
                                       f"{_SAFETENSORS_DTYPES.get(target.dtype) if target is not None else 'none'} "
                                       f"{list(target.shape) if target is not None else ''}: the checkpoint belongs "
                                       "to another model or precision")
-            view = _byte_view(target)
-            for begin in range(0, len(view), _CHUNK):
-                chunk = view[begin:begin + _CHUNK]
+            for chunk in _fill_chunks(target):
                 if f.readinto(chunk) != len(chunk):
                     raise CheckpointError(f"checkpoint file {path} ends early")
                 crc = zlib.crc32(chunk, crc)
@@ -356,12 +385,16 @@ def read_manifest(directory: str | Path) -> CheckpointInfo:
     return CheckpointInfo(directory, manifest)
 
 
+# State-defining keys added after checkpoints already existed: what those checkpoints hold.
+_STATE_KEYS_BEFORE = {("optimizer", "moment_dtype"): "float32"}
+
+
 def check_compatible(info: CheckpointInfo, layout: ModelLayout, state_config: dict) -> None:
     """Refuse a checkpoint of another model shape or precision, naming the first key that differs."""
     saved = info.manifest.get("state_config", {})
     for section, values in state_config.items():
         for key, value in values.items():
-            old = saved.get(section, {}).get(key)
+            old = saved.get(section, {}).get(key, _STATE_KEYS_BEFORE.get((section, key)))
             if old != value:
                 raise CheckpointError(f"checkpoint {info.directory} was written with {section}.{key}={old!r}, "
                                       f"this config has {value!r}: resume with the config of that run")

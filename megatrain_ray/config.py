@@ -234,6 +234,15 @@ class OptimizerConfig:
     chunk_elems: int = 1 << 18
     """Elements per chunk of the torch kernel path: the cast of the gradient and the write of the
     streaming copy happen while the chunk is still in cache."""
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Format of both AdamW moments (exp_avg, exp_avg_sq) in host memory. float32: full precision (the
+    moments have the master weights' format, float64 with a float64 master). bfloat16: NOT full
+    precision; saves 4 bytes per parameter of RAM (or disk) and of DRAM traffic per step. The update
+    still computes in float32 (moments widened in a cache-sized chunk) and rounds the new moments back
+    to bfloat16 stochastically, with noise that is a fixed hash of the step, stage and element (so runs
+    and resumes stay bit-reproducible): plain rounding to nearest would lose every change smaller than
+    half a bfloat16 step (0.2 to 0.4 %), e.g. the decay of exp_avg_sq with beta2 = 0.999. The master weights
+    stay full precision. Part of the saved state: a checkpoint resumes only with the same moment_dtype."""
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -369,10 +378,26 @@ class HostConfig:
     """HostShard actors; each owns a contiguous range of stages (one per NUMA node is the intent)."""
     shm_dir: str = "/dev/shm"
     """Directory of the shared-memory segments; must be a tmpfs large enough for the whole store."""
+    moments_tier: Literal["ram", "disk"] = "ram"
+    """Where the AdamW moments live. ram: shared-memory segments like the rest of the store. disk: files
+    in host.disk_dir: 8 bytes of RAM per parameter fewer (4 with optimizer.moment_dtype=bfloat16). Each
+    optimizer worker reads its share of a stage's moments ahead of the update, in update order, and
+    writes them back behind it, through two buffers of its share of one decoder layer (the embedding and
+    head go in layer-sized pieces): the staging RAM `megatrain plan` shows. Every step then reads and writes all
+    moments on the disk (16 bytes per parameter, 8 with optimizer.moment_dtype=bfloat16): the disk's
+    bandwidth bounds the optimizer (benchmarks/moment_tiers.py measures it). Results are bit-identical
+    to ram; checkpoints move freely between the tiers. Master weights and the streaming copy stay in RAM."""
+    disk_dir: str = ""
+    """Directory for host.moments_tier=disk, on a fast local disk (NVMe), not a tmpfs or network share.
+    Checked before allocating: it must exist, be writable and have room for both moments (the files are
+    allocated in full at start and removed at the end)."""
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             _fail("host.num_shards", self.num_shards, "must be >= 1")
+        if self.moments_tier == "disk" and not self.disk_dir:
+            _fail("host.disk_dir", self.disk_dir, "is required with host.moments_tier=disk: a directory on a fast "
+                  "local disk")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -530,6 +555,10 @@ class Config:
                   "raise it or configure model.rope_scaling")
         if self.data.path.endswith(".txt") and self.model.vocab_size < 256:
             _fail("model.vocab_size", self.model.vocab_size, "must be >= 256 for byte-level text data")
+        if self.optimizer.moment_dtype == "bfloat16" and self.precision.master_dtype != "float32":
+            _fail("optimizer.moment_dtype", self.optimizer.moment_dtype,
+                  f"needs precision.master_dtype=float32 (it is {self.precision.master_dtype}, which exists for "
+                  "exact tests); use moment_dtype=float32")
         if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
             pass  # allowed (slow); tests of the bf16 path use it on purpose
 

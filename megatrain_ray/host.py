@@ -5,7 +5,9 @@ HostShard that owns them, the optimizer workers that update them and the GPU wor
 streams from them all see one copy. Only `SegmentSpec`s (path, dtype, size) travel through
 Ray; the bytes never do. Kinds per stage:
 
-- `master`, `exp_avg`, `exp_avg_sq`: the fp32 (or fp64) weights and AdamW moments;
+- `master`, `exp_avg`, `exp_avg_sq`: the fp32 (or fp64) weights and AdamW moments (the moments in
+  `optimizer.moment_dtype`; with `host.moments_tier: disk` they are files in `host.disk_dir`, read and
+  written by offset, never mapped: megatrain_ray/disk_tier.py);
 - `stream`: the copy the GPU reads each step, in `precision.stream_dtype`; absent when it
   would equal the master weights, which are then streamed directly;
 - `grad`: per-stage gradients, only when the master weights are streamed and clipping is on
@@ -23,11 +25,12 @@ import hashlib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from megatrain_ray.config import DTYPE_BYTES, Config
+from megatrain_ray.disk_tier import DiskSegment, allocate_file
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.log import get_logger
 from megatrain_ray.model.layout import ModelLayout, StageLayout
@@ -51,6 +54,8 @@ class SegmentSpec:
     kind: SegmentKind
     stage: int
     """Stage index, or the slab number for `gradpool`."""
+    on_disk: bool = False
+    """A file in host.disk_dir (the disk tier of the moments), not a shared-memory segment."""
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +74,11 @@ def grad_dtype(cfg: Config) -> str:
     return cfg.precision.resolved_stream_dtype if grad_home(cfg) == "stream" else cfg.precision.resolved_grad_dtype
 
 
+def moment_dtype(cfg: Config) -> str:
+    """Format of the AdamW moments: the master's at full precision, else bfloat16."""
+    return "bfloat16" if cfg.optimizer.moment_dtype == "bfloat16" else cfg.precision.master_dtype
+
+
 def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[int],
                   shard: int) -> list[SegmentSpec]:
     """The segments one HostShard owns: its stages' buffers and its checkpoint gate, plus the gradient
@@ -77,16 +87,18 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
     master = cfg.precision.master_dtype
     specs: list[SegmentSpec] = []
     home = grad_home(cfg)
+    moments, on_disk = moment_dtype(cfg), cfg.host.moments_tier == "disk"
     for index in stages:
         stage = layout.stages[index]
-        kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", master), ("exp_avg_sq", master)]
+        kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", moments), ("exp_avg_sq", moments)]
         if not cfg.precision.stream_is_master:
             kinds.append(("stream", cfg.precision.resolved_stream_dtype))
         if home == "stage":
             kinds.append(("grad", grad_dtype(cfg)))
         for kind, dtype in kinds:
-            path = os.path.join(directory, f"megatrain-{run_id}-{stage.name}-{kind}")
-            specs.append(SegmentSpec(path, dtype, stage.numel, kind, index))
+            disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
+            path = os.path.join(cfg.host.disk_dir if disk else directory, f"megatrain-{run_id}-{stage.name}-{kind}")
+            specs.append(SegmentSpec(path, dtype, stage.numel, kind, index, on_disk=disk))
     specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":
@@ -113,17 +125,25 @@ def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:
 
 
 def create_segment(spec: SegmentSpec) -> None:
-    """A zero-filled file of the exact size (pages are allocated on first touch)."""
+    """A zero-filled file of the exact size: in shared memory pages are allocated on first touch; on disk
+    every block is allocated now (a full disk fails here, at start, not in the middle of a step)."""
     fd = os.open(spec.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, spec.nbytes)
+        if spec.on_disk:
+            allocate_file(fd, spec.nbytes, spec.path)
+        else:
+            os.ftruncate(fd, spec.nbytes)
     finally:
         os.close(fd)
 
 
-def map_segment(spec: SegmentSpec) -> torch.Tensor:
+def map_segment(spec: SegmentSpec) -> torch.Tensor | DiskSegment:
+    """A shared-memory segment as a tensor; a disk-tier file as a DiskSegment (read and written by offset)."""
     if not os.path.exists(spec.path):
-        raise HostMemoryError(f"shared-memory segment {spec.path} is missing: its HostShard has exited")
+        raise HostMemoryError(f"{'disk-tier file' if spec.on_disk else 'shared-memory segment'} {spec.path} is "
+                              "missing: its HostShard has exited")
+    if spec.on_disk:
+        return DiskSegment(spec.path, TORCH_DTYPES[spec.dtype], spec.numel)
     return torch.from_file(spec.path, shared=True, size=spec.numel, dtype=TORCH_DTYPES[spec.dtype])
 
 
@@ -145,7 +165,7 @@ class HostStore:
 
     def __init__(self, specs: list[SegmentSpec]):
         self.specs = list(specs)
-        self._tensors: dict[tuple[str, int], torch.Tensor] = {(s.kind, s.stage): map_segment(s) for s in specs}
+        self._tensors: dict[tuple[str, int], Any] = {(s.kind, s.stage): map_segment(s) for s in specs}
         self._registered: list[torch.Tensor] = []
 
     def get(self, kind: SegmentKind, stage: int) -> torch.Tensor:
@@ -153,6 +173,9 @@ class HostStore:
 
     def has(self, kind: SegmentKind, stage: int) -> bool:
         return (kind, stage) in self._tensors
+
+    def on_disk(self, kind: SegmentKind, stage: int) -> bool:
+        return isinstance(self._tensors[(kind, stage)], DiskSegment)
 
     def stream(self, stage: int) -> torch.Tensor:
         """The buffer the device reads: the streaming copy, or the master weights themselves."""
@@ -170,7 +193,7 @@ class HostStore:
         cudart = torch.cuda.cudart()
         total = 0
         for (kind, _), tensor in self._tensors.items():
-            if kind not in kinds or tensor.numel() == 0:
+            if kind not in kinds or isinstance(tensor, DiskSegment) or tensor.numel() == 0:
                 continue
             nbytes = tensor.numel() * tensor.element_size()
             err = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
@@ -232,10 +255,12 @@ def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> N
     """Random initialisation as in Hugging Face: normal(0, std) matrices, ones for norms, zero biases.
 
     The moments are written too (zeros): every page of the stage is allocated now, so a store that
-    does not fit fails at start, not in the middle of the first step.
+    does not fit fails at start, not in the middle of the first step. Disk-tier moments are fresh
+    files whose blocks create_segment allocated: they read as zeros already.
     """
     for kind in ("exp_avg", "exp_avg_sq"):
-        store.get(kind, stage.index).zero_()
+        if not store.on_disk(kind, stage.index):
+            store.get(kind, stage.index).zero_()
     master = store.get("master", stage.index)
     for slot in stage.slots:
         view = master[slot.offset:slot.offset + slot.numel]

@@ -4,7 +4,9 @@
 
 Host side, exact: the shared-memory segments are the ones `plan_segments` lays out (the same
 function the HostShards use). Pinned memory is the part of them the GPU worker registers. Process
-memory (interpreters, torch, the CUDA context's host side) is an estimate per process.
+memory (interpreters, torch, the CUDA context's host side) is an estimate per process. With the
+disk tier the moments' files are counted on disk and the optimizers' staging buffers in RAM; the
+plan also prints what each other choice of moment format and tier would cost (`tier_lines`).
 
 GPU side, from the engine's buffers (exact) plus activations (a count of the tensors alive at the
 peak, per token):
@@ -19,6 +21,7 @@ peak, per token):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import shutil
@@ -27,8 +30,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatrain_ray.config import DTYPE_BYTES, Config, parse_size
+from megatrain_ray.disk_tier import disk_problems, staging_bytes
 from megatrain_ray.exceptions import HostMemoryError
-from megatrain_ray.host import grad_dtype, grad_home, plan_segments, shard_stages
+from megatrain_ray.host import grad_dtype, grad_home, moment_dtype, plan_segments, shard_stages
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.speed import SpeedProfile, preset, profile_for_gpu, speed_lines
 from megatrain_ray.topology import detect_topology, plan_placement
@@ -132,6 +136,11 @@ class Plan:
     machine: Machine
     host: dict[str, int] = field(default_factory=dict)
     """Shared-memory segments by kind."""
+    disk: dict[str, int] = field(default_factory=dict)
+    """Disk-tier files by kind (host.moments_tier=disk)."""
+    staging: int = 0
+    """RAM of the optimizers' disk-tier staging buffers."""
+    workers: int = 1
     processes: int = 0
     pinned: int = 0
     gpu: dict[str, int] = field(default_factory=dict)
@@ -147,7 +156,7 @@ class Plan:
 
     @property
     def host_total(self) -> int:
-        return self.shm_total + self.processes + self.offloaded
+        return self.shm_total + self.staging + self.processes + self.offloaded
 
     @property
     def gpu_peak(self) -> int:
@@ -209,15 +218,27 @@ def _peak(g: dict[str, int]) -> int:
             + max(g["layer backward working set"], g["loss head working set"]))
 
 
-def plan_run(cfg: Config, machine: Machine) -> Plan:
+def store_bytes(cfg: Config, workers: int) -> tuple[dict[str, int], dict[str, int], int]:
+    """Bytes of the store by kind in RAM (shared memory) and on disk, and the disk tier's staging RAM."""
     layout = build_layout(cfg.model)
-    plan = Plan(cfg, machine)
+    ram: dict[str, int] = {}
+    disk: dict[str, int] = {}
     for k, stages in enumerate(shard_stages(layout, cfg.host.num_shards)):
         for spec in plan_segments(layout, cfg, "plan", stages, k):
-            plan.host[spec.kind] = plan.host.get(spec.kind, 0) + spec.nbytes
+            where = disk if spec.on_disk else ram
+            where[spec.kind] = where.get(spec.kind, 0) + spec.nbytes
+    staging = staging_bytes([s.numel for s in layout.stages], layout.max_layer_numel, workers,
+                            DTYPE_BYTES[moment_dtype(cfg)]) if cfg.host.moments_tier == "disk" else 0
+    return ram, disk, staging
+
+
+def plan_run(cfg: Config, machine: Machine) -> Plan:
+    plan = Plan(cfg, machine)
+    workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards).workers)
+    plan.workers = workers
+    plan.host, plan.disk, plan.staging = store_bytes(cfg, workers)
     pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if cfg.precision.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
-    workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards).workers)
     plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + GPU_PROCESS_BYTES
     plan.offload = resolve_activation_offload(cfg, machine.gpu_memory)
     plan.offloaded = offloaded_bytes(cfg) if plan.offload else 0
@@ -237,6 +258,8 @@ def _check(plan: Plan) -> None:
             f"the host store needs {plan.shm_total / g:.1f} GiB in host.shm_dir={cfg.host.shm_dir!r}, "
             f"{machine.shm_free / g:.1f} GiB is free there: enlarge it (docker --shm-size, "
             "`mount -o remount,size=...`) or shrink the store: " + _host_advice(cfg))
+    if cfg.host.moments_tier == "disk" and not machine.described:
+        plan.problems.extend(disk_problems(cfg.host.disk_dir, sum(plan.disk.values())))
     if plan.host_total > machine.host_available:
         plan.problems.append(
             f"host RAM: {plan.host_total / g:.1f} GiB needed, {machine.host_available / g:.1f} GiB available: "
@@ -260,6 +283,11 @@ def _host_advice(cfg: Config) -> str:
                     "twice the PCIe bytes per step)")
     if cfg.precision.master_dtype == "float64":
         tips.append("use precision.master_dtype=float32")
+    else:
+        if cfg.optimizer.moment_dtype == "float32":
+            tips.append("set optimizer.moment_dtype=bfloat16 (not full precision)")
+        if cfg.host.moments_tier == "ram":
+            tips.append("set host.moments_tier=disk with host.disk_dir on an NVMe disk")
     tips.append("train a smaller model or use a machine with more RAM (`megatrain plan --host-memory 1TB` shows "
                 "what a larger one needs)")
     return "; or ".join(tips)
@@ -282,18 +310,28 @@ def format_plan(plan: Plan) -> str:
              + (f"{machine.gpu_name or ''} {machine.gpu_memory / g:.1f} GiB".strip() if machine.gpu_memory
                 else "none visible"),
              "", "host (shared memory, per kind):"]
-    dtypes = {"master": cfg.precision.master_dtype, "exp_avg": cfg.precision.master_dtype,
-              "exp_avg_sq": cfg.precision.master_dtype, "stream": cfg.precision.resolved_stream_dtype}
+    dtypes = {"master": cfg.precision.master_dtype, "exp_avg": moment_dtype(cfg),
+              "exp_avg_sq": moment_dtype(cfg), "stream": cfg.precision.resolved_stream_dtype}
     for kind, nbytes in plan.host.items():
         if nbytes >= 2**20:
             lines.append(f"  {_LABELS[kind]:<28}{dtypes.get(kind, grad_dtype(cfg)):>9} {nbytes / g:10.2f} GiB")
     params = layout.num_params
-    lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)",
-              f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
+    lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)"]
+    if plan.disk:
+        lines.append(f"  {'disk-tier staging (optimizers)':<38}{plan.staging / g:10.2f} GiB")
+    lines += [f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
               *([f"  {'offloaded layer inputs (pinned)':<38}{plan.offloaded / g:10.2f} GiB"] if plan.offload else []),
               f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
               f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  (grad home: {grad_home(cfg)})",
-              "", f"GPU (torch allocations; layer inputs {'offloaded to host' if plan.offload else 'kept on the GPU'}, "
+              ""]
+    if plan.disk:
+        lines.append(f"disk (host.disk_dir={cfg.host.disk_dir}):")
+        for kind, nbytes in plan.disk.items():
+            lines.append(f"  {_LABELS[kind]:<28}{dtypes[kind]:>9} {nbytes / g:10.2f} GiB")
+        total = sum(plan.disk.values())
+        lines += [f"  {'disk total':<38}{total / g:10.2f} GiB  ({total / 1e9:.1f} GB)", ""]
+    lines += [*tier_lines(plan), "",
+              f"GPU (torch allocations; layer inputs {'offloaded to host' if plan.offload else 'kept on the GPU'}, "
               f"engine.activation_offload={str(cfg.engine.activation_offload).lower()}):"]
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
@@ -313,3 +351,32 @@ def check_plan(cfg: Config) -> Plan:
     if not plan.fits:
         raise HostMemoryError("the run does not fit this machine:\n" + format_plan(plan))
     return plan
+
+
+def tier_lines(plan: Plan) -> list[str]:
+    """The host RAM of the configured memory tier, and what each other choice of moment format and tier
+    would change (same shape, precision and workers): what `plan` prints for users to pick from."""
+    cfg, g = plan.cfg, GiB
+    params = build_layout(cfg.model).num_params
+    configured = (cfg.optimizer.moment_dtype, cfg.host.moments_tier)
+    ram_now = plan.shm_total + plan.staging
+    disk_now = sum(plan.disk.values())
+    lines = [f"memory tiers (optimizer.moment_dtype={configured[0]}, host.moments_tier={configured[1]}): "
+             f"store {ram_now / g:.2f} GiB RAM ({ram_now / params:.1f} B/param)"
+             + (f" + {disk_now / 1e9:.1f} GB disk ({disk_now / params:.1f} B/param)" if disk_now else "")]
+    dtypes = ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",)
+    for dtype in dtypes:
+        for tier in ("ram", "disk"):
+            if (dtype, tier) == configured:
+                continue
+            other = dataclasses.replace(
+                cfg, optimizer=dataclasses.replace(cfg.optimizer, moment_dtype=dtype),
+                host=dataclasses.replace(cfg.host, moments_tier=tier, disk_dir=cfg.host.disk_dir or "DISK_DIR"))
+            ram, disk, staging = store_bytes(other, plan.workers)
+            d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
+            label = "moments" + (f" {dtype}" if dtype != configured[0] else "") \
+                + ((" on disk" if tier == "disk" else " in RAM") if tier != configured[1] else "")
+            change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
+            lines.append(f"  {label + ':':<28}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
+                         + ("  (not full precision)" if dtype == "bfloat16" else ""))
+    return lines

@@ -94,8 +94,10 @@ def truncate_metrics(path: Path, next_step: int) -> None:
 
 
 def state_config(cfg: Config) -> dict[str, dict[str, Any]]:
-    """The config keys that decide what the saved state means: a checkpoint only loads where they agree."""
-    return {"model": cfg.to_dict()["model"], "precision": {"master_dtype": cfg.precision.master_dtype}}
+    """The config keys that decide what the saved state means: a checkpoint only loads where they agree.
+    host.moments_tier is not one of them: the files are the same from either tier."""
+    return {"model": cfg.to_dict()["model"], "precision": {"master_dtype": cfg.precision.master_dtype},
+            "optimizer": {"moment_dtype": cfg.optimizer.moment_dtype}}
 
 
 class Interrupted(Exception):
@@ -135,6 +137,8 @@ class Trainer:
             raise ConfigError("fault.drill: killing an actor needs runtime.mode=ray (in local mode every actor is "
                               "this process); use kill:driver")
         sweep_stale_segments(cfg.host.shm_dir)
+        if cfg.host.moments_tier == "disk":
+            sweep_stale_segments(cfg.host.disk_dir)
         self.plan = check_plan(cfg)  # refuse before allocating anything
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
         self.shards: list[Handle] = []
@@ -257,6 +261,11 @@ class Trainer:
                 self.gpu.call("shutdown").result()
         except Exception as exc:  # a dead optimizer makes the last flush fail; keep closing
             log.warning("gpu worker shutdown: %s", exc)
+        for handle in self.optimizers:  # their disk-tier writes finish, their threads stop
+            try:
+                handle.call("shutdown").result()
+            except Exception as exc:
+                log.warning("optimizer shutdown: %s", exc)
         for handle in self.shards:
             try:
                 handle.call("shutdown").result()
@@ -450,6 +459,7 @@ class Trainer:
         if self._pending_save is not None:
             self._finish_save()
         self.flush()  # every ordered update is applied: the segments hold the state after next_step steps
+        self.sync_moments()
         partial = self.checkpoints.partial(self.next_step, self.run_id)
         die = self._drill("kill_during_checkpoint", self.next_step) is not None
         for begun in [shard.call("save_begin", self.next_step, str(partial), die) for shard in self.shards]:
@@ -483,11 +493,23 @@ class Trainer:
         """Shared segments actually allocated, plus the private memory of the driver and of every actor on
         this node (a process on another node reads as 0)."""
         private = {os.getpid(), *self.actor_pids}
-        return shm_bytes([s.path for s in self.specs]) + sum(rss_anon_bytes(pid) for pid in private)
+        return shm_bytes([s.path for s in self.specs if not s.on_disk]) + sum(rss_anon_bytes(pid) for pid in private)
 
     def flush(self) -> None:
         assert self.gpu is not None
         self.gpu.call("flush").result()
+
+    def sync_moments(self) -> None:
+        """With the disk tier: wait until the moments the optimizers wrote back behind are in their files."""
+        if self.cfg.host.moments_tier == "disk":
+            for done in [worker.call("sync") for worker in self.optimizers]:
+                done.result()
+
+    def read_moments(self, kind: str) -> dict[str, torch.Tensor]:
+        """A copy of one AdamW moment (`exp_avg` or `exp_avg_sq`) by Hugging Face name, from RAM or disk."""
+        self.flush()
+        self.sync_moments()
+        return HostStore([s for s in self.specs if s.kind == kind]).read_tensors(self.layout, kind)  # type: ignore
 
     # ------------------------------------------------------------------ inspection (tests, export)
 

@@ -126,6 +126,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "malformed fault drill": (with_section("fault", drill="explode@3"), "fault.drill"),
     "actor kill drill without ray": (with_section("fault", drill="kill:optim0@2"), "fault.drill"),
     "unknown family": (with_section("model", family="gpt5"), "model.family"),
+    "disk tier without a directory": (with_section("host", moments_tier="disk"), "host.disk_dir"),
+    "bf16 moments on a float64 master": (with_raw(lambda r, t: (r["precision"].update(master_dtype="float64"),
+                                                                r["optimizer"].update(moment_dtype="bfloat16"))),
+                                         "optimizer.moment_dtype"),
     "override without '='": (with_args("--set", "optimizer.lr"), "section.key=value"),
     "override of an unknown key": (with_args("--set", "optimizer.speed=3"), "'optimizer.speed'"),
     # data
@@ -150,11 +154,15 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "checkpoint of another model": (resume_from(lambda c: None, model={"intermediate_size": 96}),
                                     "model.intermediate_size"),
     "checkpoint beyond train.steps": (resume_from(lambda c: None, train={"steps": 3}), "train.steps"),
+    "checkpoint of other moments": (resume_from(lambda c: None, optimizer={"moment_dtype": "bfloat16"}),
+                                    "optimizer.moment_dtype='float32'"),
     "run directory already used": (existing_run, "already holds a run"),
     # the environment
     "shared memory too small": (with_section("model", num_layers=4000, hidden_size=256, intermediate_size=512),
                                 "host.shm_dir"),
     "shm_dir not a directory": (with_section("host", shm_dir="/nonexistent/shm"), "host.shm_dir"),
+    "disk_dir not a directory": (with_section("host", moments_tier="disk", disk_dir="/nonexistent/nvme"),
+                                 "host.disk_dir='/nonexistent/nvme' is not a directory"),
 }
 
 

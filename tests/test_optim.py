@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from megatrain_ray.config import OptimizerConfig, ScheduleConfig
-from megatrain_ray.optim import FlatAdamW, lr_at, split_span
+from megatrain_ray.optim import FlatAdamW, lr_at, noise_key, round_bf16_stochastic_, rounding_noise, split_span
 from tests.reference_llama import reference_lr
 
 
@@ -87,3 +88,137 @@ def test_gradients_read_from_the_streaming_copy_they_are_replaced_in(kernel):
                                             start=0, end=n, decay_end=n, adam_step=1, lr=1e-2, grad_coef=1.0)
     assert (master - expected.detach()).abs().max().item() < 1e-6
     assert torch.equal(shared, master.bfloat16())
+
+
+# ----------------------------------------------------------------------------- bfloat16 moments
+
+
+def reference_noise(start: int, end: int, key: int) -> np.ndarray:
+    """The rounding noise as specified (mix32 of index XOR key), in numpy's wrapping uint32 arithmetic."""
+    x = np.arange(start, end, dtype=np.uint64).astype(np.uint32) ^ np.uint32(key)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x21F0AAAD)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x735A2D97)
+    x ^= x >> np.uint32(15)
+    return x
+
+
+def reference_round(values: np.ndarray, noise16: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16): truncate(bits + noise), nearest-even for inf and NaN."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    out = ((bits + noise16.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
+    special = (bits & np.uint64(0x7F800000)) == np.uint64(0x7F800000)
+    nearest = torch.from_numpy(values.astype(np.float32)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    return np.where(special, nearest, out)
+
+
+def as_bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+
+
+def test_stochastic_rounding_has_the_specified_bits_and_no_bias():
+    torch.manual_seed(0)
+    values = torch.randn(20000) * torch.logspace(-30, 30, 20000)
+    values[:4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0])
+    key = noise_key(7, 3)
+    noise = rounding_noise(1000, 21000, key)
+    assert np.array_equal(noise.numpy().astype(np.uint32), reference_noise(1000, 21000, key))
+    for bits in (noise & 0xFFFF, noise >> 16):
+        out = torch.empty(20000, dtype=torch.bfloat16)
+        round_bf16_stochastic_(out, values, bits)
+        expected = reference_round(values.numpy(), bits.numpy())
+        assert np.array_equal(out.view(torch.int16).numpy().view(np.uint16), expected)
+    assert torch.isinf(out[:2]).all() and torch.isnan(out[2]) and out[3] == 0
+    # Unbiased: 1 + 2**-9 lies a quarter of the way from 1 to the next bfloat16 (1 + 2**-7).
+    x = torch.full((1 << 16,), 1.0 + 2.0**-9)
+    out = torch.empty(1 << 16, dtype=torch.bfloat16)
+    round_bf16_stochastic_(out, x, rounding_noise(0, 1 << 16, 12345) & 0xFFFF)
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert abs(out.float().mean().item() - x[0].item()) < 1e-4  # 4 standard errors (2**-7 * sqrt(3/16) / 256)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_moments_match_torch_adamw_with_moments_rounded_the_same_way(kernel, grad_dtype):
+    """Reference: torch.optim.AdamW in float32; after each step its moments are rounded to bfloat16 with the
+    specified noise (reference_round, numpy) and widened again. Ours keeps them in bfloat16 throughout."""
+    torch.manual_seed(0)
+    n, decay_end, stage, lr = 6000, 4096, 5, 1e-2
+    cfg = OptimizerConfig(lr=lr, beta1=0.8, beta2=0.999, eps=1e-6, weight_decay=0.3, chunk_elems=1024,
+                          kernel=kernel, moment_dtype="bfloat16")
+    master = torch.randn(n)
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    stream = torch.full((n,), float("nan"), dtype=torch.bfloat16) if grad_dtype == torch.bfloat16 else None
+    ref_params = [master[:decay_end].clone().requires_grad_(), master[decay_end:].clone().requires_grad_()]
+    ref = torch.optim.AdamW([{"params": [ref_params[0]], "weight_decay": 0.3},
+                             {"params": [ref_params[1]], "weight_decay": 0}],
+                            lr=lr, betas=(0.8, 0.999), eps=1e-6, foreach=False)
+    opts = [FlatAdamW(cfg, torch.float32, 2) for _ in range(2)]
+    assert opts[0].kernel_name == kernel
+    for step, coef in ((1, 1.0), (2, 0.37), (3, 1.0), (4, 0.8)):
+        grad = (torch.randn(n) * torch.logspace(-4, 1, n)).to(grad_dtype)
+        for k, opt in enumerate(opts):
+            start, end = split_span(n, k, 2)
+            opt.update(master=master, exp_avg=m, exp_avg_sq=v, grad=grad, stream_out=stream, start=start, end=end,
+                       decay_end=decay_end, adam_step=step, lr=lr, grad_coef=coef, stage=stage)
+        g = grad.float() * coef
+        for p, part in zip(ref_params, (g[:decay_end], g[decay_end:])):
+            p.grad = part.clone()
+        ref.step()
+        noise = reference_noise(0, n, noise_key(step, stage))
+        offset = 0
+        for p in ref_params:
+            state = ref.state[p]
+            size = p.numel()
+            for name, bits in (("exp_avg", noise & 0xFFFF), ("exp_avg_sq", noise >> 16)):
+                state[name].copy_(as_bf16(reference_round(state[name].numpy(), bits[offset:offset + size])).float())
+            offset += size
+    expected = torch.cat([p.detach() for p in ref_params])
+    ref_m = torch.cat([ref.state[p]["exp_avg"] for p in ref_params])
+    ref_v = torch.cat([ref.state[p]["exp_avg_sq"] for p in ref_params])
+    # Moments are bit-identical to the reference (measured: all 12000, for seeds 0-7, both kernels, both gradient
+    # dtypes). The one way they may part: the float32 arithmetic of a kernel and torch's differs in the last bit
+    # now and then (a fused multiply-add), and a moment one float32 ulp away rounds to the other bfloat16
+    # neighbour for 1 noise value in 2**16; that element then differs by one bfloat16 step. Up to 2 such are
+    # allowed. Any change of the rounding itself (nearest instead of stochastic, other noise bits, another
+    # index) changes about half of them.
+    differ = torch.zeros(n, dtype=torch.bool)
+    for ours, theirs in ((m.float(), ref_m), (v.float(), ref_v)):
+        off = ours != theirs
+        assert off.sum().item() <= 2, off.sum().item()
+        assert ((ours - theirs).abs()[off] <= theirs.abs()[off] * 2.0**-7).all()  # one bfloat16 step
+        differ |= off
+    # Weights: float32 rounding only (measured at most 9.5e-7), except where a moment differs.
+    assert (master - expected).abs()[~differ].max().item() < 2e-6
+    if stream is not None:
+        assert torch.equal(stream, master.bfloat16())
+
+
+def test_bf16_second_moment_decays_where_round_to_nearest_would_stall():
+    """The reason for stochastic rounding: with beta2 = 0.999 a step changes exp_avg_sq by 0.1 %, less than
+    half a bfloat16 step, so rounding to nearest keeps it where it is; ours decays as float32 would."""
+    torch.set_num_threads(1)  # small tensors: intra-op threads only cost (restored by conftest)
+    n, steps = 4096, 300
+    cfg = OptimizerConfig(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, chunk_elems=1024, kernel="torch",
+                          moment_dtype="bfloat16")
+    master = torch.zeros(n)
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    opt = FlatAdamW(cfg, torch.float32)
+    for step in range(1, steps + 1):
+        grad = torch.ones(n) if step == 1 else torch.zeros(n)
+        opt.update(master=master, exp_avg=m, exp_avg_sq=v, grad=grad, stream_out=None, start=0, end=n,
+                   decay_end=n, adam_step=step, lr=1e-3, grad_coef=1.0)
+    exact = 1e-3 * 0.999 ** (steps - 1)  # float32 moments: (1 - beta2) g^2 after step 1, times beta2 since
+    assert v.float().mean().item() == pytest.approx(exact, rel=0.01)
+    nearest = torch.tensor(1e-3).bfloat16()
+    for _ in range(steps - 1):
+        nearest = (nearest.float() * 0.999).bfloat16()
+    assert nearest.float().item() == pytest.approx(torch.tensor(1e-3).bfloat16().item())  # stalled at the start
+
+
+def test_bf16_moments_cut_the_bytes_an_update_moves():
+    opt32 = FlatAdamW(OptimizerConfig(), torch.float32)
+    opt16 = FlatAdamW(OptimizerConfig(moment_dtype="bfloat16"), torch.float32)
+    grad, copy = torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.bfloat16)
+    assert opt32.bytes_per_element(grad, copy) == 28 and opt16.bytes_per_element(grad, copy) == 20

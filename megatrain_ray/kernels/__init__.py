@@ -59,9 +59,16 @@ def adamw_library() -> ctypes.CDLL:
         os.replace(tmp, target)
         log.info("built the native AdamW kernel: %s", target)
     lib = ctypes.CDLL(str(target))
-    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    pointer, i64, f32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+    # p, m, v, g, out, n, lr, beta1, beta2 (double, as torch takes them), eps, weight_decay, bc1, bc2_sqrt,
+    # grad_coef, threads; the bf16-moment variants add the index of element 0 in its stage and the noise key.
+    common = [pointer, pointer, pointer, pointer, pointer, i64, f32, f64, f64] + [f32] * 5 + [ctypes.c_int]
     for name in ("megatrain_adamw_f32grad", "megatrain_adamw_bf16grad"):
         fn = getattr(lib, name)
-        fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64] + [f32] * 8 + [ctypes.c_int]
+        fn.argtypes = common
+        fn.restype = None
+    for name in ("megatrain_adamw_f32grad_bf16m", "megatrain_adamw_bf16grad_bf16m"):
+        fn = getattr(lib, name)
+        fn.argtypes = [*common, i64, ctypes.c_uint32]
         fn.restype = None
     return lib

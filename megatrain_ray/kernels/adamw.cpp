@@ -7,6 +7,11 @@
 // fused CPU kernel. The gradient may be the streaming copy itself (bf16 gradients land there),
 // so `g` and `out` may alias: element i is read before it is written. Built by
 // megatrain_ray/kernels/__init__.py and called through ctypes, which releases the GIL.
+//
+// The *_bf16m variants keep both moments in bf16 (20 bytes per parameter): each is widened to
+// fp32, updated, and rounded back stochastically, with 16 bits of noise from a hash of the
+// element's index in the stage and a per-(step, stage) key: the same rounding as the torch path
+// of megatrain_ray/optim.py (see there why stochastic), bit for bit for numbers (a NaN stays a NaN).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +33,27 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept qui
     return static_cast<uint16_t>(bits >> 16);
 }
 
+// Stochastic rounding to bf16: add 16 bits of noise below the kept bits, truncate. Infinities get no noise
+// (it would turn them into NaNs) and NaNs stay quiet NaNs. Branch-free, so that the loop vectorizes.
+inline uint16_t float_to_bf16_stochastic(float f, uint32_t noise16) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    const bool special = (bits & 0x7f800000u) == 0x7f800000u;
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (bits + (special ? 0u : noise16)) >> 16;
+    return static_cast<uint16_t>(nan ? rounded | 0x40u : rounded);
+}
+
+// The low-bias 32-bit integer hash [16 21f0aaad 15 735a2d97 15] of Wellons' hash-prospector.
+inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x21f0aaadu;
+    x ^= x >> 15;
+    x *= 0x735a2d97u;
+    x ^= x >> 15;
+    return x;
+}
+
 template <typename G>
 inline float load(const G* g, int64_t i);
 template <>
@@ -35,41 +61,55 @@ inline float load<float>(const float* g, int64_t i) { return g[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
 
-template <typename G, bool WriteCopy>
-void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const G* g, uint16_t* out,
-                 int64_t n, float decay, float step_size, float beta1, float beta2, float eps,
-                 float bias_correction2_sqrt, float grad_coef) {
-    const float one_minus_b1 = 1.0f - beta1, one_minus_b2 = 1.0f - beta2;
+// G: gradient element (float or bf16 bits); M: moment element (float, or bf16 bits rounded stochastically).
+// `index` is the index in the stage of element 0, `key` the noise key of this (step, stage).
+template <typename G, typename M, bool WriteCopy>
+void adamw_block(float* __restrict p, M* __restrict m, M* __restrict v, const G* g, uint16_t* out,
+                 int64_t n, float decay, float step_size, float one_minus_b1, float beta2, float one_minus_b2,
+                 float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
         const float grad = load(g, i) * grad_coef;
-        const float exp_avg = m[i] + one_minus_b1 * (grad - m[i]);
-        const float exp_avg_sq = beta2 * v[i] + one_minus_b2 * grad * grad;
+        const float m_old = load(m, i), v_old = load(v, i);
+        const float exp_avg = m_old + one_minus_b1 * (grad - m_old);
+        const float exp_avg_sq = beta2 * v_old + one_minus_b2 * grad * grad;
         const float denom = std::sqrt(exp_avg_sq) / bias_correction2_sqrt + eps;
         const float updated = p[i] * decay - step_size * exp_avg / denom;
-        m[i] = exp_avg;
-        v[i] = exp_avg_sq;
+        if constexpr (sizeof(M) == 2) {
+            const uint32_t noise = mix32(static_cast<uint32_t>(index + i) ^ key);
+            m[i] = float_to_bf16_stochastic(exp_avg, noise & 0xffffu);
+            v[i] = float_to_bf16_stochastic(exp_avg_sq, noise >> 16);
+        } else {
+            m[i] = exp_avg;
+            v[i] = exp_avg_sq;
+        }
         p[i] = updated;
         if constexpr (WriteCopy) out[i] = float_to_bf16(updated);
     }
 }
 
-template <typename G>
-void adamw(float* p, float* m, float* v, const G* g, uint16_t* out, int64_t n, float lr, float beta1, float beta2,
+// beta1 and beta2 come in double, as torch's kernel takes them: 1 - beta is rounded to float once, from
+// the exact value (1.0f - 0.999f is 13 float32 ulps away from 0.001f).
+template <typename G, typename M>
+void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr, double beta1, double beta2,
            float eps, float weight_decay, float bias_correction1, float bias_correction2_sqrt, float grad_coef,
-           int threads) {
+           int threads, int64_t index, uint32_t key) {
     const float decay = 1.0f - lr * weight_decay;
     const float step_size = lr / bias_correction1;
+    const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
+    const float b2 = static_cast<float>(beta2);
     const int64_t block = 1 << 14;  // 16K elements: a few blocks per thread stay in L2
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t start = 0; start < n; start += block) {
         const int64_t len = start + block < n ? block : n - start;
         if (out)
-            adamw_block<G, true>(p + start, m + start, v + start, g + start, out + start, len, decay, step_size,
-                                 beta1, beta2, eps, bias_correction2_sqrt, grad_coef);
+            adamw_block<G, M, true>(p + start, m + start, v + start, g + start, out + start, len, decay, step_size,
+                                    one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt, grad_coef,
+                                    index + start, key);
         else
-            adamw_block<G, false>(p + start, m + start, v + start, g + start, nullptr, len, decay, step_size,
-                                  beta1, beta2, eps, bias_correction2_sqrt, grad_coef);
+            adamw_block<G, M, false>(p + start, m + start, v + start, g + start, nullptr, len, decay, step_size,
+                                     one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt, grad_coef,
+                                     index + start, key);
     }
 }
 
@@ -78,15 +118,32 @@ void adamw(float* p, float* m, float* v, const G* g, uint16_t* out, int64_t n, f
 extern "C" {
 
 void megatrain_adamw_f32grad(float* p, float* m, float* v, const float* g, uint16_t* out, int64_t n, float lr,
-                             float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2_sqrt,
+                             double beta1, double beta2, float eps, float weight_decay, float bc1, float bc2_sqrt,
                              float grad_coef, int threads) {
-    adamw<float>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef, threads);
+    adamw<float, float>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef, threads,
+                        0, 0);
 }
 
 void megatrain_adamw_bf16grad(float* p, float* m, float* v, const uint16_t* g, uint16_t* out, int64_t n, float lr,
-                              float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2_sqrt,
+                              double beta1, double beta2, float eps, float weight_decay, float bc1, float bc2_sqrt,
                               float grad_coef, int threads) {
-    adamw<uint16_t>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef, threads);
+    adamw<uint16_t, float>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef,
+                           threads, 0, 0);
+}
+
+void megatrain_adamw_f32grad_bf16m(float* p, uint16_t* m, uint16_t* v, const float* g, uint16_t* out, int64_t n,
+                                   float lr, double beta1, double beta2, float eps, float weight_decay, float bc1,
+                                   float bc2_sqrt, float grad_coef, int threads, int64_t index, uint32_t key) {
+    adamw<float, uint16_t>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef,
+                           threads, index, key);
+}
+
+void megatrain_adamw_bf16grad_bf16m(float* p, uint16_t* m, uint16_t* v, const uint16_t* g, uint16_t* out,
+                                    int64_t n, float lr, double beta1, double beta2, float eps, float weight_decay,
+                                    float bc1, float bc2_sqrt, float grad_coef, int threads, int64_t index,
+                                    uint32_t key) {
+    adamw<uint16_t, uint16_t>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef,
+                              threads, index, key);
 }
 
 }
