@@ -152,7 +152,7 @@ def test_the_large_model_table_plans_every_config_on_every_preset(tmp_path):
     assert by["llama3-70b", "h100-1tb"]["batch_size"] == by["llama3-70b", "h100-1tb"]["config_batch_size"]
     assert not by["llama3-70b", "h200-1.5tb"]["activation_offload"]
     text = markdown(rows, validation_rows(RESULTS))
-    assert "tok/s is a prediction" in text and "planned, needs `optimizer.moment_dtype`" in text
+    assert "tok/s is a prediction" in text and "optimizer.moment_dtype: bfloat16" in text
     assert "| dense-120b | 119.8 B | h200-1.5tb |" in text
 
 
