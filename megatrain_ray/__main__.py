@@ -92,6 +92,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if machine.profile is None:
             raise ConfigError("--optimizer-gparams needs measured GPU rates: name a machine with --machine")
         machine = replace(machine, profile=machine.profile.with_optimizer_rate(args.optimizer_gparams))
+    if args.disk_gbps is not None:
+        if args.disk_gbps <= 0:
+            raise ConfigError(f"--disk-gbps {args.disk_gbps:g}: must be > 0 (GB/s)")
+        if machine.profile is None:
+            raise ConfigError("--disk-gbps needs measured GPU rates: name a machine with --machine")
+        machine = replace(machine, profile=machine.profile.with_disk_rate(args.disk_gbps))
     plan = plan_run(cfg, machine)
     sys.stdout.write(format_plan(plan))
     return 0 if plan.fits else 2
@@ -167,8 +173,12 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, metavar="SIZE", help=f"plan for a machine with this much {what} "
                                                       "(e.g. 512GB, 80GiB) instead of this one")
         p.add_argument("--optimizer-gparams", type=float, metavar="RATE",
-                       help="CPU AdamW rate of the host in G params/s for the speed estimate (default: the "
-                            "measured box of the GPU kind; 6.2 was measured on a 32-core host)")
+                       help="CPU AdamW rate of the host in G params/s with fp32 moments and a bf16 streaming copy "
+                            "(28 DRAM bytes/param; other formats are scaled by their bytes) for the speed estimate "
+                            "(default: the measured box of the GPU kind; 6.2 was measured on a 32-core host)")
+        p.add_argument("--disk-gbps", type=float, metavar="RATE",
+                       help="read + write GB/s of host.disk_dir for the speed of the disk tier (default: "
+                            "5, an NVMe assumption; benchmarks/moment_tiers.py measures a disk)")
     if name == "plot":
         p.add_argument("run_dir", help="run directory holding metrics.jsonl (train.output_dir)")
         p.add_argument("--out", help="directory for the PNG files (default: the run directory)")

@@ -34,7 +34,7 @@ from megatrain_ray.disk_tier import disk_problems, staging_bytes
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.host import grad_dtype, grad_home, moment_dtype, plan_segments, shard_stages
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.speed import SpeedProfile, preset, profile_for_gpu, speed_lines
+from megatrain_ray.speed import SpeedProfile, estimate, preset, profile_for_gpu, speed_lines
 from megatrain_ray.topology import detect_topology, plan_placement
 
 GiB = 2**30
@@ -364,19 +364,32 @@ def tier_lines(plan: Plan) -> list[str]:
     lines = [f"memory tiers (optimizer.moment_dtype={configured[0]}, host.moments_tier={configured[1]}): "
              f"store {ram_now / g:.2f} GiB RAM ({ram_now / params:.1f} B/param)"
              + (f" + {disk_now / 1e9:.1f} GB disk ({disk_now / params:.1f} B/param)" if disk_now else "")]
-    dtypes = ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",)
-    for dtype in dtypes:
+    profile = plan.machine.profile if cfg.engine.device != "cpu" else None
+    if profile is not None:
+        lines[0] += f"; expected {estimate(cfg, profile, offload=plan.offload).tok_per_s:,.0f} tok/s"
+    alternatives = []
+    for dtype in ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",):
         for tier in ("ram", "disk"):
             if (dtype, tier) == configured:
                 continue
-            other = dataclasses.replace(
-                cfg, optimizer=dataclasses.replace(cfg.optimizer, moment_dtype=dtype),
-                host=dataclasses.replace(cfg.host, moments_tier=tier, disk_dir=cfg.host.disk_dir or "DISK_DIR"))
-            ram, disk, staging = store_bytes(other, plan.workers)
-            d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
             label = "moments" + (f" {dtype}" if dtype != configured[0] else "") \
                 + ((" on disk" if tier == "disk" else " in RAM") if tier != configured[1] else "")
-            change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
-            lines.append(f"  {label + ':':<28}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
-                         + ("  (not full precision)" if dtype == "bfloat16" else ""))
+            alternatives.append((label, dataclasses.replace(
+                cfg, optimizer=dataclasses.replace(cfg.optimizer, moment_dtype=dtype),
+                host=dataclasses.replace(cfg.host, moments_tier=tier, disk_dir=cfg.host.disk_dir or "DISK_DIR"))))
+    # The streaming copy: its own bf16 copy in RAM, or the fp32 master streamed (RAM for PCIe bytes).
+    stream = cfg.precision.master_dtype if not cfg.precision.stream_is_master else cfg.precision.compute_dtype
+    if stream != cfg.precision.resolved_stream_dtype:
+        alternatives.append((f"streaming copy {'none (master streamed)' if stream == cfg.precision.master_dtype else stream}",
+                             dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, stream_dtype=stream))))
+    for label, other in alternatives:
+        ram, disk, staging = store_bytes(other, plan.workers)
+        d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
+        change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
+        speed = f"  {estimate(other, profile, offload=plan.offload).tok_per_s:9,.0f} tok/s" if profile else ""
+        lines.append(f"  {label + ':':<40}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
+                     + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else ""))
+    if profile is not None:
+        lines.append(f"  (tok/s: the speed model; AdamW scaled by DRAM bytes per parameter, the disk tier at "
+                     f"{profile.host.disk_gbps:g} GB/s read + write, an assumption unless --disk-gbps)")
     return lines

@@ -92,6 +92,30 @@ class GpuProfile:
     source: str
 
 
+REFERENCE_OPTIMIZER_BYTES = 28
+"""DRAM bytes per parameter of the update the AdamW rates were measured with: fp32 master and moments
+read and written (24), the bf16 gradient read (2), the bf16 streaming copy written (2)."""
+DISK_GBPS = 5.0
+
+
+def optimizer_dram_bytes(cfg: Config) -> int:
+    """DRAM bytes per parameter of one update (FlatAdamW.bytes_per_element of the config's formats)."""
+    master = DTYPE_BYTES[cfg.precision.master_dtype]
+    moments = DTYPE_BYTES[cfg.optimizer.moment_dtype]
+    copy = 0 if cfg.precision.stream_is_master else DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
+    return 2 * master + 4 * moments + DTYPE_BYTES[grad_dtype(cfg)] + copy
+
+
+def adamw_gparams(cfg: Config, host: "HostProfile") -> float:
+    """The profile's AdamW rate for this config: DRAM-bound, so scaled by the bytes per parameter against
+    the measured configuration's; with the moments on disk, at most what the disk moves (each moment read
+    and written once per step)."""
+    rate = host.adamw_gparams * REFERENCE_OPTIMIZER_BYTES / optimizer_dram_bytes(cfg)
+    if cfg.host.moments_tier == "disk":
+        rate = min(rate, host.disk_gbps / (4 * DTYPE_BYTES[cfg.optimizer.moment_dtype]))
+    return rate
+
+
 @dataclass(frozen=True)
 class HostProfile:
     name: str
@@ -105,6 +129,9 @@ class HostProfile:
     control_seconds: float = 1.1e-3
     """Round trip of an update order to the optimizer workers and back (DESIGN.md section 2)."""
     source: str = ""
+    disk_gbps: float = DISK_GBPS
+    """Disk tier (host.moments_tier=disk): read plus write GB/s of host.disk_dir. Not measured on the GPU
+    boxes: an assumption for an NVMe drive (benchmarks/moment_tiers.py measures a disk)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +145,10 @@ class SpeedProfile:
     def with_optimizer_rate(self, gparams: float) -> "SpeedProfile":
         note = f"AdamW at {gparams:g} G params/s (--optimizer-gparams), not the measured {self.host.adamw_gparams:g}"
         return replace(self, host=replace(self.host, adamw_gparams=gparams), assumptions=(*self.assumptions, note))
+
+    def with_disk_rate(self, gbps: float) -> "SpeedProfile":
+        note = f"disk tier at {gbps:g} GB/s read + write (--disk-gbps), not the assumed {self.host.disk_gbps:g}"
+        return replace(self, host=replace(self.host, disk_gbps=gbps), assumptions=(*self.assumptions, note))
 
 
 H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.0,
@@ -221,6 +252,7 @@ class _Replay:
     host: HostProfile
     clip: bool
     pool_slabs: int
+    adamw_gparams: float
     issue: float = 0.0
     compute: float = 0.0
     h2d: float = 0.0
@@ -319,7 +351,7 @@ class _Replay:
         self.dispatcher = max(self.dispatcher, drained, self.issue)
         latency = self.host.control_seconds / 2
         start = max(self.optimizer, self.dispatcher + latency)
-        seconds = c.numel / (self.host.adamw_gparams * 1e9)
+        seconds = c.numel / (self.adamw_gparams * 1e9)
         self.optimizer = start + seconds
         self.busy["optimizer"] += seconds
         self.optimizer_spans.append((start, self.optimizer))
@@ -376,6 +408,8 @@ class SpeedEstimate:
     gpu_waits: dict[str, float]
     """GPU idle seconds of the step by what it waited for (WAITS)."""
     clip: bool
+    optimizer_gparams: float
+    """The AdamW rate for this config's formats and tier (adamw_gparams)."""
 
     @property
     def tok_per_s(self) -> float:
@@ -403,7 +437,8 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     layout = build_layout(cfg.model)
     costs = stage_costs(cfg, profile, layout, offload)
     pool = cfg.engine.grad_slabs if grad_home(cfg) == "pool" else 0
-    replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, pool, pool_users=[-1] * pool)
+    replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, pool, adamw_gparams(cfg, profile.host),
+                     pool_users=[-1] * pool)
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call
@@ -411,7 +446,8 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     busy = replay.busy
     flops = sum(stage_flops_per_token(cfg.model, layout, cfg.data.seq_len))
     return SpeedEstimate(profile, cfg.data.tokens_per_step, end - start, flops, busy["compute"], busy["h2d"],
-                         busy["d2h"], busy["optimizer"], dict(replay.idle), cfg.optimizer.grad_clip > 0)
+                         busy["d2h"], busy["optimizer"], dict(replay.idle), cfg.optimizer.grad_clip > 0,
+                         replay.adamw_gparams)
 
 
 def format_speed(est: SpeedEstimate) -> list[str]:
@@ -426,7 +462,9 @@ def format_speed(est: SpeedEstimate) -> list[str]:
         f"  {'H2D per step':<38}{est.h2d_seconds:10.2f} s    ({p.host.h2d_gbps:g} GB/s, "
         f"{p.host.h2d_loaded_gbps:g} while AdamW runs)",
         f"  {'D2H per step':<38}{est.d2h_seconds:10.2f} s    ({p.host.d2h_gbps:g} GB/s)",
-        f"  {'CPU AdamW per step':<38}{est.optimizer_seconds:10.2f} s    ({p.host.adamw_gparams:g} G params/s)",
+        f"  {'CPU AdamW per step':<38}{est.optimizer_seconds:10.2f} s    ({est.optimizer_gparams:.3g} G params/s"
+        + (f"; {p.host.adamw_gparams:g} measured at {REFERENCE_OPTIMIZER_BYTES} B/param, scaled by DRAM bytes"
+           if abs(est.optimizer_gparams - p.host.adamw_gparams) > 1e-9 else "") + ")",
         f"  {'bound by':<38}{est.bound}   (GPU idle "
         + ", ".join(f"{s:.2f} s on {what}" for what, s in est.gpu_waits.items()) + ")",
         f"  rates from: GPU {p.gpu.source}; host {p.host.source}",
