@@ -242,6 +242,7 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + GPU_PROCESS_BYTES
     plan.offload = resolve_activation_offload(cfg, machine.gpu_memory)
     plan.offloaded = offloaded_bytes(cfg) if plan.offload else 0
+    plan.pinned += plan.offloaded  # page-locked like the registered segments
     plan.gpu = gpu_bytes(cfg, plan.offload)
     _check(plan)
     return plan
