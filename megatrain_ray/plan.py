@@ -6,6 +6,10 @@ Host side, exact: the shared-memory segments are the ones `plan_segments` lays o
 function the HostShards use). Pinned memory is the part of them the GPU worker registers. Process
 memory (interpreters, torch, the CUDA context's host side) is an estimate per process.
 
+With data parallelism (parallel.gpus) the host side is one node's (its store is shared by its GPU
+workers, each one more process) and the GPU side one GPU's, which holds data.batch_size / gpus rows.
+`parallel.gpus: auto` is planned as one GPU per node: the count is known only once Ray is up.
+
 GPU side, from the engine's buffers (exact) plus activations (a count of the tensors alive at the
 peak, per token):
 - kept layer inputs: one [tokens, hidden] tensor per layer, kept from forward for recompute;
@@ -146,8 +150,13 @@ class Plan:
         return not self.problems
 
 
+def ranks_per_node(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.gpus // p.nodes if p.gpus != "auto" else 1
+
+
 def gpu_bytes(cfg: Config) -> dict[str, int]:
-    """The engine's device buffers and the activation terms of the module docstring, in bytes."""
+    """The engine's device buffers and the activation terms of the module docstring, in bytes (one GPU)."""
     layout = build_layout(cfg.model)
     m, d = cfg.model, cfg.data
     stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
@@ -155,14 +164,17 @@ def gpu_bytes(cfg: Config) -> dict[str, int]:
     grad_b = DTYPE_BYTES[grad_dtype(cfg)]
     acc_b = max(4, compute_b)
     per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
-    tokens = d.batch_size * d.seq_len
+    tokens = d.batch_size // (ranks_per_node(cfg) * cfg.parallel.nodes) * d.seq_len
     h, f, v = m.hidden_size, m.intermediate_size, m.vocab_size
     q = m.num_attention_heads * m.resolved_head_dim
     kv = m.num_key_value_heads * m.resolved_head_dim
     chunk = min(cfg.engine.loss_chunk_tokens, tokens)
+    grad_elems = 2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel
+    ranks = ranks_per_node(cfg)
+    grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
     return {
         "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
-        "gradient buffers": (2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel) * grad_b,
+        "gradient buffers": grad_elems * grad_b,
         "vocabulary accumulator": v * h * acc_b,
         "kept layer inputs": m.num_layers * tokens * h * compute_b,
         "layer backward working set": tokens * compute_b * ((2 * h + 2 * q + 4 * kv + q + h + 4 * f)
@@ -175,12 +187,12 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
     layout = build_layout(cfg.model)
     plan = Plan(cfg, machine)
     for k, stages in enumerate(shard_stages(layout, cfg.host.num_shards)):
-        for spec in plan_segments(layout, cfg, "plan", stages, k):
+        for spec in plan_segments(layout, cfg, "plan", stages, k, ranks_per_node(cfg)):
             plan.host[spec.kind] = plan.host.get(spec.kind, 0) + spec.nbytes
     pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if cfg.precision.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
     workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards).workers)
-    plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + GPU_PROCESS_BYTES
+    plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + ranks_per_node(cfg) * GPU_PROCESS_BYTES
     plan.gpu = gpu_bytes(cfg)
     _check(plan)
     return plan
@@ -226,7 +238,7 @@ def _host_advice(cfg: Config) -> str:
 
 _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg_sq": "AdamW second moment",
            "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
-           "gate": "checkpoint gates"}
+           "gate": "checkpoint gates", "sync": "data-parallel counters"}
 
 
 def format_plan(plan: Plan) -> str:
