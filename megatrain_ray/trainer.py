@@ -312,15 +312,21 @@ class Trainer:
         """Every actor by its short name: host<k>, optim<w>, gpu, gpu<r> (node 0), node<k>-... (others)."""
         return {name: h for node in self.nodes for name, h in node.handles().items()}
 
-    def _teardown_actors(self) -> None:
-        """Stop the actors and remove the segments, tolerating actors that already died."""
+    def _teardown_actors(self, after_failure: bool = False) -> None:
+        """Stop the actors and remove the segments, tolerating actors that already died. `after_failure`:
+        an actor died, so a rank may be blocked in a collective with it and never answer; it is killed
+        after a short wait instead of the collective's timeout."""
         if self.health is not None:
             self.health.stop()
             self.health = None
         # All ranks at once: the leaders' last updates release the others' waits.
+        patience = self.cfg.parallel.timeout_s
+        if after_failure and self.parallel.world > 1:
+            patience = min(patience, 30.0)
+        deadline = time.monotonic() + patience
         for name, future in [(n, g.call("shutdown")) for n, g in self._rank_names()]:
             try:
-                future.result(timeout=self.cfg.parallel.timeout_s)
+                future.result(timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:  # a dead optimizer makes the last flush fail; keep closing
                 log.warning("%s shutdown: %s", name, exc)
         for node in self.nodes:
@@ -403,7 +409,14 @@ class Trainer:
             time.sleep(0.05)  # let the step get going: the kill lands in the middle of it
             self._kill(kill)
         pings = [shard.call("pid") for node in self.nodes for shard in node.shards]  # a dead HostShard fails here
-        result = merge_results(gather(futures))
+        try:
+            result = merge_results(gather(futures))
+        except ActorFailedError:
+            raise
+        except Exception as exc:
+            if len(futures) > 1:  # a rank's collective failed: because a peer died?
+                self._raise_if_an_actor_died(exc)
+            raise
         for ping in pings:
             ping.result()
         seconds = time.perf_counter() - t0
@@ -437,6 +450,21 @@ class Trainer:
         if not finite:
             self._nonfinite(step, result.loss, result.grad_norm)
         return record
+
+    def _raise_if_an_actor_died(self, cause: Exception) -> None:
+        """ActorFailedError naming the actors that no longer answer a heartbeat (it runs beside a busy
+        actor's work), so that the run restarts as after any death rather than stopping on the error a
+        surviving rank's collective raised."""
+        dead: dict[str, BaseException] = {}
+        for handle in self.actor_handles().values():
+            try:
+                handle.heartbeat().result(timeout=30)
+            except ActorFailedError as exc:
+                dead[handle.name] = exc
+            except Exception:  # noqa: BLE001 (slow, not dead)
+                continue
+        if dead:
+            raise ActorFailedError(f"{', '.join(dead)} died during a data-parallel step ({cause})", dead) from cause
 
     def _nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
@@ -509,7 +537,7 @@ class Trainer:
         log.error("%s died, noticed at step %d; restart %d of %d from checkpoint %s", dead, noticed, self.restarts,
                   self.cfg.fault.max_restarts, where)
         t0 = time.perf_counter()
-        self._teardown_actors()
+        self._teardown_actors(after_failure=True)
         self.restore = last
         self.next_step = last.step if last else 0
         self.updates_applied = int(last.manifest["updates_applied"]) if last else 0
