@@ -252,6 +252,9 @@ def format_plan(plan: Plan) -> str:
              f"{cfg.host.shm_dir}, GPU "
              + (f"{machine.gpu_name or ''} {machine.gpu_memory / g:.1f} GiB".strip() if machine.gpu_memory
                 else "none visible"),
+             *([f"data parallel: {ranks_per_node(cfg)} GPU(s) on each of {cfg.parallel.nodes} node(s), "
+                f"{cfg.data.batch_size // (ranks_per_node(cfg) * cfg.parallel.nodes)} rows per GPU: host figures per "
+                "node, GPU figures per GPU"] if ranks_per_node(cfg) * cfg.parallel.nodes > 1 else []),
              "", "host (shared memory, per kind):"]
     dtypes = {"master": cfg.precision.master_dtype, "exp_avg": cfg.precision.master_dtype,
               "exp_avg_sq": cfg.precision.master_dtype, "stream": cfg.precision.resolved_stream_dtype}

@@ -79,6 +79,13 @@ def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_se
         assert_same_run(losses, resumed_final, ref_losses[10:], ref_final, initial)
 
 
+def test_auto_takes_every_gpu_ray_offers_and_one_rank_on_a_cpu_cluster(tmp_path, ray_session):
+    from megatrain_ray.parallel import resolve_parallel
+
+    plan = resolve_parallel(tiny_config(tmp_path, parallel={"gpus": "auto"}, runtime={"mode": "ray"}))
+    assert (plan.world, plan.use_gpu, plan.backend, plan.same_host) == (1, False, "gloo", True)
+
+
 def test_a_cluster_lacking_the_nodes_asked_for_is_one_clear_error(tmp_path, ray_session):
     cfg = tiny_config(tmp_path, parallel={"gpus": 2, "nodes": 2}, runtime={"mode": "ray"})
     with pytest.raises(ConfigError, match=r"parallel.nodes=2: the Ray cluster has 1 alive node"):
