@@ -14,6 +14,12 @@ class ActorBase:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on ("" in-process)."""
+        ray = sys.modules.get("ray")
+        in_worker = ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == 1
+        return ray.get_runtime_context().get_node_id() if in_worker else ""
+
     def heartbeat(self) -> ActorStatus:
         """Cheap on purpose: the health monitor calls it every few seconds (megatrain_ray/health.py)."""
         if self._resources is None:  # fixed for the actor's life: read once

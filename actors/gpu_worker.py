@@ -1,8 +1,12 @@
-"""GPUWorker: maps the host segments, registers them as pinned memory, runs the layer stream."""
+"""GPUWorker: maps the host segments, registers them as pinned memory, runs the layer stream.
+
+One per GPU: in a data-parallel run every worker of a node maps the same segments and joins the
+run's process group (rendezvous, join) before the first step."""
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -10,6 +14,7 @@ import torch
 
 from actors.base import ActorBase
 from megatrain_ray.config import Config
+from megatrain_ray.engine.collective import Collectives, RankInfo
 from megatrain_ray.engine.stream_engine import StreamEngine
 from megatrain_ray.host import HostStore, SegmentSpec
 from megatrain_ray.log import get_logger, init_logger
@@ -29,26 +34,57 @@ def resolve_device(choice: str) -> torch.device:
 
 
 class GPUWorker(ActorBase):
-    def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any]):
-        init_logger("gpu")
+    def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any],
+                 rank: RankInfo | None = None):
+        """`optimizers`: the node's optimizer workers, for the rank that orders the updates (the first of
+        its node); `rank`: the place in a data-parallel run, None for the only worker."""
+        self.rank = rank = rank or RankInfo()
+        init_logger("gpu" if rank.world == 1 else f"gpu{rank.rank}")
         self.device = resolve_device(cfg.engine.device)
+        # On the CPU (tests) the node's ranks share the cores.
         torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)) if self.device.type == "cuda"
-                              else (os.cpu_count() or 1))
-        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool")
+                              else max(1, (os.cpu_count() or 1) // rank.local_world))
+        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync")
                                 or (s.kind == "master" and cfg.precision.stream_is_master)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
-        self.engine = StreamEngine(cfg, layout, self.store, optimizers, self.device)
-        log.info("layer stream on %s: compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s)",
+        self.engine = StreamEngine(cfg, layout, self.store, optimizers, self.device, rank)
+        self.comm: Collectives | None = None
+        log.info("layer stream on %s: compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s)%s",
                  self.device, cfg.precision.compute_dtype, cfg.precision.resolved_stream_dtype,
                  "offloaded to pinned host memory" if self.engine.offload else "kept on the device",
-                 cfg.engine.activation_offload)
+                 cfg.engine.activation_offload,
+                 f"; rank {rank.rank} of {rank.world} (node {rank.node}, local rank {rank.local_rank})"
+                 if rank.world > 1 else "")
+
+    def rendezvous(self) -> str:
+        """(Rank 0, ranks on several hosts) Where the others meet it: tcp://<this node's address>:<a free port>.
+        torch's TCPStore listens on every interface: a multi-host cluster runs on its private network."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def join(self, init_method: str, backend: str, timeout_s: float, loopback: bool) -> None:
+        """Join the run's process group (every rank at once; returns when all have joined). `loopback`:
+        every rank is on this host, so gloo's and NCCL's bootstrap sockets stay on 127.0.0.1."""
+        if loopback:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        t0 = time.perf_counter()
+        self.comm = Collectives(self.rank, backend, init_method, timeout_s, self.device)
+        self.engine.comm = self.comm
+        log.info("rank %d of %d joined the %s process group in %.1f s", self.rank.rank, self.rank.world, backend,
+                 time.perf_counter() - t0)
 
     def train_step(self, batch: Batch | torch.Tensor, lr: float, adam_step: int,
-                   inject_nan: bool = False) -> StepResult:
-        return self.engine.train_step(batch, lr, adam_step, inject_nan)
+                   inject_nan: bool = False, loss_tokens: int | None = None) -> StepResult:
+        return self.engine.train_step(batch, lr, adam_step, inject_nan, loss_tokens)
 
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
         return self.engine.eval_loss(batch)
@@ -63,7 +99,12 @@ class GPUWorker(ActorBase):
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     def shutdown(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            if self.comm is not None:
+                self.comm.close()
+                self.comm = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.store.unregister_pinned()

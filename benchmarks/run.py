@@ -3,6 +3,7 @@ on the same model, batch and sequence, in one invocation.
 
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4,16,32 \\
         --systems megatrain,resident,deepspeed [--layers 8,16,24] [--steps 5 --warmup 2] [--set KEY=VALUE]
+    python benchmarks/run.py --systems megatrain --gpus 1,2 --batches 4,16     # data-parallel scaling
 
 Each (system, depth, batch) point runs in a process of its own, so one system's memory never
 weighs on the next; a point that fails records its error (OOM included) instead of a figure.
@@ -15,6 +16,11 @@ Systems:
   activation checkpointing per layer, torch fused AdamW on the GPU, clip_grad_norm_).
 - deepspeed: the same Hugging Face model under DeepSpeed ZeRO-3 with parameters and optimizer
   offloaded to pinned CPU memory (DeepSpeedCPUAdam), bf16, activation checkpointing.
+
+Data parallel (--gpus 1,2): megatrain runs with parallel.gpus=N at the same batch per GPU (--batches
+counts sequences per GPU; the global batch is N times that), so the rows compare tok/s and host RAM
+for 1 and N GPUs (`vs_one_gpu`: tok/s over the 1-GPU row of the same system, depth and per-GPU batch;
+`host_gib`: shared segments + every process's private memory). The baselines run on one GPU only.
 
 Model TFLOPS = tok/s x (6 N + 6 L T d_attn) / 1e12 for every system (megatrain_ray/metrics.py):
 N = parameters in matrix products (LM head included), L layers, T sequence length, d_attn =
@@ -47,7 +53,9 @@ from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  
 def _load(spec: dict):
     from megatrain_ray.config import load_config
 
-    overrides = [*spec["overrides"], f"data.batch_size={spec['batch']}", f"model.num_layers={spec['layers']}",
+    gpus = spec.get("gpus", 1)
+    overrides = [*spec["overrides"], f"data.batch_size={spec['batch'] * gpus}", f"parallel.gpus={gpus}",
+                 f"model.num_layers={spec['layers']}",
                  f"train.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
                  f"train.output_dir={spec['run_dir']}", "runtime.dashboard=false"]
     return load_config(spec["config"], overrides)
@@ -92,6 +100,8 @@ def run_megatrain(spec: dict) -> dict:
         "host_bytes_per_param": host_bytes / params,
         "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
                                            "private_rss": private / params},
+        "host_gib": host_bytes / 2**30, "gpus": cfg.parallel.gpus,
+        "comm_seconds": mean("comm_seconds"),
         "grad_home": grad_home(cfg), "grad_dtype": grad_dtype(cfg), "clip": cfg.optimizer.grad_clip,
         "stream_dtype": cfg.precision.resolved_stream_dtype,
         "optimizer_workers": workers,
@@ -105,7 +115,6 @@ def run_megatrain(spec: dict) -> dict:
         "losses": [r["loss"] for r in records],
         "activation_offload": plan.offload,
         "plan": {"host_gib": plan.host_total / 2**30, "gpu_peak_gib": plan.gpu_peak / 2**30},
-        "host_gib": host_bytes / 2**30,
     })
     return row
 
@@ -264,12 +273,13 @@ def adamw_bandwidth_gbs(params: int = 1 << 28, repeats: int = 3) -> float:
     return adamw.bytes_per_element(g, g) * params / best / 1e9
 
 
-def derive(rows: list[dict], bandwidth_gbs: float, adamw_measured: bool = True) -> None:
+def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool = True) -> None:
     """Figures computed from the measured ones (also rerun on stored files by --rederive):
     - optimizer_hidden_fraction: megatrain_ray.metrics.optimizer_hidden_fraction (GPU idle time bounds
       the exposed optimizer time).
     - roofline_seconds = max(compute, DRAM bytes / DRAM bandwidth); roofline_fraction = that / step time.
-    - vs_resident: tok/s over the GPU-resident baseline's at the same depth and batch.
+    - vs_resident: tok/s over the GPU-resident baseline's at the same depth and batch (1 GPU).
+    - vs_one_gpu: tok/s of an N-GPU row over the same system's 1-GPU row at the same depth and per-GPU batch.
     """
     for row in rows:
         if row["status"] != "ok":
@@ -277,6 +287,8 @@ def derive(rows: list[dict], bandwidth_gbs: float, adamw_measured: bool = True) 
         if row["system"].startswith("megatrain"):
             row["optimizer_hidden_fraction"] = optimizer_hidden_fraction(
                 row["optimizer_seconds"], row["step_seconds"], row["compute_seconds"])
+        if row["system"].startswith("megatrain") and bandwidth_gbs:
+            # With N GPUs the DRAM bytes are every rank's copies plus one optimizer pass: all share the host.
             dram_seconds = row["dram_bytes_per_param"] * row["params"] / (bandwidth_gbs * 1e9)
             row["roofline_seconds"] = max(row["compute_seconds"], dram_seconds)
             row["roofline_bound"] = "compute" if row["compute_seconds"] >= dram_seconds else "dram"
@@ -287,8 +299,12 @@ def derive(rows: list[dict], bandwidth_gbs: float, adamw_measured: bool = True) 
                 row["roofline_seconds"] = row["roofline_fraction"] = None
         same = [r for r in rows if r["layers"] == row["layers"] and r["batch"] == row["batch"]
                 and r["system"] == "resident" and r["status"] == "ok"]
-        if same:
+        if same and row.get("gpus", 1) == 1:
             row["vs_resident"] = row["tok_per_s"] / same[0]["tok_per_s"]
+        one_gpu = [r for r in rows if r["layers"] == row["layers"] and r["batch"] == row["batch"]
+                   and r["system"] == row["system"] and r.get("gpus", 1) == 1 and r["status"] == "ok"]
+        if one_gpu and row.get("gpus", 1) > 1:
+            row["vs_one_gpu"] = row["tok_per_s"] / one_gpu[0]["tok_per_s"]
 
 
 def rederive(paths: list[str]) -> None:
@@ -306,7 +322,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "llama-3.5b-bench.yaml"))
     parser.add_argument("--systems", default="megatrain,resident,deepspeed")
-    parser.add_argument("--batches", default="4,16,32", help="sequences per step, comma-separated")
+    parser.add_argument("--batches", default="4,16,32", help="sequences per step (per GPU), comma-separated")
+    parser.add_argument("--gpus", default="1", help="megatrain's parallel.gpus values, comma-separated (data "
+                        "parallel at the same per-GPU batch; the other systems run on 1 GPU)")
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip the host bandwidth measurement (and the roofline figures): quick CPU checks")
     parser.add_argument("--layers", default="", help="depths, comma-separated (default: the config's)")
     parser.add_argument("--seq-lens", default="", help="sequence lengths, comma-separated (default: the config's; "
                         "model.max_position_embeddings is raised to each when below it)")
@@ -336,20 +356,26 @@ def main() -> int:
     unknown = set(systems) - set(SYSTEMS) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {sorted(SYSTEMS) + sorted(VARIANTS)}")
-    copy_bw, adamw_bw = dram_bandwidth_gbs(), adamw_bandwidth_gbs()
-    bandwidth = max(copy_bw, adamw_bw)
-    print(f"host DRAM bandwidth: copy {copy_bw:.1f} GB/s, AdamW pattern {adamw_bw:.1f} GB/s (roofline uses "
-          f"{bandwidth:.1f})", flush=True)
+    gpu_counts = [int(x) for x in args.gpus.split(",")]
+    if args.no_roofline:
+        copy_bw = adamw_bw = bandwidth = None
+    else:
+        copy_bw, adamw_bw = dram_bandwidth_gbs(), adamw_bandwidth_gbs()
+        bandwidth = max(copy_bw, adamw_bw)
+        print(f"host DRAM bandwidth: copy {copy_bw:.1f} GB/s, AdamW pattern {adamw_bw:.1f} GB/s (roofline uses "
+              f"{bandwidth:.1f})", flush=True)
+    points = [(system, gpus) for system in systems for gpus in gpu_counts
+              if gpus == 1 or system.startswith("megatrain")]
     rows = []
-    points = [(seq, depth, batch, system) for seq in seq_lens for depth in layers for batch in batches
-              for system in systems]
-    for seq, depth, batch, system in points:
+    points = [(seq, depth, batch, system, gpus) for seq in seq_lens for depth in layers for batch in batches
+              for system, gpus in points]
+    for seq, depth, batch, system, gpus in points:
         overrides = args.set if seq == base.data.seq_len else [
             *args.set, f"data.seq_len={seq}",
             f"model.max_position_embeddings={max(seq, base.model.max_position_embeddings)}"]
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"config": args.config, "overrides": overrides, "batch": batch, "layers": depth,
-                    "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run")}
+                    "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run"), "gpus": gpus}
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run([sys.executable, __file__, "--child", system, json.dumps(spec)],
@@ -359,8 +385,8 @@ def main() -> int:
                     "status": "error", "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
             except subprocess.TimeoutExpired:
                 row = {"status": "error", "error": f"timed out after {args.timeout} s"}
-        row.update(system=system, layers=depth, batch=batch, seq_len=seq,
-                   tokens_per_step=batch * seq, wall_seconds=time.perf_counter() - t0)
+        row.update(system=system, layers=depth, batch=batch, gpus=gpus, seq_len=seq,
+                   tokens_per_step=batch * gpus * seq, wall_seconds=time.perf_counter() - t0)
         if row.get("gpu_peak_gib"):
             row["gpu_peak_bytes_per_token"] = row["gpu_peak_gib"] * 2**30 / (batch * seq)
         rows.append(row)
@@ -384,7 +410,8 @@ def _fraction(value: float | None) -> str:
 
 
 def summary_line(row: dict) -> str:
-    head = f"{row['system']:>9} L{row['layers']:<3} B{row['batch']:<3} {row['tokens_per_step']:>7} tok/step: "
+    head = (f"{row['system']:>9} L{row['layers']:<3} B{row['batch']:<3} G{row.get('gpus', 1)} "
+            f"{row['tokens_per_step']:>7} tok/step: ")
     if row["status"] != "ok":
         return head + f"{row['status'].upper()} {row.get('error', '')[:300]}"
     text = head + f"{row['tok_per_s']:>9,.0f} tok/s {row['tflops']:6.1f} TFLOPS peak {row['gpu_peak_gib']:.1f} GiB"
@@ -392,7 +419,9 @@ def summary_line(row: dict) -> str:
         text += (f" | busy {row['gpu_busy']:.2f} H2D {row['h2d_gbps_link']:.0f} GB/s "
                  f"opt {row['optimizer_seconds']:.2f}s "
                  f"hidden {row['optimizer_hidden_fraction']:.2f} host {row['host_bytes_per_param']:.1f} B/param "
-                 f"dram {row['dram_bytes_per_param']:.1f} B/param roofline {_fraction(row['roofline_fraction'])}")
+                 f"dram {row['dram_bytes_per_param']:.1f} B/param roofline {_fraction(row.get('roofline_fraction'))}")
+        if "vs_one_gpu" in row:
+            text += f" | x{row['vs_one_gpu']:.2f} of 1 GPU, host {row['host_gib']:.1f} GiB"
     return text
 
 

@@ -23,7 +23,7 @@ from megatrain_ray.exceptions import ConfigError
 
 DType = Literal["bfloat16", "float16", "float32", "float64"]
 # Bytes per element of each dtype name, used by the planner and the host store.
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
 # Precision order: a streaming copy is never more precise than the master weights.
 DTYPE_RANK = {"bfloat16": 1, "float16": 1, "float32": 2, "float64": 3}
 
@@ -430,6 +430,42 @@ class RuntimeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Data parallelism: one GPUWorker (rank) per GPU, each streaming its slice of the batch through the
+    same layers of its node's host store; gradients are summed over the ranks layer by layer before the
+    node's optimizer workers see them (megatrain_ray/engine/parallel.py). The global batch, the loss,
+    the schedule and the checkpoints are the same whatever the number of GPUs."""
+
+    SECTION: ClassVar[str] = "parallel"
+    gpus: int | Literal["auto"] = 1
+    """GPU workers (ranks) of the run, over all nodes; each takes data.batch_size / gpus sequences of every
+    step, so data.batch_size must be divisible by it. auto: every GPU the Ray cluster offers on the nodes
+    used (one rank per node on a CPU-only cluster). More than 1 needs runtime.mode=ray."""
+    nodes: int = 1
+    """Ray nodes the ranks are spread over, gpus / nodes on each. Every node keeps its own host store and
+    optimizer workers (weights are stored once per node, never per GPU); each node's first rank orders the
+    updates of its copy and the copies are compared by a checksum every step. Checkpoints are written by
+    the first node and read by all: on several machines checkpoint.dir must be on a shared filesystem."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend of the gradient sums: auto = nccl on GPUs, gloo on the CPU."""
+    timeout_s: float = 600.0
+    """Seconds a rank waits for the process group to form, for a collective, or for another rank's
+    gradients or its node's update of a stage, before it stops the run with an error."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if self.gpus != "auto" and self.gpus < 1:
+            _fail(f"{s}.gpus", self.gpus, "must be >= 1, or auto for every GPU Ray offers")
+        if self.nodes < 1:
+            _fail(f"{s}.nodes", self.nodes, "must be >= 1")
+        if self.gpus != "auto" and self.gpus % self.nodes:
+            _fail(f"{s}.gpus", self.gpus, f"must be a multiple of parallel.nodes={self.nodes} (the same number "
+                  "of GPUs on every node)")
+        if not self.timeout_s > 0:
+            _fail(f"{s}.timeout_s", self.timeout_s, "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """The loop around the steps."""
 
@@ -505,7 +541,7 @@ class FaultConfig:
     non-finite gradient under a finite loss is found only after some layers were updated, so the run stops."""
     drill: str = ""
     """Fault drills, for testing recovery only: comma-separated `ACTION@STEP` with ACTION one of
-    `kill:ACTOR` (SIGKILL to `driver`, `gpu`, `hostK` or `optimK` while step STEP runs), `nan_grad`
+    `kill:ACTOR` (SIGKILL to `driver`, `gpu`, `gpuR` (rank R), `hostK` or `optimK` while step STEP runs), `nan_grad`
     (a NaN in one gradient of step STEP) or `kill_during_checkpoint` (the process writing the checkpoint
     taken after STEP steps dies after its first file). Steps count from 0. Empty in real runs."""
 
@@ -522,9 +558,9 @@ def parse_drill(text: str) -> list[tuple[str, str, int]]:
         action, _, step = item.partition("@")
         action, _, target = action.partition(":")
         if action not in DRILL_ACTIONS or not step.isdigit() or (action == "kill") != bool(target) \
-                or (target and not re.fullmatch(r"driver|gpu|host\d+|optim\d+", target)):
-            _fail("fault.drill", item, "expected ACTION@STEP with ACTION one of kill:driver, kill:gpu, kill:hostK, "
-                  "kill:optimK, nan_grad, kill_during_checkpoint")
+                or (target and not re.fullmatch(r"driver|gpu\d*|host\d+|optim\d+", target)):
+            _fail("fault.drill", item, "expected ACTION@STEP with ACTION one of kill:driver, kill:gpu, kill:gpuR, "
+                  "kill:hostK, kill:optimK, nan_grad, kill_during_checkpoint")
         drills.append((action, target, int(step)))
     return drills
 
@@ -541,6 +577,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: HostConfig = field(default_factory=HostConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -561,9 +598,32 @@ class Config:
                   "exact tests); use moment_dtype=float32")
         if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
             pass  # allowed (slow); tests of the bf16 path use it on purpose
+        check_parallel(self)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
+
+
+def check_parallel(cfg: Config, ranks: int | None = None) -> None:
+    """The parallel section against the rest of the config: on load, and again in the trainer once
+    `parallel.gpus: auto` is resolved to `ranks`."""
+    p = cfg.parallel
+    if ranks is None and p.gpus != "auto":
+        ranks = p.gpus
+    if cfg.runtime.mode == "local":
+        if ranks is not None and ranks > 1:
+            _fail("parallel.gpus", p.gpus, "more than one GPU worker needs runtime.mode=ray (each rank is a "
+                  "process of its own); drop --local, or set parallel.gpus=1")
+        if p.nodes > 1:
+            _fail("parallel.nodes", p.nodes, "several nodes need runtime.mode=ray; drop --local")
+    if ranks is not None and cfg.data.batch_size % ranks:
+        _fail("parallel.gpus", p.gpus if p.gpus != "auto" else f"auto ({ranks} GPUs)",
+              f"data.batch_size={cfg.data.batch_size} is not divisible by {ranks} ranks: each GPU takes an equal "
+              f"slice of the global batch; set data.batch_size to a multiple of {ranks}")
+    if p.backend == "nccl" and cfg.engine.device == "cpu":
+        _fail("parallel.backend", p.backend, "needs GPUs, but engine.device=cpu; use gloo or auto")
+    if p.backend == "gloo" and cfg.engine.device == "cuda":
+        _fail("parallel.backend", p.backend, "sums CPU tensors (tests); with engine.device=cuda use nccl or auto")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -19,7 +19,8 @@ SECTIONS = {
     "data": config_module.DataConfig, "optimizer": config_module.OptimizerConfig,
     "schedule": config_module.ScheduleConfig, "precision": config_module.PrecisionConfig,
     "engine": config_module.EngineConfig, "host": config_module.HostConfig, "runtime": config_module.RuntimeConfig,
-    "train": config_module.TrainConfig, "checkpoint": config_module.CheckpointConfig,
+    "parallel": config_module.ParallelConfig, "train": config_module.TrainConfig,
+    "checkpoint": config_module.CheckpointConfig,
     "fault": config_module.FaultConfig,
 }
 

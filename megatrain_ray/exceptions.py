@@ -40,3 +40,8 @@ class CheckpointError(MegatrainError):
 
 class NonFiniteError(MegatrainError):
     """The loss or gradient norm was not finite and fault.nonfinite is `stop`."""
+
+
+class ParallelError(MegatrainError):
+    """The ranks of a data-parallel run stopped answering each other, or their nodes' copies of the
+    weights disagree; the message names the rank, node or stage."""

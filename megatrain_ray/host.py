@@ -16,7 +16,9 @@ Ray; the bytes never do. Kinds per stage:
   master is streamed and clipping is off, in a small pool of `gradpool` slabs.
 
 Each shard also owns a `gate`: one int32 per stage of the model, set while a checkpoint still has
-to write that stage (megatrain_ray/checkpoint.py); optimizer workers wait on it.
+to write that stage (megatrain_ray/checkpoint.py); optimizer workers wait on it. With several GPU
+workers on the node, shard 0 also owns `sync`: the per-stage counters through which they learn that
+a stage's gradients landed and its update is done (megatrain_ray/engine/collective.py).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from megatrain_ray.model.layout import ModelLayout, StageLayout
 
 log = get_logger(__name__)
 
-SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate"]
+SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync"]
 GradHome = Literal["stream", "stage", "pool"]
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "float64": torch.float64, "int32": torch.int32}
+                "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +82,9 @@ def moment_dtype(cfg: Config) -> str:
 
 
 def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[int],
-                  shard: int) -> list[SegmentSpec]:
-    """The segments one HostShard owns: its stages' buffers and its checkpoint gate, plus the gradient
-    pool on shard 0."""
+                  shard: int, ranks_per_node: int = 1) -> list[SegmentSpec]:
+    """The segments one HostShard owns: its stages' buffers and its checkpoint gate, plus on shard 0 the
+    gradient pool and, with several GPU workers on the node, their counters."""
     directory = cfg.host.shm_dir
     master = cfg.precision.master_dtype
     specs: list[SegmentSpec] = []
@@ -105,6 +107,9 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
         for k in range(cfg.engine.grad_slabs):
             path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
             specs.append(SegmentSpec(path, grad_dtype(cfg), layout_max_numel(layout), "gradpool", k))
+    if shard == 0 and ranks_per_node > 1:
+        specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-sync"), "int64",
+                                 (ranks_per_node + 1) * len(layout.stages), "sync", 0))
     return specs
 
 

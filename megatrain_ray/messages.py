@@ -63,6 +63,8 @@ class StepResult:
     skipped: bool = False
     """True when the gradients were not finite and the update was dropped."""
     gpu_peak_bytes: int = 0
+    comm_seconds: float = 0.0
+    """Time the compute stream spent in the gradient sums over the ranks (data parallel only)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,13 @@ A private Ray declares one custom resource per NUMA node (`numa_node_<i>`: its c
 reserves one bundle per actor in a STRICT_PACK placement group (the actors share /dev/shm
 segments, so they must share a node):
 
-    bundle 0          GPU worker     {GPU: 1, CPU: share}            (no GPU bundle on a CPU run)
-    bundles 1..S      host shards    {CPU: share, numa_node_<n>: share}
-    bundles S+1..     optim workers  {CPU: share, numa_node_<n>: share}
+    bundles 0..G-1    GPU workers    {GPU: 1, CPU: share}            (no GPU on a CPU run)
+    bundles G..       host shards    {CPU: share, numa_node_<n>: share}
+    bundles ..        optim workers  {CPU: share, numa_node_<n>: share}
+
+G is parallel.gpus / parallel.nodes (one GPU worker per GPU, all sharing the node's host store).
+With several nodes each node gets a placement group of its own, pinned to its Ray node by the
+`ray.io/node-id` label of every bundle.
 
 Ray's CPU count is bookkeeping, not pinning (each actor pins itself to the plan's cores), so the
 shares only have to add up to the cores the plan uses: every core's one CPU is split evenly
@@ -50,10 +54,15 @@ class ActorSlot:
     bundle: dict[str, float]
 
 
-def actor_slots(placement: Placement, use_gpu: bool) -> list[ActorSlot]:
-    """One slot per actor in bundle order: the GPU worker, the host shards, the optimizer workers."""
+def gpu_actor(local_rank: int) -> str:
+    """Short name of a node's GPU worker of local rank `local_rank`: gpu, gpu1, gpu2, ..."""
+    return "gpu" if local_rank == 0 else f"gpu{local_rank}"
+
+
+def actor_slots(placement: Placement, use_gpu: bool, ranks: int = 1) -> list[ActorSlot]:
+    """One slot per actor in bundle order: the GPU workers, the host shards, the optimizer workers."""
     gpu_node = placement.gpu_node
-    members = [("gpu", placement.gpu_cores, gpu_node)]
+    members = [(gpu_actor(r), placement.gpu_cores, gpu_node) for r in range(ranks)]
     members += [(f"host{k}", placement.gpu_cores if node == gpu_node else node_cpus(placement, node), node)
                 for k, node in enumerate(placement.shard_nodes)]
     members += [(f"optim{w.index}", w.cores, w.node) for w in placement.workers]
@@ -63,7 +72,7 @@ def actor_slots(placement: Placement, use_gpu: bool) -> list[ActorSlot]:
         # Round down to Ray's resource granularity so the shares never add up to more than the cores.
         share = math.floor(sum(1.0 / users[c] for c in cores) * 1e4) / 1e4
         bundle = {"CPU": share, numa_resource(node): share}
-        if name == "gpu" and use_gpu:
+        if name.startswith("gpu") and use_gpu:
             bundle["GPU"] = 1.0
         slots.append(ActorSlot(name, cores, node, bundle))
     return slots
@@ -72,12 +81,14 @@ def actor_slots(placement: Placement, use_gpu: bool) -> list[ActorSlot]:
 class RayPlacement:
     """The placement group of a run and the `.options()` of each actor in it."""
 
-    def __init__(self, placement: Placement, use_gpu: bool):
+    def __init__(self, placement: Placement, use_gpu: bool, ranks: int = 1, node_id: str | None = None,
+                 node_resources: dict[str, float] | None = None):
+        """`node_id`: the Ray node every bundle must land on (several nodes), with its `node_resources`."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
-        self.slots = actor_slots(placement, use_gpu)
-        cluster = ray.cluster_resources()
+        self.slots = actor_slots(placement, use_gpu, ranks)
+        cluster = node_resources if node_resources is not None else ray.cluster_resources()
         missing = sorted({k for s in self.slots for k in s.bundle if k.startswith("numa_node_")} - set(cluster))
         if missing:
             log.info("the Ray cluster declares no %s resources (start it with `ray start --head --resources="
@@ -88,12 +99,16 @@ class RayPlacement:
                           for s in self.slots]
         self._fit_cpus(cluster.get("CPU", 0.0))
         self.bundles = [{k: v for k, v in s.bundle.items() if v > 0} or {"CPU": 0.0001} for s in self.slots]
-        self.group = placement_group(self.bundles, strategy="STRICT_PACK", name="megatrain")
+        labels = [{NODE_ID_LABEL_KEY: node_id}] * len(self.bundles) if node_id else None
+        self.group = placement_group(self.bundles, strategy="STRICT_PACK",
+                                     name=f"megatrain-{node_id[:12]}" if node_id else "megatrain",
+                                     bundle_label_selector=labels)
         ready, _ = ray.wait([self.group.ready()], timeout=READY_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(self.group)
             raise ConfigError(
-                f"Ray could not place the run's actors on one node within {READY_TIMEOUT_S:.0f} s: bundles "
+                f"Ray could not place the run's actors on {f'node {node_id}' if node_id else 'one node'} within "
+                f"{READY_TIMEOUT_S:.0f} s: bundles "
                 f"{self.bundles}, cluster resources {cluster}. Lower optimizer.workers or host.num_shards, or "
                 "give the cluster more CPUs (ray start --num-cpus)")
         self.index = {s.name: i for i, s in enumerate(self.slots)}
@@ -111,7 +126,7 @@ class RayPlacement:
                                                           for k, v in s.bundle.items()}) for s in self.slots]
 
     def options(self, name: str) -> dict[str, Any]:
-        """`.options()` for the actor `name` (gpu, host<k>, optim<w>): exactly its bundle."""
+        """`.options()` for the actor `name` (gpu, gpu<r>, host<k>, optim<w>): exactly its bundle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         i = self.index[name]
@@ -133,21 +148,24 @@ class RunPlacement:
     would pin the driver itself.
     """
 
-    def __init__(self, cfg: Config, use_gpu: bool, topology: Topology | None = None):
+    def __init__(self, cfg: Config, use_gpu: bool, topology: Topology | None = None, ranks: int = 1,
+                 node_id: str | None = None, node_resources: dict[str, float] | None = None):
+        """`ranks`: GPU workers on the node; `node_id`: the Ray node of this placement (several nodes; its
+        cores are taken to look like the driver's, as a cluster's nodes usually do)."""
         self.plan = plan_placement(topology or detect_topology(), cfg.optimizer.workers, cfg.host.num_shards)
-        log.info("%s", self.plan.summary())
+        log.info("%s%s", f"node {node_id[:12]}: " if node_id else "", self.plan.summary())
         if self.plan.shared_cores:
             log.warning("optimizer.workers=%s exceeds the usable cores: workers share cores (slower); lower it or "
                         "use auto", cfg.optimizer.workers)
         self.in_ray = cfg.runtime.mode == "ray"
-        self.ray = RayPlacement(self.plan, use_gpu) if self.in_ray else None
+        self.ray = RayPlacement(self.plan, use_gpu, ranks, node_id, node_resources) if self.in_ray else None
 
     @property
     def num_workers(self) -> int:
         return len(self.plan.workers)
 
     def options(self, name: str) -> dict[str, Any] | None:
-        """Ray `.options()` of actor `name` (gpu, host<k>, optim<w>); None in-process."""
+        """Ray `.options()` of actor `name` (gpu, gpu<r>, host<k>, optim<w>); None in-process."""
         return self.ray.options(name) if self.ray else None
 
     def worker_cores(self, index: int) -> list[int]:

@@ -8,6 +8,10 @@ memory (interpreters, torch, the CUDA context's host side) is an estimate per pr
 disk tier the moments' files are counted on disk and the optimizers' staging buffers in RAM; the
 plan also prints what each other choice of moment format and tier would cost (`tier_lines`).
 
+With data parallelism (parallel.gpus) the host side is one node's (its store is shared by its GPU
+workers, each one more process) and the GPU side one GPU's, which holds data.batch_size / gpus rows.
+`parallel.gpus: auto` is planned as one GPU per node: the count is known only once Ray is up.
+
 GPU side, from the engine's buffers (exact) plus activations (a count of the tensors alive at the
 peak, per token):
 - kept layer inputs: one [tokens, hidden] tensor per layer, kept from forward for recompute;
@@ -168,16 +172,21 @@ class Plan:
         return not self.problems
 
 
+def ranks_per_node(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.gpus // p.nodes if p.gpus != "auto" else 1
+
+
 def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
-    """The engine's device buffers and the activation terms of the module docstring, in bytes."""
+    """The engine's device buffers and the activation terms of the module docstring, in bytes (one GPU)."""
     layout = build_layout(cfg.model)
-    m, d = cfg.model, cfg.data
+    m = cfg.model
     stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
     compute_b = DTYPE_BYTES[cfg.precision.compute_dtype]
     grad_b = DTYPE_BYTES[grad_dtype(cfg)]
     acc_b = max(4, compute_b)
     per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
-    tokens = d.batch_size * d.seq_len
+    tokens = rank_tokens(cfg)
     h, f, v = m.hidden_size, m.intermediate_size, m.vocab_size
     q = m.num_attention_heads * m.resolved_head_dim
     kv = m.num_key_value_heads * m.resolved_head_dim
@@ -185,9 +194,12 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
     mlp_tokens = min(cfg.engine.mlp_chunk_tokens or tokens, tokens)
     # Chunked MLP backward: float32 sums of its three matrices' gradients.
     mlp_sums = 3 * h * f * acc_b if mlp_tokens < tokens else 0
+    grad_elems = 2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel
+    ranks = ranks_per_node(cfg)
+    grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
     return {
         "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
-        "gradient buffers": (2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel) * grad_b,
+        "gradient buffers": grad_elems * grad_b,
         "vocabulary accumulator": v * h * acc_b,
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
@@ -197,10 +209,14 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
     }
 
 
+def rank_tokens(cfg: Config) -> int:
+    """Tokens one GPU computes per step: its rows of the global batch."""
+    return cfg.data.batch_size // (ranks_per_node(cfg) * cfg.parallel.nodes) * cfg.data.seq_len
+
+
 def offloaded_bytes(cfg: Config) -> int:
-    """Pinned host memory for the layer inputs when they are offloaded."""
-    return cfg.model.num_layers * cfg.data.batch_size * cfg.data.seq_len * cfg.model.hidden_size \
-        * DTYPE_BYTES[cfg.precision.compute_dtype]
+    """Pinned host memory of one GPU worker for its layer inputs when they are offloaded."""
+    return cfg.model.num_layers * rank_tokens(cfg) * cfg.model.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype]
 
 
 def resolve_activation_offload(cfg: Config, gpu_memory: int | None) -> bool:
@@ -224,7 +240,7 @@ def store_bytes(cfg: Config, workers: int) -> tuple[dict[str, int], dict[str, in
     ram: dict[str, int] = {}
     disk: dict[str, int] = {}
     for k, stages in enumerate(shard_stages(layout, cfg.host.num_shards)):
-        for spec in plan_segments(layout, cfg, "plan", stages, k):
+        for spec in plan_segments(layout, cfg, "plan", stages, k, ranks_per_node(cfg)):
             where = disk if spec.on_disk else ram
             where[spec.kind] = where.get(spec.kind, 0) + spec.nbytes
     staging = staging_bytes([s.numel for s in layout.stages], layout.max_layer_numel, workers,
@@ -239,9 +255,9 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan.host, plan.disk, plan.staging = store_bytes(cfg, workers)
     pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if cfg.precision.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
-    plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + GPU_PROCESS_BYTES
+    plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + ranks_per_node(cfg) * GPU_PROCESS_BYTES
     plan.offload = resolve_activation_offload(cfg, machine.gpu_memory)
-    plan.offloaded = offloaded_bytes(cfg) if plan.offload else 0
+    plan.offloaded = ranks_per_node(cfg) * offloaded_bytes(cfg) if plan.offload else 0
     plan.pinned += plan.offloaded  # page-locked like the registered segments
     plan.gpu = gpu_bytes(cfg, plan.offload)
     _check(plan)
@@ -296,7 +312,7 @@ def _host_advice(cfg: Config) -> str:
 
 _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg_sq": "AdamW second moment",
            "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
-           "gate": "checkpoint gates"}
+           "gate": "checkpoint gates", "sync": "data-parallel counters"}
 
 
 def format_plan(plan: Plan) -> str:
@@ -310,6 +326,9 @@ def format_plan(plan: Plan) -> str:
              f"{cfg.host.shm_dir}, GPU "
              + (f"{machine.gpu_name or ''} {machine.gpu_memory / g:.1f} GiB".strip() if machine.gpu_memory
                 else "none visible"),
+             *([f"data parallel: {ranks_per_node(cfg)} GPU(s) on each of {cfg.parallel.nodes} node(s), "
+                f"{cfg.data.batch_size // (ranks_per_node(cfg) * cfg.parallel.nodes)} rows per GPU: host figures per "
+                "node, GPU figures per GPU"] if ranks_per_node(cfg) * cfg.parallel.nodes > 1 else []),
              "", "host (shared memory, per kind):"]
     dtypes = {"master": cfg.precision.master_dtype, "exp_avg": moment_dtype(cfg),
               "exp_avg_sq": moment_dtype(cfg), "stream": cfg.precision.resolved_stream_dtype}

@@ -95,6 +95,31 @@ class RayHandle:
 Handle = LocalHandle | RayHandle
 
 
+def gather(futures: list[Future | RayFuture]) -> list[Any]:
+    """The results of calls to several actors, raising the first failure as soon as it happens: the
+    ranks of a data-parallel step wait for each other in collectives, so a rank whose peer died would
+    otherwise hold the driver until the collective's timeout."""
+    local = [f for f in futures if isinstance(f, Future)]
+    remote = [f for f in futures if isinstance(f, RayFuture)]
+    if local:
+        from concurrent.futures import FIRST_EXCEPTION, wait
+
+        wait(local, return_when=FIRST_EXCEPTION)
+        for future in local:
+            if future.done() and future.exception() is not None:
+                future.result()
+    if remote:
+        import ray
+
+        by_ref = {f.ref: f for f in remote}
+        pending = list(by_ref)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                by_ref[ref].result()  # raises ActorFailedError, or the actor's own error
+    return [f.result() for f in futures]
+
+
 def _running_cluster_address(cfg: RuntimeConfig) -> str | None:
     """The cluster to attach to, or None when a private one should be started."""
     if cfg.address:

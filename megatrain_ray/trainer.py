@@ -1,12 +1,13 @@
 """The driver: builds the actors, runs the steps, writes the run directory.
 
+    per node (parallel.nodes, 1 by default):
     shards     = HostShard x host.num_shards        (own the segments, initialise weights)
     optimizers = OptimizerWorker x optimizer.workers (map the segments, AdamW on their share)
-    gpu        = GPUWorker                           (maps the segments, runs the layer stream,
-                                                      orders updates from the optimizers itself)
+    gpus       = GPUWorker x parallel.gpus / nodes   (map the segments, run the layer stream; the
+                                                      first orders the node's updates itself)
 
-The driver only sends each step's token ids and learning rate to the GPU worker and reads back
-a StepResult; bulk tensors stay in shared memory.
+The driver only sends each step's token ids (each GPU worker its slice) and learning rate to the
+GPU workers and reads back StepResults; bulk tensors stay in shared memory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import socket
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +54,11 @@ from megatrain_ray.metrics import (
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.optim import lr_at
-from megatrain_ray.placement import RunPlacement
+from megatrain_ray.parallel import ParallelPlan, merge_results, resolve_parallel, split_batch
+from megatrain_ray.placement import RunPlacement, gpu_actor
 from megatrain_ray.plan import check_plan
 from megatrain_ray.ray_metrics import RayMetrics, ray_metrics_for
-from megatrain_ray.runtime import Handle, spawn, start_ray
+from megatrain_ray.runtime import Handle, gather, spawn, start_ray
 
 log = get_logger(__name__)
 
@@ -100,6 +103,26 @@ def state_config(cfg: Config) -> dict[str, dict[str, Any]]:
             "optimizer": {"moment_dtype": cfg.optimizer.moment_dtype}}
 
 
+@dataclass(slots=True)
+class NodeActors:
+    """One node's actors and host store: its shards' segments, its optimizer workers, its GPU workers
+    (local rank order), and its placement."""
+
+    shards: list[Handle] = field(default_factory=list)
+    optimizers: list[Handle] = field(default_factory=list)
+    gpus: list[Handle] = field(default_factory=list)
+    specs: list[SegmentSpec] = field(default_factory=list)
+    placement: RunPlacement | None = None
+    prefix: str = ""
+    """Prefix of the short names of its actors: "" on node 0 (host0, optim0, gpu), "node<k>-" elsewhere."""
+
+    def handles(self) -> dict[str, Handle]:
+        out: dict[str, Handle] = {f"{self.prefix}host{k}": h for k, h in enumerate(self.shards)}
+        out.update({f"{self.prefix}optim{w}": h for w, h in enumerate(self.optimizers)})
+        out.update({f"{self.prefix}{gpu_actor(r)}": h for r, h in enumerate(self.gpus)})
+        return out
+
+
 class Interrupted(Exception):
     """SIGTERM/SIGINT arrived; a checkpoint was saved (or none could be) before stopping."""
 
@@ -141,10 +164,9 @@ class Trainer:
             sweep_stale_segments(cfg.host.disk_dir)
         self.plan = check_plan(cfg)  # refuse before allocating anything
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
-        self.shards: list[Handle] = []
-        self.optimizers: list[Handle] = []
-        self.gpu: Handle | None = None
-        self.specs: list[SegmentSpec] = []
+        self.nodes: list[NodeActors] = []
+        """Every node's actors; node 0's shards write the checkpoints and serve the inspection methods."""
+        self.parallel = ParallelPlan()
         self.actor_names: list[str] = []
         self.actor_pids: list[int] = []
         self.restarts = 0
@@ -153,13 +175,38 @@ class Trainer:
         self.stop_signal: int | None = None
         """Set by a signal handler: the run saves a checkpoint after the current step and stops."""
         self._pending_save: tuple[int, int, Path, float] | None = None
-        self.placement: RunPlacement | None = None
         self.health: HealthMonitor | None = None
         self._exporter: RayMetrics | None = None
         self._started_ray = False
         self._metrics: MetricsWriter | None = None
-        self.placement: RunPlacement | None = None
-        self.health: HealthMonitor | None = None
+
+    @property
+    def shards(self) -> list[Handle]:
+        """Node 0's HostShards: they write the checkpoints."""
+        return self.nodes[0].shards if self.nodes else []
+
+    @property
+    def optimizers(self) -> list[Handle]:
+        return self.nodes[0].optimizers if self.nodes else []
+
+    @property
+    def specs(self) -> list[SegmentSpec]:
+        """Node 0's segments: what the inspection methods (master_weights, export) read."""
+        return self.nodes[0].specs if self.nodes else []
+
+    @property
+    def placement(self) -> RunPlacement | None:
+        return self.nodes[0].placement if self.nodes else None
+
+    @property
+    def gpus(self) -> list[Handle]:
+        """Every rank, in rank order."""
+        return [g for node in self.nodes for g in node.gpus]
+
+    @property
+    def gpu(self) -> Handle | None:
+        """Rank 0: evaluation and logits run there, on node 0's copy."""
+        return self.nodes[0].gpus[0] if self.nodes and self.nodes[0].gpus else None
 
     @staticmethod
     def _new_run_id() -> str:
@@ -210,31 +257,17 @@ class Trainer:
 
     def _spawn_actors(self) -> None:
         cfg, mode = self.cfg, self.cfg.runtime.mode
-        num_gpus = 0
-        if mode == "ray":
-            import ray
-
-            has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-            if cfg.engine.device == "cuda" and not has_gpu:
-                raise ConfigError("engine.device=cuda but the Ray cluster offers no GPU; set engine.device=auto")
-            num_gpus = 1 if has_gpu and cfg.engine.device != "cpu" else 0
+        self.parallel = plan = resolve_parallel(cfg)
         t0 = time.perf_counter()
         tag = f"megatrain-{self.run_id}"
-        self.placement = placement = RunPlacement(cfg, use_gpu=num_gpus > 0)
-        self.shards = [spawn(mode, HostShard, cfg, self.layout, self.run_id, k, stages, *placement.shard_binding(k),
-                             restore=self.restore, name=f"{tag}-host{k}", ray_options=placement.options(f"host{k}"))
-                       for k, stages in enumerate(self.stage_groups)]
-        self.specs = []
-        for shard in self.shards:
-            self.specs.extend(shard.call("segments").result())
-        log.info("host store ready: %.2f GiB in %d segments (%.1f s)",
-                 sum(s.nbytes for s in self.specs) / 2**30, len(self.specs), time.perf_counter() - t0)
-        workers = placement.num_workers
-        self.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, self.specs, w, workers,
-                                 placement.worker_cores(w), name=f"{tag}-optim{w}",
-                                 ray_options=placement.options(f"optim{w}")) for w in range(workers)]
-        self.gpu = spawn(mode, GPUWorker, cfg, self.layout, self.specs, self.optimizers, name=f"{tag}-gpu",
-                         num_gpus=num_gpus, ray_options=placement.options("gpu"))
+        for k in range(plan.nodes):  # what was spawned before an error is in self.nodes, for close()
+            self.nodes.append(NodeActors(prefix="" if k == 0 else f"node{k}-"))
+            self._spawn_node(k, tag)
+        if plan.world > 1:
+            self._join_process_group()
+        log.info("host store ready: %.2f GiB in %d segments per node, %s (%.1f s)",
+                 sum(s.nbytes for s in self.specs) / 2**30, len(self.specs), plan.describe(),
+                 time.perf_counter() - t0)
         self.device_name = self.gpu.call("device_name").result()
         handles = self.actor_handles()
         self.actor_names = list(handles)
@@ -243,42 +276,86 @@ class Trainer:
                                      cfg.runtime.heartbeat_timeout_s, handles,
                                      self._exporter.heartbeat_age if self._exporter else None)
 
-    def actor_handles(self) -> dict[str, Handle]:
-        """Every actor by its short name: host<k>, optim<w>, gpu."""
-        handles: dict[str, Handle] = {f"host{k}": h for k, h in enumerate(self.shards)}
-        handles.update({f"optim{w}": h for w, h in enumerate(self.optimizers)})
-        if self.gpu is not None:
-            handles["gpu"] = self.gpu
-        return handles
+    def _spawn_node(self, k: int, tag: str) -> None:
+        """Node k's host store, optimizer workers and GPU workers (each node its own copy of the state)."""
+        cfg, mode, plan, node = self.cfg, self.cfg.runtime.mode, self.parallel, self.nodes[k]
+        run_id = self.run_id if k == 0 else f"{self.run_id}-node{k}"  # segment names differ per node
+        ranks = plan.ranks_per_node
+        node.placement = placement = RunPlacement(cfg, use_gpu=plan.use_gpu, ranks=ranks, node_id=plan.node_ids[k],
+                                                  node_resources=plan.node_resources[k])
+        name = f"{tag}-{node.prefix}"
+        node.shards = [spawn(mode, HostShard, cfg, self.layout, run_id, s, stages, *placement.shard_binding(s),
+                             restore=self.restore, ranks_per_node=ranks, name=f"{name}host{s}",
+                             ray_options=placement.options(f"host{s}"))
+                       for s, stages in enumerate(self.stage_groups)]
+        for shard in node.shards:
+            node.specs.extend(shard.call("segments").result())
+        workers = placement.num_workers
+        node.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, node.specs, w, workers,
+                                 placement.worker_cores(w), name=f"{name}optim{w}",
+                                 ray_options=placement.options(f"optim{w}")) for w in range(workers)]
+        node.gpus = [spawn(mode, GPUWorker, cfg, self.layout, node.specs, node.optimizers if r == 0 else [],
+                           plan.rank(k, r), name=f"{name}{gpu_actor(r)}", num_gpus=1 if plan.use_gpu else 0,
+                           ray_options=placement.options(gpu_actor(r))) for r in range(ranks)]
 
-    def _teardown_actors(self) -> None:
-        """Stop the actors and remove the segments, tolerating actors that already died."""
+    def _join_process_group(self) -> None:
+        """Every rank joins one torch.distributed group: through a file in shared memory when all ranks are
+        on this host (no socket), else through rank 0's address on its node."""
+        plan = self.parallel
+        if plan.same_host:
+            init_method = f"file://{self._store_file()}"
+        else:
+            init_method = self.gpu.call("rendezvous").result()
+        gather([g.call("join", init_method, plan.backend, self.cfg.parallel.timeout_s, plan.same_host)
+                for g in self.gpus])
+
+    def _store_file(self) -> str:
+        return os.path.join(self.cfg.host.shm_dir, f"megatrain-{self.run_id}-pgstore")
+
+    def actor_handles(self) -> dict[str, Handle]:
+        """Every actor by its short name: host<k>, optim<w>, gpu, gpu<r> (node 0), node<k>-... (others)."""
+        return {name: h for node in self.nodes for name, h in node.handles().items()}
+
+    def _teardown_actors(self, after_failure: bool = False) -> None:
+        """Stop the actors and remove the segments, tolerating actors that already died. `after_failure`:
+        an actor died, so a rank may be blocked in a collective with it and never answer; it is killed
+        after a short wait instead of the collective's timeout."""
         if self.health is not None:
             self.health.stop()
             self.health = None
-        try:
-            if self.gpu is not None:
-                self.gpu.call("shutdown").result()
-        except Exception as exc:  # a dead optimizer makes the last flush fail; keep closing
-            log.warning("gpu worker shutdown: %s", exc)
-        for handle in self.optimizers:  # their disk-tier writes finish, their threads stop
+        # All ranks at once: the leaders' last updates release the others' waits.
+        patience = self.cfg.parallel.timeout_s
+        if after_failure and self.parallel.world > 1:
+            patience = min(patience, 30.0)
+        deadline = time.monotonic() + patience
+        for name, future in [(n, g.call("shutdown")) for n, g in self._rank_names()]:
             try:
-                handle.call("shutdown").result()
-            except Exception as exc:
-                log.warning("optimizer shutdown: %s", exc)
-        for handle in self.shards:
-            try:
-                handle.call("shutdown").result()
-            except Exception as exc:
-                log.warning("shard shutdown: %s", exc)
-        for handle in [*([self.gpu] if self.gpu else []), *self.optimizers, *self.shards]:
-            handle.kill()
-        for spec in self.specs:  # segments of a shard that died
-            unlink_segment(spec)
-        self.gpu, self.optimizers, self.shards = None, [], []
-        if self.placement is not None:
-            self.placement.close()
-            self.placement = None
+                future.result(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:  # a dead optimizer makes the last flush fail; keep closing
+                log.warning("%s shutdown: %s", name, exc)
+        for node in self.nodes:
+            for handle in node.optimizers:  # their disk-tier writes finish, their threads stop
+                try:
+                    handle.call("shutdown").result(timeout=max(0.1, deadline - time.monotonic()))
+                except Exception as exc:
+                    log.warning("optimizer shutdown: %s", exc)
+            for handle in node.shards:
+                try:
+                    handle.call("shutdown").result()
+                except Exception as exc:
+                    log.warning("shard shutdown: %s", exc)
+            for handle in [*node.gpus, *node.optimizers, *node.shards]:
+                handle.kill()
+            for spec in node.specs:  # segments of a shard that died
+                unlink_segment(spec)
+            if node.placement is not None:
+                node.placement.close()
+        if os.path.exists(self._store_file()):
+            os.unlink(self._store_file())
+        self.nodes = []
+
+    def _rank_names(self) -> list[tuple[str, Handle]]:
+        return [(f"{node.prefix}{gpu_actor(r)}", g) for node in self.nodes for r, g in enumerate(node.gpus)]
 
     def close(self) -> None:
         """Finish a checkpoint in flight, stop the actors, remove the segments (also after errors)."""
@@ -301,7 +378,11 @@ class Trainer:
                 self._started_ray = False
 
     def __enter__(self) -> "Trainer":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # the actors spawned so far, and a private Ray, do not outlive a failed start
+            self.close()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
@@ -325,15 +406,26 @@ class Trainer:
         assert self.gpu is not None, "Trainer.start() first"
         cfg = self.cfg
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
-        batch = self.data.batch(step)
+        parts, loss_tokens = split_batch(self.data.batch(step), self.parallel.world)
         inject_nan, kill = self._drill("nan_grad", step) is not None, self._drill("kill", step)
         t0 = time.perf_counter()
-        future = self.gpu.call("train_step", batch, lr, self.updates_applied + 1, inject_nan)
+        if len(parts) == 1:
+            futures = [self.gpu.call("train_step", parts[0], lr, self.updates_applied + 1, inject_nan)]
+        else:  # each rank its rows; every rank divides by the loss tokens of the whole batch
+            futures = [gpu.call("train_step", part, lr, self.updates_applied + 1, inject_nan and r == 0, loss_tokens)
+                       for r, (gpu, part) in enumerate(zip(self.gpus, parts))]
         if kill:
             time.sleep(0.05)  # let the step get going: the kill lands in the middle of it
             self._kill(kill)
-        pings = [shard.call("pid") for shard in self.shards]  # a HostShard that died fails here
-        result = future.result()
+        pings = [shard.call("pid") for node in self.nodes for shard in node.shards]  # a dead HostShard fails here
+        try:
+            result = merge_results(gather(futures))
+        except ActorFailedError:
+            raise
+        except Exception as exc:
+            if len(futures) > 1:  # a rank's collective failed: because a peer died?
+                self._raise_if_an_actor_died(exc)
+            raise
         for ping in pings:
             ping.result()
         seconds = time.perf_counter() - t0
@@ -347,6 +439,7 @@ class Trainer:
             "loss_tokens": result.valid_tokens,
             "tok_per_s": tok_per_s, "tflops": tok_per_s * self.flops_per_token / 1e12, "step_seconds": seconds,
             "compute_seconds": result.compute_seconds, "gpu_busy": min(1.0, result.compute_seconds / seconds),
+            "gpus": self.parallel.world, "comm_seconds": result.comm_seconds,
             "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
             "optimizer_hidden": optimizer_hidden_fraction(result.optimizer_seconds, seconds, result.compute_seconds),
             "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
@@ -366,6 +459,21 @@ class Trainer:
         if not finite:
             self._nonfinite(step, result.loss, result.grad_norm)
         return record
+
+    def _raise_if_an_actor_died(self, cause: Exception) -> None:
+        """ActorFailedError naming the actors that no longer answer a heartbeat (it runs beside a busy
+        actor's work), so that the run restarts as after any death rather than stopping on the error a
+        surviving rank's collective raised."""
+        dead: dict[str, BaseException] = {}
+        for handle in self.actor_handles().values():
+            try:
+                handle.heartbeat().result(timeout=30)
+            except ActorFailedError as exc:
+                dead[handle.name] = exc
+            except Exception:  # noqa: BLE001 (slow, not dead)
+                continue
+        if dead:
+            raise ActorFailedError(f"{', '.join(dead)} died during a data-parallel step ({cause})", dead) from cause
 
     def _nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
@@ -438,7 +546,7 @@ class Trainer:
         log.error("%s died, noticed at step %d; restart %d of %d from checkpoint %s", dead, noticed, self.restarts,
                   self.cfg.fault.max_restarts, where)
         t0 = time.perf_counter()
-        self._teardown_actors()
+        self._teardown_actors(after_failure=True)
         self.restore = last
         self.next_step = last.step if last else 0
         self.updates_applied = int(last.manifest["updates_applied"]) if last else 0
@@ -491,13 +599,15 @@ class Trainer:
 
     def host_memory_bytes(self) -> int:
         """Shared segments actually allocated, plus the private memory of the driver and of every actor on
-        this node (a process on another node reads as 0)."""
+        this node (a process on another node reads as 0); the segments of every node whose files are on
+        this host (all of them when the nodes share a machine, as in tests)."""
         private = {os.getpid(), *self.actor_pids}
-        return shm_bytes([s.path for s in self.specs if not s.on_disk]) + sum(rss_anon_bytes(pid) for pid in private)
+        return shm_bytes([s.path for node in self.nodes for s in node.specs if not s.on_disk]) + \
+            sum(rss_anon_bytes(pid) for pid in private)
 
     def flush(self) -> None:
         assert self.gpu is not None
-        self.gpu.call("flush").result()
+        gather([g.call("flush") for g in self.gpus])
 
     def sync_moments(self) -> None:
         """With the disk tier: wait until the moments the optimizers wrote back behind are in their files."""
@@ -530,11 +640,13 @@ class Trainer:
         return export_hf(StoreTensors(store, self.layout), self.cfg.model, out_dir, source_dir=source, dtype=dtype,
                          shard_bytes=shard_bytes)
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite master weights (and the streaming copy) by Hugging Face name, before training."""
+    def load_weights(self, tensors: dict[str, torch.Tensor], nodes: list[int] | None = None) -> None:
+        """Overwrite master weights (and the streaming copy) by Hugging Face name, before training, on every
+        node (or on `nodes`: tests that make the copies disagree)."""
         self.flush()
-        store = HostStore([s for s in self.specs if s.kind in ("master", "stream")])
-        store.write_tensors(self.layout, tensors)
+        for k in nodes if nodes is not None else range(len(self.nodes)):
+            store = HostStore([s for s in self.nodes[k].specs if s.kind in ("master", "stream")])
+            store.write_tensors(self.layout, tensors)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.gpu is not None

@@ -15,10 +15,15 @@ next step's forward of stage i waits only for stage i's update.
 The whole batch goes through stage i before stage i+1: no gradient accumulation buffers.
 Long sequences: the MLP runs in chunks of engine.mlp_chunk_tokens tokens; the kept layer inputs
 can live in pinned host memory instead of the GPU (engine.activation_offload, engine/activations.py).
+
+Data parallel (megatrain_ray/engine/collective.py): each rank runs this loop on its slice of the
+batch; a stage's gradients are summed over the ranks on the device before the D2H, each rank copies
+its piece of the sum, and only the node's first rank orders updates. With one rank none of it runs.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +33,9 @@ import torch
 
 from megatrain_ray.config import Config
 from megatrain_ray.engine.activations import ActivationStash
+from megatrain_ray.engine.collective import FAILED, Collectives, RankInfo, StageSync, padded
 from megatrain_ray.engine.streams import DeviceStreams
+from megatrain_ray.exceptions import ParallelError
 from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout, StageLayout
@@ -67,11 +74,16 @@ class GradSlot:
     """A device buffer of one stage's weight gradients on their way to the host."""
 
     buf: torch.Tensor
+    """The stage's flat gradients, padded to split into equal pieces over the node's ranks."""
+    out: torch.Tensor | None = None
+    """This rank's piece of the sum over the ranks (several ranks per node only)."""
     drained: Any = None
     """Event: the previous D2H out of this buffer is complete."""
 
 
 _STEP_STATS = ("optimizer_seconds", "optimizer_bytes", "update_wait_seconds", "h2d_bytes", "d2h_bytes")
+CHECKSUM_SAMPLES = 4096
+"""Elements per stage (evenly strided) in the per-step checksum that compares the nodes' copies."""
 
 
 class Timeline:
@@ -80,7 +92,7 @@ class Timeline:
 
     def __init__(self, streams: DeviceStreams):
         self.streams = streams
-        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": []}
+        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": [], "comm": []}
 
     def start(self, stream: Any) -> Any:
         return self.streams.record(stream, timing=True)
@@ -111,8 +123,15 @@ def _gaps(stage: StageLayout) -> list[tuple[int, int]]:
 
 class StreamEngine:
     def __init__(self, cfg: Config, layout: ModelLayout, store: HostStore, optimizers: list[Any],
-                 device: torch.device):
+                 device: torch.device, rank: RankInfo | None = None):
+        """`optimizers`: the node's OptimizerWorker handles (only its first rank gets them); `rank`: this
+        worker's place in a data-parallel run (None: the only one)."""
         self.cfg = cfg
+        self.rank = rank = rank or RankInfo()
+        self.comm: Collectives | None = None
+        """The process group, attached by the GPU worker once every rank has joined (several ranks only)."""
+        self.sync = StageSync(store.get("sync", 0), rank, len(layout.stages), cfg.parallel.timeout_s) \
+            if rank.local_world > 1 else None
         self.layout = layout
         self.store = store
         self.optimizers = optimizers
@@ -140,10 +159,13 @@ class StreamEngine:
             return WeightSlot(raw, compute)
 
         def grad_slot(stage: StageLayout) -> GradSlot:
-            buf = torch.full((stage.numel,), float("nan") if poison else 0.0, dtype=self.grad_dtype, device=device)
-            for a, b in _gaps(stage):
+            numel = padded(stage.numel, rank.local_world)
+            buf = torch.full((numel,), float("nan") if poison else 0.0, dtype=self.grad_dtype, device=device)
+            for a, b in [*_gaps(stage), (stage.numel, numel)]:
                 buf[a:b].zero_()
-            return GradSlot(buf)
+            out = torch.empty(numel // rank.local_world, dtype=self.grad_dtype, device=device) \
+                if rank.local_world > 1 else None
+            return GradSlot(buf, out)
 
         layer0 = layout.layers[0]
         self.layer_slots = [weight_slot(layout.max_layer_numel) for _ in range(2)]
@@ -160,6 +182,14 @@ class StreamEngine:
         self.next_pool = 0
         self.pending: dict[int, Future] = {}
         self.dispatcher = ThreadPoolExecutor(1, thread_name_prefix="update-dispatch")
+        # Several ranks per node: the leader's thread that publishes each update's completion to the
+        # node's other ranks, and (other ranks) the step whose update of each stage they wait for.
+        self.publisher = ThreadPoolExecutor(1, thread_name_prefix="update-publish") if self.sync else None
+        self.awaited: dict[int, int] = {}
+        self._serial = 0
+        """train_step calls so far: the step number the ranks of a node exchange in `sync`."""
+        self._checksum: float | None = None
+        self._summed: set[int] = set()
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step_stats: dict[str, float] = dict.fromkeys(_STEP_STATS, 0.0)
         self.timeline = Timeline(self.streams)
@@ -170,6 +200,13 @@ class StreamEngine:
 
     def _wait_update(self, stage: int) -> None:
         """Block the issuing thread until the last ordered update of `stage` is applied."""
+        if not self.rank.leader:  # the leader orders it; its completion arrives through `sync`
+            step = self.awaited.pop(stage, None)
+            if step is not None:
+                t0 = time.perf_counter()
+                self.sync.wait_applied(stage, step)
+                self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
+            return
         pending = self.pending.pop(stage, None)
         if pending is None:
             return
@@ -180,15 +217,42 @@ class StreamEngine:
         self._step_stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
 
     def _order_update(self, stage: int, drained: Any, order: UpdateOrder) -> None:
+        step, sync = self._serial, self.sync
+        if not self.rank.leader:
+            self.awaited[stage] = step
+            return
+
         def send() -> list[Any]:
             drained.synchronize()  # gradients are on the host before any worker reads them
+            if sync is not None:
+                sync.wait_landed(stage, step)  # and so are the other ranks' pieces
             return [worker.call("apply", order) for worker in self.optimizers]
-        self.pending[stage] = self.dispatcher.submit(send)
+        self.pending[stage] = future = self.dispatcher.submit(send)
+        if self.publisher is not None:
+            self.publisher.submit(self._publish_applied, stage, step, future)
+
+    def _publish_applied(self, stage: int, step: int, ordered: Future) -> None:
+        try:
+            for done in ordered.result():
+                done.result()
+        except BaseException:
+            self.sync.applied(stage, FAILED)  # the other ranks stop waiting; _wait_update raises it here
+            raise
+        self.sync.applied(stage, step)
+
+    def _publish_landed(self, stage: int, drained: Any) -> None:
+        """(Not the leader) Tell the leader when this rank's piece of `stage` is on the host."""
+        step, sync = self._serial, self.sync
+
+        def landed() -> None:
+            drained.synchronize()
+            sync.landed(stage, step)
+        self.dispatcher.submit(landed)
 
     def flush(self) -> float:
         """Wait for every ordered update; returns the optimizer seconds they took."""
         self._step_stats = dict.fromkeys(_STEP_STATS, 0.0)
-        for stage in list(self.pending):
+        for stage in [*self.pending, *self.awaited]:
             self._wait_update(stage)
         return self._step_stats["optimizer_seconds"]
 
@@ -207,6 +271,9 @@ class StreamEngine:
         if slot.holds == stage.index:
             return slot
         self._wait_update(stage.index)
+        if self._checksum is not None and stage.index not in self._summed:
+            self._summed.add(stage.index)
+            self._checksum += self._sample_sum(stage)
         s = self.streams
         with s.on(s.h2d):
             s.wait(s.h2d, slot.free)
@@ -219,6 +286,12 @@ class StreamEngine:
         slot.holds = stage.index
         self._step_stats["h2d_bytes"] += stage.numel * slot.raw.element_size()
         return slot
+
+    def _sample_sum(self, stage: StageLayout) -> float:
+        """float64 sum of evenly strided elements of the weights the node streams for `stage` (read once
+        its update is applied, before this step's gradients exist): equal on every node, or a copy is wrong."""
+        host = self.store.stream(stage.index)[:stage.numel]
+        return float(host[::max(1, stage.numel // CHECKSUM_SAMPLES)].sum(dtype=torch.float64))
 
     def _weights(self, stage: StageLayout, slot: WeightSlot) -> dict[str, torch.Tensor]:
         self.streams.wait(self.streams.compute, slot.ready)
@@ -242,19 +315,27 @@ class StreamEngine:
         return self.pool[k], "gradpool", k
 
     def _emit(self, stage: StageLayout, grad: GradSlot, deferred: list) -> None:
-        """Norm on the device, then D2H on its own stream; order the update (now or after clipping)."""
+        """Sum over the ranks (if several), norm on the device, then D2H of this rank's piece on its own
+        stream; order the update (now or after clipping)."""
         s = self.streams
-        flat = grad.buf[:stage.numel]
-        self._sqnorm += torch.linalg.vector_norm(flat, dtype=self.acc_dtype).square()
+        first, end = self.rank.piece(stage.numel)
+        piece = grad.buf[:stage.numel]
+        if self.comm is not None:
+            start = self.timeline.start(s.compute)
+            piece = self.comm.reduce(grad.buf, grad.out)[:end - first]
+            self.timeline.stop("comm", s.compute, start)
+        self._sqnorm += torch.linalg.vector_norm(piece, dtype=self.acc_dtype).square()
         ready = s.record(s.compute)
         host, kind, index = self._host_grad(stage.index)
         with s.on(s.d2h):
             s.wait(s.d2h, ready)
             start = self.timeline.start(s.d2h)
-            host[:stage.numel].copy_(flat, non_blocking=True)
+            host[first:end].copy_(piece, non_blocking=True)
             self.timeline.stop("d2h", s.d2h, start)
             grad.drained = s.record(s.d2h)
-        self._step_stats["d2h_bytes"] += stage.numel * flat.element_size()
+        self._step_stats["d2h_bytes"] += (end - first) * piece.element_size()
+        if self.sync is not None and not self.rank.leader:
+            self._publish_landed(stage.index, grad.drained)
         if self.clip > 0:
             deferred.append((stage.index, grad.drained, kind, index))
         else:
@@ -316,6 +397,7 @@ class StreamEngine:
         self._step_stats = dict.fromkeys(_STEP_STATS, 0.0)
         self.timeline = Timeline(self.streams)
         self._sqnorm = torch.zeros((), dtype=self.acc_dtype, device=self.device)
+        self._checksum = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -326,18 +408,22 @@ class StreamEngine:
 
     @torch.no_grad()
     def train_step(self, batch: Batch | torch.Tensor, lr: float, adam_step: int,
-                   inject_nan: bool = False) -> StepResult:
+                   inject_nan: bool = False, loss_tokens: int | None = None) -> StepResult:
         """One optimizer step on a Batch, or on [batch, seq_len + 1] token ids (labels are the shifted ids).
 
-        The loss is the mean over the tokens whose label counts (labels != -100) in the whole batch.
+        The loss is the mean over the tokens whose label counts (labels != -100) in the whole batch:
+        `loss_tokens` of them when this rank holds a slice of the global batch (the driver counts them).
         `inject_nan` puts a NaN into the first layer's gradients (fault drill `nan_grad`).
         """
         t0 = time.perf_counter()
         if isinstance(batch, torch.Tensor):
             batch = Batch.from_tokens(batch)
         self._begin(lr, adam_step)
+        self._serial += 1
+        if self.comm is not None and self.rank.nodes > 1 and self.rank.leader:
+            self._checksum, self._summed = 0.0, set()
         layout, cfg = self.layout, self.cfg
-        n_valid = max(1, batch.loss_tokens)
+        n_valid = max(1, batch.loss_tokens if loss_tokens is None else loss_tokens)
         ids = batch.input_ids.to(self.device, non_blocking=True)
         labels = batch.labels.to(self.device, non_blocking=True)
         deferred: list = []
@@ -395,8 +481,11 @@ class StreamEngine:
         self.timeline.stop("compute", compute, start)
         self._emit(layout.embed, self.embed_grad, deferred)
 
-        loss = float(head.loss_sum)
-        grad_norm = float(self._sqnorm.sqrt())
+        if self.comm is None:
+            loss = float(head.loss_sum)
+            grad_norm = float(self._sqnorm.sqrt())
+        else:
+            loss, grad_norm = self._global_totals(head.loss_sum)
         skipped = False
         if self.clip > 0:
             skipped = not (torch.isfinite(torch.tensor(grad_norm)) and torch.isfinite(torch.tensor(loss)))
@@ -420,7 +509,29 @@ class StreamEngine:
             optimizer_seconds=stats["optimizer_seconds"],
             optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
-            h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak)
+            h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
+            comm_seconds=device_seconds["comm"])
+
+    def _global_totals(self, loss_sum: torch.Tensor) -> tuple[float, float]:
+        """The step's loss and gradient norm over all ranks, in one all-reduce that also compares the nodes'
+        checksums: [loss, squared norm, checksum of node 0, ..., checksum of node M-1]. Each piece of the
+        summed gradients is held by one rank per node, so only node 0's ranks add their squared norms."""
+        info = self.rank
+        totals = torch.zeros(2 + info.nodes, dtype=torch.float64, device=self.device)
+        totals[0] = loss_sum
+        if info.node == 0:
+            totals[1] = self._sqnorm
+        if self._checksum is not None:
+            totals[2 + info.node] = self._checksum
+        self.comm.all_reduce(totals)
+        loss, sqnorm, *sums = totals.tolist()
+        self._checksum = None
+        if info.nodes > 1 and any(x != sums[0] and not (math.isnan(x) and math.isnan(sums[0])) for x in sums):
+            raise ParallelError(f"the nodes' host copies of the weights differ at train step {self._serial}: "
+                                f"checksums {', '.join(f'node {k}: {x!r}' for k, x in enumerate(sums))}. Each node "
+                                "applies the same summed gradients to its own copy, so one copy was corrupted or "
+                                "missed an update; resume from the last checkpoint (--resume auto)")
+        return loss, math.sqrt(sqnorm)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -457,3 +568,5 @@ class StreamEngine:
     def close(self) -> None:
         self.flush()
         self.dispatcher.shutdown(wait=True)
+        if self.publisher is not None:
+            self.publisher.shutdown(wait=True)
