@@ -86,18 +86,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
     machine = Machine.from_preset(args.machine) if args.machine else Machine.detect(cfg.host.shm_dir)
     machine = machine.override(host_memory=args.host_memory, gpu_memory=args.gpu_memory, shm=args.shm)
-    if args.optimizer_gparams is not None:
-        if args.optimizer_gparams <= 0:
-            raise ConfigError(f"--optimizer-gparams {args.optimizer_gparams:g}: must be > 0 (G params/s)")
+    for flag, value, unit, adjust in (("--optimizer-gparams", args.optimizer_gparams, "G params/s", "with_optimizer_rate"),
+                                      ("--disk-gbps", args.disk_gbps, "GB/s", "with_disk_rate")):
+        if value is None:
+            continue
+        if value <= 0:
+            raise ConfigError(f"{flag} {value:g}: must be > 0 ({unit})")
         if machine.profile is None:
-            raise ConfigError("--optimizer-gparams needs measured GPU rates: name a machine with --machine")
-        machine = replace(machine, profile=machine.profile.with_optimizer_rate(args.optimizer_gparams))
-    if args.disk_gbps is not None:
-        if args.disk_gbps <= 0:
-            raise ConfigError(f"--disk-gbps {args.disk_gbps:g}: must be > 0 (GB/s)")
-        if machine.profile is None:
-            raise ConfigError("--disk-gbps needs measured GPU rates: name a machine with --machine")
-        machine = replace(machine, profile=machine.profile.with_disk_rate(args.disk_gbps))
+            raise ConfigError(f"{flag} needs measured GPU rates: name a machine with --machine")
+        machine = replace(machine, profile=getattr(machine.profile, adjust)(value))
     plan = plan_run(cfg, machine)
     sys.stdout.write(format_plan(plan))
     return 0 if plan.fits else 2

@@ -100,8 +100,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _read_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
-    """The bytes of a tensor, _CHUNK at a time: views of memory, or chunks read from a disk-tier file."""
+def _chunks(t: torch.Tensor | DiskTensor, write: bool) -> Iterator[memoryview]:
+    """A tensor's bytes, _CHUNK at a time: views of its memory, or a bounce buffer for a disk-tier file,
+    read from the file before each chunk is handed out (`write` False) or written to it once the caller
+    has filled the chunk, when the next one is asked for (`write` True)."""
     if not isinstance(t, DiskTensor):
         view = _byte_view(t)
         for begin in range(0, len(view), _CHUNK):
@@ -110,23 +112,19 @@ def _read_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
     bounce = memoryview(bytearray(min(_CHUNK, t.nbytes)))
     for begin in range(0, t.nbytes, _CHUNK):
         chunk = bounce[:min(_CHUNK, t.nbytes - begin)]
-        t.read_bytes(begin, chunk)
+        if not write:
+            t.read_bytes(begin, chunk)
         yield chunk
+        if write:
+            t.write_bytes(begin, chunk)
+
+
+def _read_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
+    return _chunks(t, write=False)
 
 
 def _fill_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
-    """Buffers to read a tensor's bytes into, _CHUNK at a time: views of its memory, or a bounce buffer
-    written to its disk-tier file once the caller has filled it (when the next chunk is asked for)."""
-    if not isinstance(t, DiskTensor):
-        view = _byte_view(t)
-        for begin in range(0, len(view), _CHUNK):
-            yield view[begin:begin + _CHUNK]
-        return
-    bounce = memoryview(bytearray(min(_CHUNK, t.nbytes)))
-    for begin in range(0, t.nbytes, _CHUNK):
-        chunk = bounce[:min(_CHUNK, t.nbytes - begin)]
-        yield chunk
-        t.write_bytes(begin, chunk)
+    return _chunks(t, write=True)
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> dict:
