@@ -355,8 +355,13 @@ def format_plan(plan: Plan) -> str:
               f"engine.activation_offload={str(cfg.engine.activation_offload).lower()}):"]
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
+    fixed = sum(plan.gpu[k] for k in ("weight buffers", "gradient buffers", "vocabulary accumulator"))
+    per_token = (plan.gpu_peak - fixed) / rank_tokens(cfg)
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
-              f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB", ""]
+              f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB",
+              f"  {'activations per token (one GPU)':<38}{per_token / 1024:10.1f} KiB"
+              + (f"  (+ {plan.offloaded / ranks_per_node(cfg) / rank_tokens(cfg) / 1024:.1f} KiB pinned host RAM)"
+                 if plan.offload else ""), ""]
     lines += speed_lines(cfg, machine.profile, plan.offload)
     if plan.fits:
         lines.append("fits.")

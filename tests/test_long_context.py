@@ -94,3 +94,13 @@ def test_offloaded_plan_is_flat_in_depth_and_linear_in_sequence_length():
     step1 = peaks[(8, 262144)] - peaks[(8, 131072)]
     step2 = (peaks[(8, 524288)] - peaks[(8, 262144)]) / 2
     assert step2 <= step1 * 1.0001
+
+
+def test_plan_reports_memory_per_token():
+    from megatrain_ray.plan import format_plan
+
+    text = format_plan(_plan(32, 131072, 141, offload=True))
+    line = next(ln for ln in text.splitlines() if "activations per token" in ln)
+    # The host side: one bf16 [hidden] row per layer per token, 32 x 4096 x 2 bytes = 256 KiB.
+    assert "(+ 256.0 KiB pinned host RAM)" in line
+    assert 0 < float(line.split()[-6]) < 1024
