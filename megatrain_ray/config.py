@@ -224,7 +224,7 @@ class OptimizerConfig:
     wait for the whole backward and then run in layer order, overlapped with the next forward."""
     workers: int | Literal["auto"] = "auto"
     """Number of OptimizerWorker actors; each owns a slice of every layer and pins itself to its own
-    cores. auto: min(4, usable cores // 2) on every NUMA node (CPU AdamW is bound by DRAM bandwidth,
+    cores. auto: min(2, usable cores // 2) on every NUMA node (CPU AdamW is bound by DRAM bandwidth,
     so more workers on one socket add no throughput; see megatrain_ray/topology.py). The choice and
     the core map are logged at start."""
     kernel: Literal["auto", "native", "torch"] = "auto"

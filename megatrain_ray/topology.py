@@ -8,10 +8,12 @@ memory to, and which cores stay free for the GPU worker and the shards.
 
 Why few optimizer workers: CPU AdamW is bound by DRAM bandwidth, not by cores. Measured on
 the GPU machines (one NUMA node): 4.2 G params/s on 16 cores and 6.2 on 32, flat from 1 to 16
-worker processes (DESIGN.md section 3). On one socket more workers only add messages per
-stage; what helps is overlap with the GPU, which a few workers already give. Across sockets
-each socket's memory channels add bandwidth, so `auto` puts workers on every node:
-min(4, usable cores // 2) per node, each worker on its own disjoint cores.
+worker processes (DESIGN.md section 3). On the H100 box (benchmarks/results/optimizer-scaling-h100-*)
+1, 2 and 4 processes over the same 16 cores gave 4.58, 5.08, 4.36 G params/s alone and 4.10, 4.09,
+3.84 beside H2D copies: two processes are as fast as any count, and each further one costs
+~0.35 GiB of RAM and more messages per stage. Across sockets each socket's memory channels add
+bandwidth, so `auto` puts workers on every node: min(2, usable cores // 2) per node, each worker
+on its own disjoint cores (its threads use all of them).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # shards on the GPU's node, on nodes large enough to spare them.
 RESERVED_CORES = 2
 RESERVE_FROM_CORES = 8
-MAX_AUTO_WORKERS_PER_NODE = 4
+MAX_AUTO_WORKERS_PER_NODE = 2
 
 
 @dataclass(frozen=True, slots=True)

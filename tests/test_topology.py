@@ -57,7 +57,7 @@ def test_a_cgroup_quota_trims_the_cpus_across_nodes(tmp_path, layout):
 
 def test_auto_puts_a_few_workers_on_every_node_on_disjoint_cores(tmp_path):
     plan = plan_placement(two_sockets(tmp_path), "auto", num_shards=2)
-    assert [w.node for w in plan.workers] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [w.node for w in plan.workers] == [0, 0, 1, 1]
     cores = [set(w.cores) for w in plan.workers]
     assert all(a.isdisjoint(b) for i, a in enumerate(cores) for b in cores[i + 1:])
     for w in plan.workers:  # each worker's cores lie on its own node
@@ -66,7 +66,7 @@ def test_auto_puts_a_few_workers_on_every_node_on_disjoint_cores(tmp_path):
     assert plan.gpu_node == 0 and plan.gpu_cores == (0, 1)
     assert not set(plan.gpu_cores) & set().union(*cores)
     assert plan.shard_nodes == (0, 1)
-    assert "optim4 -> node 1 cpus 16-19" in plan.summary()
+    assert "optim2 -> node 1" in plan.summary()
 
 
 def test_an_explicit_count_is_spread_over_nodes_by_cores(tmp_path):
