@@ -16,7 +16,9 @@ from tests.conftest import REPO, learnable_tokens, tiny_raw
 
 
 def segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("megatrain-")}
+    """This process's shared-memory segments (a run's id names the driver's pid; other test runs on the
+    machine are not ours to count)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith("megatrain-") and f"-{os.getpid()}-" in f}
 
 
 def write_config(tmp: Path, raw: dict) -> str:

@@ -16,13 +16,23 @@ from tests.conftest import REPO
 
 
 def megatrain(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The CLI in a child process; the result's `pid` names the driver (its run ids carry it)."""
     env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-m", "megatrain_ray", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    with subprocess.Popen([sys.executable, "-m", "megatrain_ray", *args], cwd=REPO, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise
+    result = subprocess.CompletedProcess(child.args, child.returncode, out, err)
+    result.pid = child.pid
+    return result
 
 
-def shm_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("megatrain-")}
+def shm_segments(pid: int) -> set[str]:
+    """The shared-memory segments of the run driven by process `pid` (other runs on the machine aside)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith("megatrain-") and f"-{pid}-" in f}
 
 
 def test_train_tiny_locally_end_to_end(tmp_path):
@@ -44,24 +54,22 @@ def test_train_tiny_locally_end_to_end(tmp_path):
 
 @pytest.mark.ray
 def test_train_tiny_through_a_private_ray(tmp_path):
-    before = shm_segments()
     out = tmp_path / "run"
     proc = megatrain("train", "configs/tiny.yaml", "--set", f"train.output_dir={out}", "--set", "train.steps=5",
                      "--set", "runtime.dashboard=false")
     assert proc.returncode == 0, proc.stderr
     assert "started a private Ray on 127.0.0.1" in proc.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 5
-    assert shm_segments() == before
+    assert not shm_segments(proc.pid)
 
 
 def test_bad_override_is_one_clear_error_and_allocates_nothing(tmp_path):
-    before = shm_segments()
     proc = megatrain("train", "configs/tiny.yaml", "--local", "--set", "optimizer.lr=fast",
                      "--set", f"train.output_dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert "config key 'optimizer.lr' = 'fast'" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert shm_segments() == before and not (tmp_path / "run").exists()
+    assert not shm_segments(proc.pid) and not (tmp_path / "run").exists()
 
 
 def test_an_existing_run_directory_is_never_overwritten(tmp_path):
