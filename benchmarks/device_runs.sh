@@ -35,7 +35,8 @@ case "${1:-}" in
       --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
   largest-h200)
     python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 8 --steps 8 --warmup 2 \
-      --name largest-h200 --out "$OUT" --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
+      --name largest-h200 --out "$OUT" --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 \
+      --set engine.grad_slabs=2 --set optimizer.workers=auto ;;  # the fewest bytes beyond 12 B/param
   bench-3.5b)
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4,16,32 \
       --systems megatrain,megatrain-noclip,resident,deepspeed --name bench-3.5b --out "$OUT" ;;
