@@ -14,6 +14,7 @@
 #                 master streamed, clipping off) on the 128 GiB box; the plan beside the figures nvidia-h200
 #   bench-3.5b    issue 4: the 3.5B bench against the GPU-resident baseline and DeepSpeed
 #                 (WITH_DEEPSPEED=1 before sourcing the bundle)                                  nvidia-h200
+#   compile-depth issue 4: engine.compile against eager, depth 8 and 16 at 64k tokens            nvidia-h200
 #   qwen14b-x2    issues 4 and 8: Qwen2.5-14B shape at full precision with DeepSpeed beside it   nvidia-h200-x2
 #   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape        nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
@@ -40,6 +41,9 @@ case "${1:-}" in
   bench-3.5b)
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4,16,32 \
       --systems megatrain,megatrain-noclip,resident,deepspeed --name bench-3.5b --out "$OUT" ;;
+  compile-depth)  # issue 4: does engine.compile pay? 7B-width layers at 64k tokens, depth 8 and 16
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 32 --layers 8,16 \
+      --systems megatrain,megatrain-compile --name compile-depth --out "$OUT" ;;
   qwen14b-x2)
     python benchmarks/run.py --config configs/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
       --name qwen14b-x2 --out "$OUT" ;;

@@ -11,7 +11,8 @@ The results go to one JSON file in benchmarks/results/ that names the device and
 
 Systems:
 - megatrain: the product through its Ray path (Trainer, actors, shared-memory host store), with the
-  config's clipping; megatrain-noclip: the same with optimizer.grad_clip=0.
+  config's clipping; megatrain-noclip: the same with optimizer.grad_clip=0; the -compile variants
+  with engine.compile=true (the decoder layer through torch.compile).
 - resident: the whole model on the GPU (Hugging Face LlamaForCausalLM in bf16, SDPA attention,
   activation checkpointing per layer, torch fused AdamW on the GPU, clip_grad_norm_).
 - deepspeed: the same Hugging Face model under DeepSpeed ZeRO-3 with parameters and optimizer
@@ -219,7 +220,9 @@ def run_deepspeed(spec: dict) -> dict:
 
 SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "deepspeed": run_deepspeed}
 # Variants: a system run with extra config overrides (the row keeps the variant's name).
-VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"])}
+VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
+            "megatrain-compile": ("megatrain", ["engine.compile=true"]),
+            "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"])}
 
 
 def child(system: str, spec: dict) -> None:

@@ -348,6 +348,11 @@ class EngineConfig:
     """Tokens per chunk of each layer's MLP (forward and recomputed backward) when a step has more:
     the [tokens, intermediate_size] tensors then exist for one chunk at a time (long sequences).
     0 never chunks."""
+    compile: bool = False
+    """torch.compile the decoder-layer template (its forward, and the recomputed forward and backward):
+    fuses the norms, RoPE and SwiGLU around the matrix products. The first step of each shape pays the
+    compile time; rows with packed documents or a chunked MLP run eagerly. Off until measured to pay
+    on the GPU (benchmarks/run.py system megatrain-compile)."""
     activation_offload: bool | Literal["auto"] = "auto"
     """Where the layer inputs kept for the backward live. false: on the GPU (one [tokens, hidden]
     tensor per layer); true: copied to pinned host memory during the forward and back during the

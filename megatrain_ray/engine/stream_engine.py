@@ -146,6 +146,9 @@ class StreamEngine:
         self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
         self.clip = cfg.optimizer.grad_clip
         self.mlp_chunk = cfg.engine.mlp_chunk_tokens
+        # Shapes are fixed per run (the weights of every layer are views at the same offsets), so one
+        # compiled graph per sequence shape serves every layer.
+        self._compiled = torch.compile(decoder_layer, dynamic=False) if cfg.engine.compile else None
         gpu_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         self.offload = resolve_activation_offload(cfg, gpu_memory)
         poison = cfg.engine.poison_buffers
@@ -359,6 +362,14 @@ class StreamEngine:
         positions = positions.to(self.device, non_blocking=True)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
+    def _layer(self, x: torch.Tensor, documents: Any) -> Any:
+        """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
+        runs in one piece, else the eager function."""
+        if self._compiled is None or documents is not None or x.shape[0] * x.shape[1] > (self.mlp_chunk or
+                                                                                         x.shape[0] * x.shape[1]):
+            return decoder_layer
+        return self._compiled
+
     def _copied(self, kind: str, stream: Any, start: Any, nbytes: int) -> None:
         """An activation copy of the stash: into the timeline and the byte counts with the weight copies."""
         self.timeline.stop(kind, stream, start)
@@ -387,7 +398,7 @@ class StreamEngine:
                 keep.put(i, x)
             weights = self._weights(stage, slot)
             start = self.timeline.start(self.streams.compute)
-            x = decoder_layer(x, weights, rope, self.spec, documents, self.mlp_chunk)
+            x = self._layer(x, documents)(x, weights, rope, self.spec, documents, self.mlp_chunk)
             self.timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -460,7 +471,8 @@ class StreamEngine:
             w = self._weights(stage, slot)
             x_in = acts.take(i, self.device)
             start = self.timeline.start(compute)
-            grad_x, weight_grads = decoder_layer_backward(x_in, w, rope, self.spec, documents, grad_y, self.mlp_chunk)
+            grad_x, weight_grads = decoder_layer_backward(x_in, w, rope, self.spec, documents, grad_y, self.mlp_chunk,
+                                                          self._layer(x_in, documents))
             del x_in
             self._release(slot)
             grad_slot = self.layer_grads[i % 2]

@@ -271,19 +271,20 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
 
 def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                            spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None, grad_y: torch.Tensor,
-                           mlp_chunk_tokens: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           mlp_chunk_tokens: int = 0, layer=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Recompute the layer from its input and return (grad of x, grads of the weights by name).
 
     In one piece when the tokens fit one MLP chunk. Otherwise the attention half is recomputed once, the
     MLP half chunk by chunk (recompute, backward, add its weight gradients into float32 sums), and the
     attention half's backward takes the assembled gradient: the MLP's [tokens, intermediate] tensors
-    then exist for one chunk at a time."""
+    then exist for one chunk at a time. `layer` replaces decoder_layer in the one-piece case (a compiled
+    version of it)."""
     x = x.detach().requires_grad_(True)
     params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
     chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
     with torch.enable_grad():
         if len(chunks) == 1:
-            y = decoder_layer(x, params, rope, spec, documents)
+            y = (layer or decoder_layer)(x, params, rope, spec, documents)
             grads = torch.autograd.grad(y, [x, *params.values()], grad_y)
             return grads[0], dict(zip(params, grads[1:]))
         mid = attention_block(x, params, rope, spec, documents)
