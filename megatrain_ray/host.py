@@ -13,7 +13,7 @@ Ray; the bytes never do. Kinds per stage:
 - `grad`: per-stage gradients, only when the master weights are streamed and clipping is on
   (all gradients must wait for the global norm). Otherwise gradients land in the stage's
   `stream` buffer, which is free between the layer's backward and its update, or, when the
-  master is streamed and clipping is off, in a small pool of `gradpool` slabs.
+  master is streamed and clipping is off, in a small pool of `gradpool` slabs (pool_slab_sizes).
 
 Each shard also owns a `gate`: one int32 per stage of the model, set while a checkpoint still has
 to write that stage (megatrain_ray/checkpoint.py); optimizer workers wait on it. With several GPU
@@ -104,17 +104,22 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
     specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":
-        for k in range(cfg.engine.grad_slabs):
+        for k, numel in enumerate(pool_slab_sizes(layout, cfg.engine.grad_slabs)):
             path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
-            specs.append(SegmentSpec(path, grad_dtype(cfg), layout_max_numel(layout), "gradpool", k))
+            specs.append(SegmentSpec(path, grad_dtype(cfg), numel, "gradpool", k))
     if shard == 0 and ranks_per_node > 1:
         specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-sync"), "int64",
                                  (ranks_per_node + 1) * len(layout.stages), "sync", 0))
     return specs
 
 
-def layout_max_numel(layout: ModelLayout) -> int:
-    return max(s.numel for s in layout.stages)
+def pool_slab_sizes(layout: ModelLayout, slabs: int) -> list[int]:
+    """Elements of each gradient slab: `slabs` of a layer's size, which the stages take in turn, plus one
+    for the embedding and the LM head when they are larger than a layer (a large vocabulary). Those two
+    share it: the head's gradients are the first of a backward, the embedding's the last, so the head's
+    update is long done when the embedding needs the slab."""
+    vocab = max(layout.embed.numel, layout.head.numel)
+    return [layout.max_layer_numel] * slabs + ([vocab] if vocab > layout.max_layer_numel else [])
 
 
 def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field, replace
 
 from megatrain_ray.config import DTYPE_BYTES, Config
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.host import grad_dtype, grad_home
+from megatrain_ray.host import grad_dtype, grad_home, pool_slab_sizes
 from megatrain_ray.metrics import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
 
@@ -333,8 +333,11 @@ class _Replay:
 
     def emit(self, c: StageCost, grad_slot: str, deferred: list[tuple[int, float]]) -> None:
         if self.pool_slabs:
-            k = self.next_pool
-            self.next_pool = (k + 1) % self.pool_slabs
+            if len(self.pool_users) > self.pool_slabs and c.kind != "layer":
+                k = self.pool_slabs  # the vocabulary stages' own slab
+            else:
+                k = self.next_pool
+                self.next_pool = (k + 1) % self.pool_slabs
             if self.pool_users[k] >= 0:
                 self.wait_update(self.pool_users[k])
             self.pool_users[k] = c.index
@@ -437,8 +440,9 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     layout = build_layout(cfg.model)
     costs = stage_costs(cfg, profile, layout, offload)
     pool = cfg.engine.grad_slabs if grad_home(cfg) == "pool" else 0
+    slabs = len(pool_slab_sizes(layout, pool)) if pool else 0
     replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, pool, adamw_gparams(cfg, profile.host),
-                     pool_users=[-1] * pool)
+                     pool_users=[-1] * slabs)
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call

@@ -310,8 +310,11 @@ class StreamEngine:
             return self.store.get("stream", stage), "stream", stage
         if self.grad_home == "stage":
             return self.store.get("grad", stage), "grad", stage
-        k = self.next_pool
-        self.next_pool = (k + 1) % len(self.pool)
+        if len(self.pool) > self.cfg.engine.grad_slabs and self.layout.stages[stage].kind != "layer":
+            k = len(self.pool) - 1  # the embedding's and LM head's own slab (host.pool_slab_sizes)
+        else:
+            k = self.next_pool
+            self.next_pool = (k + 1) % self.cfg.engine.grad_slabs
         if self.pool_users[k] >= 0:
             self._wait_update(self.pool_users[k])  # the slab's last reader is done
         self.pool_users[k] = stage
