@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from megatrain_ray.disk_tier import DiskTensor
+from megatrain_ray.disk_tier import DiskTensor, byte_view
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.log import get_logger
 from megatrain_ray.model.layout import ModelLayout, StageLayout
@@ -96,16 +96,12 @@ def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -
     return struct.pack("<Q", len(text)) + text
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
 def _chunks(t: torch.Tensor | DiskTensor, write: bool) -> Iterator[memoryview]:
     """A tensor's bytes, _CHUNK at a time: views of its memory, or a bounce buffer for a disk-tier file,
     read from the file before each chunk is handed out (`write` False) or written to it once the caller
     has filled the chunk, when the next one is asked for (`write` True)."""
     if not isinstance(t, DiskTensor):
-        view = _byte_view(t)
+        view = byte_view(t)
         for begin in range(0, len(view), _CHUNK):
             yield view[begin:begin + _CHUNK]
         return
@@ -119,14 +115,6 @@ def _chunks(t: torch.Tensor | DiskTensor, write: bool) -> Iterator[memoryview]:
             t.write_bytes(begin, chunk)
 
 
-def _read_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
-    return _chunks(t, write=False)
-
-
-def _fill_chunks(t: torch.Tensor | DiskTensor) -> Iterator[memoryview]:
-    return _chunks(t, write=True)
-
-
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> dict:
     """Stream the tensors to `path` (fsynced); returns {path, bytes, crc32} of the whole file."""
     header = _header(tensors, metadata)
@@ -135,7 +123,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metad
     with open(path, "wb") as f:
         f.write(header)
         for _, t in tensors:
-            for chunk in _read_chunks(t):
+            for chunk in _chunks(t, write=False):
                 crc = zlib.crc32(chunk, crc)
                 f.write(chunk)
                 size += len(chunk)
@@ -179,7 +167,7 @@ def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor], expect: 
                                       f"{_SAFETENSORS_DTYPES.get(target.dtype) if target is not None else 'none'} "
                                       f"{list(target.shape) if target is not None else ''}: the checkpoint belongs "
                                       "to another model or precision")
-            for chunk in _fill_chunks(target):
+            for chunk in _chunks(target, write=True):
                 if f.readinto(chunk) != len(chunk):
                     raise CheckpointError(f"checkpoint file {path} ends early")
                 crc = zlib.crc32(chunk, crc)

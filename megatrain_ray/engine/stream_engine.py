@@ -50,6 +50,7 @@ from megatrain_ray.model.templates import (
     head_logits,
     head_loss_and_grads,
     rope_tables,
+    token_chunks,
 )
 from megatrain_ray.plan import resolve_activation_offload
 
@@ -368,8 +369,8 @@ class StreamEngine:
     def _layer(self, x: torch.Tensor, documents: Any) -> Any:
         """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
         runs in one piece, else the eager function."""
-        if self._compiled is None or documents is not None or x.shape[0] * x.shape[1] > (self.mlp_chunk or
-                                                                                         x.shape[0] * x.shape[1]):
+        if self._compiled is None or documents is not None or \
+                len(token_chunks(x.shape[0] * x.shape[1], self.mlp_chunk)) > 1:
             return decoder_layer
         return self._compiled
 

@@ -100,6 +100,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingConfig, dim: int,
         high += 0.001  # a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv_freq.dtype)
     keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    # (1 - keep), not ramp: the same float32 roundings as transformers, so the tables agree bit for bit.
     return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
