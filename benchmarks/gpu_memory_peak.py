@@ -12,6 +12,7 @@ what grows with the number of layers. Needs CUDA. JSON goes to --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -32,12 +33,24 @@ def _site(frames: list[dict]) -> str:
     return "(outside megatrain)"
 
 
-def live_at_peak(trace: list[dict], since: int) -> tuple[int, dict[str, int]]:
-    """Replay allocator events; the peak of allocated bytes after event `since` and what was live then."""
+def _by_site(blocks: dict[int, dict]) -> dict[str, int]:
+    by_site: dict[str, int] = {}
+    for event in blocks.values():
+        site = _site(event.get("frames", []))
+        by_site[site] = by_site.get(site, 0) + event["size"]
+    return dict(sorted(by_site.items(), key=lambda kv: -kv[1]))
+
+
+def live_at_peak(trace: list[dict], since: int) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Replay allocator events: the peak of allocated bytes from event `since` on (counting what was
+    live at `since`), the live blocks then by site, and the live blocks at `since` by site."""
     live: dict[int, dict] = {}
     current = peak = 0
     at_peak: dict[int, dict] = {}
+    at_since: dict[int, dict] = {}
     for i, event in enumerate(trace):
+        if i == since:
+            at_since, peak, at_peak = dict(live), current, dict(live)
         action = event["action"]
         if action == "alloc":
             live[event["addr"]] = event
@@ -46,11 +59,7 @@ def live_at_peak(trace: list[dict], since: int) -> tuple[int, dict[str, int]]:
                 peak, at_peak = current, dict(live)
         elif action == "free_requested" and event["addr"] in live:
             current -= live.pop(event["addr"])["size"]
-    by_site: dict[str, int] = {}
-    for event in at_peak.values():
-        site = _site(event.get("frames", []))
-        by_site[site] = by_site.get(site, 0) + event["size"]
-    return peak, dict(sorted(by_site.items(), key=lambda kv: -kv[1]))
+    return peak, _by_site(at_peak), _by_site(at_since)
 
 
 def main() -> int:
@@ -81,16 +90,26 @@ def main() -> int:
             for s in range(args.steps - 1):
                 trainer.step(s)
             torch.cuda.synchronize()
+            between = torch.cuda.memory_allocated()
+            gc.collect()
+            between_gc = torch.cuda.memory_allocated()
             since = len(torch.cuda.memory._snapshot()["device_traces"][0])
             record = trainer.step(args.steps - 1)
             trace = torch.cuda.memory._snapshot()["device_traces"][0]
         torch.cuda.memory._record_memory_history(enabled=None)
-        peak, by_site = live_at_peak(trace, since)
-        print(f"\n{layers} layers: engine-reported peak {record['gpu_peak_gib']:.3f} GiB, replayed {peak / 2**30:.3f} GiB")
-        for site, size in list(by_site.items())[:args.top]:
-            print(f"  {size / 2**20:10.1f} MiB  {site}")
+        peak, by_site, between_sites = live_at_peak(trace, since)
+        print(f"\n{layers} layers: engine-reported peak {record['gpu_peak_gib']:.3f} GiB, replayed {peak / 2**30:.3f} "
+              f"GiB ({len(trace)} allocator events); between steps {between / 2**30:.3f} GiB allocated, "
+              f"{between_gc / 2**30:.3f} GiB after gc.collect()")
+        for title, sites in (("live at the peak", by_site), ("live between steps", between_sites)):
+            print(f" {title}:")
+            for site, size in list(sites.items())[:args.top]:
+                print(f"  {size / 2**20:10.1f} MiB  {site}")
         report["depths"][layers] = {"gpu_peak_gib": record["gpu_peak_gib"], "replayed_peak_gib": peak / 2**30,
-                                    "live_mib_by_site": {k: v / 2**20 for k, v in by_site.items()}}
+                                    "allocator_events": len(trace), "between_steps_gib": between / 2**30,
+                                    "between_steps_after_gc_gib": between_gc / 2**30,
+                                    "live_mib_by_site": {k: v / 2**20 for k, v in by_site.items()},
+                                    "between_steps_mib_by_site": {k: v / 2**20 for k, v in between_sites.items()}}
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     path = Path(args.out) / f"gpu-memory-peak-{time.strftime('%Y%m%d-%H%M%S')}.json"
