@@ -36,14 +36,18 @@ def provenance(device: str) -> dict[str, Any]:
             "python": platform.python_version()}
 
 
-def write_result(name: str, result: dict[str, Any], out: str | Path = RESULTS) -> Path:
-    """benchmarks/results/<name>-<device>-<time>.json, written atomically."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = result.get("device", "unknown").replace("NVIDIA ", "").replace(" ", "-").lower()
-    path = out / f"{name}-{slug}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+def write_result(name: str, result: dict[str, Any], out: str | Path = RESULTS, path: Path | None = None,
+                 quiet: bool = False) -> Path:
+    """benchmarks/results/<name>-<device>-<time>.json, written atomically; `path` rewrites a file an
+    earlier call returned (a long run saves its rows as it goes)."""
+    if path is None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        slug = result.get("device", "unknown").replace("NVIDIA ", "").replace(" ", "-").lower()
+        path = out / f"{name}-{slug}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, path)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
     return path

@@ -369,7 +369,19 @@ def main() -> int:
               f"{bandwidth:.1f})", flush=True)
     points = [(system, gpus) for system in systems for gpus in gpu_counts
               if gpus == 1 or system.startswith("megatrain")]
-    rows = []
+    rows: list[dict] = []
+    path = None
+
+    def result_of(rows: list[dict]) -> dict:
+        device = next((r["device"] for r in rows if r.get("device")), "unknown")
+        return {
+            **provenance(device), "config": os.path.relpath(args.config, ROOT), "overrides": args.set,
+            "steps": args.steps, "warmup": args.warmup, "host_dram_gbs": bandwidth,
+            "host_dram_gbs_copy": copy_bw, "host_dram_gbs_adamw": adamw_bw,
+            "tflops_formula": "tok/s * (6 N + 6 L T d_attn) / 1e12; N = parameters in matrix products",
+            "rows": rows, "points_planned": len(points),
+        }
+
     points = [(seq, depth, batch, system, gpus) for seq in seq_lens for depth in layers for batch in batches
               for system, gpus in points]
     for seq, depth, batch, system, gpus in points:
@@ -395,16 +407,8 @@ def main() -> int:
         rows.append(row)
         derive(rows, bandwidth)
         print(summary_line(row), flush=True)
-    derive(rows, bandwidth)
-    device = next((r["device"] for r in rows if r.get("device")), "unknown")
-    result = {
-        **provenance(device), "config": os.path.relpath(args.config, ROOT), "overrides": args.set,
-        "steps": args.steps, "warmup": args.warmup, "host_dram_gbs": bandwidth,
-        "host_dram_gbs_copy": copy_bw, "host_dram_gbs_adamw": adamw_bw,
-        "tflops_formula": "tok/s * (6 N + 6 L T d_attn) / 1e12; N = parameters in matrix products",
-        "rows": rows,
-    }
-    write_result(args.name, result, args.out)
+        # Saved after every point: a run cut short (a device call's time limit) keeps what it measured.
+        path = write_result(args.name, result_of(rows), args.out, path, quiet=len(rows) < len(points))
     return 0
 
 
