@@ -108,3 +108,4 @@ class GPUWorker(ActorBase):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.store.unregister_pinned()
+            torch.cuda.empty_cache()  # the engine let go of its buffers: give the memory back to the device

@@ -78,6 +78,15 @@ class ActivationStash:
         self.back[index] = (x, ready)
         self.on_copy("h2d", s.h2d, start, x.numel() * x.element_size())
 
+    def release(self) -> None:
+        """Drop every buffer (pinned host and device) and the copy callback (the engine's bound method)."""
+        self.kept.clear()
+        self.host.clear()
+        self.back.clear()
+        self.stored.clear()
+        self.read.clear()
+        self.on_copy = None
+
     def take(self, index: int, device: torch.device) -> torch.Tensor:
         """Layer `index`'s input on the device, ready for compute; the stash lets go of it."""
         if index in self.kept:

@@ -586,3 +586,10 @@ class StreamEngine:
         self.dispatcher.shutdown(wait=True)
         if self.publisher is not None:
             self.publisher.shutdown(wait=True)
+        # Let go of every device buffer and pinned activation buffer now: a closed engine can outlive
+        # its run (a reference cycle, a caller's handle), and the next run in this process needs the memory.
+        self.layer_slots, self.layer_grads = [], []
+        self.embed_slot = self.head_slot = self.embed_grad = self.head_grad = None
+        self.vocab_acc = self._sqnorm = None
+        self._rope_cache.clear()
+        self.activations.release()
