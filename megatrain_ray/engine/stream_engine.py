@@ -461,7 +461,10 @@ class StreamEngine:
         self._write_grads(layout.head, self.head_grad, head_grads)
         self.timeline.stop("compute", compute, start)
         self._emit(layout.head, self.head_grad, deferred)
-        grad_y = head.grad_x
+        # The last hidden state and the head's own reference to its input gradient would each hold a
+        # [tokens, hidden] tensor through the whole backward (8 GiB at 512K tokens of an 8B model).
+        grad_y, head.grad_x = head.grad_x, None
+        del x
 
         # Backward: recompute each layer from its kept input, in reverse.
         layers = layout.layers
