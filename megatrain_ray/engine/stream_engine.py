@@ -484,6 +484,7 @@ class StreamEngine:
             self._release(slot)
             grad_slot = self.layer_grads[i % 2]
             self._write_grads(stage, grad_slot, weight_grads)
+            del weight_grads  # else the float32 MLP sums of this layer live through the next layer's backward
             if inject_nan and i == 0:
                 grad_slot.buf[:1].fill_(float("nan"))
             self.timeline.stop("compute", compute, start)
