@@ -37,8 +37,8 @@ CONFIGS = ["configs/llama3-70b.yaml", "configs/qwen2.5-72b.yaml", "configs/dense
 MACHINES = list(PRESETS)
 DOC = ROOT / "docs" / "plan-large-models.md"
 TIGHT = 0.93
-"""GPU rows above this share of the GPU are marked tight: the plan read 2.5-7.2 % below the measured peaks
-(benchmarks/results/fault-recovery-h100-*.json, plan_accuracy)."""
+"""GPU rows above this share of the GPU are marked tight: against the peaks measured on the H200 and H100 the
+plan reads -8.4 % to +8.5 % (tests/test_speed.py::test_planned_gpu_peak_is_within_tolerance_of_the_measured)."""
 TOLERANCE = 0.10
 """The speed model's tok/s against each measured point: within 10 % (tests/test_speed.py)."""
 
@@ -54,6 +54,7 @@ class MeasuredPoint:
     profile: SpeedProfile
     tok_per_s: float
     step_seconds: float
+    gpu_peak_gib: float | None = None
 
 
 def _grads_as_measured(record: dict) -> list[str]:
@@ -84,12 +85,16 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
             if not r.get("system", "").startswith("megatrain") or r.get("status") != "ok":
                 continue
             extra = ["optimizer.grad_clip=0"] if r["system"] == "megatrain-noclip" else []
+            if r.get("seq_len"):  # --seq-lens points: the harness set the length beside the file's overrides
+                base = load_config(ROOT / result["config"], result["overrides"])
+                extra += [f"data.seq_len={r['seq_len']}",
+                          f"model.max_position_embeddings={max(r['seq_len'], base.model.max_position_embeddings)}"]
             cfg = load_config(ROOT / result["config"], [*result["overrides"], *extra, f"data.batch_size={r['batch']}",
                                                         f"model.num_layers={r['layers']}", *_grads_as_measured(r)])
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "
                      f"{cfg.precision.resolved_stream_dtype} stream")
             points.append(MeasuredPoint(label, path.name, cfg, profile_for_gpu(r["device"]), r["tok_per_s"],
-                                        r["step_seconds"]))
+                                        r["step_seconds"], r.get("gpu_peak_gib")))
     return points
 
 
@@ -183,15 +188,15 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "stochastic rounding; not full precision), -4 bytes/parameter. Its speed is not predicted.",
         "- **GPU**: torch's peak allocation by the memory plan + 1.5 GiB for the CUDA context and workspaces. "
         "Where the config's batch does not fit, the row plans the largest batch that does (tokens/step column). "
-        f"Tight: above {TIGHT:.0%} of the GPU; the plan read 2.5-7.2 % below the peaks measured on the H100 "
-        "(`fault-recovery-h100-*.json`), so leave a batch of margin there.",
+        f"Tight: above {TIGHT:.0%} of the GPU; against the peaks measured on the H200 and H100 (8k to 512K "
+        "tokens per step) the plan reads -8.4 % to +8.5 %, so leave a batch of margin there.",
         "- **tok/s is a prediction**, not a measurement: `megatrain_ray/speed.py` replays the engine's schedule "
         "(forward H2D overlap, backward H2D/D2H overlap, AdamW overlapped with the backward) with the rates "
-        "measured on the boxes (its docstring names each source): H200 371 model TFLOPS on GPU-busy time "
-        "(median of the 14 megatrain H200 rows), H100 358 (the H200 rate x the 7B-layer time ratio), H2D "
-        "53 / 55 GB/s (40 / 43.4 while AdamW runs), D2H 51.7 GB/s, CPU AdamW 4.33 / 4.36 G params/s. Against "
+        "measured on the boxes (its docstring names each source): H200 372.4 model TFLOPS on GPU-busy time "
+        "(median of the 23 megatrain H200 rows), H100 360 (the H200 rate x the 7B-layer time ratio), H2D "
+        "53 / 55 GB/s (40 / 43.4 while AdamW runs), D2H 51.8 GB/s, CPU AdamW 4.24 / 4.36 G params/s. Against "
         f"every measured megatrain point (the table at the end) it is within {worst:.1%} "
-        "(tests/test_speed.py holds 10 %). Hosts of 512 GB-1.5 TB are assumed as fast as the measured "
+        "(tests/test_speed.py holds 10 %; the one row beyond it is named there and below). Hosts of 512 GB-1.5 TB are assumed as fast as the measured "
         "16-core VMs; a host with more DRAM channels runs AdamW faster, which matters only where the bound is "
         "the CPU optimizer (`--optimizer-gparams`). Model TFLOPS = tok/s x (6 N + 6 L T d_attn).",
         "",
@@ -213,13 +218,15 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "",
         "## The speed model against the measured points",
         "",
-        "Every megatrain run with a step time in `benchmarks/results/` (3.5B-bench width, T2048, 4 optimizer "
-        "workers), predicted from its config with the rates of its GPU's box. The H200 GPU, D2H and AdamW rates "
-        "are medians over these same H200 rows, so those rows test the schedule more than the rates; the H100 "
-        "row is out of sample (its rates come from a microbenchmark and DESIGN.md; with the AdamW rate measured "
-        "under concurrent H2D, 3.84 instead of 4.36 G params/s, it would read -10 %). The largest miss, the "
-        "8k no-clip bench row (-6.6 %), ran AdamW at 4.7 G params/s against the 4.33 median: at 8k tokens the "
-        "step is the optimizer's.",
+        "Every megatrain run with a step time in `benchmarks/results/` (3.5B-bench width at T2048 with 4 "
+        "optimizer workers, the 8B shape at 32k tokens, and 8B-width layers at 128K-512K tokens), predicted "
+        "from its config with the rates of its GPU's box. The H200 GPU, D2H and AdamW rates are medians over "
+        "these same H200 rows, so those rows test the schedule more than the rates; the H100 row is out of "
+        "sample (its rates come from a microbenchmark and DESIGN.md; with the AdamW rate measured under "
+        "concurrent H2D, 3.84 instead of 4.36 G params/s, it would read -10 %). The 8k rows are the "
+        "optimizer's and carry its spread: the earlier no-clip row ran AdamW at 4.71 G params/s (-8.2 %), "
+        "the later one at 3.70 (+10.7 %, beyond the tolerance; its box measured 7 % less DRAM bandwidth, "
+        "and the rest of the gap is not explained yet).",
         "",
         "| point | file | GPU | measured tok/s | predicted tok/s | error | bound (predicted) |",
         "|---|---|---|---|---|---|---|",

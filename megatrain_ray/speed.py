@@ -36,14 +36,14 @@ bench rows record, i.e. measured under the engine's own overlap):
 
 | constant | H200 box (`nvidia-h200`) | H100 box (`nvidia-h100-x1`) |
 |---|---|---|
-| model TFLOPS on GPU-busy time | 371: median of model FLOPs / compute_seconds over the 14 megatrain rows of `bench-3.5b-h200-*`, `depth-7b-width-h200-*`, `fp32-stream-h200-*`, `roofline-8k-h200-*` (365-376) | 358: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
+| model TFLOPS on GPU-busy time | 372.4: median of model FLOPs / compute_seconds over the 23 megatrain rows of `*-h200-*.json` (347-379; the lowest at 256K-512K tokens) | 358: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
 | H2D GB/s, idle / under optimizer load | 53 / 40: DESIGN.md section 3 ("H2D drops 53 -> 40 GB/s" while AdamW runs); in-engine link 46-54 | 55 / 43.4: DESIGN.md section 3; `optimizer-scaling-h100-*`, 4 workers + H2D |
-| D2H GB/s | 51.7: median in-engine d2h_gbps_link of the same 14 rows | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
-| AdamW G params/s (fp32, all workers) | 4.33: median in-engine optimizer_gparams_per_s of the same 14 rows (3.7-5.6) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
+| D2H GB/s | 51.8: median in-engine d2h_gbps_link of the same 23 rows | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
+| AdamW G params/s (fp32, all workers) | 4.24: median in-engine optimizer_gparams_per_s of the same 23 rows (3.2-5.6; the 9 rows of the second session's machines 3.2-4.7) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
 | control round trip per update | 1.1 ms: DESIGN.md section 2, an actor call | same |
 
 (*) The microbenchmark's rate without concurrent H2D (with it: 3.84). On the H200 box the in-engine median
-(4.33) matches the microbenchmark without H2D (4.2, DESIGN.md section 3), not the one with it (3.5): in a
+(4.24) matches the microbenchmark without H2D (4.2, DESIGN.md section 3), not the one with it (3.5): in a
 step the copies run only part of the time. The H100 figure follows that evidence; the H100 run of
 `fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/test_speed.py.
 
@@ -151,12 +151,12 @@ class SpeedProfile:
         return replace(self, host=replace(self.host, disk_gbps=gbps), assumptions=(*self.assumptions, note))
 
 
-H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.0,
-                  "median model FLOPs / GPU-busy s of the 14 megatrain rows in benchmarks/results/*-h200-*.json")
-H100 = GpuProfile("h100", "NVIDIA H100 80GB HBM3", 81559 * 2**20, round(371.0 * 16.8 / 17.4, 1),
+H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 372.4,
+                  "median model FLOPs / GPU-busy s of the 23 megatrain rows in benchmarks/results/*-h200-*.json")
+H100 = GpuProfile("h100", "NVIDIA H100 80GB HBM3", 81559 * 2**20, round(H200.model_tflops * 16.8 / 17.4, 1),
                   "the H200 rate x 16.8 / 17.4 (7B-layer fwd+bwd on each box, DESIGN.md section 3)")
-H200_BOX = HostProfile("nvidia-h200 (16 cores, 1 NUMA node)", h2d_gbps=53.0, h2d_loaded_gbps=40.0, d2h_gbps=51.7,
-                       adamw_gparams=4.33, source="AdamW and D2H: in-engine medians of benchmarks/results/*-h200-*.json; "
+H200_BOX = HostProfile("nvidia-h200 (16 cores, 1 NUMA node)", h2d_gbps=53.0, h2d_loaded_gbps=40.0, d2h_gbps=51.8,
+                       adamw_gparams=4.24, source="AdamW and D2H: in-engine medians of benchmarks/results/*-h200-*.json; "
                        "H2D idle/loaded: DESIGN.md section 3")
 H100_BOX = HostProfile("nvidia-h100-x1 (16 cores, 1 NUMA node)", h2d_gbps=55.0, h2d_loaded_gbps=43.4, d2h_gbps=51.7,
                        adamw_gparams=4.36, source="benchmarks/results/optimizer-scaling-h100-*.json, 4 workers "

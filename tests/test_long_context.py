@@ -84,16 +84,18 @@ def test_auto_offloads_exactly_when_the_kept_inputs_do_not_fit():
     assert kept_on_gpu.gpu_peak - small.gpu_peak == 30 * 131072 * 4096 * 2
 
 
-def test_offloaded_plan_is_flat_in_depth_and_linear_in_sequence_length():
-    peaks = {(layers, seq): _plan(layers, seq, 141, offload=True).gpu_peak
-             for layers in (8, 32) for seq in (131072, 262144, 524288)}
-    for seq in (131072, 262144, 524288):
+def test_offloaded_plan_is_flat_in_depth_and_at_most_linear_in_sequence_length():
+    seqs = (131072, 262144, 393216, 524288, 655360)
+    peaks = {(layers, seq): _plan(layers, seq, 141, offload=True).gpu_peak for layers in (8, 32) for seq in seqs}
+    for seq in seqs:
         assert peaks[(8, seq)] == peaks[(32, seq)]
-    # Affine in tokens (fixed buffers plus per-token terms): equal increments per added 128K tokens... at
-    # most, since the MLP chunk is capped at engine.mlp_chunk_tokens.
-    step1 = peaks[(8, 262144)] - peaks[(8, 131072)]
-    step2 = (peaks[(8, 524288)] - peaks[(8, 262144)]) / 2
-    assert step2 <= step1 * 1.0001
+    # At most proportional to the tokens: the fixed buffers and one MLP chunk count once.
+    for a, b in zip(seqs, seqs[1:]):
+        assert peaks[(8, b)] <= peaks[(8, a)] * b / a
+    # Past about 256K tokens of an 8B layer the attention half's backward sets the peak (as measured on
+    # the GPU: +15.1 GiB from 128K to 256K, +41.6 GiB from 256K to 512K): affine in tokens from there.
+    steps = [peaks[(8, b)] - peaks[(8, a)] for a, b in zip(seqs[2:], seqs[3:])]
+    assert steps[0] == steps[1] > peaks[(8, 262144)] - peaks[(8, 131072)]
 
 
 def test_plan_reports_memory_per_token():
