@@ -65,6 +65,11 @@ class OptimizerWorker(ActorBase):
         t0 = time.perf_counter()
         stage = self.layout.stages[order.stage]
         start, end = self.spans[order.stage]
+        grad_base = 0
+        if order.span is not None:  # a piece of the stage, its gradients at the start of a slab
+            grad_base = order.span[0]
+            start, end = max(start, order.span[0]), min(end, order.span[1])
+            end = max(start, end)
         store = self.store
         stream_out = store.get("stream", order.stage) if store.has("stream", order.stage) else None
         grad = store.get(order.grad_kind, order.grad_index)
@@ -85,7 +90,7 @@ class OptimizerWorker(ActorBase):
                     master=store.get("master", order.stage), exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad,
                     stream_out=stream_out, start=lo, end=hi, decay_end=stage.decay_numel,
                     adam_step=order.adam_step, lr=order.lr, grad_coef=order.grad_coef, stage=order.stage,
-                    moments_base=base)
+                    moments_base=base, grad_base=grad_base)
                 if self.disk is not None:
                     self.disk.release((order.stage, k))
         return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start,

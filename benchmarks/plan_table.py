@@ -59,8 +59,10 @@ class MeasuredPoint:
 
 def _grads_as_measured(record: dict) -> list[str]:
     """Runs from before precision.grad_dtype (their records name no grad_dtype) kept the gradients of a
-    streamed master in the master dtype (float32)."""
-    return [] if "grad_dtype" in record else ["precision.grad_dtype=float32"]
+    streamed master in the master dtype (float32); runs from before engine.vocab_grad_pieces sent the
+    embedding's and LM head's through a slab of their own."""
+    return ([] if "grad_dtype" in record else ["precision.grad_dtype=float32"]) + \
+        ([] if "vocab_grad_pieces" in record else ["engine.vocab_grad_pieces=false"])
 
 
 def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:

@@ -72,9 +72,9 @@ def _common(cfg, tokens_per_s: float) -> dict:
 
 
 def run_megatrain(spec: dict) -> dict:
-    from megatrain_ray.host import grad_dtype, grad_home
+    from megatrain_ray.host import grad_dtype, grad_home, vocab_in_pieces
     from megatrain_ray.metrics import shm_bytes
-    from megatrain_ray.plan import Machine, plan_run
+    from megatrain_ray.plan import Machine, plan_run, ranks_per_node
     from megatrain_ray.trainer import Trainer
 
     cfg = _load(spec)
@@ -104,6 +104,7 @@ def run_megatrain(spec: dict) -> dict:
         "host_gib": host_bytes / 2**30, "gpus": cfg.parallel.gpus,
         "comm_seconds": mean("comm_seconds"),
         "grad_home": grad_home(cfg), "grad_dtype": grad_dtype(cfg), "clip": cfg.optimizer.grad_clip,
+        "vocab_grad_pieces": vocab_in_pieces(cfg, ranks_per_node(cfg)),
         "stream_dtype": cfg.precision.resolved_stream_dtype,
         "optimizer_workers": workers,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),

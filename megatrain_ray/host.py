@@ -104,7 +104,8 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
     specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":
-        for k, numel in enumerate(pool_slab_sizes(layout, cfg.engine.grad_slabs)):
+        for k, numel in enumerate(pool_slab_sizes(layout, cfg.engine.grad_slabs,
+                                                  vocab_in_pieces(cfg, ranks_per_node))):
             path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
             specs.append(SegmentSpec(path, grad_dtype(cfg), numel, "gradpool", k))
     if shard == 0 and ranks_per_node > 1:
@@ -113,13 +114,29 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
     return specs
 
 
-def pool_slab_sizes(layout: ModelLayout, slabs: int) -> list[int]:
-    """Elements of each gradient slab: `slabs` of a layer's size, which the stages take in turn, plus one
-    for the embedding and the LM head when they are larger than a layer (a large vocabulary). Those two
-    share it: the head's gradients are the first of a backward, the embedding's the last, so the head's
-    update is long done when the embedding needs the slab."""
+def pool_slab_sizes(layout: ModelLayout, slabs: int, vocab_pieces: bool) -> list[int]:
+    """Elements of each gradient slab: `slabs` of a layer's size, which the stages take in turn. When the
+    embedding and the LM head are larger than a layer (a large vocabulary), their gradients go through those
+    slabs in layer-sized pieces (`vocab_pieces`, see vocab_in_pieces), or else through one more slab of
+    their size, which the two share: the head's gradients are the first of a backward, the embedding's the
+    last, so the head's update is long done when the embedding needs it."""
     vocab = max(layout.embed.numel, layout.head.numel)
-    return [layout.max_layer_numel] * slabs + ([vocab] if vocab > layout.max_layer_numel else [])
+    own = vocab > layout.max_layer_numel and not vocab_pieces
+    return [layout.max_layer_numel] * slabs + ([vocab] if own else [])
+
+
+def vocab_in_pieces(cfg: Config, ranks_per_node: int) -> bool:
+    """Whether, in the slab pool, a stage larger than a layer goes through the layer-sized slabs in pieces,
+    each copied and updated on its own, instead of through a slab of its own (engine.vocab_grad_pieces).
+    Only with one GPU worker per node and the moments in RAM: other ranks' pieces would need landing
+    counters of their own, and the disk tier stages whole stage spans."""
+    return (cfg.engine.vocab_grad_pieces and grad_home(cfg) == "pool" and ranks_per_node == 1
+            and cfg.host.moments_tier == "ram")
+
+
+def grad_pieces(numel: int, slab: int) -> list[tuple[int, int]]:
+    """[start, end) element ranges of at most `slab` elements covering a stage of `numel` (one when it fits)."""
+    return [(a, min(a + slab, numel)) for a in range(0, numel, slab)]
 
 
 def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:

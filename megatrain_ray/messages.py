@@ -27,6 +27,10 @@ class UpdateOrder:
     apply: bool = True
     """False drops the update (non-finite gradients): the worker only rewrites the streaming copy,
     which the gradients overwrote, from the untouched master weights."""
+    span: tuple[int, int] | None = None
+    """Only elements [start, end) of the stage, whose gradients sit at the start of a slab (a stage larger
+    than the slabs goes through them in pieces: host.vocab_in_pieces); None: the whole stage, each
+    element's gradient at its own offset."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,33 +152,35 @@ class FlatAdamW:
 
     def update(self, *, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                stream_out: torch.Tensor | None, start: int, end: int, decay_end: int, adam_step: int, lr: float,
-               grad_coef: float, stage: int = 0, moments_base: int = 0) -> None:
+               grad_coef: float, stage: int = 0, moments_base: int = 0, grad_base: int = 0) -> None:
         """Update elements [start, end) of one stage; weight decay applies below `decay_end`.
 
         The gradient is multiplied by `grad_coef` (the clipping coefficient) first, as
         clip_grad_norm_ does, in the scratch chunk: the host gradient buffer is never modified.
         `exp_avg[k]` and `exp_avg_sq[k]` hold element `moments_base + k` of the stage (the disk tier
-        stages only a worker's span); `stage` keys the rounding noise of bfloat16 moments.
+        stages only a worker's span), `grad[k]` element `grad_base + k` (a piece of a larger stage at the
+        start of a gradient slab); `stage` keys the rounding noise of bfloat16 moments.
         """
         tensors = (master, exp_avg, exp_avg_sq, grad, stream_out)
         key = noise_key(adam_step, stage)
         if self.native is not None and grad.dtype in (torch.float32, torch.bfloat16) and \
                 (stream_out is None or stream_out.dtype == torch.bfloat16):
-            self._native(tensors, start, end, decay_end, adam_step, lr, grad_coef, key, moments_base)
+            self._native(tensors, start, end, decay_end, adam_step, lr, grad_coef, key, moments_base, grad_base)
             return
         step = torch.tensor(float(adam_step), dtype=torch.float32)
         if self.pool is None:
-            self._piece(tensors, start, end, decay_end, step, lr, grad_coef, self.scratch[0], key, moments_base)
+            self._piece(tensors, start, end, decay_end, step, lr, grad_coef, self.scratch[0], key, moments_base,
+                        grad_base)
             return
         edges = [start + split_span(end - start, k, self.threads)[0] for k in range(self.threads)] + [end]
         futures = [self.pool.submit(self._piece, tensors, edges[k], edges[k + 1], decay_end, step, lr, grad_coef,
-                                    self.scratch[k], key, moments_base)
+                                    self.scratch[k], key, moments_base, grad_base)
                    for k in range(self.threads) if edges[k + 1] > edges[k]]
         for future in futures:
             future.result()
 
     def _native(self, tensors: tuple, start: int, end: int, decay_end: int, adam_step: int, lr: float,
-                grad_coef: float, key: int, base: int) -> None:
+                grad_coef: float, key: int, base: int, grad_base: int) -> None:
         master, exp_avg, exp_avg_sq, grad, stream_out = tensors
         cfg = self.cfg
         native = self.native
@@ -192,7 +194,7 @@ class FlatAdamW:
             if hi <= lo:
                 continue
             args = [master[lo:hi].data_ptr(), exp_avg[lo - base:hi - base].data_ptr(),
-                    exp_avg_sq[lo - base:hi - base].data_ptr(), grad[lo:hi].data_ptr(),
+                    exp_avg_sq[lo - base:hi - base].data_ptr(), grad[lo - grad_base:hi - grad_base].data_ptr(),
                     stream_out[lo:hi].data_ptr() if stream_out is not None else None, hi - lo, lr,
                     cfg.beta1, cfg.beta2, cfg.eps, weight_decay, bc1, bc2_sqrt, grad_coef, self.threads]
             if bf16_moments:
@@ -204,14 +206,14 @@ class FlatAdamW:
         return (start, min(end, decay_end), self.cfg.weight_decay), (max(start, decay_end), end, 0.0)
 
     def _piece(self, tensors: tuple, start: int, end: int, decay_end: int, step: torch.Tensor, lr: float,
-               grad_coef: float, scratch: list[torch.Tensor], key: int, base: int) -> None:
+               grad_coef: float, scratch: list[torch.Tensor], key: int, base: int, grad_base: int) -> None:
         master, exp_avg, exp_avg_sq, grad, stream_out = tensors
         cfg = self.cfg
         widen = self.moment_dtype != self.master_dtype
         for lo, hi, weight_decay in self._decay_spans(start, end, decay_end):
             for a in range(lo, hi, self.chunk):
                 b = min(a + self.chunk, hi)
-                g = scratch[0][:b - a].copy_(grad[a:b])  # cast to the master dtype while in cache
+                g = scratch[0][:b - a].copy_(grad[a - grad_base:b - grad_base])  # cast to the master dtype in cache
                 if grad_coef != 1.0:
                     g.mul_(grad_coef)
                 p = master[a:b]

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field, replace
 
 from megatrain_ray.config import DTYPE_BYTES, Config
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.host import grad_dtype, grad_home, pool_slab_sizes
+from megatrain_ray.host import grad_dtype, grad_home, grad_pieces, pool_slab_sizes, vocab_in_pieces
 from megatrain_ray.metrics import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
 
@@ -274,6 +274,8 @@ class _Replay:
     """Offloaded layer input -> when its D2H is done (and when its H2D back is done, once issued)."""
     pool_users: list[int] = field(default_factory=list)
     next_pool: int = 0
+    slab_numel: int = 0
+    """Stages larger than this go through the slabs in pieces (0: none do)."""
 
     def _optimizer_busy(self, t: float) -> bool:
         k = bisect.bisect_right(self.optimizer_spans, (t, math.inf)) - 1  # the spans are disjoint and sorted
@@ -332,29 +334,33 @@ class _Replay:
         self.compute = self.slot_free[slot] = end
 
     def emit(self, c: StageCost, grad_slot: str, deferred: list[tuple[int, float]]) -> None:
-        if self.pool_slabs:
-            if len(self.pool_users) > self.pool_slabs and c.kind != "layer":
-                k = self.pool_slabs  # the vocabulary stages' own slab
+        split = self.slab_numel and c.numel > self.slab_numel
+        for lo, hi in grad_pieces(c.numel, self.slab_numel) if split else [(0, c.numel)]:
+            if self.pool_slabs:
+                if len(self.pool_users) > self.pool_slabs and c.kind != "layer":
+                    k = self.pool_slabs  # the vocabulary stages' own slab
+                else:
+                    k = self.next_pool
+                    self.next_pool = (k + 1) % self.pool_slabs
+                if self.pool_users[k] >= 0:
+                    self.wait_update(self.pool_users[k])
+                self.pool_users[k] = c.index
+            start = max(self.issue, self.d2h, self.compute)
+            self.d2h = self.grad_drained[grad_slot] = start + c.d2h_bytes * (hi - lo) / c.numel / (
+                self.host.d2h_gbps * 1e9)
+            self.busy["d2h"] += self.d2h - start
+            if self.clip:
+                deferred.append((c.index, self.d2h))
             else:
-                k = self.next_pool
-                self.next_pool = (k + 1) % self.pool_slabs
-            if self.pool_users[k] >= 0:
-                self.wait_update(self.pool_users[k])
-            self.pool_users[k] = c.index
-        start = max(self.issue, self.d2h, self.compute)
-        self.d2h = self.grad_drained[grad_slot] = start + c.d2h_bytes / (self.host.d2h_gbps * 1e9)
-        self.busy["d2h"] += self.d2h - start
-        if self.clip:
-            deferred.append((c.index, self.d2h))
-        else:
-            self.order(c, self.d2h)
+                self.order(c, self.d2h, hi - lo)
 
-    def order(self, c: StageCost, drained: float) -> None:
-        """The dispatcher thread waits for the D2H, then the workers run the update in arrival order."""
+    def order(self, c: StageCost, drained: float, numel: int | None = None) -> None:
+        """The dispatcher thread waits for the D2H, then the workers run the update (of `numel` elements, a
+        piece, or the whole stage) in arrival order."""
         self.dispatcher = max(self.dispatcher, drained, self.issue)
         latency = self.host.control_seconds / 2
         start = max(self.optimizer, self.dispatcher + latency)
-        seconds = c.numel / (self.adamw_gparams * 1e9)
+        seconds = (c.numel if numel is None else numel) / (self.adamw_gparams * 1e9)
         self.optimizer = start + seconds
         self.busy["optimizer"] += seconds
         self.optimizer_spans.append((start, self.optimizer))
@@ -440,9 +446,12 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     layout = build_layout(cfg.model)
     costs = stage_costs(cfg, profile, layout, offload)
     pool = cfg.engine.grad_slabs if grad_home(cfg) == "pool" else 0
-    slabs = len(pool_slab_sizes(layout, pool)) if pool else 0
+    from megatrain_ray.plan import ranks_per_node  # plan imports this module
+
+    pieces = vocab_in_pieces(cfg, ranks_per_node(cfg))
+    slabs = len(pool_slab_sizes(layout, pool, pieces)) if pool else 0
     replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, pool, adamw_gparams(cfg, profile.host),
-                     pool_users=[-1] * slabs)
+                     pool_users=[-1] * slabs, slab_numel=layout.max_layer_numel if pieces else 0)
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call

@@ -175,18 +175,26 @@ def test_compiled_layer_template_matches_reference_to_1e10(tmp_path):
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
 
 
+@pytest.mark.parametrize("pieces", [True, False], ids=["vocab-in-pieces", "vocab-slab"])
 @pytest.mark.parametrize("slabs", [2, 4])
-def test_gradient_slabs_with_a_vocabulary_larger_than_a_layer(tmp_path, slabs):
+def test_gradient_slabs_with_a_vocabulary_larger_than_a_layer(tmp_path, slabs, pieces):
     """Master streamed, clipping off: gradients go through the slab pool. With a vocabulary of 2048 the
-    embedding and LM head (131K elements each) outgrow a layer (37K): they take turns on a slab of their
-    own and the layers rotate over `slabs` layer-sized ones. Against the reference in float64."""
-    from megatrain_ray.host import pool_slab_sizes
+    embedding and LM head (131K elements each) outgrow a layer (37K). Either they go through the `slabs`
+    layer-sized slabs in four pieces each, every piece copied and updated on its own, while the layers
+    rotate over the same slabs; or (engine.vocab_grad_pieces false) they take turns on a slab of their
+    own. Against the reference in float64."""
+    from megatrain_ray.host import grad_pieces, pool_slab_sizes, vocab_in_pieces
     from megatrain_ray.model.layout import build_layout
 
     sections = dict(model={"vocab_size": 2048}, optimizer={"grad_clip": 0.0, "lr": 1e-2},
-                    engine={"grad_slabs": slabs}, precision={"master_dtype": "float64", "compute_dtype": "float64"})
-    layout = build_layout(tiny_config(tmp_path / "probe", **sections).model)
-    assert pool_slab_sizes(layout, slabs) == [layout.max_layer_numel] * slabs + [layout.head.numel]  # LM head + norm
+                    engine={"grad_slabs": slabs, "vocab_grad_pieces": pieces},
+                    precision={"master_dtype": "float64", "compute_dtype": "float64"})
+    cfg = tiny_config(tmp_path / "probe", **sections)
+    layout = build_layout(cfg.model)
+    assert vocab_in_pieces(cfg, 1) == pieces and not vocab_in_pieces(cfg, 2)  # several GPUs: a slab of their own
+    assert len(grad_pieces(layout.head.numel, layout.max_layer_numel)) == 4
+    assert pool_slab_sizes(layout, slabs, pieces) == [layout.max_layer_numel] * slabs + \
+        ([] if pieces else [layout.head.numel])  # LM head + norm
     ours, ref, final, ref_state, initial = run_both(tmp_path, **sections)
     for step, (a, b) in enumerate(zip(ours, ref)):
         assert abs(a - b) <= 1e-10 * abs(b), f"step {step}: loss {a!r} vs reference {b!r}"

@@ -36,7 +36,7 @@ from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import FAILED, Collectives, RankInfo, StageSync, padded
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.exceptions import ParallelError
-from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home
+from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home, grad_pieces, vocab_in_pieces
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
@@ -184,7 +184,10 @@ class StreamEngine:
         self.pool = store.pool() if self.grad_home == "pool" else []
         self.pool_users: list[int] = [-1] * len(self.pool)
         self.next_pool = 0
-        self.pending: dict[int, Future] = {}
+        # A stage larger than the slabs (the embedding, the LM head) goes through them in pieces.
+        self.slab_numel = layout.max_layer_numel if vocab_in_pieces(cfg, rank.local_world) else 0
+        self.pending: dict[int, list[Future]] = {}
+        """Stage -> its ordered updates (one, or one per piece) not yet awaited."""
         self.dispatcher = ThreadPoolExecutor(1, thread_name_prefix="update-dispatch")
         # Several ranks per node: the leader's thread that publishes each update's completion to the
         # node's other ranks, and (other ranks) the step whose update of each stage they wait for.
@@ -211,14 +214,12 @@ class StreamEngine:
                 self.sync.wait_applied(stage, step)
                 self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
             return
-        pending = self.pending.pop(stage, None)
-        if pending is None:
-            return
-        t0 = time.perf_counter()
-        results: list[UpdateDone] = [done.result() for done in pending.result()]
-        self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
-        self._step_stats["optimizer_seconds"] += max(r.seconds for r in results)
-        self._step_stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
+        for ordered in self.pending.pop(stage, []):
+            t0 = time.perf_counter()
+            results: list[UpdateDone] = [done.result() for done in ordered.result()]
+            self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
+            self._step_stats["optimizer_seconds"] += max(r.seconds for r in results)
+            self._step_stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
 
     def _order_update(self, stage: int, drained: Any, order: UpdateOrder) -> None:
         step, sync = self._serial, self.sync
@@ -231,7 +232,8 @@ class StreamEngine:
             if sync is not None:
                 sync.wait_landed(stage, step)  # and so are the other ranks' pieces
             return [worker.call("apply", order) for worker in self.optimizers]
-        self.pending[stage] = future = self.dispatcher.submit(send)
+        future = self.dispatcher.submit(send)
+        self.pending.setdefault(stage, []).append(future)
         if self.publisher is not None:
             self.publisher.submit(self._publish_applied, stage, step, future)
 
@@ -323,7 +325,8 @@ class StreamEngine:
 
     def _emit(self, stage: StageLayout, grad: GradSlot, deferred: list) -> None:
         """Sum over the ranks (if several), norm on the device, then D2H of this rank's piece on its own
-        stream; order the update (now or after clipping)."""
+        stream; order the update (now or after clipping). A stage larger than the gradient slabs goes
+        through them in slab-sized pieces, each copied and its update ordered on its own."""
         s = self.streams
         first, end = self.rank.piece(stage.numel)
         piece = grad.buf[:stage.numel]
@@ -333,21 +336,24 @@ class StreamEngine:
             self.timeline.stop("comm", s.compute, start)
         self._sqnorm += torch.linalg.vector_norm(piece, dtype=self.acc_dtype).square()
         ready = s.record(s.compute)
-        host, kind, index = self._host_grad(stage.index)
-        with s.on(s.d2h):
-            s.wait(s.d2h, ready)
-            start = self.timeline.start(s.d2h)
-            host[first:end].copy_(piece, non_blocking=True)
-            self.timeline.stop("d2h", s.d2h, start)
-            grad.drained = s.record(s.d2h)
-        self._step_stats["d2h_bytes"] += (end - first) * piece.element_size()
-        if self.sync is not None and not self.rank.leader:
-            self._publish_landed(stage.index, grad.drained)
-        if self.clip > 0:
-            deferred.append((stage.index, grad.drained, kind, index))
-        else:
-            self._order_update(stage.index, grad.drained,
-                               UpdateOrder(stage.index, kind, index, self._adam_step, self._lr))
+        split = self.slab_numel and stage.numel > self.slab_numel
+        for lo, hi in grad_pieces(stage.numel, self.slab_numel) if split else [(first, end)]:
+            host, kind, index = self._host_grad(stage.index)
+            at = lo if split else 0  # where element lo sits in the host buffer: a piece at its start
+            with s.on(s.d2h):
+                s.wait(s.d2h, ready)
+                start = self.timeline.start(s.d2h)
+                host[lo - at:hi - at].copy_(piece[lo - first:hi - first], non_blocking=True)
+                self.timeline.stop("d2h", s.d2h, start)
+                grad.drained = s.record(s.d2h)
+            self._step_stats["d2h_bytes"] += (hi - lo) * piece.element_size()
+            if self.sync is not None and not self.rank.leader:
+                self._publish_landed(stage.index, grad.drained)
+            if self.clip > 0:
+                deferred.append((stage.index, grad.drained, kind, index))
+            else:
+                self._order_update(stage.index, grad.drained, UpdateOrder(
+                    stage.index, kind, index, self._adam_step, self._lr, span=(lo, hi) if split else None))
 
     def _write_grads(self, stage: StageLayout, grad: GradSlot, grads: dict[str, torch.Tensor]) -> None:
         self.streams.wait(self.streams.compute, grad.drained)  # the previous D2H out of it is done
