@@ -8,13 +8,17 @@
 #   gpu-tests     tests/test_gpu.py (bf16 parity, copy overlap, peak vs depth, Ray path, 32K-token chunked
 #                 + offloaded step against the unchunked one, offloaded peak flat in depth)      any GPU
 #   load-8b       issue 5: load time and peak RAM of an 8B sharded checkpoint (random bf16)      nvidia-h200 / h100
-#   long-context  issue 8: 8B-width layers at 128K/256K/512K tokens, activation offload on;
-#                 depth 4 vs 8 at 128K (GPU peak flat in depth, linear in tokens)                nvidia-h200
+#   long-context  issue 8: 8B-width layers at 128K/256K/512K tokens, activation offload on       nvidia-h200
+#   long-context-depth  issue 8: depth 8 at 128K (against 4 layers: GPU peak flat in depth)      nvidia-h200
 #   largest-h200  issue 8: Llama 3.1 8B, all 32 layers, full precision (fp32 master and moments,
 #                 master streamed, clipping off) on the 128 GiB box; the plan beside the figures nvidia-h200
 #   bench-3.5b    issue 4: the 3.5B bench against the GPU-resident baseline and DeepSpeed
-#                 (WITH_DEEPSPEED=1 before sourcing the bundle)                                  nvidia-h200
+#                 (WITH_DEEPSPEED=1 before sourcing the bundle; BATCHES=4 or 16,32: all three
+#                 take more than one call)                                                       nvidia-h200
 #   compile-depth issue 4: engine.compile against eager, depth 8 and 16 at 64k tokens            nvidia-h200
+#   depth-offload issue 4: 7B-width layers at 64k tokens, depth 8/16/24, inputs offloaded          nvidia-h200
+#   adamw-8k      issue 4: the 8k optimizer-bound point with 2 and 4 optimizer workers, and the
+#                 AdamW microbenchmark, on one box (the AdamW rate fell from 4.3-4.7 to 3.7)   nvidia-h200
 #   qwen14b-x2    issues 4 and 8: Qwen2.5-14B shape at full precision with DeepSpeed beside it   nvidia-h200-x2
 #   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape        nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
@@ -30,7 +34,8 @@ case "${1:-}" in
   long-context)
     python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 4 \
       --seq-lens 131072,262144,524288 --steps 1 --warmup 1 --timeout 500 --name long-context --out "$OUT" \
-      --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32
+      --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
+  long-context-depth)
     python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 8 \
       --seq-lens 131072 --steps 1 --warmup 1 --name long-context-depth --out "$OUT" \
       --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
@@ -39,8 +44,17 @@ case "${1:-}" in
       --name largest-h200 --out "$OUT" --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 \
       --set engine.grad_slabs=3 --set optimizer.workers=auto ;;  # 12.4 B/param planned, -0.4 % tok/s against 4 slabs
   bench-3.5b)
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4,16,32 \
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches "${BATCHES:-4,16,32}" \
       --systems megatrain,megatrain-noclip,resident,deepspeed --name bench-3.5b --out "$OUT" ;;
+  depth-offload)
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 32 --layers 8,16,24 --steps 3 \
+      --warmup 1 --systems megatrain-noclip --set engine.activation_offload=true --name depth-offload --out "$OUT" ;;
+  adamw-8k)
+    for workers in 2 4; do
+      python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4 --systems megatrain-noclip \
+        --set optimizer.workers=$workers --name "adamw-8k-workers$workers" --out "$OUT"
+    done
+    python benchmarks/optimizer_scaling.py --max-workers 16 --out "$OUT" ;;
   compile-depth)  # issue 4: does engine.compile pay? 7B-width layers at 64k tokens, depth 8 and 16
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 32 --layers 8,16 \
       --systems megatrain,megatrain-compile --name compile-depth --out "$OUT" ;;

@@ -89,6 +89,8 @@ def run_megatrain(spec: dict) -> dict:
         private = host_bytes - sum(by_kind.values())
         device = trainer.device_name
         workers = len(trainer.optimizers)
+        # Which cores each optimizer worker ran its threads on (one thread per core; none: in-process).
+        worker_cores = [trainer.placement.worker_cores(w) for w in range(workers)] if trainer.placement else []
     measured = records[spec["warmup"]:]
     wall = sum(r["step_seconds"] for r in measured)
     tokens = sum(r["tokens"] for r in measured)
@@ -106,7 +108,7 @@ def run_megatrain(spec: dict) -> dict:
         "grad_home": grad_home(cfg), "grad_dtype": grad_dtype(cfg), "clip": cfg.optimizer.grad_clip,
         "vocab_grad_pieces": vocab_in_pieces(cfg, ranks_per_node(cfg)),
         "stream_dtype": cfg.precision.resolved_stream_dtype,
-        "optimizer_workers": workers,
+        "optimizer_workers": workers, "optimizer_worker_cores": worker_cores,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),
         "compute_seconds": mean("compute_seconds"),
         "h2d_gbps_link": mean("h2d_link_gbps"), "d2h_gbps_link": mean("d2h_link_gbps"),
