@@ -36,6 +36,13 @@ def provenance(device: str) -> dict[str, Any]:
             "python": platform.python_version()}
 
 
+def seq_len_overrides(base: Any, seq_len: int) -> list[str]:
+    """Config overrides for a sequence length (benchmarks/run.py --seq-lens), RoPE's table grown to it:
+    `base` is the config the length replaces."""
+    return [f"data.seq_len={seq_len}",
+            f"model.max_position_embeddings={max(seq_len, base.model.max_position_embeddings)}"]
+
+
 def write_result(name: str, result: dict[str, Any], out: str | Path = RESULTS, path: Path | None = None,
                  quiet: bool = False) -> Path:
     """benchmarks/results/<name>-<device>-<time>.json, written atomically; `path` rewrites a file an

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, provenance, write_result  # noqa: E402
+from benchmarks.common import RESULTS, provenance, seq_len_overrides, write_result  # noqa: E402
 from megatrain_ray.config import Config, load_config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.plan import GPU_RESERVE_BYTES, Machine, Plan, plan_run  # noqa: E402
@@ -88,9 +88,7 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
                 continue
             extra = ["optimizer.grad_clip=0"] if r["system"] == "megatrain-noclip" else []
             if r.get("seq_len"):  # --seq-lens points: the harness set the length beside the file's overrides
-                base = load_config(ROOT / result["config"], result["overrides"])
-                extra += [f"data.seq_len={r['seq_len']}",
-                          f"model.max_position_embeddings={max(r['seq_len'], base.model.max_position_embeddings)}"]
+                extra += seq_len_overrides(load_config(ROOT / result["config"], result["overrides"]), r["seq_len"])
             cfg = load_config(ROOT / result["config"], [*result["overrides"], *extra, f"data.batch_size={r['batch']}",
                                                         f"model.num_layers={r['layers']}", *_grads_as_measured(r)])
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 RESULT_TAG = "BENCH_RESULT "
 
-from benchmarks.common import provenance, write_result  # noqa: E402
+from benchmarks.common import provenance, seq_len_overrides, write_result  # noqa: E402
 from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
@@ -388,9 +388,7 @@ def main() -> int:
     points = [(seq, depth, batch, system, gpus) for seq in seq_lens for depth in layers for batch in batches
               for system, gpus in points]
     for seq, depth, batch, system, gpus in points:
-        overrides = args.set if seq == base.data.seq_len else [
-            *args.set, f"data.seq_len={seq}",
-            f"model.max_position_embeddings={max(seq, base.model.max_position_embeddings)}"]
+        overrides = args.set if seq == base.data.seq_len else [*args.set, *seq_len_overrides(base, seq)]
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"config": args.config, "overrides": overrides, "batch": batch, "layers": depth,
                     "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run"), "gpus": gpus}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -123,6 +123,32 @@ def pool_slab_sizes(layout: ModelLayout, slabs: int, vocab_pieces: bool) -> list
     vocab = max(layout.embed.numel, layout.head.numel)
     own = vocab > layout.max_layer_numel and not vocab_pieces
     return [layout.max_layer_numel] * slabs + ([vocab] if own else [])
+
+
+@dataclass(slots=True)
+class SlabTurns:
+    """Which gradient slab the next gradients (a stage's, or a piece of one) take, and whose update last read
+    it: the engine waits for that update before copying into the slab, the speed model replays the same
+    turns. Layers (and pieces) rotate over the `layer_slabs` layer-sized ones; the embedding and LM head
+    take the last slab when pool_slab_sizes gave them one of their own."""
+
+    layer_slabs: int
+    slabs: int
+    """All slabs: layer_slabs, or one more for the embedding and LM head."""
+    users: list[int] = field(default_factory=list)
+    next: int = 0
+
+    def __post_init__(self) -> None:
+        self.users = [-1] * self.slabs
+
+    def take(self, stage: int, is_layer: bool) -> tuple[int, int]:
+        """(slab, stage whose update last read it or -1), the slab now `stage`'s."""
+        if self.slabs > self.layer_slabs and not is_layer:
+            k = self.slabs - 1
+        else:
+            k, self.next = self.next, (self.next + 1) % self.layer_slabs
+        previous, self.users[k] = self.users[k], stage
+        return k, previous
 
 
 def vocab_in_pieces(cfg: Config, ranks_per_node: int) -> bool:

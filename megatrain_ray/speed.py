@@ -70,7 +70,7 @@ from dataclasses import dataclass, field, replace
 
 from megatrain_ray.config import DTYPE_BYTES, Config
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.host import grad_dtype, grad_home, grad_pieces, pool_slab_sizes, vocab_in_pieces
+from megatrain_ray.host import SlabTurns, grad_dtype, grad_home, grad_pieces, pool_slab_sizes, vocab_in_pieces
 from megatrain_ray.metrics import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
 
@@ -251,7 +251,6 @@ class _Replay:
     costs: list[StageCost]
     host: HostProfile
     clip: bool
-    pool_slabs: int
     adamw_gparams: float
     issue: float = 0.0
     compute: float = 0.0
@@ -272,8 +271,8 @@ class _Replay:
     grad_drained: dict[str, float] = field(default_factory=dict)
     stored: dict[int, float] = field(default_factory=dict)
     """Offloaded layer input -> when its D2H is done (and when its H2D back is done, once issued)."""
-    pool_users: list[int] = field(default_factory=list)
-    next_pool: int = 0
+    slab_turns: SlabTurns | None = None
+    """The gradient slabs' turns (host.SlabTurns), as the engine takes them; None without the pool."""
     slab_numel: int = 0
     """Stages larger than this go through the slabs in pieces (0: none do)."""
 
@@ -336,15 +335,10 @@ class _Replay:
     def emit(self, c: StageCost, grad_slot: str, deferred: list[tuple[int, float]]) -> None:
         split = self.slab_numel and c.numel > self.slab_numel
         for lo, hi in grad_pieces(c.numel, self.slab_numel) if split else [(0, c.numel)]:
-            if self.pool_slabs:
-                if len(self.pool_users) > self.pool_slabs and c.kind != "layer":
-                    k = self.pool_slabs  # the vocabulary stages' own slab
-                else:
-                    k = self.next_pool
-                    self.next_pool = (k + 1) % self.pool_slabs
-                if self.pool_users[k] >= 0:
-                    self.wait_update(self.pool_users[k])
-                self.pool_users[k] = c.index
+            if self.slab_turns is not None:
+                _, previous = self.slab_turns.take(c.index, c.kind == "layer")
+                if previous >= 0:
+                    self.wait_update(previous)
             start = max(self.issue, self.d2h, self.compute)
             self.d2h = self.grad_drained[grad_slot] = start + c.d2h_bytes * (hi - lo) / c.numel / (
                 self.host.d2h_gbps * 1e9)
@@ -445,13 +439,13 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it)."""
     layout = build_layout(cfg.model)
     costs = stage_costs(cfg, profile, layout, offload)
-    pool = cfg.engine.grad_slabs if grad_home(cfg) == "pool" else 0
     from megatrain_ray.plan import ranks_per_node  # plan imports this module
 
     pieces = vocab_in_pieces(cfg, ranks_per_node(cfg))
-    slabs = len(pool_slab_sizes(layout, pool, pieces)) if pool else 0
-    replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, pool, adamw_gparams(cfg, profile.host),
-                     pool_users=[-1] * slabs, slab_numel=layout.max_layer_numel if pieces else 0)
+    turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
+        if grad_home(cfg) == "pool" else None
+    replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, adamw_gparams(cfg, profile.host),
+                     slab_turns=turns, slab_numel=layout.max_layer_numel if pieces else 0)
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call

@@ -36,7 +36,15 @@ from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import FAILED, Collectives, RankInfo, StageSync, padded
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.exceptions import ParallelError
-from megatrain_ray.host import TORCH_DTYPES, HostStore, grad_dtype, grad_home, grad_pieces, vocab_in_pieces
+from megatrain_ray.host import (
+    TORCH_DTYPES,
+    HostStore,
+    SlabTurns,
+    grad_dtype,
+    grad_home,
+    grad_pieces,
+    vocab_in_pieces,
+)
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
@@ -182,8 +190,7 @@ class StreamEngine:
         self.vocab_acc = torch.zeros((v, h), dtype=self.acc_dtype, device=device)
         # The host side of gradients in flight: (stage whose update reads it, slab) in pool mode.
         self.pool = store.pool() if self.grad_home == "pool" else []
-        self.pool_users: list[int] = [-1] * len(self.pool)
-        self.next_pool = 0
+        self.slab_turns = SlabTurns(cfg.engine.grad_slabs, len(self.pool))
         # A stage larger than the slabs (the embedding, the LM head) goes through them in pieces.
         self.slab_numel = layout.max_layer_numel if vocab_in_pieces(cfg, rank.local_world) else 0
         self.pending: dict[int, list[Future]] = {}
@@ -313,14 +320,9 @@ class StreamEngine:
             return self.store.get("stream", stage), "stream", stage
         if self.grad_home == "stage":
             return self.store.get("grad", stage), "grad", stage
-        if len(self.pool) > self.cfg.engine.grad_slabs and self.layout.stages[stage].kind != "layer":
-            k = len(self.pool) - 1  # the embedding's and LM head's own slab (host.pool_slab_sizes)
-        else:
-            k = self.next_pool
-            self.next_pool = (k + 1) % self.cfg.engine.grad_slabs
-        if self.pool_users[k] >= 0:
-            self._wait_update(self.pool_users[k])  # the slab's last reader is done
-        self.pool_users[k] = stage
+        k, previous = self.slab_turns.take(stage, self.layout.stages[stage].kind == "layer")
+        if previous >= 0:
+            self._wait_update(previous)  # the slab's last reader is done
         return self.pool[k], "gradpool", k
 
     def _emit(self, stage: StageLayout, grad: GradSlot, deferred: list) -> None:
