@@ -17,6 +17,7 @@
 #                 take more than one call)                                                       nvidia-h200
 #   compile-depth issue 4: engine.compile against eager, depth 8 and 16 at 64k tokens            nvidia-h200
 #   depth-offload issue 4: 7B-width layers at 64k tokens, depth 8/16/24, inputs offloaded          nvidia-h200
+#                 (SYSTEMS=megatrain-noclip,megatrain-noclip-compile: eager and compiled side by side)
 #   adamw-8k      issue 4: the 8k optimizer-bound point with 2 and 4 optimizer workers, and the
 #                 AdamW microbenchmark, on one box (the AdamW rate fell from 4.3-4.7 to 3.7)   nvidia-h200
 #   qwen14b-x2    issues 4 and 8: Qwen2.5-14B shape at full precision with DeepSpeed beside it   nvidia-h200-x2
@@ -48,7 +49,8 @@ case "${1:-}" in
       --systems megatrain,megatrain-noclip,resident,deepspeed --name bench-3.5b --out "$OUT" ;;
   depth-offload)
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 32 --layers 8,16,24 --steps 3 \
-      --warmup 1 --systems megatrain-noclip --set engine.activation_offload=true --name depth-offload --out "$OUT" ;;
+      --warmup 1 --systems "${SYSTEMS:-megatrain-noclip}" --set engine.activation_offload=true --name depth-offload \
+      --out "$OUT" ;;
   adamw-8k)
     for workers in 2 4; do
       python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4 --systems megatrain-noclip \
