@@ -169,6 +169,29 @@ def test_long_sequence_chunks_and_offload_match_the_unchunked_step(tmp_path):
     assert a["gpu_peak_gib"] < b["gpu_peak_gib"]
 
 
+def test_compiled_layer_tracks_the_eager_layer_on_the_gpu(tmp_path):
+    """engine.compile on the GPU (Inductor kernels, bf16) against the eager template from the same seed and
+    batches: the first step's loss and every stage's gradient, then the losses of the next steps."""
+    runs = {}
+    for name, compiled in (("compiled", True), ("eager", False)):
+        cfg = gpu_config(tmp_path / name, layers=4, hidden=1024, ffn=2816, batch=4, seq=2048,
+                         engine={"compile": compiled}, optimizer={"grad_clip": 1.0, "workers": 2},
+                         train={"steps": 6})
+        with Trainer(cfg) as trainer:
+            first = trainer.step(0)
+            grads = _stage_grads(trainer)
+            rest = [trainer.step(s)["loss"] for s in range(1, 6)]
+        runs[name] = (first, grads, rest)
+    (a, ga, ra), (b, gb, rb) = runs["compiled"], runs["eager"]
+    errors = [((x - y).norm() / y.norm()).item() for x, y in zip(ga, gb)]
+    print(f"\ncompiled vs eager layer: loss {a['loss']:.5f} vs {b['loss']:.5f}; per-stage gradient relative "
+          f"error max {max(errors):.2e}; losses of steps 1-5 {[round(x, 4) for x in ra]} vs "
+          f"{[round(x, 4) for x in rb]}; GPU peak {a['gpu_peak_gib']:.2f} vs {b['gpu_peak_gib']:.2f} GiB")
+    assert abs(a["loss"] - b["loss"]) <= 2e-3 * b["loss"]
+    assert max(errors) <= 3e-2
+    assert all(abs(x - y) <= 1e-2 * y for x, y in zip(ra, rb))
+
+
 def test_offloaded_gpu_peak_is_flat_in_depth(tmp_path):
     peaks = {}
     for layers in (4, 12):
