@@ -175,7 +175,8 @@ def test_compiled_layer_tracks_the_eager_layer_on_the_gpu(tmp_path):
     runs = {}
     for name, compiled in (("compiled", True), ("eager", False)):
         cfg = gpu_config(tmp_path / name, layers=4, hidden=1024, ffn=2816, batch=4, seq=2048,
-                         engine={"compile": compiled}, optimizer={"grad_clip": 1.0, "workers": 2},
+                         engine={"compile": compiled}, precision={"stream_dtype": "float32"},
+                         optimizer={"grad_clip": 1.0, "workers": 2},
                          train={"steps": 6})
         with Trainer(cfg) as trainer:
             first = trainer.step(0)
