@@ -14,7 +14,7 @@
 #                 master streamed, clipping off) on the 128 GiB box; the plan beside the figures nvidia-h200
 #   bench-3.5b    issue 4: the 3.5B bench against the GPU-resident baseline and DeepSpeed
 #                 (WITH_DEEPSPEED=1 before sourcing the bundle; BATCHES=4 or 16,32: all three
-#                 take more than one call)                                                       nvidia-h200
+#                 take more than one call; SYSTEMS overrides the four systems)                                                       nvidia-h200
 #   compile-depth issue 4: engine.compile against eager, depth 8 and 16 at 64k tokens            nvidia-h200
 #   depth-offload issue 4: 7B-width layers at 64k tokens, depth 8/16/24, inputs offloaded          nvidia-h200
 #                 (SYSTEMS=megatrain-noclip,megatrain-noclip-compile: eager and compiled side by side)
@@ -46,7 +46,7 @@ case "${1:-}" in
       --set engine.grad_slabs=3 --set optimizer.workers=auto ;;  # 12.4 B/param planned, -0.4 % tok/s against 4 slabs
   bench-3.5b)
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches "${BATCHES:-4,16,32}" \
-      --systems megatrain,megatrain-noclip,resident,deepspeed --name bench-3.5b --out "$OUT" ;;
+      --systems "${SYSTEMS:-megatrain,megatrain-noclip,resident,deepspeed}" --name bench-3.5b --out "$OUT" ;;
   depth-offload)
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 32 --layers 8,16,24 --steps 3 \
       --warmup 1 --systems "${SYSTEMS:-megatrain-noclip}" --set engine.activation_offload=true --name depth-offload \
