@@ -36,6 +36,14 @@ def provenance(device: str) -> dict[str, Any]:
             "python": platform.python_version()}
 
 
+VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
+            "megatrain-eager": ("megatrain", ["engine.compile=false"]),
+            "megatrain-noclip-eager": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=false"]),
+            "megatrain-compile": ("megatrain", ["engine.compile=true"]),
+            "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"])}
+"""benchmarks/run.py's variants: a system run with extra config overrides (the row keeps the variant's name)."""
+
+
 def seq_len_overrides(base: Any, seq_len: int) -> list[str]:
     """Config overrides for a sequence length (benchmarks/run.py --seq-lens), RoPE's table grown to it:
     `base` is the config the length replaces."""

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, provenance, seq_len_overrides, write_result  # noqa: E402
+from benchmarks.common import RESULTS, VARIANTS, provenance, seq_len_overrides, write_result  # noqa: E402
 from megatrain_ray.config import Config, load_config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.plan import GPU_RESERVE_BYTES, Machine, Plan, plan_run  # noqa: E402
@@ -57,12 +57,15 @@ class MeasuredPoint:
     gpu_peak_gib: float | None = None
 
 
-def _grads_as_measured(record: dict) -> list[str]:
-    """Runs from before precision.grad_dtype (their records name no grad_dtype) kept the gradients of a
-    streamed master in the master dtype (float32); runs from before engine.vocab_grad_pieces sent the
-    embedding's and LM head's through a slab of their own."""
+def _as_measured(record: dict, compiled: bool = False) -> list[str]:
+    """What older runs did that today's defaults no longer do. Runs from before precision.grad_dtype
+    (their records name no grad_dtype) kept the gradients of a streamed master in the master dtype
+    (float32); runs from before engine.vocab_grad_pieces sent the embedding's and LM head's through a
+    slab of their own; runs from before engine.compile=auto ran the layers eagerly unless their variant
+    compiled them (`compiled`)."""
     return ([] if "grad_dtype" in record else ["precision.grad_dtype=float32"]) + \
-        ([] if "vocab_grad_pieces" in record else ["engine.vocab_grad_pieces=false"])
+        ([] if "vocab_grad_pieces" in record else ["engine.vocab_grad_pieces=false"]) + \
+        ([] if "compiled" in record else [f"engine.compile={str(compiled).lower()}"])
 
 
 def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
@@ -75,7 +78,7 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
         if "plan-large-models" in path.name:
             continue
         if "recovery" in result:
-            cfg = load_config(ROOT / result["config"], [*result["overrides"], *_grads_as_measured(result)])
+            cfg = load_config(ROOT / result["config"], [*result["overrides"], *_as_measured(result)])
             clean = result["recovery"]["clean"]
             step = statistics.median(clean["step_seconds"][1:])
             points.append(MeasuredPoint(
@@ -86,11 +89,12 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
         for r in result.get("rows", []):
             if not r.get("system", "").startswith("megatrain") or r.get("status") != "ok":
                 continue
-            extra = ["optimizer.grad_clip=0"] if r["system"] == "megatrain-noclip" else []
+            extra = list(VARIANTS.get(r["system"], ("", []))[1])
             if r.get("seq_len"):  # --seq-lens points: the harness set the length beside the file's overrides
                 extra += seq_len_overrides(load_config(ROOT / result["config"], result["overrides"]), r["seq_len"])
             cfg = load_config(ROOT / result["config"], [*result["overrides"], *extra, f"data.batch_size={r['batch']}",
-                                                        f"model.num_layers={r['layers']}", *_grads_as_measured(r)])
+                                                        f"model.num_layers={r['layers']}",
+                                                        *_as_measured(r, "engine.compile=true" in extra)])
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "
                      f"{cfg.precision.resolved_stream_dtype} stream")
             points.append(MeasuredPoint(label, path.name, cfg, profile_for_gpu(r["device"]), r["tok_per_s"],

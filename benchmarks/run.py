@@ -11,8 +11,9 @@ The results go to one JSON file in benchmarks/results/ that names the device and
 
 Systems:
 - megatrain: the product through its Ray path (Trainer, actors, shared-memory host store), with the
-  config's clipping; megatrain-noclip: the same with optimizer.grad_clip=0; the -compile variants
-  with engine.compile=true (the decoder layer through torch.compile).
+  config's clipping and engine.compile (auto: the decoder layer through torch.compile on the GPU);
+  megatrain-noclip: the same with optimizer.grad_clip=0; the -eager and -compile variants with
+  engine.compile=false and true (benchmarks/common.py VARIANTS). Rows record `compiled`.
 - resident: the whole model on the GPU (Hugging Face LlamaForCausalLM in bf16, SDPA attention,
   activation checkpointing per layer, torch fused AdamW on the GPU, clip_grad_norm_).
 - deepspeed: the same Hugging Face model under DeepSpeed ZeRO-3 with parameters and optimizer
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 RESULT_TAG = "BENCH_RESULT "
 
-from benchmarks.common import provenance, seq_len_overrides, write_result  # noqa: E402
+from benchmarks.common import VARIANTS, provenance, seq_len_overrides, write_result  # noqa: E402
 from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
@@ -74,7 +75,7 @@ def _common(cfg, tokens_per_s: float) -> dict:
 def run_megatrain(spec: dict) -> dict:
     from megatrain_ray.host import grad_dtype, grad_home, vocab_in_pieces
     from megatrain_ray.metrics import shm_bytes
-    from megatrain_ray.plan import Machine, plan_run, ranks_per_node
+    from megatrain_ray.plan import Machine, layers_compiled, plan_run, ranks_per_node
     from megatrain_ray.trainer import Trainer
 
     cfg = _load(spec)
@@ -107,6 +108,7 @@ def run_megatrain(spec: dict) -> dict:
         "comm_seconds": mean("comm_seconds"),
         "grad_home": grad_home(cfg), "grad_dtype": grad_dtype(cfg), "clip": cfg.optimizer.grad_clip,
         "vocab_grad_pieces": vocab_in_pieces(cfg, ranks_per_node(cfg)),
+        "compiled": layers_compiled(cfg, "cpu" if device == "cpu" else "cuda"),
         "stream_dtype": cfg.precision.resolved_stream_dtype,
         "optimizer_workers": workers, "optimizer_worker_cores": worker_cores,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),
@@ -222,10 +224,6 @@ def run_deepspeed(spec: dict) -> dict:
 
 
 SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "deepspeed": run_deepspeed}
-# Variants: a system run with extra config overrides (the row keeps the variant's name).
-VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
-            "megatrain-compile": ("megatrain", ["engine.compile=true"]),
-            "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"])}
 
 
 def child(system: str, spec: dict) -> None:

@@ -348,11 +348,14 @@ class EngineConfig:
     """Tokens per chunk of each layer's MLP (forward and recomputed backward) when a step has more:
     the [tokens, intermediate_size] tensors then exist for one chunk at a time (long sequences).
     0 never chunks."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """torch.compile the decoder-layer template (its forward, and the recomputed forward and backward):
     fuses the norms, RoPE and SwiGLU around the matrix products. The first step of each shape pays the
-    compile time; rows with packed documents or a chunked MLP run eagerly. Off until measured to pay
-    on the GPU (benchmarks/run.py system megatrain-compile)."""
+    compile time (seconds); rows with packed documents or a chunked MLP run eagerly. auto: on when the
+    engine runs on a GPU (on the H200, 7B-width layers at 64k tokens ran 1.24-1.25x faster compiled
+    and peaked 5 GiB lower, benchmarks/results/depth-offload-h200-20261123-163426.json; 1.08x at 32k
+    with clipping on, where the optimizer bounds the step), off on the CPU; if torch.compile fails there (no Triton or C compiler), auto warns once and runs eagerly.
+    true: always, and a compile failure is an error."""
     activation_offload: bool | Literal["auto"] = "auto"
     """Where the layer inputs kept for the backward live. false: on the GPU (one [tokens, hidden]
     tensor per layer); true: copied to pinned host memory during the forward and back during the
@@ -379,6 +382,10 @@ class EngineConfig:
             _fail("engine.grad_slabs", self.grad_slabs, "must be >= 2 (one written, one read)")
         if self.mlp_chunk_tokens < 0:
             _fail("engine.mlp_chunk_tokens", self.mlp_chunk_tokens, "must be >= 0 (0 never chunks)")
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether the layer template goes through torch.compile on this device type ('cuda', 'cpu')."""
+        return self.compile is True or (self.compile == "auto" and device_type == "cuda")
 
 
 @dataclass(kw_only=True, slots=True)

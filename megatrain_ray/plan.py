@@ -36,7 +36,7 @@ from megatrain_ray.config import DTYPE_BYTES, Config, parse_size
 from megatrain_ray.disk_tier import disk_problems, staging_bytes
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.host import grad_dtype, grad_home, moment_dtype, plan_segments, shard_stages
-from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.layout import build_layout, runs_compiled
 from megatrain_ray.speed import SpeedProfile, estimate, preset, profile_for_gpu, speed_lines
 from megatrain_ray.topology import detect_topology, plan_placement
 
@@ -232,6 +232,13 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
 def rank_tokens(cfg: Config) -> int:
     """Tokens one GPU computes per step: its rows of the global batch."""
     return cfg.data.batch_size // (ranks_per_node(cfg) * cfg.parallel.nodes) * cfg.data.seq_len
+
+
+def layers_compiled(cfg: Config, device_type: str = "cuda") -> bool:
+    """Whether the layers of this run go through the compiled template (engine.compile on that device,
+    and rows the compiled template takes)."""
+    return cfg.engine.compiles_on(device_type) and \
+        runs_compiled(rank_tokens(cfg), cfg.engine.mlp_chunk_tokens, cfg.data.packing)
 
 
 def offloaded_bytes(cfg: Config) -> int:

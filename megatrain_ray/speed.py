@@ -88,7 +88,9 @@ class GpuProfile:
     memory: int
     """Bytes, as nvidia-smi reports memory.total."""
     model_tflops: float
-    """Achieved model TFLOPS on GPU-busy time (recompute included in the time, not in the FLOPs)."""
+    """Achieved model TFLOPS on GPU-busy time (recompute included in the time, not in the FLOPs), eager layers."""
+    compiled_model_tflops: float
+    """The same with the layer template compiled (engine.compile)."""
     source: str
 
 
@@ -151,12 +153,14 @@ class SpeedProfile:
         return replace(self, host=replace(self.host, disk_gbps=gbps), assumptions=(*self.assumptions, note))
 
 
-H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 372.4,
-                  "median model FLOPs / GPU-busy s of the 23 megatrain rows in benchmarks/results/*-h200-*.json")
+H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.7, 452.8,
+                  "median model FLOPs / GPU-busy s of the megatrain rows in benchmarks/results/*-h200-*.json "
+                  "(30 eager, 5 compiled)")
 H100 = GpuProfile("h100", "NVIDIA H100 80GB HBM3", 81559 * 2**20, round(H200.model_tflops * 16.8 / 17.4, 1),
-                  "the H200 rate x 16.8 / 17.4 (7B-layer fwd+bwd on each box, DESIGN.md section 3)")
+                  round(H200.compiled_model_tflops * 16.8 / 17.4, 1),
+                  "the H200 rates x 16.8 / 17.4 (7B-layer fwd+bwd on each box, DESIGN.md section 3)")
 H200_BOX = HostProfile("nvidia-h200 (16 cores, 1 NUMA node)", h2d_gbps=53.0, h2d_loaded_gbps=40.0, d2h_gbps=51.8,
-                       adamw_gparams=4.24, source="AdamW and D2H: in-engine medians of benchmarks/results/*-h200-*.json; "
+                       adamw_gparams=4.20, source="AdamW and D2H: in-engine medians of benchmarks/results/*-h200-*.json; "
                        "H2D idle/loaded: DESIGN.md section 3")
 H100_BOX = HostProfile("nvidia-h100-x1 (16 cores, 1 NUMA node)", h2d_gbps=55.0, h2d_loaded_gbps=43.4, d2h_gbps=51.7,
                        adamw_gparams=4.36, source="benchmarks/results/optimizer-scaling-h100-*.json, 4 workers "
@@ -230,7 +234,9 @@ def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None =
     flops = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
     stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
     grad_b = DTYPE_BYTES[grad_dtype(cfg)]
-    rate = profile.gpu.model_tflops * 1e12
+    from megatrain_ray.plan import layers_compiled  # plan imports this module
+
+    rate = (profile.gpu.compiled_model_tflops if layers_compiled(cfg) else profile.gpu.model_tflops) * 1e12
     activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype] if offload else 0
     costs = []
     for stage, f in zip(layout.stages, flops):

@@ -175,6 +175,37 @@ def test_compiled_layer_template_matches_reference_to_1e10(tmp_path):
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
 
 
+def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch):
+    """engine.compile: auto compiles on the GPU only; where torch.compile cannot build (here: no working
+    C++ compiler for Inductor) auto warns once and runs the eager function, true raises."""
+    import torch._inductor.config as inductor_config
+
+    from megatrain_ray.config import EngineConfig
+    from megatrain_ray.engine import stream_engine
+
+    assert [EngineConfig(compile=c).compiles_on(d) for c in ("auto", True, False) for d in ("cuda", "cpu")] == \
+        [True, False, True, True, False, False]
+    warnings = []
+    monkeypatch.setattr(stream_engine, "warn_once", lambda _log, message: warnings.append(message))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+
+    def layer(x, w):
+        return torch.sin(x) * w + 1
+
+    x, w = torch.randn(8), torch.randn(8)
+    for fall_back in (False, True):
+        torch._dynamo.reset()
+        compiled = stream_engine._CompiledLayer(layer, fall_back=fall_back)
+        if not fall_back:
+            with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+                compiled(x, w)
+            assert not warnings
+            continue
+        assert torch.equal(compiled(x, w), layer(x, w)) and compiled.failed
+        assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and "runs eagerly" in warnings[0]
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("pieces", [True, False], ids=["vocab-in-pieces", "vocab-slab"])
 @pytest.mark.parametrize("slabs", [2, 4])
 def test_gradient_slabs_with_a_vocabulary_larger_than_a_layer(tmp_path, slabs, pieces):

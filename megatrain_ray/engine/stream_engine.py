@@ -45,8 +45,9 @@ from megatrain_ray.host import (
     grad_pieces,
     vocab_in_pieces,
 )
+from megatrain_ray.log import get_logger, warn_once
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
-from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.layout import ModelLayout, StageLayout, runs_compiled
 from megatrain_ray.model.templates import (
     DocumentBucket,
     LayerSpec,
@@ -58,9 +59,37 @@ from megatrain_ray.model.templates import (
     head_logits,
     head_loss_and_grads,
     rope_tables,
-    token_chunks,
 )
 from megatrain_ray.plan import resolve_activation_offload
+
+log = get_logger(__name__)
+
+
+class _CompiledLayer:
+    """A layer function (decoder_layer) through torch.compile. Shapes are fixed per run (the weights of every layer are
+    views at the same offsets), so one graph per sequence shape serves every layer. With engine.compile
+    auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in BackendCompilerFailed) is
+    logged once and the eager function runs from then on; with true it propagates. It surfaces at the
+    call that compiles, before the layer computed anything, so the eager function in its place loses
+    nothing."""
+
+    def __init__(self, eager: Any, fall_back: bool) -> None:
+        self.eager = eager
+        self.fn = torch.compile(eager, dynamic=False)
+        self.fall_back = fall_back
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if not self.fall_back:
+                raise
+            self.failed = True
+            warn_once(log, f"engine.compile=auto: torch.compile of the decoder layer failed "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                           "the layer runs eagerly (set engine.compile=false to skip the attempt)")
+            return self.eager(*args)
 
 
 @dataclass(slots=True)
@@ -157,7 +186,8 @@ class StreamEngine:
         self.mlp_chunk = cfg.engine.mlp_chunk_tokens
         # Shapes are fixed per run (the weights of every layer are views at the same offsets), so one
         # compiled graph per sequence shape serves every layer.
-        self._compiled = torch.compile(decoder_layer, dynamic=False) if cfg.engine.compile else None
+        self._compiled = _CompiledLayer(decoder_layer, fall_back=cfg.engine.compile == "auto") \
+            if cfg.engine.compiles_on(device.type) else None
         gpu_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         self.offload = resolve_activation_offload(cfg, gpu_memory)
         poison = cfg.engine.poison_buffers
@@ -377,8 +407,8 @@ class StreamEngine:
     def _layer(self, x: torch.Tensor, documents: Any) -> Any:
         """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
         runs in one piece, else the eager function."""
-        if self._compiled is None or documents is not None or \
-                len(token_chunks(x.shape[0] * x.shape[1], self.mlp_chunk)) > 1:
+        if self._compiled is None or self._compiled.failed or \
+                not runs_compiled(x.shape[0] * x.shape[1], self.mlp_chunk, documents is not None):
             return decoder_layer
         return self._compiled
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megatrain_ray.config import ModelConfig, RopeScalingConfig
 from megatrain_ray.messages import IGNORE_INDEX
-from megatrain_ray.model.layout import StageLayout
+from megatrain_ray.model.layout import StageLayout, token_chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,13 +243,6 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -
 
 MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                "mlp.down_proj.weight")
-
-
-def token_chunks(tokens: int, chunk_tokens: int) -> list[slice]:
-    """Slices of at most chunk_tokens tokens (one slice when chunk_tokens is 0 or not smaller)."""
-    if chunk_tokens <= 0 or tokens <= chunk_tokens:
-        return [slice(0, tokens)]
-    return [slice(a, min(a + chunk_tokens, tokens)) for a in range(0, tokens, chunk_tokens)]
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
