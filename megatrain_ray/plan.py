@@ -15,9 +15,10 @@ workers, each one more process) and the GPU side one GPU's, which holds data.bat
 GPU side, from the engine's buffers (exact) plus activations (a count of the tensors alive at the
 peak, per token):
 - kept layer inputs: one [tokens, hidden] tensor per layer, kept from forward for recompute;
-- the backward of one layer (`layer_backward_bytes`, from a GPU trace at 128K tokens): the attention
-  half's saved tensors per token, plus the larger of one MLP chunk's tensors and gradients and the
-  attention half's gradients per token;
+- the backward of one layer (`layer_backward_bytes`, from GPU traces at 64K and 128K tokens): the
+  attention half's saved tensors per token, plus the larger of one MLP chunk's tensors and gradients
+  and the attention half's gradients per token; with the layer compiled (engine.compile), that times
+  COMPILED_WORKING_SET;
 - the loss head: one chunk of fp32 logits and their gradient (2 x chunk x vocab), the final
   hidden states and their gradient.
 """
@@ -202,8 +203,8 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
         "vocabulary accumulator": v * h * acc_b,
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
-        "layer backward working set": layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b, acc_b)
-        + mlp_sums,
+        "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b, acc_b)
+                                          * (COMPILED_WORKING_SET if layers_compiled(cfg) else 1)) + mlp_sums,
         "loss head working set": 2 * chunk * v * 4 + 2 * tokens * h * acc_b,
     }
 
@@ -211,20 +212,22 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
 def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int,
                          acc_b: int) -> int:
     """Activation bytes of one layer's recompute and backward at its peak, as traced on the GPU at 128K
-    tokens (benchmarks/gpu_memory_peak.py: the live tensors by source line; `(outside megatrain)` there is
-    the autograd engine's own thread, i.e. the gradients of the backward in progress).
+    and 64K tokens (benchmarks/gpu_memory_peak.py: the live tensors by source line; `(outside megatrain)`
+    there is the autograd engine's own thread, i.e. the gradients of the backward in progress).
 
     The attention half's saved tensors live through the whole layer backward: the norm's two float32
     intermediates, the rotated q, k and v as attended (expanded to q's width under GQA), the attention
     output, the half's output and its gradient. On top of them, the larger of two phases:
     - an MLP piece (`mlp_tokens`, one chunk): gate, up and their product, the norm's float32 pair, the
-      output, and the gradients of the backward in progress (three f-wide, the norm's pair, two h-wide);
+      output, and the gradients of the backward in progress (three f-wide, two h-wide). The 64K trace
+      of the engine that drops each layer's weight gradients once copied
+      (gpu-memory-peak-20261123-165525.json) holds two float32 norm tensors in the piece, not four;
     - the attention half's own backward: gradients of q, k, v and the attention output and the norm's
       float32 pair, per token of the whole sequence (it dominates past about 256K tokens of an 8B layer).
     """
     attended = q if kv != q else kv  # k and v are repeated to q's heads for SDPA under GQA
     saved = tokens * (2 * h * acc_b + (2 * q + 2 * attended + 2 * h) * compute_b)
-    mlp_piece = mlp_tokens * (6 * f * compute_b + 4 * h * acc_b + 2 * h * compute_b)
+    mlp_piece = mlp_tokens * (6 * f * compute_b + 2 * h * acc_b + 2 * h * compute_b)
     attention_grads = tokens * ((2 * q + 2 * attended) * compute_b + 2 * h * acc_b)
     return saved + max(mlp_piece, attention_grads)
 
@@ -254,6 +257,14 @@ def resolve_activation_offload(cfg: Config, gpu_memory: int | None) -> bool:
     if not gpu_memory or cfg.engine.device == "cpu":
         return False
     return _peak(gpu_bytes(cfg, offload=False)) + GPU_RESERVE_BYTES > gpu_memory
+
+
+COMPILED_WORKING_SET = 0.670
+"""A compiled layer's recompute and backward working set over the eager one's: 10,782 / 16,094 MiB of
+activations at the peak (all but the engine's buffers, the layer input coming back and RoPE's tables) in two GPU traces of
+the same step, 8 layers of 7B width at 64K tokens (benchmarks/results/gpu-memory-peak-20261123-165525.json
+eager, -165557 compiled): Inductor fuses the norms' float32 intermediates and RoPE's copies away. Compiled
+rows have at most engine.mlp_chunk_tokens tokens (runs_compiled), so no longer sequence depends on it."""
 
 
 def _peak(g: dict[str, int]) -> int:

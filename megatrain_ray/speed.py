@@ -5,7 +5,8 @@ the hardware. Every rate below was measured; each names its source.
 
 Costs of one stage (the embedding, each layer, the head):
 - GPU compute = model FLOPs of the stage (metrics.stage_flops_per_token, the harness formula
-  6 N + 6 L T d_attn split by stage) x tokens / the GPU's achieved model TFLOPS. That rate is
+  6 N + 6 L T d_attn split by stage) x tokens / the GPU's achieved model TFLOPS, the eager or the
+  compiled one as the run's layers go (plan.layers_compiled: engine.compile on the GPU). That rate is
   measured on GPU-busy time (the engine's timed compute spans), so it already holds the
   recomputation and the elementwise work. A layer's time splits 1 : 3 between forward and
   recompute + backward (forward F, recompute F, backward 2 F); the head runs whole after the forward.
@@ -36,26 +37,28 @@ bench rows record, i.e. measured under the engine's own overlap):
 
 | constant | H200 box (`nvidia-h200`) | H100 box (`nvidia-h100-x1`) |
 |---|---|---|
-| model TFLOPS on GPU-busy time | 372.4: median of model FLOPs / compute_seconds over the 23 megatrain rows of `*-h200-*.json` (347-379; the lowest at 256K-512K tokens) | 358: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
+| model TFLOPS on GPU-busy time, eager layers | 371.7: median of model FLOPs / compute_seconds over the 30 eager megatrain rows of `*-h200-*.json` (347-379; the lowest at 256K-512K tokens) | 358.9: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
+| the same, compiled layers | 452.8: median over the 5 compiled rows (451-463; 7B-width layers at 32k-64k tokens) | 437.2: scaled the same way (not measured) |
 | H2D GB/s, idle / under optimizer load | 53 / 40: DESIGN.md section 3 ("H2D drops 53 -> 40 GB/s" while AdamW runs); in-engine link 46-54 | 55 / 43.4: DESIGN.md section 3; `optimizer-scaling-h100-*`, 4 workers + H2D |
-| D2H GB/s | 51.8: median in-engine d2h_gbps_link of the same 23 rows | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
-| AdamW G params/s (fp32, all workers) | 4.24: median in-engine optimizer_gparams_per_s of the same 23 rows (3.2-5.6; the 9 rows of the second session's machines 3.2-4.7) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
+| D2H GB/s | 51.8: median in-engine d2h_gbps_link of all 35 rows | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
+| AdamW G params/s (fp32, all workers) | 4.20: median in-engine optimizer_gparams_per_s of the 11 rows it bounds (GPU busy under 90 %: the 8k rows and the 32k rows with clipping on; 3.5-4.7 across the sessions' boxes). Where the GPU bounds the step the in-engine rate says little (2.9-5.6) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
 | control round trip per update | 1.1 ms: DESIGN.md section 2, an actor call | same |
 
 (*) The microbenchmark's rate without concurrent H2D (with it: 3.84). On the H200 box the in-engine median
-(4.24) matches the microbenchmark without H2D (4.2, DESIGN.md section 3), not the one with it (3.5): in a
-step the copies run only part of the time. The H100 figure follows that evidence; the H100 run of
+(4.20) matches the microbenchmark without H2D (4.2, DESIGN.md section 3; 4.16-4.56 for 2-16 workers in
+`optimizer-scaling-h200-*`), not the one with it (3.5-3.9): in a step the copies run only part of the time. The H100 figure follows that evidence; the H100 run of
 `fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/test_speed.py.
 
 A host of 512 GB .. 1.5 TB (the presets) is assumed to stream and update at the rates of the
 measured 16-core VM of its GPU kind; a server with more DRAM channels updates faster (32 cores of
 `nvidia-h200-x2`: AdamW 6.2 G params/s, DESIGN.md section 3): `--optimizer-gparams` plans with another
 rate. tests/test_speed.py replays every measured megatrain point and holds the prediction within 10 %
-(docs/plan-large-models.md lists them: -6.6 % .. +1.9 %). The H200 rows are in sample (the H200 rates are
+(docs/plan-large-models.md lists them: -8.9 % .. +9.8 %). The H200 rows are in sample (the H200 rates are
 their medians): they test the schedule; the H100 run is out of sample.
 
 Limits. The rates were measured on one shape (3.5B-bench width: hidden 4096, T2048); wider layers run
-their matrix products at least as fast, so the GPU term is, if anything, pessimistic for 70B+ shapes,
+their matrix products at least as fast, so the eager GPU term is, if anything, pessimistic for 70B+
+shapes (compiling saves elementwise work, a smaller share of a wider layer, so the compiled rate is less sure),
 while a longer sequence raises the share of attention, which the FLOPs count but whose rate was not
 measured apart. Not modelled: kernel-launch time of the issuing thread, several NUMA nodes (host
 shards and workers per node), activation offload, bf16 AdamW moments (their rate is unmeasured).
@@ -419,6 +422,8 @@ class SpeedEstimate:
     clip: bool
     optimizer_gparams: float
     """The AdamW rate for this config's formats and tier (adamw_gparams)."""
+    compiled: bool = False
+    """The layers run compiled (engine.compile), at the GPU's compiled rate."""
 
     @property
     def tok_per_s(self) -> float:
@@ -445,7 +450,7 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it)."""
     layout = build_layout(cfg.model)
     costs = stage_costs(cfg, profile, layout, offload)
-    from megatrain_ray.plan import ranks_per_node  # plan imports this module
+    from megatrain_ray.plan import layers_compiled, ranks_per_node  # plan imports this module
 
     pieces = vocab_in_pieces(cfg, ranks_per_node(cfg))
     turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
@@ -460,7 +465,7 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     flops = sum(stage_flops_per_token(cfg.model, layout, cfg.data.seq_len))
     return SpeedEstimate(profile, cfg.data.tokens_per_step, end - start, flops, busy["compute"], busy["h2d"],
                          busy["d2h"], busy["optimizer"], dict(replay.idle), cfg.optimizer.grad_clip > 0,
-                         replay.adamw_gparams)
+                         replay.adamw_gparams, layers_compiled(cfg))
 
 
 def format_speed(est: SpeedEstimate) -> list[str]:
@@ -470,8 +475,9 @@ def format_speed(est: SpeedEstimate) -> list[str]:
         f"expected speed: a prediction of megatrain_ray/speed.py from measured rates, clipping "
         f"{'on' if est.clip else 'off'}",
         f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)",
-        f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: {p.gpu.model_tflops:g} "
-        f"model TFLOPS on busy time; busy {est.gpu_busy:.0%} of the step)",
+        f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: "
+        f"{p.gpu.compiled_model_tflops if est.compiled else p.gpu.model_tflops:g} model TFLOPS on busy time, "
+        f"layers {'compiled' if est.compiled else 'eager'}; busy {est.gpu_busy:.0%} of the step)",
         f"  {'H2D per step':<38}{est.h2d_seconds:10.2f} s    ({p.host.h2d_gbps:g} GB/s, "
         f"{p.host.h2d_loaded_gbps:g} while AdamW runs)",
         f"  {'D2H per step':<38}{est.d2h_seconds:10.2f} s    ({p.host.d2h_gbps:g} GB/s)",
