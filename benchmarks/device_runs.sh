@@ -15,9 +15,9 @@
 #   bench-3.5b    issue 4: the 3.5B bench against the GPU-resident baseline and DeepSpeed
 #                 (WITH_DEEPSPEED=1 before sourcing the bundle; BATCHES=4 or 16,32: all three
 #                 take more than one call; SYSTEMS overrides the four systems)                                                       nvidia-h200
-#   compile-depth issue 4: engine.compile against eager, depth 8 and 16 at 64k tokens            nvidia-h200
 #   depth-offload issue 4: 7B-width layers at 64k tokens, depth 8/16/24, inputs offloaded          nvidia-h200
-#                 (SYSTEMS=megatrain-noclip,megatrain-noclip-compile: eager and compiled side by side)
+#                 (SYSTEMS=megatrain-noclip-eager,megatrain-noclip: eager and compiled side by side;
+#                 engine.compile is auto, i.e. on, on the GPU)
 #   adamw-8k      issue 4: the 8k optimizer-bound point with 2 and 4 optimizer workers, and the
 #                 AdamW microbenchmark, on one box (the AdamW rate fell from 4.3-4.7 to 3.7)   nvidia-h200
 #   qwen14b-x2    issues 4 and 8: Qwen2.5-14B shape at full precision with DeepSpeed beside it   nvidia-h200-x2
@@ -57,9 +57,6 @@ case "${1:-}" in
         --set optimizer.workers=$workers --name "adamw-8k-workers$workers" --out "$OUT"
     done
     python benchmarks/optimizer_scaling.py --max-workers 16 --out "$OUT" ;;
-  compile-depth)  # issue 4: does engine.compile pay? 7B-width layers at 64k tokens, depth 8 and 16
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 32 --layers 8,16 \
-      --systems megatrain,megatrain-compile --name compile-depth --out "$OUT" ;;
   qwen14b-x2)
     python benchmarks/run.py --config configs/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
       --name qwen14b-x2 --out "$OUT" ;;

@@ -18,7 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatrain_ray.plot import Line, line_chart
 
-COLORS = {"megatrain": "tab:blue", "megatrain-noclip": "tab:cyan", "resident": "tab:green", "deepspeed": "tab:red"}
+COLORS = {"megatrain": "tab:blue", "megatrain-noclip": "tab:cyan", "megatrain-compile": "tab:purple",
+          "megatrain-noclip-compile": "tab:pink", "megatrain-eager": "tab:olive", "megatrain-noclip-eager": "tab:brown",
+          "resident": "tab:green", "deepspeed": "tab:red"}
+SPARE = ("tab:orange", "tab:gray", "black")
+
+
+def colors(rows) -> dict[str, str]:
+    """A color for every system of the rows: the fixed ones first, then the spare ones in order."""
+    spare = iter(SPARE * len(rows))
+    found = {r["system"] for r in rows}
+    return {**{s: c for s, c in COLORS.items() if s in found}, **{s: next(spare) for s in sorted(found - set(COLORS))}}
 
 
 def ok(rows):
@@ -31,7 +41,7 @@ def throughput_plot(result: dict, path: Path) -> None:
     lines = [Line(f"{system} ({depth} layers)", [(r["tokens_per_step"], r["tok_per_s"]) for r in ok(rows)
                                                  if r["system"] == system and r["layers"] == depth],
                   color, "-" if depth == deepest else "--")
-             for depth in sorted({r["layers"] for r in rows}) for system, color in COLORS.items()]
+             for depth in sorted({r["layers"] for r in rows}) for system, color in colors(rows).items()]
     line_chart(path, [line for line in lines if line.points], "tokens per step", "tokens / s",
                f"{result['config']} on {result['device']}", log2_x=True)
 
@@ -42,7 +52,7 @@ def depth_plot(result: dict, path: Path) -> bool:
         return False
     lines = [Line(f"{system}, {tokens} tok/step", [(r["layers"], r["tflops"]) for r in rows
                                                   if r["system"] == system and r["tokens_per_step"] == tokens], color)
-             for system, color in COLORS.items()
+             for system, color in colors(rows).items()
              for tokens in sorted({r["tokens_per_step"] for r in rows if r["system"] == system})]
     line_chart(path, [line for line in lines if line.points], "layers", "model TFLOPS", y_from_zero=True)
     return True
