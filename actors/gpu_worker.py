@@ -20,6 +20,7 @@ from megatrain_ray.host import HostStore, SegmentSpec
 from megatrain_ray.log import get_logger, init_logger
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.plan import layers_compiled
 
 log = get_logger(__name__)
 
@@ -52,10 +53,13 @@ class GPUWorker(ActorBase):
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
         self.engine = StreamEngine(cfg, layout, self.store, optimizers, self.device, rank)
         self.comm: Collectives | None = None
-        log.info("layer stream on %s: compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s)%s",
+        log.info("layer stream on %s: compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s); "
+                 "layers %s (engine.compile=%s)%s",
                  self.device, cfg.precision.compute_dtype, cfg.precision.resolved_stream_dtype,
                  "offloaded to pinned host memory" if self.engine.offload else "kept on the device",
                  cfg.engine.activation_offload,
+                 "compiled by torch.compile on the first step" if layers_compiled(cfg, self.device.type) else "eager",
+                 cfg.engine.compile,
                  f"; rank {rank.rank} of {rank.world} (node {rank.node}, local rank {rank.local_rank})"
                  if rank.world > 1 else "")
 
