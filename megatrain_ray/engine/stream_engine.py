@@ -88,7 +88,8 @@ class _CompiledLayer:
             self.failed = True
             warn_once(log, f"engine.compile=auto: torch.compile of the decoder layer failed "
                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                           "the layer runs eagerly (set engine.compile=false to skip the attempt)")
+                           "the layer runs eagerly. Set engine.compile=false: that skips the attempt, and the "
+                           "memory plan then budgets the GPU for eager layers, which need more")
             return self.eager(*args)
 
 
