@@ -21,6 +21,11 @@
 #   adamw-8k      issue 4: the 8k optimizer-bound point with 2 and 4 optimizer workers, and the
 #                 AdamW microbenchmark, on one box (the AdamW rate fell from 4.3-4.7 to 3.7)   nvidia-h200
 #   qwen14b-x2    issues 4 and 8: Qwen2.5-14B shape at full precision with DeepSpeed beside it   nvidia-h200-x2
+#   largest-x2    issue 8: the largest dense shape at full precision in 256 GiB: Qwen2.5-14B width
+#                 at LAYERS (64: 19.2 B parameters, plan 219 GiB of host RAM, 12.3 B/param)      nvidia-h200-x2
+#   tiers-x2      issue 8: the largest with the memory tiers: Qwen2.5-32B with both moments in
+#                 bf16 on disk (not full precision; plan: 4.3 B/param RAM, 131 GB of disk; the plan
+#                 refuses first, naming the shortfall, if the disk is smaller: LAYERS=56 then)    nvidia-h200-x2
 #   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape        nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
 set -euo pipefail
@@ -60,6 +65,16 @@ case "${1:-}" in
   qwen14b-x2)
     python benchmarks/run.py --config configs/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
       --name qwen14b-x2 --out "$OUT" ;;
+  largest-x2)
+    python benchmarks/run.py --config configs/qwen2.5-14b.yaml --layers "${LAYERS:-64}" --batches 8 --systems megatrain \
+      --steps 4 --warmup 1 --name largest-x2 --out "$OUT" --set precision.stream_dtype=float32 \
+      --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
+  tiers-x2)
+    df -h /tmp; mkdir -p /tmp/megatrain-moments
+    python benchmarks/run.py --config configs/qwen2.5-32b.yaml --layers "${LAYERS:-64}" --batches 8 --systems megatrain \
+      --steps 2 --warmup 1 --name tiers-x2 --out "$OUT" --set optimizer.moment_dtype=bfloat16 \
+      --set host.moments_tier=disk --set host.disk_dir=/tmp/megatrain-moments --set precision.stream_dtype=float32 \
+      --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
   dp-x2)
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems megatrain \
       --gpus 1,2 --name data-parallel-x2 --out "$OUT" ;;
