@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -75,11 +72,11 @@ def main() -> int:
         print("needs CUDA", file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.common import provenance, write_result
     from megatrain_ray.config import load_config
     from megatrain_ray.trainer import Trainer
 
-    report = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("MEGATRAIN_COMMIT", "unknown"),
-              "config": args.config, "overrides": args.set, "depths": {}}
+    report = {**provenance(torch.cuda.get_device_name()), "config": args.config, "overrides": args.set, "depths": {}}
     for layers in [int(x) for x in args.layers.split(",")]:
         run_dir = tempfile.mkdtemp(prefix=f"memory-peak-{layers}-")
         cfg = load_config(args.config, [*args.set, f"model.num_layers={layers}", f"train.steps={args.steps}",
@@ -111,10 +108,7 @@ def main() -> int:
                                     "live_mib_by_site": {k: v / 2**20 for k, v in by_site.items()},
                                     "between_steps_mib_by_site": {k: v / 2**20 for k, v in between_sites.items()}}
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = Path(args.out) / f"gpu-memory-peak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    write_result("gpu-memory-peak", report, args.out)
     return 0
 
 

@@ -225,7 +225,7 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
     - the attention half's own backward: gradients of q, k, v and the attention output and the norm's
       float32 pair, per token of the whole sequence (it dominates past about 256K tokens of an 8B layer).
     """
-    attended = q if kv != q else kv  # k and v are repeated to q's heads for SDPA under GQA
+    attended = q  # k and v as attended: repeated to q's heads for SDPA under GQA, so q's width either way
     saved = tokens * (2 * h * acc_b + (2 * q + 2 * attended + 2 * h) * compute_b)
     mlp_piece = mlp_tokens * (6 * f * compute_b + 2 * h * acc_b + 2 * h * compute_b)
     attention_grads = tokens * ((2 * q + 2 * attended) * compute_b + 2 * h * acc_b)
@@ -261,10 +261,11 @@ def resolve_activation_offload(cfg: Config, gpu_memory: int | None) -> bool:
 
 COMPILED_WORKING_SET = 0.670
 """A compiled layer's recompute and backward working set over the eager one's: 10,782 / 16,094 MiB of
-activations at the peak (all but the engine's buffers, the layer input coming back and RoPE's tables) in two GPU traces of
-the same step, 8 layers of 7B width at 64K tokens (benchmarks/results/gpu-memory-peak-20261123-165525.json
-eager, -165557 compiled): Inductor fuses the norms' float32 intermediates and RoPE's copies away. Compiled
-rows have at most engine.mlp_chunk_tokens tokens (runs_compiled), so no longer sequence depends on it."""
+activations at the peak (all but the engine's buffers, the layer input coming back and RoPE's tables)
+in two GPU traces of the same step, 8 layers of 7B width at 64K tokens
+(benchmarks/results/gpu-memory-peak-20261123-165525.json eager, -165557 compiled): Inductor fuses the
+norms' float32 intermediates and RoPE's copies away. Compiled rows have at most engine.mlp_chunk_tokens
+tokens (runs_compiled), so no longer sequence depends on it."""
 
 
 def _peak(g: dict[str, int]) -> int:

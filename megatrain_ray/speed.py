@@ -46,8 +46,8 @@ bench rows record, i.e. measured under the engine's own overlap):
 
 (*) The microbenchmark's rate without concurrent H2D (with it: 3.84). On the H200 box the in-engine median
 (4.20) matches the microbenchmark without H2D (4.2, DESIGN.md section 3; 4.16-4.56 for 2-16 workers in
-`optimizer-scaling-h200-*`), not the one with it (3.5-3.9): in a step the copies run only part of the time. The H100 figure follows that evidence; the H100 run of
-`fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/test_speed.py.
+`optimizer-scaling-h200-*`), not the one with it (3.5-3.9): in a step the copies run only part of the
+time. The H100 figure follows that evidence; the H100 run of `fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/test_speed.py.
 
 A host of 512 GB .. 1.5 TB (the presets) is assumed to stream and update at the rates of the
 measured 16-core VM of its GPU kind; a server with more DRAM channels updates faster (32 cores of
@@ -58,8 +58,8 @@ their medians): they test the schedule; the H100 run is out of sample.
 
 Limits. The rates were measured on one shape (3.5B-bench width: hidden 4096, T2048); wider layers run
 their matrix products at least as fast, so the eager GPU term is, if anything, pessimistic for 70B+
-shapes (compiling saves elementwise work, a smaller share of a wider layer, so the compiled rate is less sure),
-while a longer sequence raises the share of attention, which the FLOPs count but whose rate was not
+shapes (compiling saves elementwise work, a smaller share of a wider layer, so the compiled rate is
+less sure), while a longer sequence raises the share of attention, which the FLOPs count but whose rate was not
 measured apart. Not modelled: kernel-launch time of the issuing thread, several NUMA nodes (host
 shards and workers per node), activation offload, bf16 AdamW moments (their rate is unmeasured).
 """
@@ -91,10 +91,15 @@ class GpuProfile:
     memory: int
     """Bytes, as nvidia-smi reports memory.total."""
     model_tflops: float
-    """Achieved model TFLOPS on GPU-busy time (recompute included in the time, not in the FLOPs), eager layers."""
+    """Achieved model TFLOPS on GPU-busy time (recompute included in the time, not in the FLOPs), layers
+    run eagerly."""
     compiled_model_tflops: float
     """The same with the layer template compiled (engine.compile)."""
     source: str
+
+    def tflops(self, compiled: bool) -> float:
+        """The achieved model TFLOPS of layers run compiled or eagerly."""
+        return self.compiled_model_tflops if compiled else self.model_tflops
 
 
 REFERENCE_OPTIMIZER_BYTES = 28
@@ -239,7 +244,7 @@ def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None =
     grad_b = DTYPE_BYTES[grad_dtype(cfg)]
     from megatrain_ray.plan import layers_compiled  # plan imports this module
 
-    rate = (profile.gpu.compiled_model_tflops if layers_compiled(cfg) else profile.gpu.model_tflops) * 1e12
+    rate = profile.gpu.tflops(layers_compiled(cfg)) * 1e12
     activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype] if offload else 0
     costs = []
     for stage, f in zip(layout.stages, flops):
@@ -476,7 +481,7 @@ def format_speed(est: SpeedEstimate) -> list[str]:
         f"{'on' if est.clip else 'off'}",
         f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)",
         f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: "
-        f"{p.gpu.compiled_model_tflops if est.compiled else p.gpu.model_tflops:g} model TFLOPS on busy time, "
+        f"{p.gpu.tflops(est.compiled):g} model TFLOPS on busy time, "
         f"layers {'compiled' if est.compiled else 'eager'}; busy {est.gpu_busy:.0%} of the step)",
         f"  {'H2D per step':<38}{est.h2d_seconds:10.2f} s    ({p.host.h2d_gbps:g} GB/s, "
         f"{p.host.h2d_loaded_gbps:g} while AdamW runs)",

@@ -141,17 +141,16 @@ def _stage_grads(trainer) -> list[torch.Tensor]:
     return [store.get("grad", stage.index).clone() for stage in trainer.layout.stages]
 
 
-def _two_runs(tmp_path, steps: int, **variants: dict) -> tuple[tuple[dict, list[float]], tuple[dict, list[float]],
-                                                                list[float]]:
+def _two_runs(tmp_path, **variants: dict) -> tuple[tuple[dict, list[float]], tuple[dict, list[float]], list[float]]:
     """Two variants (gpu_config's arguments, by name) trained from the same seed on the same batches: for
-    each, the first step's record and the losses of the next steps; then the relative error of every
-    stage's gradient after the first step, the first variant's against the second's."""
+    each, the first step's record and the losses of the next steps (to train.steps); then the relative
+    error of every stage's gradient after the first step, the first variant's against the second's."""
     out, grads = [], []
     for name, arguments in variants.items():
         with Trainer(gpu_config(tmp_path / name, **arguments)) as trainer:
             first = trainer.step(0)
             grads.append(_stage_grads(trainer))
-            out.append((first, [trainer.step(s)["loss"] for s in range(1, steps)]))
+            out.append((first, [trainer.step(s)["loss"] for s in range(1, trainer.cfg.train.steps)]))
     errors = [((x - y).norm() / y.norm()).item() for x, y in zip(*grads)]
     return out[0], out[1], errors
 
@@ -162,7 +161,7 @@ def test_long_sequence_chunks_and_offload_match_the_unchunked_step(tmp_path):
     inputs kept on the GPU): loss and every stage's gradient, in bf16."""
     common = dict(layers=4, hidden=1024, ffn=2816, batch=1, seq=32768, precision={"stream_dtype": "float32"},
                   optimizer={"grad_clip": 1.0, "workers": 2}, train={"steps": 3})
-    (a, ra), (b, rb), errors = _two_runs(tmp_path, 3, chunked=dict(common, engine={  # compile off: one change at a time
+    (a, ra), (b, rb), errors = _two_runs(tmp_path, chunked=dict(common, engine={  # compile off: one change at a time
         "mlp_chunk_tokens": 4096, "loss_chunk_tokens": 4096, "activation_offload": True, "compile": False}),
         whole=dict(common, engine={"mlp_chunk_tokens": 0, "loss_chunk_tokens": 32768, "activation_offload": False,
                                    "compile": False}))
@@ -181,7 +180,7 @@ def test_compiled_layer_tracks_the_eager_layer_on_the_gpu(tmp_path):
     batches: the first step's loss and every stage's gradient, then the losses of the next steps."""
     common = dict(layers=4, hidden=1024, ffn=2816, batch=4, seq=2048, precision={"stream_dtype": "float32"},
                   optimizer={"grad_clip": 1.0, "workers": 2}, train={"steps": 6})
-    (a, ra), (b, rb), errors = _two_runs(tmp_path, 6, compiled=dict(common, engine={"compile": True}),
+    (a, ra), (b, rb), errors = _two_runs(tmp_path, compiled=dict(common, engine={"compile": True}),
                                          eager=dict(common, engine={"compile": False}))
     print(f"\ncompiled vs eager layer: loss {a['loss']:.5f} vs {b['loss']:.5f}; per-stage gradient relative "
           f"error max {max(errors):.2e}; losses of steps 1-5 {[round(x, 4) for x in ra]} vs "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.plan_table import CONFIGS, TOLERANCE, markdown, measured_points, row, validation_rows
+from benchmarks.plan_table import CONFIGS, TOLERANCE, markdown, measured_points, planned_peak_gib, row, validation_rows
 from megatrain_ray.__main__ import main
 from megatrain_ray.config import load_config
 from megatrain_ray.exceptions import ConfigError
@@ -62,8 +62,7 @@ def test_planned_gpu_peak_is_within_tolerance_of_the_measured(point):
     last hidden state and the head's input gradient, a layer's weight gradients, no longer kept through
     the backward); the plan follows the traces after them, so it sits below the pre-fix long-context rows,
     within the tolerance."""
-    machine = Machine.from_preset(f"{point.profile.gpu.kind}-1.5tb")
-    planned = plan_run(point.cfg, machine).gpu_peak / 2**30
+    planned = planned_peak_gib(point)
     assert abs(planned / point.gpu_peak_gib - 1) <= TOLERANCE, (planned, point.gpu_peak_gib)
 
 
@@ -96,7 +95,8 @@ def test_the_compiled_working_set_factor_is_the_traced_ratio():
         return sum(mib for site, mib in live.items()
                    if "stream_engine.py" not in site and "activations.py" not in site and "rope_tables" not in site)
 
-    eager, compiled = activations("gpu-memory-peak-20261123-165525.json"), activations("gpu-memory-peak-20261123-165557.json")
+    eager = activations("gpu-memory-peak-20261123-165525.json")
+    compiled = activations("gpu-memory-peak-20261123-165557.json")
     assert compiled / eager == pytest.approx(COMPILED_WORKING_SET, abs=0.01), (compiled, eager)
 
 

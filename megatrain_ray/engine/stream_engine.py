@@ -66,12 +66,12 @@ log = get_logger(__name__)
 
 
 class _CompiledLayer:
-    """A layer function (decoder_layer) through torch.compile. Shapes are fixed per run (the weights of every layer are
-    views at the same offsets), so one graph per sequence shape serves every layer. With engine.compile
-    auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in BackendCompilerFailed) is
-    logged once and the eager function runs from then on; with true it propagates. It surfaces at the
-    call that compiles, before the layer computed anything, so the eager function in its place loses
-    nothing."""
+    """A layer function (decoder_layer) through torch.compile. Shapes are fixed per run (the weights of
+    every layer are views at the same offsets), so one graph per sequence shape serves every layer. With
+    engine.compile auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in
+    BackendCompilerFailed) is logged once and the eager function runs from then on; with true it
+    propagates. It surfaces at the call that compiles, before the layer computed anything, so the eager
+    function in its place loses nothing."""
 
     def __init__(self, eager: Any, fall_back: bool) -> None:
         self.eager = eager
@@ -185,8 +185,6 @@ class StreamEngine:
         self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
         self.clip = cfg.optimizer.grad_clip
         self.mlp_chunk = cfg.engine.mlp_chunk_tokens
-        # Shapes are fixed per run (the weights of every layer are views at the same offsets), so one
-        # compiled graph per sequence shape serves every layer.
         self._compiled = _CompiledLayer(decoder_layer, fall_back=cfg.engine.compile == "auto") \
             if cfg.engine.compiles_on(device.type) else None
         gpu_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
