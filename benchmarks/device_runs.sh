@@ -10,6 +10,9 @@
 #   load-8b       issue 5: load time and peak RAM of an 8B sharded checkpoint (random bf16)      nvidia-h200 / h100
 #   long-context  issue 8: 8B-width layers at 128K/256K/512K tokens, activation offload on       nvidia-h200
 #   long-context-depth  issue 8: depth 8 at 128K (against 4 layers: GPU peak flat in depth)      nvidia-h200
+#   long-context-1m  issue 8: the same 4 layers at 1M tokens in one sequence (one step; plan 118 GiB)  nvidia-h200
+#   traces        the GPU traces the plan's activation terms come from: 7B width at 64K tokens eager
+#                 and compiled (8 layers), 8B width at 128K (4 layers, chunked MLP)             nvidia-h200
 #   largest-h200  issue 8: Llama 3.1 8B, all 32 layers, full precision (fp32 master and moments,
 #                 master streamed, clipping off) on the 128 GiB box; the plan beside the figures nvidia-h200
 #   bench-3.5b    issue 4: the 3.5B bench against the GPU-resident baseline and DeepSpeed
@@ -45,6 +48,20 @@ case "${1:-}" in
     python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 8 \
       --seq-lens 131072 --steps 1 --warmup 1 --name long-context-depth --out "$OUT" \
       --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
+  long-context-1m)
+    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 4 \
+      --seq-lens 1048576 --steps 1 --warmup 0 --timeout 580 --name long-context-1m --out "$OUT" \
+      --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
+  traces)
+    for compile in false true; do
+      python benchmarks/gpu_memory_peak.py --config configs/llama-3.5b-bench.yaml --layers 8 --out "$OUT" \
+        --set schedule.warmup_steps=0 --set data.batch_size=32 --set engine.activation_offload=true \
+        --set optimizer.grad_clip=0 --set engine.compile=$compile
+    done
+    python benchmarks/gpu_memory_peak.py --config configs/llama3-8b.yaml --layers 4 --out "$OUT" \
+      --set schedule.warmup_steps=0 --set data.batch_size=1 --set data.seq_len=131072 \
+      --set model.max_position_embeddings=131072 --set engine.activation_offload=true --set optimizer.grad_clip=0 \
+      --set precision.stream_dtype=float32 ;;
   largest-h200)
     python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 8 --steps 8 --warmup 2 \
       --name largest-h200 --out "$OUT" --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 \

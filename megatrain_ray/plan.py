@@ -203,32 +203,30 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
         "vocabulary accumulator": v * h * acc_b,
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
-        "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b, acc_b)
+        "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
                                           * (COMPILED_WORKING_SET if layers_compiled(cfg) else 1)) + mlp_sums,
         "loss head working set": 2 * chunk * v * 4 + 2 * tokens * h * acc_b,
     }
 
 
-def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int,
-                         acc_b: int) -> int:
-    """Activation bytes of one layer's recompute and backward at its peak, as traced on the GPU at 128K
-    and 64K tokens (benchmarks/gpu_memory_peak.py: the live tensors by source line; `(outside megatrain)`
-    there is the autograd engine's own thread, i.e. the gradients of the backward in progress).
+def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int) -> int:
+    """Activation bytes of one layer's recompute and backward at its peak, counted from the tensors the
+    templates keep (benchmarks/gpu_memory_peak.py traces the live tensors by source line; `(outside
+    megatrain)` there is the autograd engine's own thread, i.e. the gradients of the backward in progress).
 
-    The attention half's saved tensors live through the whole layer backward: the norm's two float32
-    intermediates, the rotated q, k and v as attended (expanded to q's width under GQA), the attention
-    output, the half's output and its gradient. On top of them, the larger of two phases:
-    - an MLP piece (`mlp_tokens`, one chunk): gate, up and their product, the norm's float32 pair, the
-      output, and the gradients of the backward in progress (three f-wide, two h-wide). The 64K trace
-      of the engine that drops each layer's weight gradients once copied
-      (gpu-memory-peak-20261123-165525.json) holds two float32 norm tensors in the piece, not four;
-    - the attention half's own backward: gradients of q, k, v and the attention output and the norm's
-      float32 pair, per token of the whole sequence (it dominates past about 256K tokens of an 8B layer).
+    The attention half's saved tensors live through the whole layer backward: the norm's output (its
+    input is the layer input, counted with the kept inputs, and it keeps one float32 scale per token),
+    the rotated q, k and v at their own widths, the attention output and o_proj's input, the half's output
+    and its gradient. On top of them, the larger of two phases:
+    - an MLP piece (`mlp_tokens`, one chunk): the norm's output, gate, up, their product and the
+      activation, the output, and the gradients of the backward in progress;
+    - the attention half's own backward over the whole sequence: the output's gradient, dq, and dk and dv,
+      which the flash kernel forms at q's width before summing each group (and then at their own).
+    No float32 tensor of [tokens, hidden] is kept (templates._LeanRMSNorm).
     """
-    attended = q  # k and v as attended: repeated to q's heads for SDPA under GQA, so q's width either way
-    saved = tokens * (2 * h * acc_b + (2 * q + 2 * attended + 2 * h) * compute_b)
-    mlp_piece = mlp_tokens * (6 * f * compute_b + 2 * h * acc_b + 2 * h * compute_b)
-    attention_grads = tokens * ((2 * q + 2 * attended) * compute_b + 2 * h * acc_b)
+    saved = tokens * ((3 * h + 3 * q + 2 * kv) * compute_b + 4)
+    mlp_piece = mlp_tokens * (6 * f + 3 * h) * compute_b
+    attention_grads = tokens * (4 * q + 2 * kv) * compute_b
     return saved + max(mlp_piece, attention_grads)
 
 

@@ -190,6 +190,40 @@ def test_compiled_layer_tracks_the_eager_layer_on_the_gpu(tmp_path):
     assert all(abs(x - y) <= 1e-2 * y for x, y in zip(ra, rb))
 
 
+def test_gqa_attention_runs_in_flash_attention_without_repeating_k_and_v():
+    """The layers' attention with 32 query and 8 KV heads (Llama 3 8B) forced onto the flash kernel, so a
+    backend that cannot take the groups fails here instead of falling back to one that materialises the
+    scores: output and gradients against SDPA on k and v repeated to q's heads, and the tensors autograd
+    keeps, which must hold k and v at their own width."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatrain_ray.model.templates import LayerSpec, _causal_attention
+
+    spec = LayerSpec(32, 8, 128, 1e-5, qk_norm=False, attention_bias=False, sliding_window=0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               .requires_grad_(True) for heads in (32, 8, 8))
+    grad = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _causal_attention(q, k, v, spec)
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True, scale=128 ** -0.5)
+    wanted = torch.autograd.grad(ref, (q, k, v), grad)
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip((out, *ours), (ref, *wanted))]
+    qkv_out = 32 * 8192 * 128 * 2 * 2 + 8 * 8192 * 128 * 2 * 2  # q and the output, k and v at their width
+    print(f"\nGQA flash attention: relative error of output, dq, dk, dv {[f'{e:.1e}' for e in errors]}; "
+          f"kept {sum(kept.values()) / 2**20:.1f} MiB (q, k, v, output: {qkv_out / 2**20:.1f} MiB)")
+    assert max(errors) <= 1e-2
+    assert sum(kept.values()) <= qkv_out + 2**20  # + the log-sum-exp and the RNG state
+
+
 def test_offloaded_gpu_peak_is_flat_in_depth(tmp_path):
     peaks = {}
     for layers in (4, 12):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatrain_ray.config import load_config
+from megatrain_ray.model import templates
 from megatrain_ray.model.templates import LayerSpec, decoder_layer, decoder_layer_backward, document_buckets
 from megatrain_ray.plan import GiB, Machine, plan_run
 from tests.conftest import tiny_raw
@@ -54,6 +55,50 @@ def test_chunked_layer_backward_equals_plain_autograd(packed, chunk):
     # The chunked forward (no autograd) is the same function.
     with torch.no_grad():
         assert (decoder_layer(x, weights, rope, spec, docs, mlp_chunk_tokens=chunk) - out).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 24), (2, 9, 3, 16)], ids=["hidden", "per-head-qk-norm"])
+def test_lean_rms_norm_gradients_equal_plain_autograd(monkeypatch, shape):
+    """The norm's own backward (rows in ragged slices: 40 elements a slice) against autograd through the
+    plain operations, in float64; and in bfloat16 the same forward bit for bit, gradients to rounding."""
+    monkeypatch.setattr(templates, "NORM_BACKWARD_ELEMENTS", 40)
+    gen = torch.Generator().manual_seed(1)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2e-2)):
+        x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype).requires_grad_(True)
+        w = (torch.randn(shape[-1], generator=gen, dtype=torch.float64) + 1).to(dtype).requires_grad_(True)
+        grad = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        lean = templates.rms_norm(x, w, 1e-6)
+        assert lean.grad_fn is not None and "LeanRMSNorm" in type(lean.grad_fn).__name__
+        plain = templates._plain_rms_norm(x, w, 1e-6)
+        assert torch.equal(lean, plain)
+        got = torch.autograd.grad(lean, (x, w), grad)
+        want = torch.autograd.grad(plain, (x, w), grad)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            scale = b.double().abs().max().item()
+            assert (a.double() - b.double()).abs().max().item() <= tol * scale
+
+
+def test_lean_rms_norm_keeps_only_its_input_and_a_scale_per_row():
+    """What the backward holds, counted through autograd's saved-tensor hooks: the bfloat16 input (the
+    residual, alive anyway), the weight and one float32 per row; plain autograd instead keeps the float32
+    upcast and the normalised bfloat16 copy, three times the input's bytes."""
+    x = torch.randn(4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(32, dtype=torch.bfloat16, requires_grad=True)
+
+    def saved_bytes(norm) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            norm(x, w, 1e-6)
+        return sum(seen.values())
+
+    rows = 4 * 64
+    assert saved_bytes(templates.rms_norm) == x.numel() * 2 + 32 * 2 + rows * 4
+    assert saved_bytes(templates._plain_rms_norm) >= x.numel() * (4 + 2)
 
 
 def _long_config(layers: int, seq: int, offload="auto"):
