@@ -210,22 +210,25 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
 
 
 def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int) -> int:
-    """Activation bytes of one layer's recompute and backward at its peak, counted from the tensors the
-    templates keep (benchmarks/gpu_memory_peak.py traces the live tensors by source line; `(outside
-    megatrain)` there is the autograd engine's own thread, i.e. the gradients of the backward in progress).
+    """Activation bytes of one layer's recompute and backward at its peak, as traced on the GPU at 64K and
+    128K tokens (benchmarks/gpu_memory_peak.py: the live tensors by source line; `(outside megatrain)`
+    there is the autograd engine's own thread, i.e. the gradients of the backward in progress).
 
     The attention half's saved tensors live through the whole layer backward: the norm's output (its
     input is the layer input, counted with the kept inputs, and it keeps one float32 scale per token),
-    the rotated q, k and v at their own widths, the attention output and o_proj's input, the half's output
-    and its gradient. On top of them, the larger of two phases:
-    - an MLP piece (`mlp_tokens`, one chunk): the norm's output, gate, up, their product and the
-      activation, the output, and the gradients of the backward in progress;
+    the rotated q and k and the v at their own widths, the attention output, the half's output and (MLP
+    in pieces) its gradient. On top of them, the larger of two phases:
+    - an MLP piece (`mlp_tokens`, one chunk): gate, up and the activation, their gradients in progress,
+      and four h-wide tensors (the norm's output, the piece's output and the gradients of its input);
     - the attention half's own backward over the whole sequence: the output's gradient, dq, and dk and dv,
-      which the flash kernel forms at q's width before summing each group (and then at their own).
-    No float32 tensor of [tokens, hidden] is kept (templates._LeanRMSNorm).
+      which the flash kernel forms at q's width before summing each group (and then at their own). Not
+      traced: it leads only past about 340K tokens of an 8B layer.
+    No float32 tensor of [tokens, hidden] is kept (templates._LeanRMSNorm): the traces of the engine before
+    it held 2 x 4 bytes per hidden unit per token more, and k and v at q's width.
     """
-    saved = tokens * ((3 * h + 3 * q + 2 * kv) * compute_b + 4)
-    mlp_piece = mlp_tokens * (6 * f + 3 * h) * compute_b
+    half_grad = h if mlp_tokens < tokens else 0  # the half's output gradient, assembled piece by piece
+    saved = tokens * ((2 * h + half_grad + 2 * q + 2 * kv) * compute_b + 4)
+    mlp_piece = mlp_tokens * (6 * f + 4 * h) * compute_b
     attention_grads = tokens * (4 * q + 2 * kv) * compute_b
     return saved + max(mlp_piece, attention_grads)
 
@@ -257,13 +260,13 @@ def resolve_activation_offload(cfg: Config, gpu_memory: int | None) -> bool:
     return _peak(gpu_bytes(cfg, offload=False)) + GPU_RESERVE_BYTES > gpu_memory
 
 
-COMPILED_WORKING_SET = 0.670
-"""A compiled layer's recompute and backward working set over the eager one's: 10,782 / 16,094 MiB of
+COMPILED_WORKING_SET = 0.797
+"""A compiled layer's recompute and backward working set over the eager one's: 10,782 / 13,535 MiB of
 activations at the peak (all but the engine's buffers, the layer input coming back and RoPE's tables)
 in two GPU traces of the same step, 8 layers of 7B width at 64K tokens
-(benchmarks/results/gpu-memory-peak-20261123-165525.json eager, -165557 compiled): Inductor fuses the
-norms' float32 intermediates and RoPE's copies away. Compiled rows have at most engine.mlp_chunk_tokens
-tokens (runs_compiled), so no longer sequence depends on it."""
+(benchmarks/results/gpu-memory-peak-h200-20261123-181853.json eager, -181932 compiled): Inductor fuses
+the norms' and RoPE's intermediates and the MLP's activation away. Compiled rows have at most
+engine.mlp_chunk_tokens tokens (runs_compiled), so no longer sequence depends on it."""
 
 
 def _peak(g: dict[str, int]) -> int:

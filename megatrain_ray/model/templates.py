@@ -343,6 +343,7 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
         grad_mid[part] = grads[0]
         for name, g in zip(mlp_params, grads[1:]):
             mlp_grads[name] += g
+        del out, grads  # else this piece's output and gradients live through the next piece's backward
     attn_params = [n for n in params if n not in mlp_params]
     grads = torch.autograd.grad(mid, [x, *(params[n] for n in attn_params)], grad_mid.view_as(mid))
     return grads[0], {**dict(zip(attn_params, grads[1:])), **mlp_grads}
