@@ -220,16 +220,18 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
     in pieces) its gradient. On top of them, the larger of two phases:
     - an MLP piece (`mlp_tokens`, one chunk): gate, up and the activation, their gradients in progress,
       and four h-wide tensors (the norm's output, the piece's output and the gradients of its input);
-    - the attention half's own backward over the whole sequence: the output's gradient, dq, and dk and dv,
-      which the flash kernel forms at q's width before summing each group (and then at their own). Not
-      traced: it leads only past about 340K tokens of an 8B layer.
+    - the attention half's own backward over the whole sequence: the output's gradient (and the flash
+      kernel's contiguous copy of it), dq with the kernel's float32 accumulator, and dk and dv, which the
+      kernel forms at q's width before summing each group (and then at their own). It leads past about
+      220K tokens of an 8B layer; not traced, but its 60 KiB per token read the measured peaks at 256K
+      and 512K tokens (long-context-*-20261123-18*.json) to -0.9 % and -0.8 %.
     No float32 tensor of [tokens, hidden] is kept (templates._LeanRMSNorm): the traces of the engine before
     it held 2 x 4 bytes per hidden unit per token more, and k and v at q's width.
     """
     half_grad = h if mlp_tokens < tokens else 0  # the half's output gradient, assembled piece by piece
     saved = tokens * ((2 * h + half_grad + 2 * q + 2 * kv) * compute_b + 4)
     mlp_piece = mlp_tokens * (6 * f + 4 * h) * compute_b
-    attention_grads = tokens * (4 * q + 2 * kv) * compute_b
+    attention_grads = tokens * ((5 * q + 2 * kv) * compute_b + 4 * q)
     return saved + max(mlp_piece, attention_grads)
 
 
