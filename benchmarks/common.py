@@ -51,6 +51,11 @@ def seq_len_overrides(base: Any, seq_len: int) -> list[str]:
             f"model.max_position_embeddings={max(seq_len, base.model.max_position_embeddings)}"]
 
 
+def point_overrides(batch: int, gpus: int, layers: int) -> list[str]:
+    """Config overrides of one benchmarks/run.py point: `batch` rows per GPU on `gpus` GPUs, `layers` deep."""
+    return [f"data.batch_size={batch * gpus}", f"parallel.gpus={gpus}", f"model.num_layers={layers}"]
+
+
 def write_result(name: str, result: dict[str, Any], out: str | Path = RESULTS, path: Path | None = None,
                  quiet: bool = False) -> Path:
     """benchmarks/results/<name>-<device>-<time>.json, written atomically; `path` rewrites a file an

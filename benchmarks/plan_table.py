@@ -26,7 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, VARIANTS, provenance, seq_len_overrides, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    VARIANTS,
+    point_overrides,
+    provenance,
+    seq_len_overrides,
+    write_result,
+)
 from megatrain_ray.config import Config, load_config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.plan import GPU_RESERVE_BYTES, Machine, Plan, layers_compiled, plan_run  # noqa: E402
@@ -103,8 +110,8 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
             extra = list(VARIANTS.get(r["system"], ("", []))[1])
             if r.get("seq_len"):  # --seq-lens points: the harness set the length beside the file's overrides
                 extra += seq_len_overrides(load_config(ROOT / result["config"], result["overrides"]), r["seq_len"])
-            cfg = load_config(ROOT / result["config"], [*result["overrides"], *extra, f"data.batch_size={r['batch']}",
-                                                        f"model.num_layers={r['layers']}",
+            cfg = load_config(ROOT / result["config"], [*result["overrides"], *extra,
+                                                        *point_overrides(r["batch"], r.get("gpus", 1), r["layers"]),
                                                         *_as_measured(r, "engine.compile=true" in extra)])
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "
                      f"{cfg.precision.resolved_stream_dtype} stream")

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 RESULT_TAG = "BENCH_RESULT "
 
-from benchmarks.common import VARIANTS, provenance, seq_len_overrides, write_result  # noqa: E402
+from benchmarks.common import VARIANTS, point_overrides, provenance, seq_len_overrides, write_result  # noqa: E402
 from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
@@ -55,9 +55,7 @@ from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  
 def _load(spec: dict):
     from megatrain_ray.config import load_config
 
-    gpus = spec.get("gpus", 1)
-    overrides = [*spec["overrides"], f"data.batch_size={spec['batch'] * gpus}", f"parallel.gpus={gpus}",
-                 f"model.num_layers={spec['layers']}",
+    overrides = [*spec["overrides"], *point_overrides(spec["batch"], spec.get("gpus", 1), spec["layers"]),
                  f"train.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
                  f"train.output_dir={spec['run_dir']}", "runtime.dashboard=false"]
     return load_config(spec["config"], overrides)
@@ -241,6 +239,18 @@ def child(system: str, spec: dict) -> None:
 # ----------------------------------------------------------------------------- the invocation (parent)
 
 
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi, for a file none of whose rows ran (OOM, errors); the parent
+    never initialises CUDA itself: its context would take memory from the points."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    names = out.stdout.strip().splitlines()
+    return names[0].strip() if out.returncode == 0 and names else "cpu"
+
+
 def dram_bandwidth_gbs(gib: float = 2.0, repeats: int = 5) -> float:
     """Host memory bandwidth, read + write bytes of a large multi-threaded copy (the best of a few)."""
     import torch
@@ -374,7 +384,7 @@ def main() -> int:
     path = None
 
     def result_of(rows: list[dict]) -> dict:
-        device = next((r["device"] for r in rows if r.get("device")), "unknown")
+        device = next((r["device"] for r in rows if r.get("device")), None) or gpu_name()
         return {
             **provenance(device), "config": os.path.relpath(args.config, ROOT), "overrides": args.set,
             "steps": args.steps, "warmup": args.warmup, "host_dram_gbs": bandwidth,

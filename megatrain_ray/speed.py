@@ -37,11 +37,11 @@ bench rows record, i.e. measured under the engine's own overlap):
 
 | constant | H200 box (`nvidia-h200`) | H100 box (`nvidia-h100-x1`) |
 |---|---|---|
-| model TFLOPS on GPU-busy time, eager layers | 371.7: median of model FLOPs / compute_seconds over the 30 eager megatrain rows of `*-h200-*.json` (347-379; the lowest at 256K-512K tokens) | 358.9: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
-| the same, compiled layers | 452.8: median over the 5 compiled rows (451-463; 7B-width layers at 32k-64k tokens) | 437.2: scaled the same way (not measured) |
+| model TFLOPS on GPU-busy time, eager layers | 371.7: median of model FLOPs / compute_seconds (one GPU's tokens) over the 34 eager megatrain rows of `*-h200-*.json`, both H200 hosts (347-379; the lowest at 256K-512K tokens) | 358.9: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
+| the same, compiled layers | 453.0: median over the 7 compiled rows (451-467; 7B-width layers at 32k-64k tokens per GPU) | 437.2: scaled the same way (not measured) |
 | H2D GB/s, idle / under optimizer load | 53 / 40: DESIGN.md section 3 ("H2D drops 53 -> 40 GB/s" while AdamW runs); in-engine link 46-54 | 55 / 43.4: DESIGN.md section 3; `optimizer-scaling-h100-*`, 4 workers + H2D |
-| D2H GB/s | 51.8: median in-engine d2h_gbps_link of all 35 rows | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
-| AdamW G params/s (fp32, all workers) | 4.20: median in-engine optimizer_gparams_per_s of the 11 rows it bounds (GPU busy under 90 %: the 8k rows and the 32k rows with clipping on; 3.5-4.7 across the sessions' boxes). Where the GPU bounds the step the in-engine rate says little (2.9-5.6) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
+| D2H GB/s | 51.8: median in-engine d2h_gbps_link of the 39 rows of this box | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
+| AdamW G params/s (fp32, all workers) | 4.20: median in-engine optimizer_gparams_per_s of the 11 rows of this box it bounds (GPU busy under 90 %: the 8k rows and the 32k rows with clipping on; 3.5-4.7 across the sessions' boxes; the 32-core `nvidia-h200-x2` host ran 4.3-5.1, not counted). Where the GPU bounds the step the in-engine rate says little (2.9-5.6) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
 | control round trip per update | 1.1 ms: DESIGN.md section 2, an actor call | same |
 
 (*) The microbenchmark's rate without concurrent H2D (with it: 3.84). On the H200 box the in-engine median
@@ -50,9 +50,12 @@ bench rows record, i.e. measured under the engine's own overlap):
 time. The H100 figure follows that evidence; the H100 run of `fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/test_speed.py.
 
 A host of 512 GB .. 1.5 TB (the presets) is assumed to stream and update at the rates of the
-measured 16-core VM of its GPU kind; a server with more DRAM channels updates faster (32 cores of
-`nvidia-h200-x2`: AdamW 6.2 G params/s, DESIGN.md section 3): `--optimizer-gparams` plans with another
-rate. tests/test_speed.py replays every measured megatrain point and holds the prediction within 10 %
+measured 16-core VM of its GPU kind; a server with more DRAM channels updates faster (DESIGN.md
+section 3 gives 6.2 G params/s on 32 cores of `nvidia-h200-x2`; the x2 box measured here ran 4.0-5.2 for
+1-32 workers, `optimizer-scaling-h200-20261123-184223.json`): `--optimizer-gparams` plans with another
+rate. Data parallelism: every GPU runs the schedule on its own rows at once (plan.rank_tokens); the sum
+of the gradients over the GPUs (0.03 s per step on two) and the slower AdamW while two GPUs copy (5.1 ->
+4.3 G params/s in `data-parallel-x2-*`) are not modelled. tests/test_speed.py replays every measured megatrain point and holds the prediction within 10 %
 (docs/plan-large-models.md lists them: -8.9 % .. +9.8 %). The H200 rows are in sample (the H200 rates are
 their medians): they test the schedule; the H100 run is out of sample.
 
@@ -161,9 +164,9 @@ class SpeedProfile:
         return replace(self, host=replace(self.host, disk_gbps=gbps), assumptions=(*self.assumptions, note))
 
 
-H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.7, 452.8,
+H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.7, 453.0,
                   "median model FLOPs / GPU-busy s of the megatrain rows in benchmarks/results/*-h200-*.json "
-                  "(30 eager, 5 compiled)")
+                  "(34 eager, 7 compiled)")
 H100 = GpuProfile("h100", "NVIDIA H100 80GB HBM3", 81559 * 2**20, round(H200.model_tflops * 16.8 / 17.4, 1),
                   round(H200.compiled_model_tflops * 16.8 / 17.4, 1),
                   "the H200 rates x 16.8 / 17.4 (7B-layer fwd+bwd on each box, DESIGN.md section 3)")
@@ -237,12 +240,13 @@ class StageCost:
 
 def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None = None,
                 offload: bool = False) -> list[StageCost]:
+    from megatrain_ray.plan import layers_compiled, rank_tokens  # plan imports this module
+
     layout = layout or build_layout(cfg.model)
-    tokens = cfg.data.tokens_per_step
+    tokens = rank_tokens(cfg)  # one GPU's rows: with data parallelism every GPU runs this schedule at once
     flops = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
     stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
     grad_b = DTYPE_BYTES[grad_dtype(cfg)]
-    from megatrain_ray.plan import layers_compiled  # plan imports this module
 
     rate = profile.gpu.tflops(layers_compiled(cfg)) * 1e12
     activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype] if offload else 0

@@ -73,6 +73,32 @@ def test_planned_gpu_peak_is_within_tolerance_of_the_measured(point):
     assert abs(planned / point.gpu_peak_gib - 1) <= TOLERANCE, (planned, point.gpu_peak_gib)
 
 
+def _oom_points() -> list[tuple[str, dict, dict]]:
+    """(file, result, row) of every megatrain point that ran out of GPU memory."""
+    found = []
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(path.read_text())
+        found += [(path.name, result, r) for r in result.get("rows", [])
+                  if r.get("system", "").startswith("megatrain") and r.get("status") == "oom"]
+    return found
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: at 1M tokens (8B width, 4 layers) the plan counts 133.7 GiB of "
+                   "peak + 1.5 GiB reserve on the 139.8 GiB H200 and says it fits; the step asked for 32.13 GiB "
+                   "with 102.5 GiB allocated and 8.3 GiB reserved by the allocator but unusable for it "
+                   "(fragmentation, which GPU_RESERVE_BYTES does not scale with)")
+@pytest.mark.parametrize("name,result,row", _oom_points(), ids=[p[0][:-5] for p in _oom_points()])
+def test_the_plan_refuses_what_ran_out_of_gpu_memory(name, result, row):
+    from benchmarks.common import point_overrides, seq_len_overrides
+
+    base = load_config(os.path.join(REPO, result["config"]), result["overrides"])
+    cfg = load_config(os.path.join(REPO, result["config"]), [
+        *result["overrides"], *seq_len_overrides(base, row["seq_len"]),
+        *point_overrides(row["batch"], row.get("gpus", 1), row["layers"])])
+    plan = plan_run(cfg, Machine.from_preset("h200-1.5tb"))
+    assert not plan.fits, (plan.gpu_peak / 2**30, row["error"][:120])
+
+
 @pytest.mark.parametrize("name,depth,tolerance", [
     ("gpu-memory-peak-h200-20261123-182011.json", "4", 0.04),  # 128K tokens, 8B width, chunked MLP: 34.77 GiB
     ("gpu-memory-peak-h200-20261123-181853.json", "8", 0.03),  # 64K tokens, 7B width, eager: 16.69 GiB
@@ -106,8 +132,9 @@ def test_the_compiled_working_set_factor_is_the_traced_ratio():
 
 
 def test_the_h200_rates_are_the_medians_of_the_measured_rows():
-    """Each constant of the H200 box is what its docstring says: a median over the megatrain rows (model
-    TFLOPS apart for eager and compiled layers; AdamW over the rows it bounds, GPU busy under 90 %)."""
+    """Each constant of the H200 GPU and box is what its docstring says: a median over the megatrain rows
+    (model TFLOPS apart for eager and compiled layers, over every H200 row; the host's AdamW, over the rows
+    it bounds, GPU busy under 90 %, and D2H over the rows of the 16-core box, not the 32-core x2 host)."""
     from megatrain_ray.plan import layers_compiled
 
     tflops, compiled_tflops, adamw, d2h = [], [], [], []
@@ -117,11 +144,13 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
         [r] = [r for r in megatrain_rows(p.source) if r["step_seconds"] == p.step_seconds]
         flops = model_flops_per_token(p.cfg.model, build_layout(p.cfg.model), p.cfg.data.seq_len)
         (compiled_tflops if layers_compiled(p.cfg) else tflops).append(
-            flops * r["tokens_per_step"] / r["compute_seconds"] / 1e12)
+            flops * r["tokens_per_step"] / r.get("gpus", 1) / r["compute_seconds"] / 1e12)  # one GPU's
+        if json.loads((RESULTS / p.source).read_text())["cpu_count"] != 16:
+            continue
         if r["gpu_busy"] < 0.9:
             adamw.append(r["optimizer_gparams_per_s"])
         d2h.append(r["d2h_gbps_link"])
-    assert (len(tflops), len(compiled_tflops), len(adamw), len(d2h)) == (30, 5, 11, 35)
+    assert (len(tflops), len(compiled_tflops), len(adamw), len(d2h)) == (34, 7, 11, 39)
     assert H200.model_tflops == pytest.approx(statistics.median(tflops), rel=0.005)
     assert H200.compiled_model_tflops == pytest.approx(statistics.median(compiled_tflops), rel=0.005)
     assert H200_BOX.adamw_gparams == pytest.approx(statistics.median(adamw), rel=0.005)
