@@ -237,8 +237,10 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "stochastic rounding; not full precision), -4 bytes/parameter. Its speed is not predicted.",
         "- **GPU**: torch's peak allocation by the memory plan + 1.5 GiB for the CUDA context and workspaces. "
         "Where the config's batch does not fit, the row plans the largest batch that does (tokens/step column). "
-        f"Tight: above {TIGHT:.0%} of the GPU; against the peaks measured on the H200 and H100 (8k to 512K "
-        f"tokens per step) the plan reads {low:+.1%} to {high:+.1%}, so leave a batch of margin there.",
+        f"Tight: above {TIGHT:.0%} of the GPU; against the {len(errors)} peaks measured on the H200 with today's "
+        f"layers (32k to 512K tokens per step) the plan reads {low:+.1%} to {high:+.1%}, but at 1M tokens of an "
+        "8B-width model it said 133.7 GiB fits where the step ran out of memory (allocator fragmentation, not "
+        "counted), so leave a batch of margin there.",
         "- **tok/s is a prediction**, not a measurement: `megatrain_ray/speed.py` replays the engine's schedule "
         "(forward H2D overlap, backward H2D/D2H overlap, AdamW overlapped with the backward) with the rates "
         f"measured on the boxes (its docstring names each source): H200 {H200.model_tflops:g} model TFLOPS "
@@ -273,7 +275,8 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "## The speed model against the measured points",
         "",
         "Every megatrain run with a step time in `benchmarks/results/` (3.5B-bench width at T2048 with 4 "
-        "optimizer workers, the 8B shape at 32k tokens, and 8B-width layers at 128K-512K tokens), predicted "
+        "optimizer workers, on 1 and 2 GPUs, the 8B shape at 32k tokens, and 8B-width layers at 128K-512K "
+        "tokens), predicted "
         "from its config with the rates of its GPU's box. The H200 GPU, D2H and AdamW rates are medians over "
         "these same H200 rows, so those rows test the schedule more than the rates; the H100 row is out of "
         "sample (its rates come from a microbenchmark and DESIGN.md; with the AdamW rate measured under "

@@ -172,7 +172,7 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--optimizer-gparams", type=float, metavar="RATE",
                        help="CPU AdamW rate of the host in G params/s with fp32 moments and a bf16 streaming copy "
                             "(28 DRAM bytes/param; other formats are scaled by their bytes) for the speed estimate "
-                            "(default: the measured box of the GPU kind; 6.2 was measured on a 32-core host)")
+                            "(default: the measured box of the GPU kind; a 32-core H200 host measured 4.0-5.2)")
         p.add_argument("--disk-gbps", type=float, metavar="RATE",
                        help="read + write GB/s of host.disk_dir for the speed of the disk tier (default: "
                             "5, an NVMe assumption; benchmarks/moment_tiers.py measures a disk)")
