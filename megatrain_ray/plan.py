@@ -225,8 +225,8 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
       kernel forms at q's width before summing each group (and then at their own). It leads past about
       220K tokens of an 8B layer; not traced, but its 60 KiB per token read the measured peaks at 256K
       and 512K tokens (long-context-*-20261123-18*.json) to -0.9 % and -0.8 %.
-    No float32 tensor of [tokens, hidden] is kept (templates._LeanRMSNorm): the traces of the engine before
-    it held 2 x 4 bytes per hidden unit per token more, and k and v at q's width.
+    No float32 tensor of [tokens, hidden] is kept (templates._LeanRMSNorm): the engine before it also kept
+    each norm's float32 upcast and normalised copy, and k and v at q's width.
     """
     half_grad = h if mlp_tokens < tokens else 0  # the half's output gradient, assembled piece by piece
     saved = tokens * ((2 * h + half_grad + 2 * q + 2 * kv) * compute_b + 4)
