@@ -13,6 +13,8 @@
 #   long-context-1m  issue 8: the same 4 layers at 1M tokens in one sequence (one step; plan 118 GiB)  nvidia-h200
 #   traces        the GPU traces the plan's activation terms come from: 7B width at 64K tokens eager
 #                 and compiled (8 layers), 8B width at 128K (4 layers, chunked MLP)             nvidia-h200
+#   attention     SDPA kernels (torch's pick, flash, cuDNN, efficient) at 8K-256K tokens of an 8B
+#                 layer: time and memory of forward + backward (what long context runs on)     any GPU
 #   largest-h200  issue 8: Llama 3.1 8B, all 32 layers, full precision (fp32 master and moments,
 #                 master streamed, clipping off) on the 128 GiB box; the plan beside the figures nvidia-h200
 #   bench-3.5b    issue 4: the 3.5B bench against the GPU-resident baseline and DeepSpeed
@@ -29,7 +31,8 @@
 #   tiers-x2      issue 8: the largest with the memory tiers: Qwen2.5-32B with both moments in
 #                 bf16 on disk (not full precision; plan: 4.3 B/param RAM, 131 GB of disk; the plan
 #                 refuses first, naming the shortfall, if the disk is smaller: LAYERS=56 then)    nvidia-h200-x2
-#   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape        nvidia-h200-x2
+#   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape, clipping
+#                 on and off, then the 2-GPU NCCL parity test                                   nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -93,8 +96,11 @@ case "${1:-}" in
       --set host.moments_tier=disk --set host.disk_dir=/tmp/megatrain-moments --set precision.stream_dtype=float32 \
       --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
   dp-x2)
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems megatrain \
-      --gpus 1,2 --name data-parallel-x2 --out "$OUT" ;;
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems megatrain,megatrain-noclip \
+      --gpus 1,2 --steps 3 --warmup 1 --name data-parallel-x2 --out "$OUT"
+    python -m pytest -q tests/test_gpu.py -m gpu -s -p no:logging -k two_gpus ;;
+  attention)
+    python benchmarks/attention_backends.py --out "$OUT" ;;
   optim-x2)
     python benchmarks/optimizer_scaling.py --max-workers 32 --out "$OUT" ;;
   *)
