@@ -86,6 +86,17 @@ def _as_measured(record: dict, compiled: bool = False) -> list[str]:
         ([] if "compiled" in record else [f"engine.compile={str(compiled).lower()}"])
 
 
+def row_config(result: dict, r: dict, *later: str) -> Config:
+    """The config a benchmarks/run.py row ran: the file's config and overrides, the row's variant, sequence
+    length (--seq-lens points: the harness set it beside the file's overrides), batch, GPUs and depth, then
+    the `later` overrides."""
+    extra = list(VARIANTS.get(r["system"], ("", []))[1])
+    if r.get("seq_len"):
+        extra += seq_len_overrides(load_config(ROOT / result["config"], result["overrides"]), r["seq_len"])
+    return load_config(ROOT / result["config"], [*result["overrides"], *extra,
+                                                 *point_overrides(r["batch"], r.get("gpus", 1), r["layers"]), *later])
+
+
 def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
     """Every megatrain run with a step time in results/: the rows of benchmarks/run.py files (configs and
     overrides as the harness applied them) and the uninterrupted run of fault_recovery.py files (median
@@ -107,12 +118,8 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
         for r in result.get("rows", []):
             if not r.get("system", "").startswith("megatrain") or r.get("status") != "ok":
                 continue
-            extra = list(VARIANTS.get(r["system"], ("", []))[1])
-            if r.get("seq_len"):  # --seq-lens points: the harness set the length beside the file's overrides
-                extra += seq_len_overrides(load_config(ROOT / result["config"], result["overrides"]), r["seq_len"])
-            cfg = load_config(ROOT / result["config"], [*result["overrides"], *extra,
-                                                        *point_overrides(r["batch"], r.get("gpus", 1), r["layers"]),
-                                                        *_as_measured(r, "engine.compile=true" in extra)])
+            variant = VARIANTS.get(r["system"], ("", []))[1]
+            cfg = row_config(result, r, *_as_measured(r, "engine.compile=true" in variant))
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "
                      f"{cfg.precision.resolved_stream_dtype} stream")
             points.append(MeasuredPoint(label, path.name, cfg, profile_for_gpu(r["device"]), r["tok_per_s"],

@@ -35,7 +35,7 @@ from megatrain_ray.config import DTYPE_BYTES, Config
 from megatrain_ray.disk_tier import DiskSegment, allocate_file
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.log import get_logger
-from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.layout import ModelLayout, StageLayout, token_chunks
 
 log = get_logger(__name__)
 
@@ -162,7 +162,7 @@ def vocab_in_pieces(cfg: Config, ranks_per_node: int) -> bool:
 
 def grad_pieces(numel: int, slab: int) -> list[tuple[int, int]]:
     """[start, end) element ranges of at most `slab` elements covering a stage of `numel` (one when it fits)."""
-    return [(a, min(a + slab, numel)) for a in range(0, numel, slab)]
+    return [(part.start, part.stop) for part in token_chunks(numel, slab)]
 
 
 def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -39,6 +41,19 @@ def learnable_tokens(path, vocab: int, n: int = 4096, seed: int = 0) -> str:
     steps = np.random.default_rng(seed).integers(1, 4, n)
     np.save(path, (np.cumsum(steps) % vocab).astype(np.int32))
     return str(path)
+
+
+@contextlib.contextmanager
+def saved_storage_bytes() -> Iterator[dict[int, int]]:
+    """Within the block, every tensor autograd saves for a backward: its storage's bytes by address (a
+    storage saved twice counts once). For tests of what a function keeps for its backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 def tiny_config(tmp_path, **sections):

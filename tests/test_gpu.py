@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatrain_ray.trainer import Trainer
-from tests.conftest import learnable_tokens, tiny_config
+from tests.conftest import learnable_tokens, saved_storage_bytes, tiny_config
 from tests.reference_llama import train_reference_like
 
 pytestmark = pytest.mark.gpu
@@ -204,12 +204,7 @@ def test_gqa_attention_runs_in_flash_attention_without_repeating_k_and_v():
     q, k, v = (torch.randn(1, heads, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
                .requires_grad_(True) for heads in (32, 8, 8))
     grad = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), saved_storage_bytes() as kept:
         out = _causal_attention(q, k, v, spec)
     ours = torch.autograd.grad(out, (q, k, v), grad)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

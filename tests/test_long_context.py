@@ -10,7 +10,7 @@ from megatrain_ray.config import load_config
 from megatrain_ray.model import templates
 from megatrain_ray.model.templates import LayerSpec, decoder_layer, decoder_layer_backward, document_buckets
 from megatrain_ray.plan import GiB, Machine, plan_run
-from tests.conftest import tiny_raw
+from tests.conftest import saved_storage_bytes, tiny_raw
 
 
 def _layer(gen: torch.Generator, hidden: int = 32, ffn: int = 48, heads: int = 4, kv: int = 2):
@@ -87,12 +87,7 @@ def test_lean_rms_norm_keeps_only_its_input_and_a_scale_per_row():
     w = torch.ones(32, dtype=torch.bfloat16, requires_grad=True)
 
     def saved_bytes(norm) -> int:
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storage_bytes() as seen:
             norm(x, w, 1e-6)
         return sum(seen.values())
 

@@ -19,6 +19,7 @@ from benchmarks.plan_table import (
     peak_comparable,
     planned_peak_gib,
     row,
+    row_config,
     validation_rows,
 )
 from megatrain_ray.__main__ import main
@@ -89,13 +90,7 @@ def _oom_points() -> list[tuple[str, dict, dict]]:
                    "(fragmentation, which GPU_RESERVE_BYTES does not scale with)")
 @pytest.mark.parametrize("name,result,row", _oom_points(), ids=[p[0][:-5] for p in _oom_points()])
 def test_the_plan_refuses_what_ran_out_of_gpu_memory(name, result, row):
-    from benchmarks.common import point_overrides, seq_len_overrides
-
-    base = load_config(os.path.join(REPO, result["config"]), result["overrides"])
-    cfg = load_config(os.path.join(REPO, result["config"]), [
-        *result["overrides"], *seq_len_overrides(base, row["seq_len"]),
-        *point_overrides(row["batch"], row.get("gpus", 1), row["layers"])])
-    plan = plan_run(cfg, Machine.from_preset("h200-1.5tb"))
+    plan = plan_run(row_config(result, row), Machine.from_preset("h200-1.5tb"))
     assert not plan.fits, (plan.gpu_peak / 2**30, row["error"][:120])
 
 

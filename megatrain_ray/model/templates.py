@@ -84,16 +84,15 @@ class _LeanRMSNorm(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = torch.empty_like(rows) if need_x else None
         grad_w = torch.zeros(width, dtype=scale.dtype, device=x.device) if need_w else None
-        step = max(1, NORM_BACKWARD_ELEMENTS // width)
-        for lo in range(0, rows.shape[0], step):
-            normed = rows[lo:lo + step].to(scale.dtype) * scales[lo:lo + step]
-            g = grads[lo:lo + step]
+        for part in token_chunks(rows.shape[0], max(1, NORM_BACKWARD_ELEMENTS // width)):
+            normed = rows[part].to(scale.dtype) * scales[part]
+            g = grads[part]
             if need_w:
                 grad_w += (g * normed.to(x.dtype)).sum(0, dtype=scale.dtype)
             if need_x:
                 # d/dx of x * rsqrt(mean(x^2) + eps), through the cast: scale * (g' - n * mean(g' * n)).
                 g_up = (g * weight).to(scale.dtype)
-                grad_x[lo:lo + step] = scales[lo:lo + step] * (g_up - normed * (g_up * normed).mean(-1, keepdim=True))
+                grad_x[part] = scales[part] * (g_up - normed * (g_up * normed).mean(-1, keepdim=True))
         return (grad_x.view_as(x) if need_x else None,
                 grad_w.to(weight.dtype).view_as(weight) if need_w else None, None)
 
