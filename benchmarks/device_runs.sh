@@ -25,14 +25,16 @@
 #                 engine.compile is auto, i.e. on, on the GPU)
 #   adamw-8k      issue 4: the 8k optimizer-bound point with 2 and 4 optimizer workers, and the
 #                 AdamW microbenchmark, on one box (the AdamW rate fell from 4.3-4.7 to 3.7)   nvidia-h200
-#   qwen14b-x2    issues 4 and 8: Qwen2.5-14B shape at full precision with DeepSpeed beside it   nvidia-h200-x2
+#   qwen14b-x2    issue 4: Qwen2.5-14B shape, all 48 layers, against DeepSpeed (which refuses it when its own
+#                 host-memory estimate exceeds RAM), then both side by side at DS_LAYERS (24) of the same width
+#                 (WITH_DEEPSPEED=1; QWEN_LAYERS=24 skips the 48-layer points)                   nvidia-h200-x2
 #   largest-x2    issue 8: the largest dense shape at full precision in 256 GiB: Qwen2.5-14B width
 #                 at LAYERS (64: 19.2 B parameters, plan 219 GiB of host RAM, 12.3 B/param)      nvidia-h200-x2
-#   tiers-x2      issue 8: the largest with the memory tiers: Qwen2.5-32B with both moments in
-#                 bf16 on disk (not full precision; plan: 4.3 B/param RAM, 131 GB of disk; the plan
-#                 refuses first, naming the shortfall, if the disk is smaller: LAYERS=56 then)    nvidia-h200-x2
+#   tiers-x2      issue 8: the largest with the memory tiers: Qwen2.5-32B width at LAYERS (56: 28.9 B) with
+#                 both moments in bf16 (not full precision), in RAM (plan 222 GiB, 8.3 B/param); TIER=disk
+#                 puts them on disk (4.3 B/param RAM; 56 layers need 116 GB of disk, 64 need 131)  nvidia-h200-x2
 #   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape, clipping
-#                 on and off, then the 2-GPU NCCL parity test                                   nvidia-h200-x2
+#                 on and off (SYSTEMS overrides), then the 2-GPU NCCL parity test                                  nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -84,19 +86,19 @@ case "${1:-}" in
     python benchmarks/optimizer_scaling.py --max-workers 16 --out "$OUT" ;;
   qwen14b-x2)
     python benchmarks/run.py --config configs/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
-      --name qwen14b-x2 --out "$OUT" ;;
+      --layers "${QWEN_LAYERS:-48,24}" --steps 3 --warmup 1 --timeout 420 --name qwen14b-x2 --out "$OUT" ;;
   largest-x2)
     python benchmarks/run.py --config configs/qwen2.5-14b.yaml --layers "${LAYERS:-64}" --batches 8 --systems megatrain \
       --steps 4 --warmup 1 --name largest-x2 --out "$OUT" --set precision.stream_dtype=float32 \
       --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
   tiers-x2)
     df -h /tmp; mkdir -p /tmp/megatrain-moments
-    python benchmarks/run.py --config configs/qwen2.5-32b.yaml --layers "${LAYERS:-64}" --batches 8 --systems megatrain \
-      --steps 2 --warmup 1 --name tiers-x2 --out "$OUT" --set optimizer.moment_dtype=bfloat16 \
-      --set host.moments_tier=disk --set host.disk_dir=/tmp/megatrain-moments --set precision.stream_dtype=float32 \
-      --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
+    python benchmarks/run.py --config configs/qwen2.5-32b.yaml --layers "${LAYERS:-56}" --batches 8 --systems megatrain \
+      --steps 3 --warmup 1 --name "tiers-${TIER:-ram}-x2" --out "$OUT" --set optimizer.moment_dtype=bfloat16 \
+      --set host.moments_tier="${TIER:-ram}" --set host.disk_dir=/tmp/megatrain-moments \
+      --set precision.stream_dtype=float32 --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
   dp-x2)
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems megatrain,megatrain-noclip \
+    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems "${SYSTEMS:-megatrain,megatrain-noclip}" \
       --gpus 1,2 --steps 3 --warmup 1 --name data-parallel-x2 --out "$OUT"
     python -m pytest -q tests/test_gpu.py -m gpu -s -p no:logging -k two_gpus ;;
   attention)
