@@ -25,9 +25,9 @@
 #                 engine.compile is auto, i.e. on, on the GPU)
 #   adamw-8k      issue 4: the 8k optimizer-bound point with 2 and 4 optimizer workers, and the
 #                 AdamW microbenchmark, on one box (the AdamW rate fell from 4.3-4.7 to 3.7)   nvidia-h200
-#   qwen14b-x2    issue 4: Qwen2.5-14B shape, all 48 layers, against DeepSpeed (which refuses it when its own
-#                 host-memory estimate exceeds RAM), then both side by side at DS_LAYERS (24) of the same width
-#                 (WITH_DEEPSPEED=1; QWEN_LAYERS=24 skips the 48-layer points)                   nvidia-h200-x2
+#   qwen14b-x2    issue 4: Qwen2.5-14B shape, 24 layers side by side with DeepSpeed, then all 48 against DeepSpeed (which refuses
+#                 them when its own host-memory estimate exceeds RAM)
+#                 (WITH_DEEPSPEED=1; QWEN_LAYERS picks the depths)                   nvidia-h200-x2
 #   largest-x2    issue 8: the largest dense shape at full precision in 256 GiB: Qwen2.5-14B width
 #                 at LAYERS (64: 19.2 B parameters, plan 219 GiB of host RAM, 12.3 B/param)      nvidia-h200-x2
 #   tiers-x2      issue 8: the largest with the memory tiers: Qwen2.5-32B width at LAYERS (56: 28.9 B) with
@@ -86,7 +86,7 @@ case "${1:-}" in
     python benchmarks/optimizer_scaling.py --max-workers 16 --out "$OUT" ;;
   qwen14b-x2)
     python benchmarks/run.py --config configs/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
-      --layers "${QWEN_LAYERS:-48,24}" --steps 3 --warmup 1 --timeout 420 --name qwen14b-x2 --out "$OUT" ;;
+      --layers "${QWEN_LAYERS:-24,48}" --steps 3 --warmup 1 --timeout 420 --name qwen14b-x2 --out "$OUT" ;;
   largest-x2)
     python benchmarks/run.py --config configs/qwen2.5-14b.yaml --layers "${LAYERS:-64}" --batches 8 --systems megatrain \
       --steps 4 --warmup 1 --name largest-x2 --out "$OUT" --set precision.stream_dtype=float32 \
