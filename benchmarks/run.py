@@ -262,6 +262,17 @@ def child(system: str, spec: dict) -> None:
 # ----------------------------------------------------------------------------- the invocation (parent)
 
 
+def kernel_oom_lines(pid: int) -> list[str]:
+    """The kernel log's lines about OOM-killing process `pid` (a child that exited on SIGKILL without a
+    result), or [] when there are none or the log cannot be read (dmesg needs privileges on many hosts)."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [ln.strip() for ln in log.splitlines()
+            if f"process {pid} " in ln or f"pid={pid}," in ln or f"Killed process {pid} " in ln]
+
+
 def gpu_name() -> str:
     """The first GPU's name from nvidia-smi, for a file none of whose rows ran (OOM, errors); the parent
     never initialises CUDA itself: its context would take memory from the points."""
@@ -424,13 +435,19 @@ def main() -> int:
             spec = {"config": args.config, "overrides": overrides, "batch": batch, "layers": depth,
                     "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run"), "gpus": gpus}
             t0 = time.perf_counter()
+            proc = subprocess.Popen([sys.executable, __file__, "--child", system, json.dumps(spec)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
-                proc = subprocess.run([sys.executable, __file__, "--child", system, json.dumps(spec)],
-                                      capture_output=True, text=True, timeout=args.timeout)
-                found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+                stdout, stderr = proc.communicate(timeout=args.timeout)
+                found = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
                 row = json.loads(found[-1][len(RESULT_TAG):]) if found else {
-                    "status": "error", "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+                    "status": "error", "error": f"exit {proc.returncode}: {stderr[-2000:]}"}
+                if not found and proc.returncode == -9 and (evidence := kernel_oom_lines(proc.pid)):
+                    row = {"status": "oom", "error": "killed by the kernel's OOM killer (host memory): "
+                                                     + evidence[-1], "kernel_log": evidence}
             except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
                 row = {"status": "error", "error": f"timed out after {args.timeout} s"}
         row.update(system=system, layers=depth, batch=batch, gpus=gpus, seq_len=seq,
                    tokens_per_step=batch * gpus * seq, wall_seconds=time.perf_counter() - t0)

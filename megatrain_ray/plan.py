@@ -19,8 +19,9 @@ peak, per token):
   attention half's saved tensors per token, plus the larger of one MLP chunk's tensors and gradients
   and the attention half's gradients per token; with the layer compiled (engine.compile), that times
   COMPILED_WORKING_SET;
-- the loss head: one chunk of fp32 logits and their gradient (2 x chunk x vocab), the final
-  hidden states and their gradient.
+- the loss head (`loss_head_bytes`): the larger of its two phases over one chunk of logits (the
+  logsumexp, and the LM head's gradient, which forms a [vocab, hidden] product beside the chunk's
+  logits), plus the final hidden states and their gradient.
 """
 
 from __future__ import annotations
@@ -205,8 +206,24 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
         "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
                                           * (COMPILED_WORKING_SET if layers_compiled(cfg) else 1)) + mlp_sums,
-        "loss head working set": 2 * chunk * v * 4 + 2 * tokens * h * acc_b,
+        "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b) + 2 * tokens * h * acc_b,
     }
+
+
+def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int) -> int:
+    """The loss head's chunk tensors at their peak (templates.head_loss_and_grads), the larger of two phases:
+    - the logsumexp over a chunk's float32 logits, which allocates a temporary of their size;
+    - the LM head's gradient: the float32 logits (turned in place into their gradient) stay referenced
+      while their copy in the compute dtype feeds the product with the chunk's hidden states, a
+      [vocab, hidden] matrix in the compute dtype, upcast to the accumulator's dtype before it is added.
+    Read from the measured peaks of the Qwen2.5-14B width (vocab 152064; qwen14b-x2 and largest-x2,
+    20261123-20*), where the head, not a layer, leads: the old count (2 x chunk x vocab float32) was
+    2.7 GiB under them."""
+    logsumexp = 2 * chunk * vocab * 4
+    grad_copy = compute_b if compute_b != 4 else 0  # .to(compute dtype) is the same tensor in float32
+    upcast = acc_b if acc_b != compute_b else 0
+    lm_grad = chunk * vocab * (4 + grad_copy) + vocab * h * (compute_b + upcast)
+    return max(logsumexp, lm_grad)
 
 
 def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int) -> int:
