@@ -97,6 +97,7 @@ def run_megatrain(spec: dict) -> dict:
     params = row["params"]
     mean = lambda key: sum(r[key] for r in measured) / len(measured)  # noqa: E731
     opt_wall = mean("optimizer_seconds")
+    by_rank = [r["rank_update_wait_seconds"] for r in measured if r.get("rank_update_wait_seconds")]
     row.update({
         "device": device, "gpu_peak_gib": max(r["gpu_peak_gib"] for r in measured),
         "host_bytes_per_param": host_bytes / params,
@@ -114,6 +115,8 @@ def run_megatrain(spec: dict) -> dict:
         "h2d_gbps_link": mean("h2d_link_gbps"), "d2h_gbps_link": mean("d2h_link_gbps"),
         "h2d_gbps_avg": mean("h2d_gbps"), "d2h_gbps_avg": mean("d2h_gbps"),
         "optimizer_seconds": opt_wall, "optimizer_wait_seconds": mean("update_wait_seconds"),
+        "optimizer_slab_wait_seconds": mean("slab_wait_seconds"),
+        **({"optimizer_wait_seconds_by_rank": [sum(w) / len(by_rank) for w in zip(*by_rank)]} if by_rank else {}),
         "optimizer_gparams_per_s": params / opt_wall / 1e9 if opt_wall else None,
         "dram_bytes_per_param": mean("dram_bytes_per_param"),
         "losses": [r["loss"] for r in records],
@@ -473,7 +476,10 @@ def summary_line(row: dict) -> str:
     text = head + f"{row['tok_per_s']:>9,.0f} tok/s {row['tflops']:6.1f} TFLOPS peak {row['gpu_peak_gib']:.1f} GiB"
     if row["system"].startswith("megatrain"):
         text += (f" | busy {row['gpu_busy']:.2f} H2D {row['h2d_gbps_link']:.0f} GB/s "
-                 f"opt {row['optimizer_seconds']:.2f}s "
+                 f"opt {row['optimizer_seconds']:.2f}s waited {row['optimizer_wait_seconds']:.2f}s "
+                 f"(slabs {row.get('optimizer_slab_wait_seconds') or 0:.2f}s"
+                 + (f", by rank {' '.join(f'{w:.2f}' for w in row['optimizer_wait_seconds_by_rank'])}"
+                    if row.get("optimizer_wait_seconds_by_rank") else "") + ") "
                  f"hidden {row['optimizer_hidden_fraction']:.2f} host {row['host_bytes_per_param']:.1f} B/param "
                  f"dram {row['dram_bytes_per_param']:.1f} B/param roofline {_fraction(row.get('roofline_fraction'))}")
         if "vs_one_gpu" in row:

@@ -69,6 +69,11 @@ class StepResult:
     gpu_peak_bytes: int = 0
     comm_seconds: float = 0.0
     """Time the compute stream spent in the gradient sums over the ranks (data parallel only)."""
+    slab_wait_seconds: float = 0.0
+    """Of update_wait_seconds, the waits before copying gradients into a host slab whose last update had not
+    finished (in the backward); the rest waited to load a stage's updated weights."""
+    rank_update_wait_seconds: tuple[float, ...] = ()
+    """update_wait_seconds of each rank (data parallel; merge_results), the first rank first."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,4 +129,5 @@ def merge_results(results: list[StepResult]) -> StepResult:
         h2d_bytes=total("h2d_bytes"), d2h_bytes=total("d2h_bytes"),
         compute_seconds=total("compute_seconds") / len(results), h2d_seconds=total("h2d_seconds"),
         d2h_seconds=total("d2h_seconds"), skipped=first.skipped, gpu_peak_bytes=slowest("gpu_peak_bytes"),
-        comm_seconds=slowest("comm_seconds"))
+        comm_seconds=slowest("comm_seconds"), slab_wait_seconds=slowest("slab_wait_seconds"),
+        rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results))

@@ -441,6 +441,9 @@ class Trainer:
             "compute_seconds": result.compute_seconds, "gpu_busy": min(1.0, result.compute_seconds / seconds),
             "gpus": self.parallel.world, "comm_seconds": result.comm_seconds,
             "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
+            "slab_wait_seconds": result.slab_wait_seconds,
+            **({"rank_update_wait_seconds": list(result.rank_update_wait_seconds)}
+               if result.rank_update_wait_seconds else {}),
             "optimizer_hidden": optimizer_hidden_fraction(result.optimizer_seconds, seconds, result.compute_seconds),
             "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
             "h2d_gbps": result.h2d_bytes / seconds / 1e9, "d2h_gbps": result.d2h_bytes / seconds / 1e9,

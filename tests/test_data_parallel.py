@@ -69,6 +69,9 @@ def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_se
         assert trainer.restarts == (0 if clip else 1)
     assert {r["gpus"] for r in records} == {2} and records[0]["tokens"] == cfg.data.tokens_per_step
     assert [r["step"] for r in records] == list(range(20))
+    for r in records:  # each rank's wait for updates, the slowest of them the step's
+        assert len(r["rank_update_wait_seconds"]) == 2
+        assert r["update_wait_seconds"] == max(r["rank_update_wait_seconds"]) >= r["slab_wait_seconds"] >= 0
     assert_same_run([r["loss"] for r in records], final, ref_losses, ref_final, initial)
     if clip:
         assert all(r["grad_norm"] > clip for r in records[:3])  # clipping was active

@@ -120,7 +120,8 @@ class GradSlot:
     """Event: the previous D2H out of this buffer is complete."""
 
 
-_STEP_STATS = ("optimizer_seconds", "optimizer_bytes", "update_wait_seconds", "h2d_bytes", "d2h_bytes")
+_STEP_STATS = ("optimizer_seconds", "optimizer_bytes", "update_wait_seconds", "slab_wait_seconds", "h2d_bytes",
+               "d2h_bytes")
 CHECKSUM_SAMPLES = 4096
 """Elements per stage (evenly strided) in the per-step checksum that compares the nodes' copies."""
 
@@ -241,21 +242,26 @@ class StreamEngine:
 
     # ------------------------------------------------------------------ updates
 
-    def _wait_update(self, stage: int) -> None:
-        """Block the issuing thread until the last ordered update of `stage` is applied."""
-        if not self.rank.leader:  # the leader orders it; its completion arrives through `sync`
-            step = self.awaited.pop(stage, None)
-            if step is not None:
-                t0 = time.perf_counter()
-                self.sync.wait_applied(stage, step)
-                self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
+    def _wait_update(self, stage: int, for_slab: bool = False) -> None:
+        """Block the issuing thread until the last ordered update of `stage` is applied. `for_slab`: the wait
+        is for a gradient slab that update reads (counted apart from waits for weights to load)."""
+        # The leader orders the updates and holds their futures; the other ranks learn through `sync`.
+        ordered_updates = self.pending.pop(stage, [])
+        step = None if self.rank.leader else self.awaited.pop(stage, None)
+        if not ordered_updates and step is None:
             return
-        for ordered in self.pending.pop(stage, []):
-            t0 = time.perf_counter()
+        stats = self._step_stats
+        t0 = time.perf_counter()
+        if step is not None:
+            self.sync.wait_applied(stage, step)
+        for ordered in ordered_updates:
             results: list[UpdateDone] = [done.result() for done in ordered.result()]
-            self._step_stats["update_wait_seconds"] += time.perf_counter() - t0
-            self._step_stats["optimizer_seconds"] += max(r.seconds for r in results)
-            self._step_stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
+            stats["optimizer_seconds"] += max(r.seconds for r in results)
+            stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
+        waited = time.perf_counter() - t0
+        stats["update_wait_seconds"] += waited
+        if for_slab:
+            stats["slab_wait_seconds"] += waited
 
     def _order_update(self, stage: int, drained: Any, order: UpdateOrder) -> None:
         step, sync = self._serial, self.sync
@@ -351,7 +357,7 @@ class StreamEngine:
             return self.store.get("grad", stage), "grad", stage
         k, previous = self.slab_turns.take(stage, self.layout.stages[stage].kind == "layer")
         if previous >= 0:
-            self._wait_update(previous)  # the slab's last reader is done
+            self._wait_update(previous, for_slab=True)  # the slab's last reader is done
         return self.pool[k], "gradpool", k
 
     def _emit(self, stage: StageLayout, grad: GradSlot, deferred: list) -> None:
@@ -563,6 +569,7 @@ class StreamEngine:
         return StepResult(
             loss=loss, grad_norm=grad_norm, tokens=ids.numel(), valid_tokens=n_valid,
             seconds=time.perf_counter() - t0, update_wait_seconds=stats["update_wait_seconds"],
+            slab_wait_seconds=stats["slab_wait_seconds"],
             optimizer_seconds=stats["optimizer_seconds"],
             optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
