@@ -239,8 +239,9 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
       and four h-wide tensors (the norm's output, the piece's output and the gradients of its input);
     - the attention half's own backward over the whole sequence: the output's gradient and a contiguous
       copy of it, dq with a float32 accumulator, and dk and dv formed at q's width before each group is
-      summed (and then at their own), as FlashAttention-2's backward allocates them; which SDPA kernel
-      torch picked was not recorded. It leads past about 220K tokens of an 8B layer; not traced, but its
+      summed (and then at their own), as FlashAttention-2's backward allocates them, though torch picks
+      cuDNN's kernel on the H200, which allocates 23 % less (attention-backends-h200-20261123-203436.json).
+      It leads past about 220K tokens of an 8B layer; not traced, but its
       60 KiB per token read the measured peaks at 256K and 512K tokens (long-context-*-20261123-18*.json)
       to -0.9 % and -0.8 %.
     No float32 tensor of [tokens, hidden] is kept (templates._LeanRMSNorm): the engine before it also kept
