@@ -48,6 +48,7 @@ RESULT_TAG = "BENCH_RESULT "
 
 from benchmarks.common import VARIANTS, point_overrides, provenance, seq_len_overrides, write_result  # noqa: E402
 from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
+from megatrain_ray.plan import query_gpu  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
 
@@ -273,19 +274,7 @@ def kernel_oom_lines(pid: int) -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [ln.strip() for ln in log.splitlines()
-            if f"process {pid} " in ln or f"pid={pid}," in ln or f"Killed process {pid} " in ln]
-
-
-def gpu_name() -> str:
-    """The first GPU's name from nvidia-smi, for a file none of whose rows ran (OOM, errors); the parent
-    never initialises CUDA itself: its context would take memory from the points."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return "cpu"
-    names = out.stdout.strip().splitlines()
-    return names[0].strip() if out.returncode == 0 and names else "cpu"
+            if f"process {pid} " in ln or f"pid={pid}," in ln]  # "(Killed|reaped) process N (", "pid=N,"
 
 
 def dram_bandwidth_gbs(gib: float = 2.0, repeats: int = 5) -> float:
@@ -421,7 +410,9 @@ def main() -> int:
     path = None
 
     def result_of(rows: list[dict]) -> dict:
-        device = next((r["device"] for r in rows if r.get("device")), None) or gpu_name()
+        # A file none of whose rows ran (OOM, errors) names the GPU through nvidia-smi: the parent never
+        # initialises CUDA itself, as its context would take memory from the points.
+        device = next((r["device"] for r in rows if r.get("device")), None) or query_gpu()[1] or "cpu"
         return {
             **provenance(device), "config": os.path.relpath(args.config, ROOT), "overrides": args.set,
             "steps": args.steps, "warmup": args.warmup, "host_dram_gbs": bandwidth,

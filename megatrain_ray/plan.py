@@ -95,7 +95,7 @@ class Machine:
         else:
             shm_free = 0
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        gpu_memory, gpu_name = _gpu_memory()
+        gpu_memory, gpu_name = query_gpu()
         return cls(total, available, shm_free, None if soft == resource.RLIM_INFINITY else soft, gpu_memory,
                    gpu_name, profile=profile_for_gpu(gpu_name) if gpu_name else None)
 
@@ -120,8 +120,9 @@ class Machine:
                        described=True, profile=None if gpu_memory and not self.described else self.profile)
 
 
-def _gpu_memory() -> tuple[int | None, str]:
-    """GPU 0's memory through nvidia-smi: no CUDA context in this process."""
+def query_gpu() -> tuple[int | None, str]:
+    """GPU 0's memory and name through nvidia-smi, without a CUDA context in this process; (None, "")
+    when there is no GPU or no nvidia-smi."""
     if not shutil.which("nvidia-smi"):
         return None, ""
     try:
