@@ -93,8 +93,9 @@ class OptimizerWorker(ActorBase):
                     moments_base=base, grad_base=grad_base)
                 if self.disk is not None:
                     self.disk.release((order.stage, k))
-        return UpdateDone(order.stage, self.index, time.perf_counter() - t0, end - start,
-                          (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply))
+        ended = time.perf_counter()
+        return UpdateDone(order.stage, self.index, ended - t0, end - start,
+                          (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply), t0, ended)
 
     def sync(self) -> None:
         """Return once every moment written back is on disk (before a checkpoint reads the files)."""

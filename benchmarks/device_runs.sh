@@ -98,8 +98,10 @@ case "${1:-}" in
       --set host.moments_tier="${TIER:-ram}" --set host.disk_dir=/tmp/megatrain-moments \
       --set precision.stream_dtype=float32 --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
   dp-x2)
+    trace=$(mktemp -d)
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems "${SYSTEMS:-megatrain,megatrain-noclip}" \
-      --gpus 1,2 --steps 3 --warmup 1 --name data-parallel-x2 --out "$OUT"
+      --gpus 1,2 --steps 3 --warmup 1 --name data-parallel-x2 --out "$OUT" --trace "$trace"
+    for d in "$trace"/*/; do python benchmarks/update_trace.py "$d" --stages; done
     python -m pytest -q tests/test_gpu.py -m gpu -s -p no:logging -k two_gpus ;;
   attention)
     python benchmarks/attention_backends.py --out "$OUT" ;;

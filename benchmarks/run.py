@@ -373,6 +373,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per point")
     parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--trace", default="", metavar="DIR", help="megatrain points write engine.update_trace files "
+                        "to DIR/<system>-g<gpus>-b<batch>-l<layers>-s<seq> (benchmarks/update_trace.py reads them)")
     parser.add_argument("--name", default="bench", help="name of the results file")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per point")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -425,6 +427,9 @@ def main() -> int:
               for system, gpus in points]
     for seq, depth, batch, system, gpus in points:
         overrides = args.set if seq == base.data.seq_len else [*args.set, *seq_len_overrides(base, seq)]
+        if args.trace and system.startswith("megatrain"):
+            trace_dir = Path(args.trace).resolve() / f"{system}-g{gpus}-b{batch}-l{depth}-s{seq}"
+            overrides = [*overrides, f"engine.update_trace={trace_dir}"]
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"config": args.config, "overrides": overrides, "batch": batch, "layers": depth,
                     "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run"), "gpus": gpus}

@@ -372,6 +372,12 @@ class EngineConfig:
     (true), or through one slab of their own (false: on Llama-3-8B 1.05 GB more RAM, 0.13 bytes per
     parameter, and the layers never wait for their updates). Pieces need one GPU per node and the
     moments in RAM; otherwise the slab of their own is used."""
+    update_trace: str | None = None
+    """A directory (a relative path is from where megatrain runs): every GPU worker appends a JSON-lines
+    timeline of each stage's update hand-offs there
+    (gradients queued and on the host, update ordered, run and published, waits for it;
+    megatrain_ray/engine/trace.py), and `python benchmarks/update_trace.py DIR` says which link keeps
+    the optimizer from overlapping the backward. A few hundred bytes per stage and step."""
     poison_buffers: bool = False
     """Fill device and gradient buffers with NaN before first use, so that a read of memory nothing
     wrote fails loudly (tests)."""
@@ -789,6 +795,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         config.data.path = resolve_data_path(config.data.path, config_dir)
         if config.data.eval_path:
             config.data.eval_path = resolve_data_path(config.data.eval_path, config_dir)
+    if config.engine.update_trace:  # the GPU workers write it from Ray's working directories
+        config.engine.update_trace = str(Path(config.engine.update_trace).expanduser().resolve())
     return config
 
 

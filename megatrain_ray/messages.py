@@ -41,6 +41,10 @@ class UpdateDone:
     elems: int
     dram_bytes: int
     """Bytes the update read and wrote in host memory (counted from the kernel's data flow)."""
+    started: float = 0.0
+    ended: float = 0.0
+    """time.perf_counter() at the update's start and end (CLOCK_MONOTONIC on Linux: comparable across the
+    processes of a host; engine.update_trace)."""
 
 
 @dataclass(slots=True)

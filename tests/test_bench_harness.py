@@ -32,3 +32,23 @@ def test_a_killed_child_is_matched_to_the_kernels_oom_lines_by_its_pid(tmp_path,
 def test_an_unreadable_kernel_log_gives_no_evidence(tmp_path, monkeypatch):
     _fake_dmesg(tmp_path, monkeypatch, None)
     assert kernel_oom_lines(17179) == []
+
+
+def test_the_trace_analysis_splits_the_optimizers_time_and_names_the_tail(tmp_path):
+    """benchmarks/update_trace.py on a hand-made trace of one step: two updates, idle between their runs
+    (busy 0.35 s of the 0.40 s from the first order to the last end) ending 0.35 s after the backward."""
+    from benchmarks.update_trace import analyse, busy_union, load
+
+    assert busy_union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == 3.0
+    events = [(1, -1, "step_start", 0.0), (1, -1, "backward_end", 0.15), (1, -1, "step_end", 0.2),
+              (1, 0, "emit", 0.01), (1, 0, "gpu_drained", 0.05), (1, 0, "drained", 0.06), (1, 0, "sent", 0.1),
+              (1, 0, "run_start", 0.1), (1, 0, "run_end", 0.3),
+              (1, 1, "emit", 0.02), (1, 1, "gpu_drained", 0.10), (1, 1, "drained", 0.2), (1, 1, "sent", 0.2),
+              (1, 1, "run_start", 0.35), (1, 1, "run_end", 0.5)]
+    (tmp_path / "update-trace-g1-rank0-7.jsonl").write_text(
+        "".join(f'{{"step": {s}, "stage": {i}, "event": "{e}", "t": {t}}}\n' for s, i, e, t in events))
+    result = analyse(load(tmp_path), skip=0)
+    step = result["steps"][0]
+    assert abs(step["optimizer_busy"] - 0.35) < 1e-9 and abs(step["optimizer_idle"] - 0.05) < 1e-9
+    assert abs(step["tail_after_backward"] - 0.35) < 1e-9
+    assert abs(result["links_median_ms"]["done on GPU -> seen by dispatcher"] - 55.0) < 1e-6

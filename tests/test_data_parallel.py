@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from benchmarks.update_trace import load as load_trace
 from megatrain_ray.__main__ import main
 from megatrain_ray.checkpoint import CheckpointDir
 from megatrain_ray.config import ConfigError
@@ -51,6 +52,26 @@ def assert_same_run(losses, final, ref_losses, ref_final, initial) -> None:
         assert moved > 100 * REL, f"{name} barely moved ({moved:.2e}): the comparison would prove nothing"
 
 
+def assert_trace_is_causal(ranks: dict, steps: int, stages: int) -> None:
+    """Every hand-off of every update in the order the protocol imposes, on one clock across the processes:
+    each rank's piece on the device, then seen by its dispatcher, then announced; the leader orders the
+    update only once every piece is announced; the workers run it after the order; the other ranks hear
+    of it after it ran."""
+    assert sorted(ranks) == [0, 1]
+    leader, other = ranks[0], ranks[1]
+    for step in range(1, steps + 1):
+        for stage in range(stages):
+            for events in ranks.values():
+                emit, drained, landed = (events[(step, stage, e)] for e in ("emit", "drained", "landed"))
+                assert emit <= drained <= landed
+                assert events[(step, stage, "gpu_drained")] <= events[(step, stage, "drained")]
+            chain = [other[(step, stage, "landed")], *(leader[(step, stage, e)] for e in
+                                                      ("landed", "sent", "run_start", "run_end", "applied"))]
+            assert chain == sorted(chain), f"step {step} stage {stage}: {chain}"
+        assert leader[(step, -1, "step_start")] <= leader[(step, -1, "backward_end")] <= \
+            leader[(step, -1, "device_idle")] <= leader[(step, -1, "step_end")]
+
+
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
 def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_session, clip):
     """With clipping the global norm is that of the summed gradients (neither rank's own). The clipped run
@@ -59,6 +80,8 @@ def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_se
     ref_losses, initial, ref_final = run(tiny_config(tmp_path / "one", optimizer={"grad_clip": clip}))
     extra = {"checkpoint": {"every": 10}} if clip else \
         {"checkpoint": {"every": 5}, "fault": {"max_restarts": 1, "drill": "kill:gpu1@7"}}
+    if clip:  # the run without a restart also writes the update trace
+        extra["engine"] = {"update_trace": str(tmp_path / "trace")}
     cfg = tiny_config(tmp_path / "two", optimizer={"grad_clip": clip}, parallel={"gpus": 2},
                       runtime={"mode": "ray"}, **extra)
     with Trainer(cfg) as trainer:
@@ -74,6 +97,7 @@ def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_se
         assert r["update_wait_seconds"] == max(r["rank_update_wait_seconds"]) >= r["slab_wait_seconds"] >= 0
     assert_same_run([r["loss"] for r in records], final, ref_losses, ref_final, initial)
     if clip:
+        assert_trace_is_causal(load_trace(tmp_path / "trace"), steps=20, stages=len(trainer.layout.stages))
         assert all(r["grad_norm"] > clip for r in records[:3])  # clipping was active
         # The checkpoint of a 2-GPU run resumes on 1 GPU and continues the curve.
         step10 = CheckpointDir(tmp_path / "two" / "run" / "checkpoints").root / "step-00000010"

@@ -35,6 +35,7 @@ from megatrain_ray.config import Config
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import FAILED, Collectives, RankInfo, StageSync, padded
 from megatrain_ray.engine.streams import DeviceStreams
+from megatrain_ray.engine.trace import UpdateTrace
 from megatrain_ray.exceptions import ParallelError
 from megatrain_ray.host import (
     TORCH_DTYPES,
@@ -223,8 +224,8 @@ class StreamEngine:
         self.slab_turns = SlabTurns(cfg.engine.grad_slabs, len(self.pool))
         # A stage larger than the slabs (the embedding, the LM head) goes through them in pieces.
         self.slab_numel = layout.max_layer_numel if vocab_in_pieces(cfg, rank.local_world) else 0
-        self.pending: dict[int, list[Future]] = {}
-        """Stage -> its ordered updates (one, or one per piece) not yet awaited."""
+        self.pending: dict[int, list[tuple[int, Future]]] = {}
+        """Stage -> (step, ordered update) for its updates (one, or one per piece) not yet awaited."""
         self.dispatcher = ThreadPoolExecutor(1, thread_name_prefix="update-dispatch")
         # Several ranks per node: the leader's thread that publishes each update's completion to the
         # node's other ranks, and (other ranks) the step whose update of each stage they wait for.
@@ -239,6 +240,12 @@ class StreamEngine:
         self.timeline = Timeline(self.streams)
         # Pinned host buffers of offloaded layer inputs live as long as the engine: allocated once.
         self.activations = ActivationStash(self.streams, self.offload, len(layout.layers), self._copied)
+        self.trace = UpdateTrace(cfg.engine.update_trace, rank.rank, rank.world) if cfg.engine.update_trace else None
+        self._trace_origin: tuple[float, Any] | None = None
+
+    def _mark(self, event: str, stage: int, step: int, at: float | None = None) -> None:
+        if self.trace is not None:
+            self.trace.mark(event, stage, step, at)
 
     # ------------------------------------------------------------------ updates
 
@@ -254,11 +261,17 @@ class StreamEngine:
         t0 = time.perf_counter()
         if step is not None:
             self.sync.wait_applied(stage, step)
-        for ordered in ordered_updates:
+        for step, ordered in ordered_updates:
             results: list[UpdateDone] = [done.result() for done in ordered.result()]
             stats["optimizer_seconds"] += max(r.seconds for r in results)
             stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
-        waited = time.perf_counter() - t0
+            self._mark("run_start", stage, step, min(r.started for r in results))
+            self._mark("run_end", stage, step, max(r.ended for r in results))
+        t1 = time.perf_counter()
+        waited = t1 - t0
+        if self.trace is not None and waited > 1e-4:
+            self._mark("wait_start", stage, step, t0)
+            self._mark("wait_end", stage, step, t1)
         stats["update_wait_seconds"] += waited
         if for_slab:
             stats["slab_wait_seconds"] += waited
@@ -271,11 +284,14 @@ class StreamEngine:
 
         def send() -> list[Any]:
             drained.synchronize()  # gradients are on the host before any worker reads them
+            self._mark("drained", stage, step)
             if sync is not None:
                 sync.wait_landed(stage, step)  # and so are the other ranks' pieces
+                self._mark("landed", stage, step)
+            self._mark("sent", stage, step)
             return [worker.call("apply", order) for worker in self.optimizers]
         future = self.dispatcher.submit(send)
-        self.pending.setdefault(stage, []).append(future)
+        self.pending.setdefault(stage, []).append((step, future))
         if self.publisher is not None:
             self.publisher.submit(self._publish_applied, stage, step, future)
 
@@ -287,6 +303,7 @@ class StreamEngine:
             self.sync.applied(stage, FAILED)  # the other ranks stop waiting; _wait_update raises it here
             raise
         self.sync.applied(stage, step)
+        self._mark("applied", stage, step)
 
     def _publish_landed(self, stage: int, drained: Any) -> None:
         """(Not the leader) Tell the leader when this rank's piece of `stage` is on the host."""
@@ -294,7 +311,9 @@ class StreamEngine:
 
         def landed() -> None:
             drained.synchronize()
+            self._mark("drained", stage, step)
             sync.landed(stage, step)
+            self._mark("landed", stage, step)
         self.dispatcher.submit(landed)
 
     def flush(self) -> float:
@@ -383,6 +402,9 @@ class StreamEngine:
                 host[lo - at:hi - at].copy_(piece[lo - first:hi - first], non_blocking=True)
                 self.timeline.stop("d2h", s.d2h, start)
                 grad.drained = s.record(s.d2h)
+            if self.trace is not None:
+                self._mark("emit", stage.index, self._serial)
+                self.trace.on_device(stage.index, self._serial, self.timeline.spans["d2h"][-1][1])
             self._step_stats["d2h_bytes"] += (hi - lo) * piece.element_size()
             if self.sync is not None and not self.rank.leader:
                 self._publish_landed(stage.index, grad.drained)
@@ -478,6 +500,9 @@ class StreamEngine:
             batch = Batch.from_tokens(batch)
         self._begin(lr, adam_step)
         self._serial += 1
+        if self.trace is not None:  # the device is idle here (the last step synchronised): its clock meets the host's
+            self._trace_origin = (time.perf_counter(), self.streams.record(self.streams.compute, timing=True))
+            self._mark("step_start", -1, self._serial)
         if self.comm is not None and self.rank.nodes > 1 and self.rank.leader:
             self._checksum, self._summed = 0.0, set()
         layout, cfg = self.layout, self.cfg
@@ -544,6 +569,13 @@ class StreamEngine:
         self.timeline.stop("compute", compute, start)
         self._emit(layout.embed, self.embed_grad, deferred)
 
+        self._mark("backward_end", -1, self._serial)
+        # The device is still far behind this thread (the whole backward may be queued). Wait for it here,
+        # where the GIL is let go: blocking in the reads below instead (the all-reduce of the totals, their
+        # copy to the host) kept the dispatcher threads of a node's ranks from handing over the last
+        # stages' updates until the device was done (0.45 s of waiting per step on two H200s).
+        self.streams.drain(compute)
+        self._mark("device_idle", -1, self._serial)
         if self.comm is None:
             loss = float(head.loss_sum)
             grad_norm = float(self._sqnorm.sqrt())
@@ -564,6 +596,9 @@ class StreamEngine:
                     self._order_update(index, drained, UpdateOrder(index, kind, src, adam_step, lr, apply=False))
         self._end()
         device_seconds = self.timeline.seconds()
+        if self.trace is not None:
+            self._mark("step_end", -1, self._serial)
+            self.trace.write(self._trace_origin)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         stats = self._step_stats
         return StepResult(
@@ -634,6 +669,8 @@ class StreamEngine:
         self.dispatcher.shutdown(wait=True)
         if self.publisher is not None:
             self.publisher.shutdown(wait=True)
+        if self.trace is not None:
+            self.trace.write(None)
         # Let go of every device buffer and pinned activation buffer now: a closed engine can outlive
         # its run (a reference cycle, a caller's handle), and the next run in this process needs the memory.
         self.layer_slots, self.layer_grads = [], []
