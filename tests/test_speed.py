@@ -52,8 +52,13 @@ def test_every_measured_megatrain_run_is_a_validation_point():
 
 KNOWN_MISSES: dict[tuple[str, str], str] = {
     ("data-parallel-x2-h200-20261123-202401.json", "megatrain-noclip L16 64k bfloat16 stream"): (
-        "2 GPUs, clipping off: each GPU waited 0.45 s per step for updates (0.04 s with one GPU, 1.58 s step), "
-        "a stall the model has no term for; its cause is not established yet (README, data parallel)"),
+        "2 GPUs, clipping off, before commit f4d8951: each GPU waited 0.45 s per step for updates, as both ranks' "
+        "dispatcher threads stopped while the main thread blocked on the device for the step's totals; the "
+        "same point after the fix (data-parallel-x2-h200-20261123-215506) is within tolerance"),
+    ("data-parallel-x2-h200-20261123-215506.json", "megatrain L16 32k bfloat16 stream"): (
+        "1 GPU, clipping on, so the CPU optimizer bounds the step: the x2 box's 32 cores ran AdamW at 5.8 G "
+        "params/s in this run (5.1 for the same point in data-parallel-x2-h200-20261123-184411), the model "
+        "the 16-core H200 VM's 4.20 (speed.py: a host with more DRAM channels updates faster); -10.1 %"),
 }
 """(file, row label) of measured points the speed model misses by more than TOLERANCE, with the cause."""
 
@@ -149,7 +154,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
         if r["gpu_busy"] < 0.9:
             adamw.append(r["optimizer_gparams_per_s"])
         d2h.append(r["d2h_gbps_link"])
-    assert (len(tflops), len(compiled_tflops), len(adamw), len(d2h)) == (34, 13, 11, 39)
+    assert (len(tflops), len(compiled_tflops), len(adamw), len(d2h)) == (34, 17, 11, 39)
     assert H200.model_tflops == pytest.approx(statistics.median(tflops), rel=0.005)
     assert H200.compiled_model_tflops == pytest.approx(statistics.median(compiled_tflops), rel=0.005)
     assert H200_BOX.adamw_gparams == pytest.approx(statistics.median(adamw), rel=0.005)
