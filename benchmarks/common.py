@@ -40,8 +40,13 @@ VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
             "megatrain-eager": ("megatrain", ["engine.compile=false"]),
             "megatrain-noclip-eager": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=false"]),
             "megatrain-compile": ("megatrain", ["engine.compile=true"]),
-            "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"])}
+            "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"]),
+            "megatrain-gather": ("megatrain", ["parallel.gather_weights=true"]),
+            "megatrain-noclip-gather": ("megatrain", ["optimizer.grad_clip=0", "parallel.gather_weights=true"])}
 """benchmarks/run.py's variants: a system run with extra config overrides (the row keeps the variant's name)."""
+ONE_GPU_AS = {"megatrain-gather": "megatrain", "megatrain-noclip-gather": "megatrain-noclip"}
+"""Variants that differ from another only with several GPUs: on one GPU they are that one, which the
+harness runs instead (when it runs that one too), and their vs_one_gpu is over its row."""
 
 
 def seq_len_overrides(base: Any, seq_len: int) -> list[str]:

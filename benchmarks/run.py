@@ -46,7 +46,14 @@ sys.path.insert(0, str(ROOT))
 
 RESULT_TAG = "BENCH_RESULT "
 
-from benchmarks.common import VARIANTS, point_overrides, provenance, seq_len_overrides, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ONE_GPU_AS,
+    VARIANTS,
+    point_overrides,
+    provenance,
+    seq_len_overrides,
+    write_result,
+)
 from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 from megatrain_ray.plan import query_gpu  # noqa: E402
 
@@ -319,7 +326,8 @@ def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool =
       the exposed optimizer time).
     - roofline_seconds = max(compute, DRAM bytes / DRAM bandwidth); roofline_fraction = that / step time.
     - vs_resident: tok/s over the GPU-resident baseline's at the same depth and batch (1 GPU).
-    - vs_one_gpu: tok/s of an N-GPU row over the same system's 1-GPU row at the same depth and per-GPU batch.
+    - vs_one_gpu: tok/s of an N-GPU row over the same system's 1-GPU row at the same depth and per-GPU batch
+      (common.ONE_GPU_AS: a variant that differs only with several GPUs over the row of the one it equals).
     """
     for row in rows:
         if row["status"] != "ok":
@@ -342,7 +350,8 @@ def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool =
         if same and row.get("gpus", 1) == 1:
             row["vs_resident"] = row["tok_per_s"] / same[0]["tok_per_s"]
         one_gpu = [r for r in rows if r["layers"] == row["layers"] and r["batch"] == row["batch"]
-                   and r["system"] == row["system"] and r.get("gpus", 1) == 1 and r["status"] == "ok"]
+                   and r["system"] == ONE_GPU_AS.get(row["system"], row["system"]) and r.get("gpus", 1) == 1
+                   and r["status"] == "ok"]
         if one_gpu and row.get("gpus", 1) > 1:
             row["vs_one_gpu"] = row["tok_per_s"] / one_gpu[0]["tok_per_s"]
 
@@ -407,7 +416,7 @@ def main() -> int:
         print(f"host DRAM bandwidth: copy {copy_bw:.1f} GB/s, AdamW pattern {adamw_bw:.1f} GB/s (roofline uses "
               f"{bandwidth:.1f})", flush=True)
     points = [(system, gpus) for system in systems for gpus in gpu_counts
-              if gpus == 1 or system.startswith("megatrain")]
+              if (gpus == 1 and ONE_GPU_AS.get(system) not in systems) or (gpus > 1 and system.startswith("megatrain"))]
     rows: list[dict] = []
     path = None
 

@@ -474,6 +474,12 @@ class ParallelConfig:
     the first node and read by all: on several machines checkpoint.dir must be on a shared filesystem."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend of the gradient sums: auto = nccl on GPUs, gloo on the CPU."""
+    gather_weights: bool = False
+    """Several GPUs on a node: each copies only its 1/gpus-per-node piece of a stage's weights from host memory
+    and the GPUs of the node exchange the pieces (an all-gather over NVLink), instead of each copying the
+    whole stage. Host DRAM then serves every weight byte once per pass whatever the number of GPUs (the
+    CPU optimizer shares that bandwidth), and each GPU's PCIe link carries 1/gpus of the weights. Training
+    steps only: evaluation runs on the first GPU and copies whole stages."""
     timeout_s: float = 600.0
     """Seconds a rank waits for the process group to form, for a collective, or for another rank's
     gradients or its node's update of a stage, before it stops the run with an error."""

@@ -74,7 +74,8 @@ def assert_trace_is_causal(ranks: dict, steps: int, stages: int) -> None:
 
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
 def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_session, clip):
-    """With clipping the global norm is that of the summed gradients (neither rank's own). The clipped run
+    """With clipping the global norm is that of the summed gradients (neither rank's own); without it the
+    ranks gather the weights (parallel.gather_weights). The clipped run
     also checkpoints, and one rank resumes from its step-10 checkpoint; in the other, rank 1 is killed in
     step 7 and the run restarts both ranks from its step-5 checkpoint by itself."""
     ref_losses, initial, ref_final = run(tiny_config(tmp_path / "one", optimizer={"grad_clip": clip}))
@@ -82,7 +83,7 @@ def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_se
         {"checkpoint": {"every": 5}, "fault": {"max_restarts": 1, "drill": "kill:gpu1@7"}}
     if clip:  # the run without a restart also writes the update trace
         extra["engine"] = {"update_trace": str(tmp_path / "trace")}
-    cfg = tiny_config(tmp_path / "two", optimizer={"grad_clip": clip}, parallel={"gpus": 2},
+    cfg = tiny_config(tmp_path / "two", optimizer={"grad_clip": clip}, parallel={"gpus": 2, "gather_weights": not clip},
                       runtime={"mode": "ray"}, **extra)
     with Trainer(cfg) as trainer:
         assert [trainer.actor_names.count(n) for n in ("gpu", "gpu1", "host0", "optim0")] == [1, 1, 1, 1]
@@ -113,14 +114,16 @@ def test_two_gpu_workers_give_the_loss_curve_and_weights_of_one(tmp_path, ray_se
 def test_two_gpu_workers_equal_one_in_float64_and_through_the_streaming_copy(tmp_path, ray_session, precision,
                                                                            clip, lr, rel):
     """float64: the ranks' sum is the one-rank sum up to order, measured 2e-14 over 10 steps at lr 1e-2.
+    Without clipping the ranks also gather the weights (parallel.gather_weights).
     A float32 streaming copy beside float64 masters: each rank lands its piece of the gradients in the
     shared copy and the optimizer rewrites it (the bf16 layout of GPU runs, at a precision a test holds);
     float32 gradients, so lr 1e-3 as in the float32 tests: measured 1.1e-7 (loss) and 5.4e-7 (weights); at
     lr 1e-2 AdamW spreads the float32 summation order to 2.7e-6 in the embedding."""
     common = {"precision": precision, "optimizer": {"grad_clip": clip, "lr": lr}, "train": {"steps": 10}}
     ref_losses, initial, ref_final = run_steps(tiny_config(tmp_path / "one", **common), 10)
-    losses, _, final = run_steps(tiny_config(tmp_path / "two", parallel={"gpus": 2}, runtime={"mode": "ray"},
-                                             **common), 10)
+    # Through the streaming copy, each rank also loads only its piece of the weights and gathers the rest.
+    parallel = {"gpus": 2, "gather_weights": not clip}
+    losses, _, final = run_steps(tiny_config(tmp_path / "two", parallel=parallel, runtime={"mode": "ray"}, **common), 10)
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= rel * abs(b), f"step {step}: loss {a!r} vs one rank's {b!r}"
     for name, ref in ref_final.items():
@@ -199,14 +202,16 @@ def two_ray_nodes():
 
 def test_two_nodes_give_the_run_of_one_and_check_their_copies(tmp_path, two_ray_nodes):
     """Two nodes with two ranks each: a reduce-scatter on each node, an all-reduce of the pieces across
-    the nodes, one host store and one set of optimizer workers per node; every Ray and gloo socket on
+    the nodes, weights gathered among a node's ranks (parallel.gather_weights), one host store and one set
+    of optimizer workers per node; every Ray and gloo socket on
     127.0.0.1. Then node 1's copy is damaged, and the next step stops with the nodes' checksums."""
     import ray
 
     _, ray_tmp = two_ray_nodes
     steps = {"train": {"steps": 11}}  # the 11th step is the one that finds the damage
     ref_losses, initial, ref_final = run_steps(tiny_config(tmp_path / "one", **steps), 10)
-    cfg = tiny_config(tmp_path / "two", parallel={"gpus": 4, "nodes": 2}, runtime={"mode": "ray"}, **steps)
+    cfg = tiny_config(tmp_path / "two", parallel={"gpus": 4, "nodes": 2, "gather_weights": True}, runtime={"mode": "ray"},
+                      **steps)
     with Trainer(cfg) as trainer:
         nodes = [{g.call("node_id").result(timeout=60) for g in node.gpus} for node in trainer.nodes]
         assert len(nodes[0]) == len(nodes[1]) == 1 and nodes[0] != nodes[1], nodes

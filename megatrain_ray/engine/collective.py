@@ -122,6 +122,13 @@ class Collectives:
             self.dist.all_reduce(piece, group=self.cross)
         return piece
 
+    def gather(self, buf: torch.Tensor) -> None:
+        """(parallel.gather_weights) Fill `buf` (a stage's padded weights) from the node's ranks, each of which
+        holds its piece (RankInfo.piece) in place. Issued on the current (H2D) stream."""
+        piece = buf.numel() // self.info.local_world
+        mine = buf[self.info.local_rank * piece:(self.info.local_rank + 1) * piece]
+        self.dist.all_gather_into_tensor(buf, mine, group=self.local)
+
     def all_reduce(self, values: torch.Tensor) -> None:
         """In-place sum over every rank (the step's totals: a few float64 numbers)."""
         self.dist.all_reduce(values)

@@ -194,6 +194,7 @@ class StreamEngine:
         poison = cfg.engine.poison_buffers
 
         def weight_slot(numel: int) -> WeightSlot:
+            numel = padded(numel, rank.local_world)  # room for every rank's piece (parallel.gather_weights)
             raw = torch.empty(numel, dtype=self.stream_dtype, device=device)
             compute = raw if self.stream_dtype == self.compute_dtype else \
                 torch.empty(numel, dtype=self.compute_dtype, device=device)
@@ -232,6 +233,8 @@ class StreamEngine:
         self.publisher = ThreadPoolExecutor(1, thread_name_prefix="update-publish") if self.sync else None
         self.awaited: dict[int, int] = {}
         self._serial = 0
+        self._gather = False
+        """This step loads weights in pieces gathered over the node's ranks (training steps only)."""
         """train_step calls so far: the step number the ranks of a node exchange in `sync`."""
         self._checksum: float | None = None
         self._summed: set[int] = set()
@@ -345,13 +348,18 @@ class StreamEngine:
         with s.on(s.h2d):
             s.wait(s.h2d, slot.free)
             start = self.timeline.start(s.h2d)
-            slot.raw[:stage.numel].copy_(self.store.stream(stage.index), non_blocking=True)
+            first, end = self.rank.piece(stage.numel) if self._gather else (0, stage.numel)
+            slot.raw[first:end].copy_(self.store.stream(stage.index)[first:end], non_blocking=True)
+            self.timeline.stop("h2d", s.h2d, start)
+            if self._gather:
+                start = self.timeline.start(s.h2d)
+                self.comm.gather(slot.raw[:padded(stage.numel, self.rank.local_world)])
+                self.timeline.stop("comm", s.h2d, start)
             if slot.compute is not slot.raw:
                 slot.compute[:stage.numel].copy_(slot.raw[:stage.numel])
-            self.timeline.stop("h2d", s.h2d, start)
             slot.ready = s.record(s.h2d)
         slot.holds = stage.index
-        self._step_stats["h2d_bytes"] += stage.numel * slot.raw.element_size()
+        self._step_stats["h2d_bytes"] += (end - first) * slot.raw.element_size()
         return slot
 
     def _sample_sum(self, stage: StageLayout) -> float:
@@ -482,6 +490,7 @@ class StreamEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _end(self) -> None:
+        self._gather = False  # evaluation runs on one rank: it must never wait for the others' pieces
         # Weights change with the updates just ordered: nothing on the device is current any more.
         for slot in (*self.layer_slots, self.embed_slot, self.head_slot):
             slot.holds = -1
@@ -500,6 +509,7 @@ class StreamEngine:
             batch = Batch.from_tokens(batch)
         self._begin(lr, adam_step)
         self._serial += 1
+        self._gather = self.cfg.parallel.gather_weights and self.comm is not None and self.rank.local_world > 1
         if self.trace is not None:  # the device is idle here (the last step synchronised): its clock meets the host's
             self._trace_origin = (time.perf_counter(), self.streams.record(self.streams.compute, timing=True))
             self._mark("step_start", -1, self._serial)
