@@ -24,14 +24,6 @@ class NullEvent:
     def record(self, stream: object = None) -> None:
         self.at = time.perf_counter()
 
-    def drain(self, stream: object) -> None:
-        """Block the host until the work queued on `stream` so far is done, asleep in an event's
-        synchronize: it lets go of the GIL, so the process's other threads run meanwhile."""
-        if self.is_cuda:
-            event = torch.cuda.Event(blocking=True)
-            event.record(stream)
-            event.synchronize()
-
     def synchronize(self) -> None:
         pass
 
