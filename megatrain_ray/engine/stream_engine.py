@@ -233,9 +233,9 @@ class StreamEngine:
         self.publisher = ThreadPoolExecutor(1, thread_name_prefix="update-publish") if self.sync else None
         self.awaited: dict[int, int] = {}
         self._serial = 0
+        """train_step calls so far: the step number the ranks of a node exchange in `sync`."""
         self._gather = False
         """This step loads weights in pieces gathered over the node's ranks (training steps only)."""
-        """train_step calls so far: the step number the ranks of a node exchange in `sync`."""
         self._checksum: float | None = None
         self._summed: set[int] = set()
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
