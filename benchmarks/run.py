@@ -437,7 +437,7 @@ def main() -> int:
     for seq, depth, batch, system, gpus in points:
         overrides = args.set if seq == base.data.seq_len else [*args.set, *seq_len_overrides(base, seq)]
         if args.trace and system.startswith("megatrain"):
-            trace_dir = Path(args.trace).resolve() / f"{system}-g{gpus}-b{batch}-l{depth}-s{seq}"
+            trace_dir = Path(args.trace) / f"{system}-g{gpus}-b{batch}-l{depth}-s{seq}"  # load_config resolves it
             overrides = [*overrides, f"engine.update_trace={trace_dir}"]
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"config": args.config, "overrides": overrides, "batch": batch, "layers": depth,

@@ -126,7 +126,7 @@ def test_ray_job_submit_flow_as_in_the_readme(tmp_path):
     try:
         out = tmp_path / "run"
         prometheus, seen = f"http://127.0.0.1:{metrics_port}/metrics", ""
-        for attempt in range(20):
+        for _ in range(20):
             submit = subprocess.Popen(
                 [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".", "--", "megatrain",
                  "train", "configs/tiny.yaml", "--set", f"train.output_dir={out}", "--set", "train.steps=40"],

@@ -69,7 +69,8 @@ class RankInfo:
         return self.local_rank == 0
 
     def piece(self, numel: int) -> tuple[int, int]:
-        """[start, end) of a stage's flat gradient that this rank sums and copies to the host."""
+        """[start, end) of a stage's flat buffer that is this rank's piece: of the gradients it sums and copies to the
+        host, and (parallel.gather_weights) of the weights it copies from the host."""
         if self.local_world == 1:
             return 0, numel
         chunk = math.ceil(numel / self.local_world)
@@ -125,9 +126,8 @@ class Collectives:
     def gather(self, buf: torch.Tensor) -> None:
         """(parallel.gather_weights) Fill `buf` (a stage's padded weights) from the node's ranks, each of which
         holds its piece (RankInfo.piece) in place. Issued on the current (H2D) stream."""
-        piece = buf.numel() // self.info.local_world
-        mine = buf[self.info.local_rank * piece:(self.info.local_rank + 1) * piece]
-        self.dist.all_gather_into_tensor(buf, mine, group=self.local)
+        start, end = self.info.piece(buf.numel())
+        self.dist.all_gather_into_tensor(buf, buf[start:end], group=self.local)
 
     def all_reduce(self, values: torch.Tensor) -> None:
         """In-place sum over every rank (the step's totals: a few float64 numbers)."""

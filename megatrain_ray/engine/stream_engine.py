@@ -138,8 +138,11 @@ class Timeline:
     def start(self, stream: Any) -> Any:
         return self.streams.record(stream, timing=True)
 
-    def stop(self, kind: str, stream: Any, start: Any) -> None:
-        self.spans[kind].append((start, self.streams.record(stream, timing=True)))
+    def stop(self, kind: str, stream: Any, start: Any) -> Any:
+        """Close a span of `kind` on `stream`; returns its end event."""
+        end = self.streams.record(stream, timing=True)
+        self.spans[kind].append((start, end))
+        return end
 
     def seconds(self) -> dict[str, float]:
         out = {}
@@ -408,11 +411,11 @@ class StreamEngine:
                 s.wait(s.d2h, ready)
                 start = self.timeline.start(s.d2h)
                 host[lo - at:hi - at].copy_(piece[lo - first:hi - first], non_blocking=True)
-                self.timeline.stop("d2h", s.d2h, start)
+                copied = self.timeline.stop("d2h", s.d2h, start)
                 grad.drained = s.record(s.d2h)
             if self.trace is not None:
                 self._mark("emit", stage.index, self._serial)
-                self.trace.on_device(stage.index, self._serial, self.timeline.spans["d2h"][-1][1])
+                self.trace.on_device(stage.index, self._serial, copied)
             self._step_stats["d2h_bytes"] += (hi - lo) * piece.element_size()
             if self.sync is not None and not self.rank.leader:
                 self._publish_landed(stage.index, grad.drained)
