@@ -21,6 +21,7 @@ from megatrain_ray.log import get_logger, init_logger
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.plan import layers_compiled
+from megatrain_ray.topology import bind_process, format_cpus
 
 log = get_logger(__name__)
 
@@ -36,15 +37,24 @@ def resolve_device(choice: str) -> torch.device:
 
 class GPUWorker(ActorBase):
     def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any],
-                 rank: RankInfo | None = None):
+                 rank: RankInfo | None = None, cores: list[int] | None = None):
         """`optimizers`: the node's optimizer workers, for the rank that orders the updates (the first of
-        its node); `rank`: the place in a data-parallel run, None for the only worker."""
+        its node); `rank`: the place in a data-parallel run, None for the only worker; `cores`: the cores
+        the placement reserved for it (none in-process)."""
         self.rank = rank = rank or RankInfo()
         init_logger("gpu" if rank.world == 1 else f"gpu{rank.rank}")
         self.device = resolve_device(cfg.engine.device)
-        # On the CPU (tests) the node's ranks share the cores.
-        torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)) if self.device.type == "cuda"
-                              else max(1, (os.cpu_count() or 1) // rank.local_world))
+        if self.device.type == "cuda":
+            # Pinned before CUDA and NCCL start their threads, which inherit the cores: the launch, copy
+            # and NCCL threads stay off the optimizer workers' cores (topology.RESERVED_CORES). On the CPU
+            # this worker does the math itself and keeps every core it may use.
+            binding = f"pinned to cpus {format_cpus(cores)}" if cores else "not pinned (in-process)"
+            if cores:
+                bind_process(cores)
+            torch.set_num_threads(max(1, min(len(os.sched_getaffinity(0)), 4)))
+        else:  # the node's ranks share the cores
+            binding = "not pinned (computes on the CPU)"
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world))
         self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync")
                                 or (s.kind == "master" and cfg.precision.stream_is_master)])
         if self.device.type == "cuda":
@@ -53,9 +63,9 @@ class GPUWorker(ActorBase):
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
         self.engine = StreamEngine(cfg, layout, self.store, optimizers, self.device, rank)
         self.comm: Collectives | None = None
-        log.info("layer stream on %s: compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s); "
+        log.info("layer stream on %s (%s): compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s); "
                  "layers %s (engine.compile=%s)%s",
-                 self.device, cfg.precision.compute_dtype, cfg.precision.resolved_stream_dtype,
+                 self.device, binding, cfg.precision.compute_dtype, cfg.precision.resolved_stream_dtype,
                  "offloaded to pinned host memory" if self.engine.offload else "kept on the device",
                  cfg.engine.activation_offload,
                  "compiled by torch.compile on the first step" if layers_compiled(cfg, self.device.type) else "eager",

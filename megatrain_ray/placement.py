@@ -62,8 +62,8 @@ def gpu_actor(local_rank: int) -> str:
 def actor_slots(placement: Placement, use_gpu: bool, ranks: int = 1) -> list[ActorSlot]:
     """One slot per actor in bundle order: the GPU workers, the host shards, the optimizer workers."""
     gpu_node = placement.gpu_node
-    members = [(gpu_actor(r), placement.gpu_cores, gpu_node) for r in range(ranks)]
-    members += [(f"host{k}", placement.gpu_cores if node == gpu_node else node_cpus(placement, node), node)
+    members = [(gpu_actor(r), placement.gpu_cores[r], gpu_node) for r in range(ranks)]
+    members += [(f"host{k}", placement.reserved_cores if node == gpu_node else node_cpus(placement, node), node)
                 for k, node in enumerate(placement.shard_nodes)]
     members += [(f"optim{w.index}", w.cores, w.node) for w in placement.workers]
     users = Counter(core for _, cores, _ in members for core in cores)
@@ -152,7 +152,8 @@ class RunPlacement:
                  node_id: str | None = None, node_resources: dict[str, float] | None = None):
         """`ranks`: GPU workers on the node; `node_id`: the Ray node of this placement (several nodes; its
         cores are taken to look like the driver's, as a cluster's nodes usually do)."""
-        self.plan = plan_placement(topology or detect_topology(), cfg.optimizer.workers, cfg.host.num_shards)
+        self.plan = plan_placement(topology or detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
+                                   gpu_ranks=ranks)
         log.info("%s%s", f"node {node_id[:12]}: " if node_id else "", self.plan.summary())
         if self.plan.shared_cores:
             log.warning("optimizer.workers=%s exceeds the usable cores: workers share cores (slower); lower it or "
@@ -170,6 +171,10 @@ class RunPlacement:
 
     def worker_cores(self, index: int) -> list[int]:
         return list(self.plan.workers[index].cores) if self.in_ray else []
+
+    def gpu_cores(self, local_rank: int) -> list[int]:
+        """Cores the GPU worker of `local_rank` pins itself to; none in-process."""
+        return list(self.plan.gpu_cores[local_rank]) if self.in_ray else []
 
     def shard_binding(self, index: int) -> tuple[tuple[int, ...], int | None]:
         """(cores, NUMA node) HostShard `index` binds itself to; nothing in-process."""

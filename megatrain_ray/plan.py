@@ -312,7 +312,8 @@ def store_bytes(cfg: Config, workers: int) -> tuple[dict[str, int], dict[str, in
 
 def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan = Plan(cfg, machine)
-    workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards).workers)
+    workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
+                                 gpu_ranks=ranks_per_node(cfg)).workers)
     plan.workers = workers
     plan.host, plan.disk, plan.staging = store_bytes(cfg, workers)
     pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if cfg.precision.stream_is_master else set())

@@ -30,10 +30,12 @@ log = get_logger(__name__)
 
 NODE_SYSFS = Path("/sys/devices/system/node")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-# Cores kept free for the GPU worker (its launch thread and copy bookkeeping) and the host
-# shards on the GPU's node, on nodes large enough to spare them.
+# Cores kept free per GPU worker (its launch thread, its NCCL proxy thread, copy bookkeeping) on the
+# GPU's node, shared with the host shards there, when the node keeps MIN_OPTIMIZER_CORES for AdamW.
+# Why per GPU worker: unpinned, two GPU workers' busy threads spilled onto the optimizer's cores, and
+# one preempted thread holds up every thread of a worker's update (measured on nvidia-h200-x2).
 RESERVED_CORES = 2
-RESERVE_FROM_CORES = 8
+MIN_OPTIMIZER_CORES = 6
 MAX_AUTO_WORKERS_PER_NODE = 2
 
 
@@ -72,20 +74,25 @@ class Placement:
     shard_nodes: tuple[int, ...]
     """NUMA node whose memory HostShard k binds its segments to."""
     gpu_node: int
-    gpu_cores: tuple[int, ...]
-    """Cores the GPU worker and the host shards of the GPU's node run on: the reserved ones, or
-    the whole node when it is too small to reserve any."""
+    gpu_cores: tuple[tuple[int, ...], ...]
+    """Per GPU worker (local rank), the cores it runs on: its own reserved ones, or the whole node
+    when the node is too small to reserve them."""
     workers_reason: str
     shared_cores: bool = field(default=False)
     """More workers than usable cores: some workers share a core (allowed, slower)."""
+
+    @property
+    def reserved_cores(self) -> tuple[int, ...]:
+        """The GPU workers' cores together: the host shards of the GPU's node run on them too."""
+        return tuple(sorted({c for cores in self.gpu_cores for c in cores}))
 
     def summary(self) -> str:
         nodes = ", ".join(f"node {n.index}: cpus {format_cpus(n.cpus)}" for n in self.topology.nodes)
         workers = "; ".join(f"optim{w.index} -> node {w.node} cpus {format_cpus(w.cores)}" for w in self.workers)
         shards = ", ".join(f"host{k} -> node {n}" for k, n in enumerate(self.shard_nodes))
         return (f"topology ({self.topology.source}): {nodes}. {len(self.workers)} optimizer worker(s) "
-                f"({self.workers_reason}): {workers}. GPU worker: node {self.gpu_node} cpus "
-                f"{format_cpus(self.gpu_cores)}. {shards}")
+                f"({self.workers_reason}): {workers}. GPU worker(s): node {self.gpu_node} "
+                f"{'; '.join(f'cpus {format_cpus(c)}' for c in self.gpu_cores)}. {shards}")
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -168,11 +175,16 @@ def _trim_to(nodes: list[NumaNode], keep: int) -> list[NumaNode]:
     return [NumaNode(n.index, n.cpus[:c]) for n, c in zip(nodes, counts) if c]
 
 
-def usable_cores(node: NumaNode, gpu_node: int) -> tuple[int, ...]:
-    """A node's cores for optimizer workers: the GPU's node keeps RESERVED_CORES when it is large."""
-    if node.index == gpu_node and len(node.cpus) >= RESERVE_FROM_CORES:
-        return node.cpus[RESERVED_CORES:]
-    return node.cpus
+def reserved_count(node: NumaNode, gpu_node: int, gpu_ranks: int) -> int:
+    """Cores the node keeps for its GPU workers: RESERVED_CORES each on the GPU's node, none elsewhere
+    or where that would leave AdamW fewer than MIN_OPTIMIZER_CORES."""
+    want = RESERVED_CORES * gpu_ranks
+    return want if node.index == gpu_node and len(node.cpus) - want >= MIN_OPTIMIZER_CORES else 0
+
+
+def usable_cores(node: NumaNode, gpu_node: int, gpu_ranks: int = 1) -> tuple[int, ...]:
+    """A node's cores for optimizer workers: all but those reserved for the GPU workers."""
+    return node.cpus[reserved_count(node, gpu_node, gpu_ranks):]
 
 
 def auto_workers_per_node(cores: int) -> int:
@@ -199,8 +211,10 @@ def _split_workers(total: int, sizes: list[int]) -> list[int]:
     return counts
 
 
-def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_node: int | None = None) -> Placement:
-    """The core map: optimizer workers over nodes on disjoint cores, shards bound to nodes.
+def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_node: int | None = None,
+                   gpu_ranks: int = 1) -> Placement:
+    """The core map: optimizer workers over nodes on disjoint cores, shards bound to nodes, each of
+    the node's `gpu_ranks` GPU workers on cores of its own.
 
     `workers` is a count or "auto". The GPU's node is `gpu_node` when given, else the first
     node (megatrain does not initialise CUDA in the driver to ask the device's PCI node).
@@ -210,7 +224,7 @@ def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_
     """
     nodes = topology.nodes
     gpu = gpu_node if gpu_node is not None and any(n.index == gpu_node for n in nodes) else nodes[0].index
-    usable = [usable_cores(n, gpu) for n in nodes]
+    usable = [usable_cores(n, gpu, gpu_ranks) for n in nodes]
     if workers == "auto":
         per_node = [auto_workers_per_node(len(u)) for u in usable]
         reason = (f"auto: min({MAX_AUTO_WORKERS_PER_NODE}, usable cores // 2) per node; AdamW is bound by "
@@ -230,13 +244,24 @@ def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_
     worker_nodes = [s.node for s in slots]
     shard_nodes = tuple(worker_nodes[min(len(slots) - 1, (2 * k + 1) * len(slots) // (2 * num_shards))]
                         for k in range(num_shards))
-    gpu_cores = next(n.cpus[:RESERVED_CORES] if len(n.cpus) >= RESERVE_FROM_CORES else n.cpus
-                     for n in nodes if n.index == gpu)
-    return Placement(topology, tuple(slots), shard_nodes, gpu, tuple(gpu_cores), reason, shared)
+    node = next(n for n in nodes if n.index == gpu)
+    if reserved_count(node, gpu, gpu_ranks):
+        gpu_cores = tuple(node.cpus[r * RESERVED_CORES:(r + 1) * RESERVED_CORES] for r in range(gpu_ranks))
+    else:
+        gpu_cores = (node.cpus,) * gpu_ranks
+    return Placement(topology, tuple(slots), shard_nodes, gpu, gpu_cores, reason, shared)
 
 
 def node_cpus(placement: Placement, node: int) -> tuple[int, ...]:
     return next(n.cpus for n in placement.topology.nodes if n.index == node)
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (0, this thread, where /proc is missing)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 MPOL_PREFERRED = 1  # from <numaif.h>: allocate on the node, spill to others when it is full
@@ -246,13 +271,19 @@ def bind_process(cores: tuple[int, ...] | list[int], node: int | None = None) ->
     """Pin this process to `cores` and prefer `node` for the memory it touches from now on.
 
     Call it first in an actor's __init__, before the actor touches its pages (Ray's num_cpus is
-    bookkeeping, and a raylet-spawned actor escapes numactl). The memory policy goes through
+    bookkeeping, and a raylet-spawned actor escapes numactl). Every thread the process has is pinned
+    (affinity is per thread, and Ray's threads exist before __init__ runs), so the threads any of them
+    start later inherit the cores (AdamW's, NCCL's, CUDA's). The memory policy goes through
     libnuma's set_mempolicy (MPOL_PREFERRED rather than BIND, so a full node spills instead of
     killing the run); without libnuma, or for a node the kernel does not know (a simulated
     topology), first touch from the pinned cores places the pages. Returns which of the two happened.
     """
     if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
+        for thread in _threads():
+            try:
+                os.sched_setaffinity(thread, cores)
+            except OSError:  # the thread ended meanwhile
+                pass
     if node is None:
         return "no memory policy"
     import ctypes

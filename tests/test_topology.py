@@ -63,10 +63,27 @@ def test_auto_puts_a_few_workers_on_every_node_on_disjoint_cores(tmp_path):
     for w in plan.workers:  # each worker's cores lie on its own node
         assert set(w.cores) <= set(plan.topology.nodes[w.node].cpus)
     # The GPU's node keeps two cores for the GPU worker and the shards; no worker uses them.
-    assert plan.gpu_node == 0 and plan.gpu_cores == (0, 1)
-    assert not set(plan.gpu_cores) & set().union(*cores)
+    assert plan.gpu_node == 0 and plan.gpu_cores == ((0, 1),) and plan.reserved_cores == (0, 1)
+    assert not set(plan.reserved_cores) & set().union(*cores)
     assert plan.shard_nodes == (0, 1)
     assert "optim2 -> node 1" in plan.summary()
+
+
+def test_each_gpu_worker_of_a_node_gets_cores_of_its_own(tmp_path):
+    """Two GPU workers on a 32-core node (nvidia-h200-x2): two cores each, apart from AdamW's."""
+    topo = detect_topology(fake_sysfs(tmp_path / "node", ["0-31"]), allowed=set(range(32)),
+                           cgroup_root=tmp_path / "nocgroup")
+    plan = plan_placement(topo, 4, num_shards=1, gpu_ranks=2)
+    assert plan.gpu_cores == ((0, 1), (2, 3)) and plan.reserved_cores == (0, 1, 2, 3)
+    worker_cores = set().union(*(w.cores for w in plan.workers))
+    assert worker_cores == set(range(4, 32))  # 4 workers x 7 cores
+    assert "cpus 0-1; cpus 2-3" in plan.summary()
+    # A node that would keep AdamW fewer than MIN_OPTIMIZER_CORES reserves nothing: the ranks share it.
+    small = detect_topology(fake_sysfs(tmp_path / "small", ["0-9"]), allowed=set(range(10)),
+                            cgroup_root=tmp_path / "nocgroup")
+    plan = plan_placement(small, 2, num_shards=1, gpu_ranks=3)
+    assert plan.gpu_cores == (tuple(range(10)),) * 3
+    assert set().union(*(w.cores for w in plan.workers)) == set(range(10))
 
 
 def test_an_explicit_count_is_spread_over_nodes_by_cores(tmp_path):
@@ -83,3 +100,28 @@ def test_small_boxes_reserve_nothing_and_more_workers_than_cores_share(tmp_path)
     assert [w.cores for w in plan_placement(topo, "auto", 1).workers] == [(0, 1)]
     plan = plan_placement(topo, 3, 1)
     assert [w.cores for w in plan.workers] == [(0,), (1,), (0,)] and plan.shared_cores
+
+
+def test_bind_process_pins_the_threads_that_already_run_and_those_started_later():
+    """Ray's threads (and CUDA's, started by the device check) exist before an actor pins itself."""
+    import subprocess
+    import sys
+
+    script = """
+import os, threading
+from megatrain_ray.topology import bind_process
+core = min(os.sched_getaffinity(0))
+seen, go = {}, threading.Event()
+def report(name):
+    go.wait()
+    seen[name] = sorted(os.sched_getaffinity(0))
+early = threading.Thread(target=report, args=("early",)); early.start()
+bind_process([core])
+late = threading.Thread(target=report, args=("late",)); late.start()
+go.set(); early.join(); late.join()
+assert seen == {"early": [core], "late": [core]}, seen
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -412,7 +412,7 @@ class StreamEngine:
                 start = self.timeline.start(s.d2h)
                 host[lo - at:hi - at].copy_(piece[lo - first:hi - first], non_blocking=True)
                 copied = self.timeline.stop("d2h", s.d2h, start)
-                grad.drained = s.record(s.d2h)
+                grad.drained = s.record(s.d2h, blocking=True)  # the dispatcher sleeps on it, off AdamW's cores
             if self.trace is not None:
                 self._mark("emit", stage.index, self._serial)
                 self.trace.on_device(stage.index, self._serial, copied)

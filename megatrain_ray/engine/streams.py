@@ -45,11 +45,13 @@ class DeviceStreams:
         else:
             self.compute = self.h2d = self.d2h = None
 
-    def event(self, timing: bool = False) -> "torch.cuda.Event | NullEvent":
-        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else NullEvent()
+    def event(self, timing: bool = False, blocking: bool = False) -> "torch.cuda.Event | NullEvent":
+        """`blocking`: a host thread that synchronizes on it sleeps instead of spinning on a core (for
+        events a thread waits on for long, such as a stage's gradients reaching the host)."""
+        return torch.cuda.Event(enable_timing=timing, blocking=blocking) if self.is_cuda else NullEvent()
 
-    def record(self, stream: object, timing: bool = False) -> "torch.cuda.Event | NullEvent":
-        event = self.event(timing)
+    def record(self, stream: object, timing: bool = False, blocking: bool = False) -> "torch.cuda.Event | NullEvent":
+        event = self.event(timing, blocking)
         if self.is_cuda:
             event.record(stream)
         return event
@@ -71,9 +73,7 @@ class DeviceStreams:
         """Block the host until the work queued on `stream` so far is done, asleep in an event's
         synchronize: it lets go of the GIL, so the process's other threads run meanwhile."""
         if self.is_cuda:
-            event = torch.cuda.Event(blocking=True)
-            event.record(stream)
-            event.synchronize()
+            self.record(stream, blocking=True).synchronize()
 
     def synchronize(self) -> None:
         if self.is_cuda:
