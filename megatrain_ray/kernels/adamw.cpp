@@ -99,9 +99,7 @@ void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr,
     const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
     const float b2 = static_cast<float>(beta2);
     const int64_t block = 1 << 14;  // 16K elements: a few blocks per thread stay in L2
-    // Dynamic, four blocks a grab: a thread that another process preempts holds up the update by one
-    // grab, not by its whole static share (every element's result is the same either way).
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t start = 0; start < n; start += block) {
         const int64_t len = start + block < n ? block : n - start;
         if (out)
