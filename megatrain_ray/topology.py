@@ -75,8 +75,8 @@ class Placement:
     """NUMA node whose memory HostShard k binds its segments to."""
     gpu_node: int
     gpu_cores: tuple[tuple[int, ...], ...]
-    """Per GPU worker (local rank), the cores it runs on: its own reserved ones, or the whole node
-    when the node is too small to reserve them."""
+    """Per GPU worker (local rank), the cores it runs on: its own reserved ones and the node's cores no
+    optimizer worker got, or the whole node when the node is too small to reserve them."""
     workers_reason: str
     shared_cores: bool = field(default=False)
     """More workers than usable cores: some workers share a core (allowed, slower)."""
@@ -246,7 +246,11 @@ def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_
                         for k in range(num_shards))
     node = next(n for n in nodes if n.index == gpu)
     if reserved_count(node, gpu, gpu_ranks):
-        gpu_cores = tuple(node.cpus[r * RESERVED_CORES:(r + 1) * RESERVED_CORES] for r in range(gpu_ranks))
+        # The node's cores no optimizer worker got (a split that does not come out even) go to every
+        # GPU worker as well: spare cores for its threads, still apart from AdamW's.
+        taken = {c for s in slots for c in s.cores}
+        spare = tuple(c for c in usable_cores(node, gpu, gpu_ranks) if c not in taken)
+        gpu_cores = tuple(node.cpus[r * RESERVED_CORES:(r + 1) * RESERVED_CORES] + spare for r in range(gpu_ranks))
     else:
         gpu_cores = (node.cpus,) * gpu_ranks
     return Placement(topology, tuple(slots), shard_nodes, gpu, gpu_cores, reason, shared)

@@ -78,6 +78,10 @@ def test_each_gpu_worker_of_a_node_gets_cores_of_its_own(tmp_path):
     worker_cores = set().union(*(w.cores for w in plan.workers))
     assert worker_cores == set(range(4, 32))  # 4 workers x 7 cores
     assert "cpus 0-1; cpus 2-3" in plan.summary()
+    # One GPU worker: 30 cores do not split evenly over 4 workers; the 2 left over are the GPU worker's too.
+    plan = plan_placement(topo, 4, num_shards=1, gpu_ranks=1)
+    assert set().union(*(w.cores for w in plan.workers)) == set(range(2, 30))
+    assert plan.gpu_cores == ((0, 1, 30, 31),)
     # A node that would keep AdamW fewer than MIN_OPTIMIZER_CORES reserves nothing: the ranks share it.
     small = detect_topology(fake_sysfs(tmp_path / "small", ["0-9"]), allowed=set(range(10)),
                             cgroup_root=tmp_path / "nocgroup")
