@@ -480,8 +480,10 @@ class ParallelConfig:
     whole stage. Host DRAM then serves every weight byte once per pass whatever the number of GPUs (the
     CPU optimizer shares that bandwidth), and each GPU's PCIe link carries 1/gpus of the weights. Training
     steps only: evaluation runs on the first GPU and copies whole stages. On two H200s (3.5B, 32k tokens per
-    GPU, data-parallel-x2-h200-20261123-221348): with clipping, where AdamW bounds the step, 1.89x one GPU
-    against 1.83x; without clipping 1.96x against 1.98x. Off by default until more GPUs are measured."""
+    GPU): it helped while the GPU workers' threads ran on AdamW's cores (clipping on, 1.89x one GPU against
+    1.83x, data-parallel-x2-h200-20261123-221348); with each GPU worker on cores of its own it gains nothing
+    (1.98x and 1.99x against 2.00x and 1.99x, data-parallel-x2-h200-20261123-232913 and -233902). Off by
+    default; measure it on more GPUs per node."""
     timeout_s: float = 600.0
     """Seconds a rank waits for the process group to form, for a collective, or for another rank's
     gradients or its node's update of a stage, before it stops the run with an error."""

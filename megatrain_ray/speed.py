@@ -38,7 +38,7 @@ bench rows record, i.e. measured under the engine's own overlap):
 | constant | H200 box (`nvidia-h200`) | H100 box (`nvidia-h100-x1`) |
 |---|---|---|
 | model TFLOPS on GPU-busy time, eager layers | 371.7: median of model FLOPs / compute_seconds (one GPU's tokens) over the 34 eager megatrain rows of `*-h200-*.json`, both H200 hosts (347-379; the lowest at 256K-512K tokens) | 358.9: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
-| the same, compiled layers | 459.0: median over the 23 compiled rows (449-474; 7B-width layers at 32k-64k tokens per GPU, Qwen2.5-14B and -32B widths at 32k) | 437.2: scaled the same way (not measured) |
+| the same, compiled layers | 461.8: median over the 41 compiled rows (449-474; 7B-width layers at 32k-64k tokens per GPU, Qwen2.5-14B and -32B widths at 32k) | 445.9: scaled the same way (not measured) |
 | H2D GB/s, idle / under optimizer load | 53 / 40: DESIGN.md section 3 ("H2D drops 53 -> 40 GB/s" while AdamW runs); in-engine link 46-54 | 55 / 43.4: DESIGN.md section 3; `optimizer-scaling-h100-*`, 4 workers + H2D |
 | D2H GB/s | 51.8: median in-engine d2h_gbps_link of the 39 rows of this box | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
 | AdamW G params/s (fp32, all workers) | 4.20: median in-engine optimizer_gparams_per_s of the 11 rows of this box it bounds (GPU busy under 90 %: the 8k rows and the 32k rows with clipping on; 3.5-4.7 across the sessions' boxes; the 32-core `nvidia-h200-x2` host ran 4.3-5.1, not counted). Where the GPU bounds the step the in-engine rate says little (2.9-5.6) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
@@ -55,11 +55,11 @@ section 3 gives 6.2 G params/s on 32 cores of `nvidia-h200-x2`; the x2 box measu
 1-32 workers, `optimizer-scaling-h200-20261123-184223.json`): `--optimizer-gparams` plans with another
 rate. Data parallelism: every GPU runs the schedule on its own rows at once (plan.rank_tokens); the sum
 of the gradients over the GPUs (0.03-0.06 s per step on two), the weight all-gather of
-parallel.gather_weights and the slower AdamW while two GPUs copy (5.1 ->
-4.3 G params/s in `data-parallel-x2-*`) are not modelled. tests/test_speed.py replays every measured
+parallel.gather_weights and the slower AdamW while two GPUs copy (5.1 -> 4.3 G params/s in
+`data-parallel-x2-*` before the GPU workers were pinned; 5.3 -> 5.0-5.3 after) are not modelled. tests/test_speed.py replays every measured
 megatrain point and holds the prediction within 10 % (docs/plan-large-models.md lists them), with two
-named known misses: a 2-GPU point measured before a stall was fixed (+26 %), and a 1-GPU point of the
-32-core x2 box where AdamW ran faster than the 16-core rate the model uses (-10.4 %). The H200 rows are
+named known misses: a 2-GPU point measured before a stall was fixed (+27 %), and a 1-GPU point of the
+32-core x2 box where AdamW ran faster than the 16-core rate the model uses (-10.1 %). The H200 rows are
 in sample (the H200 rates are their medians): they test the schedule; the H100 run is out of sample.
 
 Limits. The rates were measured on one shape (3.5B-bench width: hidden 4096, T2048); wider layers run
@@ -167,9 +167,9 @@ class SpeedProfile:
         return replace(self, host=replace(self.host, disk_gbps=gbps), assumptions=(*self.assumptions, note))
 
 
-H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.7, 459.0,
+H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.7, 461.8,
                   "median model FLOPs / GPU-busy s of the megatrain rows in benchmarks/results/*-h200-*.json "
-                  "(34 eager, 23 compiled)")
+                  "(34 eager, 41 compiled)")
 H100 = GpuProfile("h100", "NVIDIA H100 80GB HBM3", 81559 * 2**20, round(H200.model_tflops * 16.8 / 17.4, 1),
                   round(H200.compiled_model_tflops * 16.8 / 17.4, 1),
                   "the H200 rates x 16.8 / 17.4 (7B-layer fwd+bwd on each box, DESIGN.md section 3)")

@@ -58,7 +58,7 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
     ("data-parallel-x2-h200-20261123-215506.json", "megatrain L16 32k bfloat16 stream"): (
         "1 GPU, clipping on, so the CPU optimizer bounds the step: the x2 box's 32 cores ran AdamW at 5.8 G "
         "params/s in this run (5.1 for the same point in data-parallel-x2-h200-20261123-184411), the model "
-        "the 16-core H200 VM's 4.20 (speed.py: a host with more DRAM channels updates faster); -10.4 %"),
+        "the 16-core H200 VM's 4.20 (speed.py: a host with more DRAM channels updates faster); -10.1 %"),
 }
 """(file, row label) of measured points the speed model misses by more than TOLERANCE, with the cause."""
 
@@ -154,7 +154,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
         if r["gpu_busy"] < 0.9:
             adamw.append(r["optimizer_gparams_per_s"])
         d2h.append(r["d2h_gbps_link"])
-    assert (len(tflops), len(compiled_tflops), len(adamw), len(d2h)) == (34, 23, 11, 39)
+    assert (len(tflops), len(compiled_tflops), len(adamw), len(d2h)) == (34, 41, 11, 39)
     assert H200.model_tflops == pytest.approx(statistics.median(tflops), rel=0.005)
     assert H200.compiled_model_tflops == pytest.approx(statistics.median(compiled_tflops), rel=0.005)
     assert H200_BOX.adamw_gparams == pytest.approx(statistics.median(adamw), rel=0.005)
