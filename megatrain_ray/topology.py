@@ -244,12 +244,12 @@ def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_
     worker_nodes = [s.node for s in slots]
     shard_nodes = tuple(worker_nodes[min(len(slots) - 1, (2 * k + 1) * len(slots) // (2 * num_shards))]
                         for k in range(num_shards))
-    node = next(n for n in nodes if n.index == gpu)
-    if reserved_count(node, gpu, gpu_ranks):
+    node, node_usable = next((n, u) for n, u in zip(nodes, usable) if n.index == gpu)
+    if len(node_usable) < len(node.cpus):  # the node keeps cores for its GPU workers
         # The node's cores no optimizer worker got (a split that does not come out even) go to every
         # GPU worker as well: spare cores for its threads, still apart from AdamW's.
         taken = {c for s in slots for c in s.cores}
-        spare = tuple(c for c in usable_cores(node, gpu, gpu_ranks) if c not in taken)
+        spare = tuple(c for c in node_usable if c not in taken)
         gpu_cores = tuple(node.cpus[r * RESERVED_CORES:(r + 1) * RESERVED_CORES] + spare for r in range(gpu_ranks))
     else:
         gpu_cores = (node.cpus,) * gpu_ranks

@@ -295,8 +295,9 @@ class Trainer:
                                  placement.worker_cores(w), name=f"{name}optim{w}",
                                  ray_options=placement.options(f"optim{w}")) for w in range(workers)]
         node.gpus = [spawn(mode, GPUWorker, cfg, self.layout, node.specs, node.optimizers if r == 0 else [],
-                           plan.rank(k, r), placement.gpu_cores(r), name=f"{name}{gpu_actor(r)}", num_gpus=1 if plan.use_gpu else 0,
-                           ray_options=placement.options(gpu_actor(r))) for r in range(ranks)]
+                           plan.rank(k, r), placement.gpu_cores(r), name=f"{name}{gpu_actor(r)}",
+                           num_gpus=1 if plan.use_gpu else 0, ray_options=placement.options(gpu_actor(r)))
+                     for r in range(ranks)]
 
     def _join_process_group(self) -> None:
         """Every rank joins one torch.distributed group: through a file in shared memory when all ranks are

@@ -247,7 +247,6 @@ class StreamEngine:
         # Pinned host buffers of offloaded layer inputs live as long as the engine: allocated once.
         self.activations = ActivationStash(self.streams, self.offload, len(layout.layers), self._copied)
         self.trace = UpdateTrace(cfg.engine.update_trace, rank.rank, rank.world) if cfg.engine.update_trace else None
-        self._trace_origin: tuple[float, Any] | None = None
 
     def _mark(self, event: str, stage: int, step: int, at: float | None = None) -> None:
         if self.trace is not None:
@@ -513,8 +512,9 @@ class StreamEngine:
         self._begin(lr, adam_step)
         self._serial += 1
         self._gather = self.cfg.parallel.gather_weights and self.comm is not None and self.rank.local_world > 1
+        trace_origin = None
         if self.trace is not None:  # the device is idle here (the last step synchronised): its clock meets the host's
-            self._trace_origin = (time.perf_counter(), self.streams.record(self.streams.compute, timing=True))
+            trace_origin = (time.perf_counter(), self.streams.record(self.streams.compute, timing=True))
             self._mark("step_start", -1, self._serial)
         if self.comm is not None and self.rank.nodes > 1 and self.rank.leader:
             self._checksum, self._summed = 0.0, set()
@@ -611,7 +611,7 @@ class StreamEngine:
         device_seconds = self.timeline.seconds()
         if self.trace is not None:
             self._mark("step_end", -1, self._serial)
-            self.trace.write(self._trace_origin)
+            self.trace.write(trace_origin)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         stats = self._step_stats
         return StepResult(
