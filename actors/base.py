@@ -21,7 +21,7 @@ class ActorBase:
         return ray.get_runtime_context().get_node_id() if in_worker else ""
 
     def heartbeat(self) -> ActorStatus:
-        """Cheap on purpose: the health monitor calls it every few seconds (megatrain_ray/health.py)."""
+        """Cheap on purpose: the health monitor calls it every few seconds (megatrain_ray/driver/faults.py)."""
         if self._resources is None:  # fixed for the actor's life: read once
             ray = sys.modules.get("ray")
             in_worker = ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == 1

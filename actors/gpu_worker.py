@@ -13,15 +13,15 @@ from typing import Any
 import torch
 
 from actors.base import ActorBase
-from megatrain_ray.config import Config
+from megatrain_ray.config.sections import Config
 from megatrain_ray.engine.collective import Collectives, RankInfo
-from megatrain_ray.engine.stream_engine import StreamEngine
-from megatrain_ray.host import HostStore, SegmentSpec
-from megatrain_ray.log import get_logger, init_logger
+from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout
-from megatrain_ray.plan import layers_compiled
-from megatrain_ray.topology import bind_process, format_cpus
+from megatrain_ray.observe.log import get_logger, init_logger
+from megatrain_ray.planning.memory import layers_compiled
+from megatrain_ray.store.segments import HostStore, SegmentSpec
+from megatrain_ray.system.topology import bind_process, format_cpus
 
 log = get_logger(__name__)
 

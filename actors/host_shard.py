@@ -12,14 +12,21 @@ from typing import Callable
 import torch
 
 from actors.base import ActorBase
-from megatrain_ray.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
-from megatrain_ray.config import Config
-from megatrain_ray.host import HostStore, SegmentSpec, create_segment, init_stage, plan_segments, unlink_segment
-from megatrain_ray.log import get_logger, init_logger
+from megatrain_ray.config.sections import Config
 from megatrain_ray.model.hf_io import HFDirectory
-from megatrain_ray.model.hf_io import load_stage as load_hf_stage
 from megatrain_ray.model.layout import ModelLayout
-from megatrain_ray.topology import bind_process
+from megatrain_ray.observe.log import get_logger, init_logger
+from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
+from megatrain_ray.store.segments import (
+    HostStore,
+    SegmentSpec,
+    create_segment,
+    init_stage,
+    load_hf_stage,
+    plan_segments,
+    unlink_segment,
+)
+from megatrain_ray.system.topology import bind_process
 
 log = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """OptimizerWorker: AdamW on its share of every stage, in place on the shared segments (with the disk
-tier, on moments staged from disk: megatrain_ray/disk_tier.py)."""
+tier, on moments staged from disk: megatrain_ray/store/disk_tier.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import time
 import torch
 
 from actors.base import ActorBase
-from megatrain_ray.checkpoint import wait_for_gate
-from megatrain_ray.config import Config
-from megatrain_ray.disk_tier import MOMENT_KINDS, MomentStager, piece_elems, update_order
-from megatrain_ray.host import TORCH_DTYPES, HostStore, SegmentSpec, moment_dtype
-from megatrain_ray.log import get_logger, init_logger
+from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.messages import UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout
-from megatrain_ray.optim import FlatAdamW, split_span
-from megatrain_ray.topology import bind_process
+from megatrain_ray.observe.log import get_logger, init_logger
+from megatrain_ray.optim.adamw import FlatAdamW, split_span
+from megatrain_ray.store.checkpoint import wait_for_gate
+from megatrain_ray.store.disk_tier import MOMENT_KINDS, MomentStager, piece_elems, update_order
+from megatrain_ray.store.segments import HostStore, SegmentSpec, moment_dtype
+from megatrain_ray.system.topology import bind_process
 
 log = get_logger(__name__)
 

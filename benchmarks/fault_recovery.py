@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import provenance, write_result  # noqa: E402
-from megatrain_ray.config import load_config  # noqa: E402
-from megatrain_ray.host import grad_dtype  # noqa: E402
-from megatrain_ray.plan import GiB, Machine, plan_run  # noqa: E402
-from megatrain_ray.trainer import Trainer  # noqa: E402
+from megatrain_ray.config.load import load_config  # noqa: E402
+from megatrain_ray.driver.trainer import Trainer  # noqa: E402
+from megatrain_ray.planning.memory import GiB, Machine, plan_run  # noqa: E402
+from megatrain_ray.store.segments import grad_dtype  # noqa: E402
 
 
 def timed_run(cfg) -> dict:

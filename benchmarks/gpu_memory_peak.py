@@ -73,8 +73,8 @@ def main() -> int:
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.common import provenance, write_result
-    from megatrain_ray.config import load_config
-    from megatrain_ray.trainer import Trainer
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.driver.trainer import Trainer
 
     report = {**provenance(torch.cuda.get_device_name()), "config": args.config, "overrides": args.set, "depths": {}}
     for layers in [int(x) for x in args.layers.split(",")]:

@@ -27,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from benchmarks.common import provenance, write_result
-from megatrain_ray.config import ModelConfig, load_config
-from megatrain_ray.metrics import rss_anon_bytes
+from megatrain_ray.config.load import load_config
+from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.model.hf_io import export_hf
 from megatrain_ray.model.layout import build_layout
+from megatrain_ray.observe.metrics import rss_anon_bytes
 
 LLAMA_8B = {"family": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
             "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
@@ -100,7 +101,7 @@ def main() -> None:
         write_checkpoint(args.dir, SMOKE if args.smoke else LLAMA_8B, args.layers,
                          10**6 if args.smoke else 5 * 10**9)
         print(f"wrote {args.dir} in {time.perf_counter() - t0:.0f} s")
-    from megatrain_ray.trainer import Trainer
+    from megatrain_ray.driver.trainer import Trainer
 
     cfg = load_config(raw={
         "model": {"path": str(args.dir)}, "data": {"path": "synthetic", "seq_len": 1024, "batch_size": 1},

@@ -7,8 +7,8 @@ What it runs is an OptimizerWorker's update loop, in this process: the product's
 kernel where it builds) over --stages equal stages of --params float32 master weights, with bf16
 gradients landing in the bf16 streaming copy (the engine's layout with bf16 compute), the stages
 taken in the engine's update order. The master weights and the streaming copy are /dev/shm segments
-(megatrain_ray.host). The moments are /dev/shm segments too (tier `ram`), or files in --disk-dir
-staged through megatrain_ray.disk_tier.MomentStager (tier `disk`: read ahead, written back behind,
+(megatrain_ray.store.segments). The moments are /dev/shm segments too (tier `ram`), or files in --disk-dir
+staged through megatrain_ray.store.disk_tier.MomentStager (tier `disk`: read ahead, written back behind,
 every range dropped from the page cache after use), in float32 or bfloat16 (optimizer.moment_dtype).
 One warm-up step, then --steps timed steps; the time includes waiting for the last write-back.
 
@@ -37,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from benchmarks.common import provenance, write_result
-from megatrain_ray.config import OptimizerConfig
-from megatrain_ray.disk_tier import (
+from megatrain_ray.config.sections import OptimizerConfig
+from megatrain_ray.optim.adamw import FlatAdamW
+from megatrain_ray.store.disk_tier import (
     MOMENT_KINDS,
     MomentStager,
     byte_view,
@@ -47,8 +48,7 @@ from megatrain_ray.disk_tier import (
     pwrite_from,
     update_order,
 )
-from megatrain_ray.host import SegmentSpec, create_segment, map_segment, unlink_segment
-from megatrain_ray.optim import FlatAdamW
+from megatrain_ray.store.segments import SegmentSpec, create_segment, map_segment, unlink_segment
 
 DTYPE_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -3,9 +3,9 @@
     python benchmarks/optimizer_scaling.py [--params 268435456] [--max-workers 32] [--repeats 8]
 
 What it runs is what an OptimizerWorker runs: the product's FlatAdamW (native kernel where it
-builds) in place on /dev/shm segments made by megatrain_ray.host (fp32 master and moments, bf16
+builds) in place on /dev/shm segments made by megatrain_ray.store.segments (fp32 master and moments, bf16
 gradients landing in the bf16 streaming copy, which the update rewrites), each worker process
-pinned to its cores by the topology plan (megatrain_ray/topology.py) and updating its
+pinned to its cores by the topology plan (megatrain_ray/system/topology.py) and updating its
 split_span share. For 1, 2, 4, ... up to --max-workers processes it times `--repeats` updates
 of all `--params` elements (wall time from "go" to the last worker done), once alone and once
 while a thread copies a pinned host buffer to the GPU in a loop (skipped without CUDA; the JSON
@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from benchmarks.common import provenance, write_result
-from megatrain_ray.config import OptimizerConfig
-from megatrain_ray.host import SegmentSpec, create_segment, map_segment, unlink_segment
-from megatrain_ray.optim import FlatAdamW, split_span
-from megatrain_ray.plot import Line, line_chart
-from megatrain_ray.topology import bind_process, detect_topology, format_cpus, plan_placement
+from megatrain_ray.config.sections import OptimizerConfig
+from megatrain_ray.observe.plot import Line, line_chart
+from megatrain_ray.optim.adamw import FlatAdamW, split_span
+from megatrain_ray.store.segments import SegmentSpec, create_segment, map_segment, unlink_segment
+from megatrain_ray.system.topology import bind_process, detect_topology, format_cpus, plan_placement
 
 H2D_BUFFER_BYTES = 256 << 20
 

@@ -2,8 +2,8 @@
 
     python benchmarks/plan_table.py [--configs configs/llama3-70b.yaml,...] [--machines h100-512gb,...]
 
-Nothing here needs the hardware: memory comes from `megatrain_ray.plan` (the layout the host store
-allocates, the engine's GPU buffers), speed from `megatrain_ray.speed` (the engine's schedule replayed
+Nothing here needs the hardware: memory comes from `megatrain_ray.planning.memory` (the layout the host store
+allocates, the engine's GPU buffers), speed from `megatrain_ray.planning.speed` (the engine's schedule replayed
 with rates measured on the H100 and H200 boxes). Prints two markdown tables, the plan and the speed
 model against every measured megatrain point in benchmarks/results (tests/test_speed.py holds the
 same check), writes them to docs/plan-large-models.md and the figures to
@@ -34,10 +34,11 @@ from benchmarks.common import (  # noqa: E402
     seq_len_overrides,
     write_result,
 )
-from megatrain_ray.config import Config, load_config  # noqa: E402
+from megatrain_ray.config.load import load_config  # noqa: E402
+from megatrain_ray.config.sections import Config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
-from megatrain_ray.plan import GPU_RESERVE_BYTES, Machine, Plan, layers_compiled, plan_run  # noqa: E402
-from megatrain_ray.speed import (  # noqa: E402
+from megatrain_ray.planning.memory import GPU_RESERVE_BYTES, Machine, Plan, layers_compiled, plan_run  # noqa: E402
+from megatrain_ray.planning.speed import (  # noqa: E402
     H100,
     H100_BOX,
     H200,
@@ -249,7 +250,7 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         f"layers (32k to 512K tokens per step) the plan reads {low:+.1%} to {high:+.1%}, but at 1M tokens of an "
         "8B-width model it said 133.7 GiB fits where the step ran out of memory (allocator fragmentation, not "
         "counted), so leave a batch of margin there.",
-        "- **tok/s is a prediction**, not a measurement: `megatrain_ray/speed.py` replays the engine's schedule "
+        "- **tok/s is a prediction**, not a measurement: `megatrain_ray/planning/speed.py` replays the engine's schedule "
         "(forward H2D overlap, backward H2D/D2H overlap, AdamW overlapped with the backward) with the rates "
         f"measured on the boxes (its docstring names each source): H200 {H200.model_tflops:g} model TFLOPS "
         f"on GPU-busy time with eager layers, {H200.compiled_model_tflops:g} compiled (engine.compile, on by "
@@ -322,7 +323,7 @@ def main() -> int:
         Path(args.doc).write_text(text)
         print(f"wrote {args.doc}")
     if args.out:
-        result = {**provenance("speed model"), "kind": "prediction: megatrain_ray/speed.py and megatrain_ray/plan.py, "
+        result = {**provenance("speed model"), "kind": "prediction: megatrain_ray/planning/speed.py and megatrain_ray/planning/memory.py, "
                   "no hardware", "rows": rows, "validation": validation}
         write_result("plan-large-models", result, args.out)
     return 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatrain_ray.plot import Line, line_chart
+from megatrain_ray.observe.plot import Line, line_chart
 
 COLORS = {"megatrain": "tab:blue", "megatrain-noclip": "tab:cyan", "megatrain-compile": "tab:purple",
           "megatrain-noclip-compile": "tab:pink", "megatrain-eager": "tab:olive", "megatrain-noclip-eager": "tab:brown",

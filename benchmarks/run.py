@@ -24,7 +24,7 @@ counts sequences per GPU; the global batch is N times that), so the rows compare
 for 1 and N GPUs (`vs_one_gpu`: tok/s over the 1-GPU row of the same system, depth and per-GPU batch;
 `host_gib`: shared segments + every process's private memory). The baselines run on one GPU only.
 
-Model TFLOPS = tok/s x (6 N + 6 L T d_attn) / 1e12 for every system (megatrain_ray/metrics.py):
+Model TFLOPS = tok/s x (6 N + 6 L T d_attn) / 1e12 for every system (megatrain_ray/observe/metrics.py):
 N = parameters in matrix products (LM head included), L layers, T sequence length, d_attn =
 heads x head_dim; recomputation is not counted.
 """
@@ -54,14 +54,14 @@ from benchmarks.common import (  # noqa: E402
     seq_len_overrides,
     write_result,
 )
-from megatrain_ray.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
-from megatrain_ray.plan import query_gpu  # noqa: E402
+from megatrain_ray.observe.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
+from megatrain_ray.planning.memory import query_gpu  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
 
 
 def _load(spec: dict):
-    from megatrain_ray.config import load_config
+    from megatrain_ray.config.load import load_config
 
     overrides = [*spec["overrides"], *point_overrides(spec["batch"], spec.get("gpus", 1), spec["layers"]),
                  f"train.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
@@ -70,7 +70,7 @@ def _load(spec: dict):
 
 
 def _common(cfg, tokens_per_s: float) -> dict:
-    from megatrain_ray.metrics import model_flops_per_token
+    from megatrain_ray.model.flops import model_flops_per_token
     from megatrain_ray.model.layout import build_layout
 
     layout = build_layout(cfg.model)
@@ -79,10 +79,10 @@ def _common(cfg, tokens_per_s: float) -> dict:
 
 
 def run_megatrain(spec: dict) -> dict:
-    from megatrain_ray.host import grad_dtype, grad_home, vocab_in_pieces
-    from megatrain_ray.metrics import shm_bytes
-    from megatrain_ray.plan import Machine, layers_compiled, plan_run, ranks_per_node
-    from megatrain_ray.trainer import Trainer
+    from megatrain_ray.driver.trainer import Trainer
+    from megatrain_ray.observe.metrics import shm_bytes
+    from megatrain_ray.planning.memory import Machine, layers_compiled, plan_run, ranks_per_node
+    from megatrain_ray.store.segments import grad_dtype, grad_home, vocab_in_pieces
 
     cfg = _load(spec)
     plan = plan_run(cfg, Machine.detect(cfg.host.shm_dir))  # before the store takes the shared memory
@@ -137,7 +137,7 @@ def run_megatrain(spec: dict) -> dict:
 def _hf_model(cfg):
     import transformers
 
-    from megatrain_ray.model.hf import hf_config_from_model
+    from megatrain_ray.config.hf import hf_config_from_model
 
     hf = transformers.AutoConfig.for_model(**hf_config_from_model(cfg.model))
     hf._attn_implementation = "sdpa"
@@ -149,7 +149,7 @@ def _timed_steps(spec: dict, cfg, train_step) -> dict:
     the row of a baseline (the same data, timing and figures for every system but megatrain)."""
     import torch
 
-    from megatrain_ray.data import TokenBatches
+    from megatrain_ray.data.batches import TokenBatches
 
     data = TokenBatches(cfg.data, cfg.model.vocab_size)
     times, losses = [], []
@@ -240,7 +240,7 @@ def _refuse_what_deepspeed_says_will_not_fit(cfg) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     from megatrain_ray.model.layout import build_layout
-    from megatrain_ray.plan import Machine
+    from megatrain_ray.planning.memory import Machine
 
     layout = build_layout(cfg.model)
     largest = max(layout.max_layer_numel, layout.embed.numel, layout.head.numel)
@@ -304,8 +304,8 @@ def adamw_bandwidth_gbs(params: int = 1 << 28, repeats: int = 3) -> float:
     core over `params` fp32 weights with bf16 gradients and copy (28 bytes per parameter)."""
     import torch
 
-    from megatrain_ray.config import OptimizerConfig
-    from megatrain_ray.optim import FlatAdamW
+    from megatrain_ray.config.sections import OptimizerConfig
+    from megatrain_ray.optim.adamw import FlatAdamW
 
     adamw = FlatAdamW(OptimizerConfig(), torch.float32, threads=os.cpu_count() or 1)
     p, m, v = torch.ones(params), torch.zeros(params), torch.zeros(params)
@@ -322,7 +322,7 @@ def adamw_bandwidth_gbs(params: int = 1 << 28, repeats: int = 3) -> float:
 
 def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool = True) -> None:
     """Figures computed from the measured ones (also rerun on stored files by --rederive):
-    - optimizer_hidden_fraction: megatrain_ray.metrics.optimizer_hidden_fraction (GPU idle time bounds
+    - optimizer_hidden_fraction: megatrain_ray.observe.metrics.optimizer_hidden_fraction (GPU idle time bounds
       the exposed optimizer time).
     - roofline_seconds = max(compute, DRAM bytes / DRAM bandwidth); roofline_fraction = that / step time.
     - vs_resident: tok/s over the GPU-resident baseline's at the same depth and batch (1 GPU).
@@ -397,7 +397,7 @@ def main() -> int:
         rederive(args.rederive)
         return 0
 
-    from megatrain_ray.config import load_config
+    from megatrain_ray.config.load import load_config
 
     base = load_config(args.config, args.set)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else [base.model.num_layers]

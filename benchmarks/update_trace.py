@@ -2,7 +2,7 @@
 
     python benchmarks/update_trace.py DIR [--skip 1] [--stages]
 
-DIR holds one run's trace files (one per rank, megatrain_ray/engine/trace.py). For every step after
+DIR holds one run's trace files (one per rank, megatrain_ray/engine/telemetry.py). For every step after
 the first `--skip` (compilation, warm-up), it prints the median latency of each hand-off of a stage's
 update, the optimizer's busy and idle time between the first order and the last update's end, how
 far the updates ran past the end of the backward (the tail the next forward waits for), and each

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray.config import load_config
+from megatrain_ray.config.load import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,8 +69,8 @@ def tiny_config(tmp_path, **sections):
 @pytest.fixture(scope="module")
 def ray_session():
     """A private local Ray for the module (about 5 s to start on 2 cores)."""
-    from megatrain_ray.config import RuntimeConfig
-    from megatrain_ray.runtime import start_ray
+    from megatrain_ray.config.sections import RuntimeConfig
+    from megatrain_ray.driver.runtime import start_ray
 
     started = start_ray(RuntimeConfig(dashboard=False, object_store_mb=128))
     yield

@@ -130,7 +130,7 @@ def config_of(m) -> dict:
 
 
 def reference_lr(step: int, peak: float, total: int, warmup: int, kind: str, min_ratio: float) -> float:
-    """Warmup then cosine/linear/constant, written out independently of megatrain_ray.optim."""
+    """Warmup then cosine/linear/constant, written out independently of megatrain_ray.optim.adamw."""
     if warmup and step < warmup:
         return peak * (step + 1) / warmup
     if kind == "constant":

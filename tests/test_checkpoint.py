@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatrain_ray.checkpoint import CheckpointDir, read_manifest
+from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import CheckpointError
-from megatrain_ray.host import HostStore
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.store.checkpoint import CheckpointDir, read_manifest
+from megatrain_ray.store.segments import HostStore
 from tests.conftest import REPO, learnable_tokens, tiny_config, tiny_raw
 
 
@@ -179,7 +179,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, tiny_yaml):
 def test_export_of_a_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatrain_ray.model.hf_io import export_weights_dir
+    from megatrain_ray.store.export import export_weights_dir
 
     cfg = tiny_config(tmp_path, checkpoint={"every": 3}, train={"steps": 6})
     with Trainer(cfg) as trainer:

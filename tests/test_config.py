@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_ray.config import Config, ConfigError, load_config
+from megatrain_ray.config.load import load_config
+from megatrain_ray.config.sections import Config, ConfigError
 from megatrain_ray.model.layout import build_layout
 from tests.conftest import REPO, tiny_raw
 
@@ -107,11 +108,11 @@ def test_data_path_is_resolved_beside_the_config():
 def test_every_key_is_documented_and_the_reference_is_current():
     import dataclasses
 
-    from megatrain_ray.config_docs import SECTIONS, field_docs, render
+    from megatrain_ray.config.docs import SECTIONS, field_docs, render
 
     for section, cls in SECTIONS.items():
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"undocumented keys in {section}: {missing}"
     with open(os.path.join(REPO, "docs", "config.md")) as f:
-        assert f.read() == render(), "docs/config.md is stale: python -m megatrain_ray.config_docs > docs/config.md"
+        assert f.read() == render(), "docs/config.md is stale: python -m megatrain_ray.config.docs > docs/config.md"

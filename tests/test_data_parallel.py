@@ -21,10 +21,10 @@ import yaml
 
 from benchmarks.update_trace import load as load_trace
 from megatrain_ray.__main__ import main
-from megatrain_ray.checkpoint import CheckpointDir
-from megatrain_ray.config import ConfigError
+from megatrain_ray.config.sections import ConfigError
+from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ParallelError
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import REPO, learnable_tokens, tiny_config, tiny_raw
 from tests.test_runtime import LOOPBACK, listening_sockets
 
@@ -133,7 +133,7 @@ def test_two_gpu_workers_equal_one_in_float64_and_through_the_streaming_copy(tmp
 
 
 def test_auto_takes_every_gpu_ray_offers_and_one_rank_on_a_cpu_cluster(tmp_path, ray_session):
-    from megatrain_ray.parallel import resolve_parallel
+    from megatrain_ray.driver.parallel import resolve_parallel
 
     plan = resolve_parallel(tiny_config(tmp_path, parallel={"gpus": "auto"}, runtime={"mode": "ray"}))
     assert (plan.world, plan.use_gpu, plan.backend, plan.same_host) == (1, False, "gloo", True)

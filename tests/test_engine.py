@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from megatrain_ray.host import HostStore
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.driver.trainer import Trainer
+from megatrain_ray.store.segments import HostStore
 from tests.conftest import tiny_config
 
 

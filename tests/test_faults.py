@@ -7,10 +7,10 @@ import zlib
 import pytest
 import torch
 
-from megatrain_ray.checkpoint import CheckpointDir
+from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ActorFailedError, NonFiniteError
-from megatrain_ray.host import HostStore
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.store.checkpoint import CheckpointDir
+from megatrain_ray.store.segments import HostStore
 from tests.conftest import tiny_config
 
 

@@ -17,11 +17,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain_ray.config import load_config
-from megatrain_ray.data import DocumentBatches
+from megatrain_ray.config.load import load_config
+from megatrain_ray.data.batches import DocumentBatches
+from megatrain_ray.data.prepare import PrepareOptions, prepare
+from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ConfigError, DataError
-from megatrain_ray.prepare import PrepareOptions, prepare
-from megatrain_ray.trainer import Trainer
 from tests.conftest import REPO, tiny_raw
 
 EXAMPLE = Path(REPO) / "examples" / "finetune_qwen2"

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.driver.trainer import Trainer
 from tests.conftest import learnable_tokens, saved_storage_bytes, tiny_config
 from tests.reference_llama import train_reference_like
 
@@ -135,7 +135,7 @@ def test_ray_path_runs_on_the_gpu(tmp_path, ray_session):
 def _stage_grads(trainer) -> list[torch.Tensor]:
     """The gradients of every stage as the last step left them in the host store (grad home `stage`:
     master streamed with clipping on, so each stage has its own gradient segment, read-only to AdamW)."""
-    from megatrain_ray.host import HostStore
+    from megatrain_ray.store.segments import HostStore
 
     store = HostStore([s for s in trainer.specs if s.kind == "grad"])
     return [store.get("grad", stage.index).clone() for stage in trainer.layout.stages]

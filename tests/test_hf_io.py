@@ -15,11 +15,12 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatrain_ray.config import load_config
+from megatrain_ray.config.hf import UnsupportedArchitectureError
+from megatrain_ray.config.load import load_config
+from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import CheckpointError, ConfigError
-from megatrain_ray.model.hf import UnsupportedArchitectureError
-from megatrain_ray.model.hf_io import HFDirectory, export_weights_dir
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.model.hf_io import HFDirectory
+from megatrain_ray.store.export import export_weights_dir
 from tests.conftest import tiny_raw
 from tests.test_templates import hf_model
 

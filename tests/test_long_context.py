@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_ray.config import load_config
+from megatrain_ray.config.load import load_config
 from megatrain_ray.model import templates
 from megatrain_ray.model.templates import LayerSpec, decoder_layer, decoder_layer_backward, document_buckets
-from megatrain_ray.plan import GiB, Machine, plan_run
+from megatrain_ray.planning.memory import GiB, Machine, plan_run
 from tests.conftest import saved_storage_bytes, tiny_raw
 
 
@@ -139,7 +139,7 @@ def test_offloaded_plan_is_flat_in_depth_and_at_most_linear_in_sequence_length()
 
 
 def test_plan_reports_memory_per_token():
-    from megatrain_ray.plan import format_plan
+    from megatrain_ray.planning.memory import format_plan
 
     text = format_plan(_plan(32, 131072, 141, offload=True))
     line = next(ln for ln in text.splitlines() if "activations per token" in ln)
@@ -155,7 +155,7 @@ def test_a_closed_run_lets_go_of_its_device_and_pinned_buffers_without_the_garba
     import gc
     import weakref
 
-    from megatrain_ray.trainer import Trainer
+    from megatrain_ray.driver.trainer import Trainer
     from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp_path, engine={"device": "cpu", "activation_offload": True})

@@ -13,13 +13,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatrain_ray.checkpoint import CheckpointDir
-from megatrain_ray.config import ConfigError, load_config
-from megatrain_ray.disk_tier import MomentStager
+from megatrain_ray.config.load import load_config
+from megatrain_ray.config.sections import ConfigError
+from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import CheckpointError, HostMemoryError
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.plan import GiB, Machine, format_plan, plan_run
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.planning.memory import GiB, Machine, format_plan, plan_run
+from megatrain_ray.store.checkpoint import CheckpointDir
+from megatrain_ray.store.disk_tier import MomentStager
 from tests.conftest import tiny_config, tiny_raw
 
 Run = namedtuple("Run", "weights exp_avg exp_avg_sq losses misses")

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray.config import OptimizerConfig, ScheduleConfig
-from megatrain_ray.optim import FlatAdamW, lr_at, noise_key, round_bf16_stochastic_, rounding_noise, split_span
+from megatrain_ray.config.sections import OptimizerConfig, ScheduleConfig
+from megatrain_ray.optim.adamw import FlatAdamW, noise_key, round_bf16_stochastic_, rounding_noise, split_span
+from megatrain_ray.optim.schedule import lr_at
 from tests.reference_llama import reference_lr
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_ray.config import RuntimeConfig
-from megatrain_ray.runtime import start_ray
+from megatrain_ray.config.sections import RuntimeConfig
+from megatrain_ray.driver.runtime import start_ray
 
 pytestmark = pytest.mark.ray
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}

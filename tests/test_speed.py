@@ -1,4 +1,4 @@
-"""The speed model (megatrain_ray/speed.py): its rates are the measured ones, its predictions match every
+"""The speed model (megatrain_ray/planning/speed.py): its rates are the measured ones, its predictions match every
 measured megatrain point, and `megatrain plan --machine` prints them without the hardware."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from benchmarks.plan_table import (
     validation_rows,
 )
 from megatrain_ray.__main__ import main
-from megatrain_ray.config import load_config
+from megatrain_ray.config.load import load_config
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.metrics import model_flops_per_token, stage_flops_per_token
+from megatrain_ray.model.flops import model_flops_per_token, stage_flops_per_token
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.plan import Machine, format_plan, plan_run
-from megatrain_ray.speed import H200, H200_BOX, PRESETS, SpeedProfile, estimate, preset, profile_for_gpu
+from megatrain_ray.planning.memory import Machine, format_plan, plan_run
+from megatrain_ray.planning.speed import H200, H200_BOX, PRESETS, SpeedProfile, estimate, preset, profile_for_gpu
 from tests.conftest import REPO
 
 RESULTS = Path(REPO) / "benchmarks" / "results"
@@ -121,9 +121,9 @@ def test_the_planned_peak_matches_the_gpu_traces(name, depth, tolerance):
 
 def test_the_compiled_working_set_factor_is_the_traced_ratio():
     """COMPILED_WORKING_SET: the activations at the peak (all live bytes but the engine's buffers, sites
-    in stream_engine.py, the layer input coming back, activations.py, and RoPE's tables) of the compiled
+    in the engine (recorded as stream_engine.py), the layer input coming back, activations.py, and RoPE's tables) of the compiled
     trace over the eager one."""
-    from megatrain_ray.plan import COMPILED_WORKING_SET
+    from megatrain_ray.planning.memory import COMPILED_WORKING_SET
 
     def activations(name: str) -> float:
         live = json.loads((RESULTS / name).read_text())["depths"]["8"]["live_mib_by_site"]
@@ -139,7 +139,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
     """Each constant of the H200 GPU and box is what its docstring says: a median over the megatrain rows
     (model TFLOPS apart for eager and compiled layers, over every H200 row; the host's AdamW, over the rows
     it bounds, GPU busy under 90 %, and D2H over the rows of the 16-core box, not the 32-core x2 host)."""
-    from megatrain_ray.plan import layers_compiled
+    from megatrain_ray.planning.memory import layers_compiled
 
     tflops, compiled_tflops, adamw, d2h = [], [], [], []
     for p in POINTS:

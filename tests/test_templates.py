@@ -14,10 +14,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain_ray.model.hf import hf_config_from_model, model_config_from_hf  # noqa: E402
+from megatrain_ray.config.hf import hf_config_from_model, model_config_from_hf  # noqa: E402
+from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.model.templates import model_logits  # noqa: E402
-from megatrain_ray.trainer import Trainer  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,

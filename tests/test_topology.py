@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_ray.topology import detect_topology, format_cpus, parse_cpulist, plan_placement
+from megatrain_ray.system.topology import detect_topology, format_cpus, parse_cpulist, plan_placement
 
 
 def fake_sysfs(root: Path, nodes: list[str]) -> Path:
@@ -113,7 +113,7 @@ def test_bind_process_pins_the_threads_that_already_run_and_those_started_later(
 
     script = """
 import os, threading
-from megatrain_ray.topology import bind_process
+from megatrain_ray.system.topology import bind_process
 core = min(os.sched_getaffinity(0))
 seen, go = {}, threading.Event()
 def report(name):

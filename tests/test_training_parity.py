@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_ray.trainer import Trainer
+from megatrain_ray.driver.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.reference_llama import train_reference_like
 
@@ -180,8 +180,8 @@ def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch):
     C++ compiler for Inductor) auto warns once and runs the eager function, true raises."""
     import torch._inductor.config as inductor_config
 
-    from megatrain_ray.config import EngineConfig
-    from megatrain_ray.engine import stream_engine
+    from megatrain_ray.config.sections import EngineConfig
+    from megatrain_ray.engine import step as stream_engine
 
     assert [EngineConfig(compile=c).compiles_on(d) for c in ("auto", True, False) for d in ("cuda", "cpu")] == \
         [True, False, True, True, False, False]
@@ -214,8 +214,8 @@ def test_gradient_slabs_with_a_vocabulary_larger_than_a_layer(tmp_path, slabs, p
     layer-sized slabs in four pieces each, every piece copied and updated on its own, while the layers
     rotate over the same slabs; or (engine.vocab_grad_pieces false) they take turns on a slab of their
     own. Against the reference in float64."""
-    from megatrain_ray.host import grad_pieces, pool_slab_sizes, vocab_in_pieces
     from megatrain_ray.model.layout import build_layout
+    from megatrain_ray.store.segments import grad_pieces, pool_slab_sizes, vocab_in_pieces
 
     sections = dict(model={"vocab_size": 2048}, optimizer={"grad_clip": 0.0, "lr": 1e-2},
                     engine={"grad_slabs": slabs, "vocab_grad_pieces": pieces},

@@ -2,8 +2,8 @@
 
 In: `HFDirectory` reads the index (or the single file's header) without touching tensor data,
 `check_against_layout` proves before any allocation that every tensor the model needs is there
-with the right shape and a float dtype, and `load_stage` copies one stage's tensors, one tensor
-at a time, into the host store (each HostShard loads its own stages, in parallel threads). No
+with the right shape and a float dtype (store/segments.load_hf_stage then copies one stage's
+tensors, one tensor at a time, into the host store). No
 torch model is built and nothing is unpickled: safetensors is a JSON header plus raw bytes.
 
 Out: `export_hf` writes any mapping of Hugging Face names to tensors (the trainer's master
@@ -23,13 +23,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatrain_ray.config import ModelConfig
+from megatrain_ray.config.hf import hf_config_from_model, read_hf_config
+from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
-from megatrain_ray.files import atomic_directory, refuse_existing
-from megatrain_ray.host import TORCH_DTYPES, HostStore
-from megatrain_ray.log import get_logger
-from megatrain_ray.model.hf import hf_config_from_model, model_config_from_hf
-from megatrain_ray.model.layout import ModelLayout, StageLayout, build_layout
+from megatrain_ray.model.layout import ModelLayout, build_layout
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.files import atomic_directory, refuse_existing
 
 log = get_logger(__name__)
 
@@ -42,22 +42,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # safetensors header dtype codes of floating formats we convert from, and the torch dtypes we write.
 FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 EXPORT_DTYPES = ("bfloat16", "float32")
-
-
-def read_hf_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"model.path={str(model_dir)!r} has no config.json; point model.path at a Hugging Face "
-                              "model directory (config.json + model.safetensors or its index)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-
-
-def model_config_of_dir(model_dir: str | Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face directory (UnsupportedArchitectureError for other families)."""
-    return model_config_from_hf(read_hf_config(model_dir))
 
 
 def source_dtype(model_dir: str | Path) -> str | None:
@@ -138,19 +122,6 @@ class HFDirectory(Mapping[str, torch.Tensor]):
                                           f"supported; supported: {', '.join(sorted(FLOAT_CODES))})")
 
 
-def load_stage(store: HostStore, stage: StageLayout, source: HFDirectory) -> None:
-    """Copy one stage's tensors from the checkpoint into its master weights, zero its moments and refresh
-    its streaming copy. Extra RAM: one tensor at a time."""
-    for kind in ("exp_avg", "exp_avg_sq"):
-        store.get(kind, stage.index).zero_()
-    master = store.get("master", stage.index)
-    for slot in stage.slots:
-        tensor = source[stage.hf_name(slot)]
-        master[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
-    if store.has("stream", stage.index):
-        store.get("stream", stage.index).copy_(master)
-
-
 # ----------------------------------------------------------------------------- export
 
 
@@ -217,41 +188,3 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
                 shutil.copyfile(Path(source_dir) / name, tmp / name)
     log.info("export: %s (%d tensors, %.2f GB %s, %d shard(s))", out, len(names), total / 1e9, dtype, len(groups))
     return out
-
-
-def weights_dir_of(source: str | Path) -> Path:
-    """The directory holding safetensors weights: `source` itself, or the train.export_dir of a run directory."""
-    src = Path(source)
-    if (src / "config.json").is_file():
-        return src
-    if (src / "config.yaml").is_file():  # a run directory: its resolved config names the export
-        import yaml
-
-        export_dir = ((yaml.safe_load((src / "config.yaml").read_text()) or {}).get("train") or {}).get("export_dir")
-        if export_dir and (Path(export_dir) / "config.json").is_file():
-            return Path(export_dir)
-        raise CheckpointError(f"run directory {str(src)!r} holds no exported weights (train.export_dir was "
-                              f"{export_dir or 'unset'}); set train.export_dir and train again")
-    raise CheckpointError(f"{str(src)!r} is neither a model directory (config.json + model.safetensors), a "
-                          "checkpoint (manifest.json) nor a run directory (config.yaml)")
-
-
-def export_weights_dir(source: str | Path, out_dir: str | Path, dtype: str | None = None,
-                       shard_bytes: int = 5 * 10**9) -> Path:
-    """`megatrain export`: re-shard and convert a directory of safetensors weights or a megatrain
-    checkpoint, one tensor at a time."""
-    from megatrain_ray.checkpoint import MANIFEST, CheckpointWeights, model_config_of, read_manifest
-
-    if (Path(source) / MANIFEST).is_file():
-        info = read_manifest(source)
-        model_cfg = model_config_of(info)
-        origin = model_cfg.path if model_cfg.path and Path(model_cfg.path).is_dir() else None
-        return export_hf(CheckpointWeights(info), model_cfg, out_dir, source_dir=origin,
-                         dtype=dtype or (source_dtype(origin) if origin else None) or "float32",
-                         shard_bytes=shard_bytes)
-    src = weights_dir_of(source)
-    model_cfg = model_config_of_dir(src)
-    tensors = HFDirectory(src)
-    tensors.check_against_layout(build_layout(model_cfg))
-    return export_hf(tensors, model_cfg, out_dir, source_dir=src, dtype=dtype or source_dtype(src) or "float32",
-                     shard_bytes=shard_bytes)

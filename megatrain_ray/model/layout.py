@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from megatrain_ray.config import ModelConfig
+from megatrain_ray.config.sections import ModelConfig
 
 # Offsets are multiples of this many elements (256 bytes in fp32): vectorised loops and
 # device copies stay aligned for every dtype we use.

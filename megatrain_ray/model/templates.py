@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config import ModelConfig, RopeScalingConfig
+from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout, token_chunks
 

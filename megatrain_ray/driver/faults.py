@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatrain_ray.exceptions import ActorFailedError
-from megatrain_ray.log import get_logger
+from megatrain_ray.observe.log import get_logger
 
 log = get_logger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_ray.config import Config, check_parallel
+from megatrain_ray.config.sections import Config, check_parallel
 from megatrain_ray.engine.collective import RankInfo
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.messages import Batch, StepResult

@@ -25,10 +25,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from megatrain_ray.config import Config
+from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.log import get_logger
-from megatrain_ray.topology import Placement, Topology, detect_topology, node_cpus, plan_placement
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.topology import Placement, Topology, detect_topology, node_cpus, plan_placement
 
 log = get_logger(__name__)
 

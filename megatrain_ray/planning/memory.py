@@ -34,13 +34,15 @@ import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from megatrain_ray.config import DTYPE_BYTES, Config, parse_size
-from megatrain_ray.disk_tier import disk_problems, staging_bytes
+from megatrain_ray.config.load import parse_size
+from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import HostMemoryError
-from megatrain_ray.host import grad_dtype, grad_home, moment_dtype, plan_segments, shard_stages
 from megatrain_ray.model.layout import build_layout, runs_compiled
-from megatrain_ray.speed import SpeedProfile, estimate, preset, profile_for_gpu, speed_lines
-from megatrain_ray.topology import detect_topology, plan_placement
+from megatrain_ray.planning.speed import SpeedProfile, estimate, preset, profile_for_gpu, speed_lines
+from megatrain_ray.store.disk_tier import disk_problems, staging_bytes
+from megatrain_ray.store.segments import grad_dtype, grad_home, moment_dtype, plan_segments, shard_stages
+from megatrain_ray.system.topology import detect_topology, plan_placement
 
 GiB = 2**30
 PROCESS_BYTES = int(0.35 * GiB)
@@ -75,7 +77,7 @@ class Machine:
     described: bool = False
     """True when the sizes come from the command line rather than this machine."""
     profile: SpeedProfile | None = None
-    """Measured rates of this GPU and host for the speed estimate (megatrain_ray/speed.py); None: unknown."""
+    """Measured rates of this GPU and host for the speed estimate (megatrain_ray/planning/speed.py); None: unknown."""
 
     @classmethod
     def detect(cls, shm_dir: str) -> "Machine":

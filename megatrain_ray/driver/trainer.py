@@ -28,7 +28,29 @@ import torch
 from actors.gpu_worker import GPUWorker
 from actors.host_shard import HostShard
 from actors.optimizer_worker import OptimizerWorker
-from megatrain_ray.checkpoint import (
+from megatrain_ray.config.load import config_to_yaml
+from megatrain_ray.config.sections import Config, parse_drill
+from megatrain_ray.data.batches import make_batches, make_eval_batches
+from megatrain_ray.driver.faults import HealthMonitor, monitor_actors
+from megatrain_ray.driver.parallel import ParallelPlan, merge_results, resolve_parallel, split_batch
+from megatrain_ray.driver.placement import RunPlacement, gpu_actor
+from megatrain_ray.driver.runtime import Handle, gather, spawn, start_ray
+from megatrain_ray.exceptions import ActorFailedError, CheckpointError, ConfigError, NonFiniteError
+from megatrain_ray.model.flops import model_flops_per_token
+from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
+from megatrain_ray.model.layout import ModelLayout, build_layout
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.observe.metrics import (
+    MetricsWriter,
+    Progress,
+    optimizer_hidden_fraction,
+    rss_anon_bytes,
+    shm_bytes,
+)
+from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
+from megatrain_ray.optim.schedule import lr_at
+from megatrain_ray.planning.memory import check_plan
+from megatrain_ray.store.checkpoint import (
     CheckpointDir,
     CheckpointInfo,
     check_compatible,
@@ -36,29 +58,8 @@ from megatrain_ray.checkpoint import (
     restore_rng,
     rng_state,
 )
-from megatrain_ray.config import Config, config_to_yaml, parse_drill
-from megatrain_ray.data import make_batches, make_eval_batches
-from megatrain_ray.exceptions import ActorFailedError, CheckpointError, ConfigError, NonFiniteError
-from megatrain_ray.files import refuse_existing
-from megatrain_ray.health import HealthMonitor, monitor_actors
-from megatrain_ray.host import HostStore, SegmentSpec, StoreTensors, shard_stages, unlink_segment
-from megatrain_ray.log import get_logger
-from megatrain_ray.metrics import (
-    MetricsWriter,
-    Progress,
-    model_flops_per_token,
-    optimizer_hidden_fraction,
-    rss_anon_bytes,
-    shm_bytes,
-)
-from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
-from megatrain_ray.model.layout import ModelLayout, build_layout
-from megatrain_ray.optim import lr_at
-from megatrain_ray.parallel import ParallelPlan, merge_results, resolve_parallel, split_batch
-from megatrain_ray.placement import RunPlacement, gpu_actor
-from megatrain_ray.plan import check_plan
-from megatrain_ray.ray_metrics import RayMetrics, ray_metrics_for
-from megatrain_ray.runtime import Handle, gather, spawn, start_ray
+from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, shard_stages, unlink_segment
+from megatrain_ray.system.files import refuse_existing
 
 log = get_logger(__name__)
 

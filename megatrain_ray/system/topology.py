@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatrain_ray.log import get_logger
+from megatrain_ray.observe.log import get_logger
 
 log = get_logger(__name__)
 

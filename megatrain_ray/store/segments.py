@@ -7,7 +7,7 @@ Ray; the bytes never do. Kinds per stage:
 
 - `master`, `exp_avg`, `exp_avg_sq`: the fp32 (or fp64) weights and AdamW moments (the moments in
   `optimizer.moment_dtype`; with `host.moments_tier: disk` they are files in `host.disk_dir`, read and
-  written by offset, never mapped: megatrain_ray/disk_tier.py);
+  written by offset, never mapped: megatrain_ray/store/disk_tier.py);
 - `stream`: the copy the GPU reads each step, in `precision.stream_dtype`; absent when it
   would equal the master weights, which are then streamed directly;
 - `grad`: per-stage gradients, only when the master weights are streamed and clipping is on
@@ -16,7 +16,7 @@ Ray; the bytes never do. Kinds per stage:
   master is streamed and clipping is off, in a small pool of `gradpool` slabs (pool_slab_sizes).
 
 Each shard also owns a `gate`: one int32 per stage of the model, set while a checkpoint still has
-to write that stage (megatrain_ray/checkpoint.py); optimizer workers wait on it. With several GPU
+to write that stage (megatrain_ray/store/checkpoint.py); optimizer workers wait on it. With several GPU
 workers on the node, shard 0 also owns `sync`: the per-stage counters through which they learn that
 a stage's gradients landed and its update is done (megatrain_ray/engine/collective.py).
 """
@@ -31,20 +31,18 @@ from typing import Any, Literal
 
 import torch
 
-from megatrain_ray.config import DTYPE_BYTES, Config
-from megatrain_ray.disk_tier import DiskSegment, allocate_file
+from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.exceptions import HostMemoryError
-from megatrain_ray.log import get_logger
+from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout, StageLayout, token_chunks
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.store.disk_tier import DiskSegment, allocate_file
 
 log = get_logger(__name__)
 
 SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync"]
 GradHome = Literal["stream", "stage", "pool"]
-
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-
 
 @dataclass(frozen=True, slots=True)
 class SegmentSpec:
@@ -324,5 +322,18 @@ def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> N
             view.fill_(1.0)
         else:
             view.zero_()
+    if store.has("stream", stage.index):
+        store.get("stream", stage.index).copy_(master)
+
+
+def load_hf_stage(store: HostStore, stage: StageLayout, source: HFDirectory) -> None:
+    """Copy one stage's tensors from the checkpoint into its master weights, zero its moments and refresh
+    its streaming copy. Extra RAM: one tensor at a time."""
+    for kind in ("exp_avg", "exp_avg_sq"):
+        store.get(kind, stage.index).zero_()
+    master = store.get("master", stage.index)
+    for slot in stage.slots:
+        tensor = source[stage.hf_name(slot)]
+        master[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
     if store.has("stream", stage.index):
         store.get("stream", stage.index).copy_(master)

@@ -11,7 +11,7 @@
 // The *_bf16m variants keep both moments in bf16 (20 bytes per parameter): each is widened to
 // fp32, updated, and rounded back stochastically, with 16 bits of noise from a hash of the
 // element's index in the stage and a per-(step, stage) key: the same rounding as the torch path
-// of megatrain_ray/optim.py (see there why stochastic), bit for bit for numbers (a NaN stays a NaN).
+// of megatrain_ray/optim/adamw.py (see there why stochastic), bit for bit for numbers (a NaN stays a NaN).
 #include <cmath>
 #include <cstdint>
 #include <cstring>

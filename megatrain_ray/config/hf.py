@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from megatrain_ray.config import ModelConfig, RopeScalingConfig
-from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
+from megatrain_ray.exceptions import CheckpointError, ConfigError
 
 
 class UnsupportedArchitectureError(ConfigError):
@@ -118,3 +120,19 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in ("qwen2", "qwen3"):
         out["use_sliding_window"] = False
     return out
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"model.path={str(model_dir)!r} has no config.json; point model.path at a Hugging Face "
+                              "model directory (config.json + model.safetensors or its index)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def model_config_of_dir(model_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory (UnsupportedArchitectureError for other families)."""
+    return model_config_from_hf(read_hf_config(model_dir))

@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatrain_ray.exceptions import DataError
-from megatrain_ray.files import atomic_directory, refuse_existing
-from megatrain_ray.log import get_logger
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.files import atomic_directory, refuse_existing
 
 log = get_logger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_ray.exceptions import HostMemoryError
-from megatrain_ray.optim import split_span
+from megatrain_ray.optim.adamw import split_span
 
 IO_CHUNK = 64 << 20
 """Bytes per read or write system call."""

@@ -31,22 +31,13 @@ from typing import Any
 
 import torch
 
-from megatrain_ray.config import Config
+from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import FAILED, Collectives, RankInfo, StageSync, padded
 from megatrain_ray.engine.streams import DeviceStreams
-from megatrain_ray.engine.trace import UpdateTrace
+from megatrain_ray.engine.telemetry import UpdateTrace
 from megatrain_ray.exceptions import ParallelError
-from megatrain_ray.host import (
-    TORCH_DTYPES,
-    HostStore,
-    SlabTurns,
-    grad_dtype,
-    grad_home,
-    grad_pieces,
-    vocab_in_pieces,
-)
-from megatrain_ray.log import get_logger, warn_once
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout, StageLayout, runs_compiled
 from megatrain_ray.model.templates import (
@@ -61,7 +52,9 @@ from megatrain_ray.model.templates import (
     head_loss_and_grads,
     rope_tables,
 )
-from megatrain_ray.plan import resolve_activation_offload
+from megatrain_ray.observe.log import get_logger, warn_once
+from megatrain_ray.planning.memory import resolve_activation_offload
+from megatrain_ray.store.segments import HostStore, SlabTurns, grad_dtype, grad_home, grad_pieces, vocab_in_pieces
 
 log = get_logger(__name__)
 

@@ -1,8 +1,8 @@
 """Renders docs/config.md from the config dataclasses: every key, its type, default and doc.
 
-    python -m megatrain_ray.config_docs > docs/config.md
+    python -m megatrain_ray.config.docs > docs/config.md
 
-The attribute docstrings in megatrain_ray/config.py are the one source; a test keeps the file current.
+The attribute docstrings in megatrain_ray/config/sections.py are the one source; a test keeps the file current.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import typing
 
-from megatrain_ray import config as config_module
+from megatrain_ray.config import sections as config_module
 
 SECTIONS = {
     "model": config_module.ModelConfig, "model.rope_scaling": config_module.RopeScalingConfig,
@@ -38,7 +38,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _type_text(tp: object) -> str:
-    text = str(tp).replace("typing.", "").replace("megatrain_ray.config.", "")
+    text = str(tp).replace("typing.", "").replace("megatrain_ray.config.sections.", "")
     text = getattr(tp, "__name__", text) if not typing.get_args(tp) else text
     return text.replace(" | ", " or ")
 
@@ -51,7 +51,7 @@ def _default(f: dataclasses.Field) -> str:
 
 def render() -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `megatrain_ray/config.py` by `python -m megatrain_ray.config_docs`. "
+             "Generated from `megatrain_ray/config/sections.py` by `python -m megatrain_ray.config.docs`. "
              "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)

@@ -15,9 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from megatrain_ray.config import RuntimeConfig
+from megatrain_ray.config.sections import RuntimeConfig
 from megatrain_ray.exceptions import ActorFailedError
-from megatrain_ray.log import get_logger
+from megatrain_ray.observe.log import get_logger
 
 log = get_logger(__name__)
 
@@ -144,7 +144,7 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     """Attach to a running cluster, or start a private one on 127.0.0.1 with token auth.
 
     A private Ray declares `resources`, by default one `numa_node_<i>` resource per NUMA node
-    of this machine (megatrain_ray/placement.py). Returns True when this call started Ray (the
+    of this machine (megatrain_ray/driver/placement.py). Returns True when this call started Ray (the
     caller then shuts it down).
     """
     address = _running_cluster_address(cfg)
@@ -170,8 +170,8 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     # Token auth: Ray 2.60 turns it on by default for a new local cluster (unless RAY_AUTH_MODE says
     # otherwise) and writes ~/.ray/auth_token when there is none.
     if resources is None:
-        from megatrain_ray.placement import numa_resources
-        from megatrain_ray.topology import detect_topology
+        from megatrain_ray.driver.placement import numa_resources
+        from megatrain_ray.system.topology import detect_topology
 
         resources = numa_resources(detect_topology())
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)

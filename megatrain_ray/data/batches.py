@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain_ray.config import DataConfig, ModelConfig
+from megatrain_ray.config.sections import DataConfig, ModelConfig
 from megatrain_ray.exceptions import ConfigError, DataError
 from megatrain_ray.messages import IGNORE_INDEX, Batch
 

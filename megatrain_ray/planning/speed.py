@@ -16,7 +16,7 @@ Costs of one stage (the embedding, each layer, the head):
 - CPU AdamW = stage elements / the measured AdamW rate (all workers together: the rate is DRAM
   bound and flat in the number of workers).
 
-They are combined by replaying the engine's schedule (megatrain_ray/engine/stream_engine.py) on
+They are combined by replaying the engine's schedule (megatrain_ray/engine/step.py) on
 four resources, each busy serially: the compute stream, the H2D stream, the D2H stream and the
 optimizer workers, plus the issuing thread that blocks where the engine blocks:
 - forward: H2D of stage i+1 overlaps the compute of stage i, into the weight slot stage i-1
@@ -77,11 +77,19 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from megatrain_ray.config import DTYPE_BYTES, Config
+from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.host import SlabTurns, grad_dtype, grad_home, grad_pieces, pool_slab_sizes, vocab_in_pieces
-from megatrain_ray.metrics import stage_flops_per_token
+from megatrain_ray.model.flops import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
+from megatrain_ray.store.segments import (
+    SlabTurns,
+    grad_dtype,
+    grad_home,
+    grad_pieces,
+    pool_slab_sizes,
+    vocab_in_pieces,
+)
 
 GiB = 2**30
 WAITS = ("CPU optimizer", "H2D", "D2H")
@@ -243,7 +251,7 @@ class StageCost:
 
 def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None = None,
                 offload: bool = False) -> list[StageCost]:
-    from megatrain_ray.plan import layers_compiled, rank_tokens  # plan imports this module
+    from megatrain_ray.planning.memory import layers_compiled, rank_tokens  # plan imports this module
 
     layout = layout or build_layout(cfg.model)
     tokens = rank_tokens(cfg)  # one GPU's rows: with data parallelism every GPU runs this schedule at once
@@ -462,7 +470,7 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it)."""
     layout = build_layout(cfg.model)
     costs = stage_costs(cfg, profile, layout, offload)
-    from megatrain_ray.plan import layers_compiled, ranks_per_node  # plan imports this module
+    from megatrain_ray.planning.memory import layers_compiled, ranks_per_node  # plan imports this module
 
     pieces = vocab_in_pieces(cfg, ranks_per_node(cfg))
     turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
@@ -484,7 +492,7 @@ def format_speed(est: SpeedEstimate) -> list[str]:
     """The plan's speed lines for an estimate."""
     p = est.profile
     return [
-        f"expected speed: a prediction of megatrain_ray/speed.py from measured rates, clipping "
+        f"expected speed: a prediction of megatrain_ray/planning/speed.py from measured rates, clipping "
         f"{'on' if est.clip else 'off'}",
         f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)",
         f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: "

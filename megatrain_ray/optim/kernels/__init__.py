@@ -17,7 +17,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from megatrain_ray.log import get_logger
+from megatrain_ray.observe.log import get_logger
 
 log = get_logger(__name__)
 

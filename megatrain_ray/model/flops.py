@@ -1,0 +1,35 @@
+"""Model FLOPs per token: 6 per matmul parameter plus attention (forward and backward), whole model and per stage."""
+
+from __future__ import annotations
+
+from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.model.layout import ModelLayout
+
+
+def matmul_params(layout: ModelLayout) -> int:
+    """Parameters that take part in a matrix product per token: every matrix but the embedding
+    lookup, plus the LM head (counted once more when tied, since the product happens)."""
+    n = sum(s.numel for stage in layout.layers for s in stage.slots if s.decay)
+    return n + layout.embed.slots[0].numel
+
+
+def model_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -> float:
+    """Model FLOPs (no recompute counted) per trained token: 6 N + 6 L T d_attn.
+
+    6 N: forward (2 N) and backward (4 N) of the matrix products with N = matmul_params.
+    6 L T d_attn: causal attention, QK^T and AV, 4 T d_attn per token and layer in the forward
+    when full, halved for causality (2 T d_attn), times 3 for forward and backward.
+    """
+    return sum(stage_flops_per_token(cfg, layout, seq_len))
+
+
+def stage_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -> list[float]:
+    """The same model FLOPs per token split by stage (layout.stages order), summing to
+    model_flops_per_token: the embedding lookup 0, each layer 6 x its matrices + 6 T d_attn, the
+    head 6 x the LM head's matrix (the embedding's when tied). The speed model times each stage by it."""
+    d_attn = cfg.num_attention_heads * cfg.resolved_head_dim
+    flops = [0.0]
+    for stage in layout.layers:
+        flops.append(6.0 * sum(s.numel for s in stage.slots if s.decay) + 6.0 * seq_len * d_attn)
+    flops.append(6.0 * layout.embed.slots[0].numel)
+    return flops
