@@ -96,9 +96,12 @@ class GPUWorker(ActorBase):
         log.info("rank %d of %d joined the %s process group in %.1f s", self.rank.rank, self.rank.world, backend,
                  time.perf_counter() - t0)
 
-    def train_step(self, batch: Batch | torch.Tensor, lr: float, adam_step: int,
-                   inject_nan: bool = False, loss_tokens: int | None = None) -> StepResult:
-        return self.engine.train_step(batch, lr, adam_step, inject_nan, loss_tokens)
+    def train_step(self, batch: Batch, lr: float, adam_step: int, loss_tokens: int) -> StepResult:
+        return self.engine.train_step(batch, lr, adam_step, loss_tokens)
+
+    def arm_nan_grad(self) -> None:
+        """Fault drill `nan_grad`: the next training step puts a NaN into the first layer's gradients."""
+        self.engine.arm_nan_grad()
 
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
         return self.engine.eval_loss(batch)

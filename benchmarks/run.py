@@ -155,7 +155,7 @@ def _timed_steps(spec: dict, cfg, train_step) -> dict:
     times, losses = [], []
     torch.cuda.reset_peak_memory_stats()
     for step in range(spec["warmup"] + spec["steps"]):
-        ids = data.batch(step)[:, :-1].cuda()
+        ids = data.tokens_of(step)[:, :-1].cuda()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         losses.append(train_step(ids).item())

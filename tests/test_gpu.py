@@ -39,7 +39,7 @@ def test_bf16_training_tracks_the_float32_reference_over_50_steps(tmp_path):
                      optimizer={"lr": 1e-3, "workers": 2}, train={"steps": 50})
     with Trainer(cfg) as trainer:
         initial = trainer.master_weights()
-        batches = [trainer.data.batch(s) for s in range(50)]
+        batches = [trainer.data.tokens_of(s) for s in range(50)]
         ours = [trainer.step(s)["loss"] for s in range(50)]
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_losses, _ = train_reference_like(cfg, initial, batches, torch.float32, device="cuda")

@@ -28,7 +28,7 @@ def run_both(tmp_path, ref_dtype: torch.dtype | None = None, **sections):
     cfg = tiny_config(tmp_path, **sections)
     with Trainer(cfg) as trainer:
         initial = trainer.master_weights()
-        batches = [trainer.data.batch(s) for s in range(cfg.train.steps)]
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
         ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
         final = trainer.master_weights()
     ref_losses, ref_state = train_reference_like(cfg, initial, batches,

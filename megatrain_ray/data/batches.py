@@ -87,8 +87,12 @@ class TokenBatches:
                 self._perm = np.arange(self.num_windows)
         return self._perm
 
-    def batch(self, step: int) -> torch.Tensor:
-        """[batch_size, seq_len + 1] int64 token ids of step `step`."""
+    def batch(self, step: int) -> Batch:
+        """The inputs and shifted labels of step `step`."""
+        return Batch.from_tokens(self.tokens_of(step))
+
+    def tokens_of(self, step: int) -> torch.Tensor:
+        """[batch_size, seq_len + 1] int64 token ids of step `step` (inputs plus the next token)."""
         b, t = self.cfg.batch_size, self.cfg.seq_len
         if self.tokens is None:
             rng = np.random.default_rng([self.cfg.seed, step])

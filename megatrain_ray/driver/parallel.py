@@ -93,12 +93,10 @@ def resolve_parallel(cfg: Config) -> ParallelPlan:
                         node_resources=tuple(dict(n["Resources"]) for n in chosen))
 
 
-def split_batch(batch: Batch | torch.Tensor, ranks: int) -> tuple[list[Batch | torch.Tensor], int]:
-    """Each rank's rows of a step's batch, and the loss tokens of the whole batch (one rank: the batch
-    itself, untouched)."""
-    if isinstance(batch, torch.Tensor):
-        batch = Batch.from_tokens(batch) if ranks > 1 else batch
-    total = batch.loss_tokens if isinstance(batch, Batch) else batch.shape[0] * (batch.shape[1] - 1)
+def split_batch(batch: Batch, ranks: int) -> tuple[list[Batch], int]:
+    """Each rank's rows of a step's batch, and the loss tokens of the whole batch, by which every rank
+    divides (one rank: the batch itself, untouched)."""
+    total = batch.loss_tokens
     if ranks == 1:
         return [batch], total
     rows = batch.input_ids.shape[0] // ranks

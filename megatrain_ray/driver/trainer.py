@@ -409,13 +409,13 @@ class Trainer:
         cfg = self.cfg
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
         parts, loss_tokens = split_batch(self.data.batch(step), self.parallel.world)
-        inject_nan, kill = self._drill("nan_grad", step) is not None, self._drill("kill", step)
+        if self._drill("nan_grad", step) is not None:
+            self.gpu.call("arm_nan_grad").result()  # rank 0's next step puts a NaN into a gradient
+        kill = self._drill("kill", step)
         t0 = time.perf_counter()
-        if len(parts) == 1:
-            futures = [self.gpu.call("train_step", parts[0], lr, self.updates_applied + 1, inject_nan)]
-        else:  # each rank its rows; every rank divides by the loss tokens of the whole batch
-            futures = [gpu.call("train_step", part, lr, self.updates_applied + 1, inject_nan and r == 0, loss_tokens)
-                       for r, (gpu, part) in enumerate(zip(self.gpus, parts))]
+        # Each rank its rows (one rank: the whole batch); every rank divides by the loss tokens of the whole batch.
+        futures = [gpu.call("train_step", part, lr, self.updates_applied + 1, loss_tokens)
+                   for gpu, part in zip(self.gpus, parts)]
         if kill:
             time.sleep(0.05)  # let the step get going: the kill lands in the middle of it
             self._kill(kill)

@@ -233,6 +233,8 @@ class StreamEngine:
         self._gather = False
         """This step loads weights in pieces gathered over the node's ranks (training steps only)."""
         self._checksum: float | None = None
+        self._nan_armed = False
+        """Fault drill `nan_grad` armed for the next train_step (arm_nan_grad)."""
         self._summed: set[int] = set()
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step_stats: dict[str, float] = dict.fromkeys(_STEP_STATS, 0.0)
@@ -490,18 +492,19 @@ class StreamEngine:
         for slot in (*self.layer_slots, self.embed_slot, self.head_slot):
             slot.holds = -1
 
+    def arm_nan_grad(self) -> None:
+        """Fault drill `nan_grad`: the next train_step puts a NaN into the first layer's gradients."""
+        self._nan_armed = True
+
     @torch.no_grad()
-    def train_step(self, batch: Batch | torch.Tensor, lr: float, adam_step: int,
-                   inject_nan: bool = False, loss_tokens: int | None = None) -> StepResult:
-        """One optimizer step on a Batch, or on [batch, seq_len + 1] token ids (labels are the shifted ids).
+    def train_step(self, batch: Batch, lr: float, adam_step: int, loss_tokens: int) -> StepResult:
+        """One optimizer step on this rank's rows of the batch.
 
         The loss is the mean over the tokens whose label counts (labels != -100) in the whole batch:
-        `loss_tokens` of them when this rank holds a slice of the global batch (the driver counts them).
-        `inject_nan` puts a NaN into the first layer's gradients (fault drill `nan_grad`).
+        `loss_tokens` of them (the driver counts them; with one rank, those of `batch`).
         """
         t0 = time.perf_counter()
-        if isinstance(batch, torch.Tensor):
-            batch = Batch.from_tokens(batch)
+        inject_nan, self._nan_armed = self._nan_armed, False
         self._begin(lr, adam_step)
         self._serial += 1
         self._gather = self.cfg.parallel.gather_weights and self.comm is not None and self.rank.local_world > 1
@@ -512,7 +515,7 @@ class StreamEngine:
         if self.comm is not None and self.rank.nodes > 1 and self.rank.leader:
             self._checksum, self._summed = 0.0, set()
         layout, cfg = self.layout, self.cfg
-        n_valid = max(1, batch.loss_tokens if loss_tokens is None else loss_tokens)
+        n_valid = max(1, loss_tokens)
         ids = batch.input_ids.to(self.device, non_blocking=True)
         labels = batch.labels.to(self.device, non_blocking=True)
         deferred: list = []
