@@ -13,37 +13,38 @@ from typing import Any
 import torch
 
 from actors.base import ActorBase
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.engine.collective import Collectives, RankInfo
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
-from megatrain_ray.planning.memory import layers_compiled
 from megatrain_ray.store.segments import HostStore, SegmentSpec
 from megatrain_ray.system.topology import bind_process, format_cpus
 
 log = get_logger(__name__)
 
 
-def resolve_device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+def resolve_device(device_type: str) -> torch.device:
+    """The device the driver chose for this worker (RunSpec.device_type): this process's GPU, or the CPU."""
+    if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("engine.device=cuda but CUDA is not available to this worker; "
+            raise RuntimeError("the run computes on a GPU but CUDA is not available to this worker; "
                                "set engine.device=auto or cpu")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 class GPUWorker(ActorBase):
-    def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any],
+    def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any],
                  rank: RankInfo | None = None, cores: list[int] | None = None):
         """`optimizers`: the node's optimizer workers, for the rank that orders the updates (the first of
         its node); `rank`: the place in a data-parallel run, None for the only worker; `cores`: the cores
         the placement reserved for it (none in-process)."""
         self.rank = rank = rank or RankInfo()
         init_logger("gpu" if rank.world == 1 else f"gpu{rank.rank}")
-        self.device = resolve_device(cfg.engine.device)
+        self.device = resolve_device(run.device_type)
         if self.device.type == "cuda":
             # Pinned before CUDA and NCCL start their threads, which inherit the cores: the launch, copy
             # and NCCL threads stay off the optimizer workers' cores (topology.RESERVED_CORES). On the CPU
@@ -56,19 +57,19 @@ class GPUWorker(ActorBase):
             binding = "not pinned (computes on the CPU)"
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world))
         self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync")
-                                or (s.kind == "master" and cfg.precision.stream_is_master)])
+                                or (s.kind == "master" and run.stream_is_master)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
-        self.engine = StreamEngine(cfg, layout, self.store, optimizers, self.device, rank)
+        self.engine = StreamEngine(cfg, run, layout, self.store, optimizers, self.device, rank)
         self.comm: Collectives | None = None
         log.info("layer stream on %s (%s): compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s); "
                  "layers %s (engine.compile=%s)%s",
-                 self.device, binding, cfg.precision.compute_dtype, cfg.precision.resolved_stream_dtype,
-                 "offloaded to pinned host memory" if self.engine.offload else "kept on the device",
+                 self.device, binding, run.compute_dtype, run.stream_dtype,
+                 "offloaded to pinned host memory" if run.activation_offload else "kept on the device",
                  cfg.engine.activation_offload,
-                 "compiled by torch.compile on the first step" if layers_compiled(cfg, self.device.type) else "eager",
+                 "compiled by torch.compile on the first step" if run.layers_compiled else "eager",
                  cfg.engine.compile,
                  f"; rank {rank.rank} of {rank.world} (node {rank.node}, local rank {rank.local_rank})"
                  if rank.world > 1 else "")

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from actors.base import ActorBase
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout
@@ -32,19 +33,18 @@ log = get_logger(__name__)
 
 
 class HostShard(ActorBase):
-    def __init__(self, cfg: Config, layout: ModelLayout, run_id: str, shard: int, stages: list[int],
-                 cores: tuple[int, ...] = (), numa_node: int | None = None, restore: CheckpointInfo | None = None,
-                 ranks_per_node: int = 1):
+    def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, run_id: str, shard: int, stages: list[int],
+                 cores: tuple[int, ...] = (), numa_node: int | None = None, restore: CheckpointInfo | None = None):
         """`cores` and `numa_node` (Ray mode; see topology.plan_placement) bind the shard and the pages
         it first touches to its node before any segment exists; in-process nothing is bound. `restore`
-        fills the segments from a checkpoint instead of the random initialisation. `ranks_per_node`: GPU
-        workers sharing this node's store (shard 0 then also owns their counters)."""
+        fills the segments from a checkpoint instead of the random initialisation. With several GPU workers
+        on the node (run.ranks_per_node), shard 0 also owns their counters."""
         init_logger(f"host{shard}")
         binding = bind_process(cores, numa_node) if cores else "not bound (in-process)"
         self.shard = shard
         self.layout = layout
         self.stages = stages
-        self.specs = plan_segments(layout, cfg, run_id, stages, shard, ranks_per_node)
+        self.specs = plan_segments(layout, cfg, run, run_id, stages, shard)
         self._created: list[SegmentSpec] = []
         self._writer: StageWriter | None = None
         try:

@@ -8,6 +8,7 @@ import time
 import torch
 
 from actors.base import ActorBase
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.messages import UpdateDone, UpdateOrder
@@ -16,7 +17,7 @@ from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.optim.adamw import FlatAdamW, split_span
 from megatrain_ray.store.checkpoint import wait_for_gate
 from megatrain_ray.store.disk_tier import MOMENT_KINDS, MomentStager, piece_elems, update_order
-from megatrain_ray.store.segments import HostStore, SegmentSpec, moment_dtype
+from megatrain_ray.store.segments import HostStore, SegmentSpec
 from megatrain_ray.system.topology import bind_process
 
 log = get_logger(__name__)
@@ -37,7 +38,8 @@ def pin_to_cores(cores: list[int]) -> int:
 
 
 class OptimizerWorker(ActorBase):
-    def __init__(self, cfg: Config, layout: ModelLayout, specs: list[SegmentSpec], index: int, num_workers: int,
+    def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, specs: list[SegmentSpec], index: int,
+                 num_workers: int,
                  cores: list[int]):
         init_logger(f"optim{index}")
         threads = pin_to_cores(cores)
@@ -45,14 +47,14 @@ class OptimizerWorker(ActorBase):
         self.layout = layout
         self.store = HostStore(specs)
         self.gates = self.store.gates()
-        self.adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[cfg.precision.master_dtype], threads)
+        self.adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[run.master_dtype], threads)
         self.spans = {s.index: split_span(s.numel, index, num_workers) for s in layout.stages}
         self.disk: MomentStager | None = None
         if cfg.host.moments_tier == "disk":
             paths = {(kind, s.index): self.store.get(kind, s.index).path for kind in MOMENT_KINDS
                      for s in layout.stages}
             self.disk = MomentStager(paths, self.spans, update_order(len(layout.stages), cfg.optimizer.grad_clip > 0),
-                                     TORCH_DTYPES[moment_dtype(cfg)], piece_elems(layout.max_layer_numel, num_workers),
+                                     TORCH_DTYPES[run.moment_dtype], piece_elems(layout.max_layer_numel, num_workers),
                                      poison=cfg.engine.poison_buffers)
         log.info("optimizer worker %d/%d on cores %s, %d optimizer threads%s", index, num_workers,
                  cores or "(shared)", threads,

@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import provenance, write_result  # noqa: E402
 from megatrain_ray.config.load import load_config  # noqa: E402
+from megatrain_ray.config.resolved import RunSpec  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.planning.memory import GiB, Machine, plan_run  # noqa: E402
-from megatrain_ray.store.segments import grad_dtype  # noqa: E402
 
 
 def timed_run(cfg) -> dict:
@@ -81,7 +81,7 @@ def main() -> int:
                                                   "fault.max_restarts=1", f"fault.drill=kill:gpu@{args.kill_step}"]))
     diffs = [abs(a - b) for a, b in zip(clean["losses"], killed["losses"])]
     result.update(provenance(clean["device"]))
-    result["grad_dtype"] = grad_dtype(load_config(args.config, common))
+    result["grad_dtype"] = RunSpec.resolve(load_config(args.config, common)).grad_dtype
     result["recovery"] = {
         "kill_step": args.kill_step, "checkpoint_every": args.every, "clean": clean, "killed": killed,
         "time_lost_seconds": killed["wall_seconds"] - clean["wall_seconds"],

@@ -35,9 +35,10 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 from megatrain_ray.config.load import load_config  # noqa: E402
+from megatrain_ray.config.resolved import RunSpec  # noqa: E402
 from megatrain_ray.config.sections import Config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
-from megatrain_ray.planning.memory import GPU_RESERVE_BYTES, Machine, Plan, layers_compiled, plan_run  # noqa: E402
+from megatrain_ray.planning.memory import GPU_RESERVE_BYTES, Machine, Plan, plan_run  # noqa: E402
 from megatrain_ray.planning.speed import (  # noqa: E402
     H100,
     H100_BOX,
@@ -137,7 +138,7 @@ measured before kept more; compiled rows of models without GQA were not affected
 def peak_comparable(point: MeasuredPoint) -> bool:
     """Whether the point's GPU peak was measured on the memory the plan counts (LEAN_LAYER_SINCE)."""
     m = point.cfg.model
-    unaffected = layers_compiled(point.cfg) and m.num_key_value_heads == m.num_attention_heads
+    unaffected = RunSpec.resolve(point.cfg).layers_compiled and m.num_key_value_heads == m.num_attention_heads
     return bool(point.gpu_peak_gib) and (unaffected or point.date >= LEAN_LAYER_SINCE)
 
 

@@ -81,8 +81,7 @@ def _common(cfg, tokens_per_s: float) -> dict:
 def run_megatrain(spec: dict) -> dict:
     from megatrain_ray.driver.trainer import Trainer
     from megatrain_ray.observe.metrics import shm_bytes
-    from megatrain_ray.planning.memory import Machine, layers_compiled, plan_run, ranks_per_node
-    from megatrain_ray.store.segments import grad_dtype, grad_home, vocab_in_pieces
+    from megatrain_ray.planning.memory import Machine, plan_run
 
     cfg = _load(spec)
     plan = plan_run(cfg, Machine.detect(cfg.host.shm_dir))  # before the store takes the shared memory
@@ -95,6 +94,7 @@ def run_megatrain(spec: dict) -> dict:
             by_kind[s.kind] = by_kind.get(s.kind, 0) + shm_bytes([s.path])
         private = host_bytes - sum(by_kind.values())
         device = trainer.device_name
+        run = trainer.run_spec  # the settings the run resolved (compiled layers, gradient home, ...)
         workers = len(trainer.optimizers)
         # Which cores each optimizer worker ran its threads on (one thread per core; none: in-process).
         worker_cores = [trainer.placement.worker_cores(w) for w in range(workers)] if trainer.placement else []
@@ -113,9 +113,8 @@ def run_megatrain(spec: dict) -> dict:
                                            "private_rss": private / params},
         "host_gib": host_bytes / 2**30, "gpus": cfg.parallel.gpus,
         "comm_seconds": mean("comm_seconds"),
-        "grad_home": grad_home(cfg), "grad_dtype": grad_dtype(cfg), "clip": cfg.optimizer.grad_clip,
-        "vocab_grad_pieces": vocab_in_pieces(cfg, ranks_per_node(cfg)),
-        "compiled": layers_compiled(cfg, "cpu" if device == "cpu" else "cuda"),
+        "grad_home": run.grad_home, "grad_dtype": run.grad_dtype, "clip": cfg.optimizer.grad_clip,
+        "vocab_grad_pieces": run.vocab_in_pieces, "compiled": run.layers_compiled,
         "stream_dtype": cfg.precision.resolved_stream_dtype,
         "optimizer_workers": workers, "optimizer_worker_cores": worker_cores,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),

@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.driver.trainer import Trainer, sweep_stale_segments
 from megatrain_ray.exceptions import DataError, HostMemoryError
 from megatrain_ray.model.layout import ALIGN_ELEMS, build_layout
-from megatrain_ray.store.segments import grad_home, shard_stages
+from megatrain_ray.store.segments import shard_stages
 from tests.conftest import tiny_config
 
 
@@ -44,6 +45,8 @@ def test_shards_split_stages_contiguously():
 
 
 def test_grad_home_follows_precision_and_clipping(tmp_path):
+    def grad_home(cfg) -> str:
+        return RunSpec.resolve(cfg).grad_home
     assert grad_home(tiny_config(tmp_path)) == "stage"  # fp32 streamed directly, clipping on
     assert grad_home(tiny_config(tmp_path, optimizer={"grad_clip": 0.0})) == "pool"
     assert grad_home(tiny_config(tmp_path, precision={"compute_dtype": "bfloat16"})) == "stream"

@@ -12,12 +12,12 @@ import time
 import pytest
 
 from actors.base import ActorBase
-from megatrain_ray.system import topology
 from megatrain_ray.config.sections import RuntimeConfig
 from megatrain_ray.driver.faults import HealthMonitor
 from megatrain_ray.driver.placement import RayPlacement, numa_resources
 from megatrain_ray.driver.runtime import spawn, start_ray
 from megatrain_ray.driver.trainer import Trainer
+from megatrain_ray.system import topology
 from tests.conftest import tiny_config
 from tests.test_topology import fake_sysfs
 

@@ -139,7 +139,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
     """Each constant of the H200 GPU and box is what its docstring says: a median over the megatrain rows
     (model TFLOPS apart for eager and compiled layers, over every H200 row; the host's AdamW, over the rows
     it bounds, GPU busy under 90 %, and D2H over the rows of the 16-core box, not the 32-core x2 host)."""
-    from megatrain_ray.planning.memory import layers_compiled
+    from megatrain_ray.config.resolved import RunSpec
 
     tflops, compiled_tflops, adamw, d2h = [], [], [], []
     for p in POINTS:
@@ -147,7 +147,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
             continue
         [r] = [r for r in megatrain_rows(p.source) if r["step_seconds"] == p.step_seconds]
         flops = model_flops_per_token(p.cfg.model, build_layout(p.cfg.model), p.cfg.data.seq_len)
-        (compiled_tflops if layers_compiled(p.cfg) else tflops).append(
+        (compiled_tflops if RunSpec.resolve(p.cfg).layers_compiled else tflops).append(
             flops * r["tokens_per_step"] / r.get("gpus", 1) / r["compute_seconds"] / 1e12)  # one GPU's
         if json.loads((RESULTS / p.source).read_text())["cpu_count"] != 16:
             continue

@@ -175,16 +175,16 @@ def test_compiled_layer_template_matches_reference_to_1e10(tmp_path):
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
 
 
-def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch):
+def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch, tmp_path):
     """engine.compile: auto compiles on the GPU only; where torch.compile cannot build (here: no working
     C++ compiler for Inductor) auto warns once and runs the eager function, true raises."""
     import torch._inductor.config as inductor_config
 
-    from megatrain_ray.config.sections import EngineConfig
+    from megatrain_ray.config.resolved import RunSpec
     from megatrain_ray.engine import step as stream_engine
 
-    assert [EngineConfig(compile=c).compiles_on(d) for c in ("auto", True, False) for d in ("cuda", "cpu")] == \
-        [True, False, True, True, False, False]
+    assert [RunSpec.resolve(tiny_config(tmp_path, engine={"compile": c}), device_type=d).compiles
+            for c in ("auto", True, False) for d in ("cuda", "cpu")] == [True, False, True, True, False, False]
     warnings = []
     monkeypatch.setattr(stream_engine, "warn_once", lambda _log, message: warnings.append(message))
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
@@ -214,15 +214,17 @@ def test_gradient_slabs_with_a_vocabulary_larger_than_a_layer(tmp_path, slabs, p
     layer-sized slabs in four pieces each, every piece copied and updated on its own, while the layers
     rotate over the same slabs; or (engine.vocab_grad_pieces false) they take turns on a slab of their
     own. Against the reference in float64."""
+    from megatrain_ray.config.resolved import RunSpec
     from megatrain_ray.model.layout import build_layout
-    from megatrain_ray.store.segments import grad_pieces, pool_slab_sizes, vocab_in_pieces
+    from megatrain_ray.store.segments import grad_pieces, pool_slab_sizes
 
     sections = dict(model={"vocab_size": 2048}, optimizer={"grad_clip": 0.0, "lr": 1e-2},
                     engine={"grad_slabs": slabs, "vocab_grad_pieces": pieces},
                     precision={"master_dtype": "float64", "compute_dtype": "float64"})
     cfg = tiny_config(tmp_path / "probe", **sections)
     layout = build_layout(cfg.model)
-    assert vocab_in_pieces(cfg, 1) == pieces and not vocab_in_pieces(cfg, 2)  # several GPUs: a slab of their own
+    assert RunSpec.resolve(cfg).vocab_in_pieces == pieces  # several GPUs: a slab of their own
+    assert not RunSpec.resolve(cfg, ranks_per_node=2).vocab_in_pieces
     assert len(grad_pieces(layout.head.numel, layout.max_layer_numel)) == 4
     assert pool_slab_sizes(layout, slabs, pieces) == [layout.max_layer_numel] * slabs + \
         ([] if pieces else [layout.head.numel])  # LM head + norm

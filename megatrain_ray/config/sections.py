@@ -382,10 +382,6 @@ class EngineConfig:
         if self.mlp_chunk_tokens < 0:
             _fail("engine.mlp_chunk_tokens", self.mlp_chunk_tokens, "must be >= 0 (0 never chunks)")
 
-    def compiles_on(self, device_type: str) -> bool:
-        """Whether the layer template goes through torch.compile on this device type ('cuda', 'cpu')."""
-        return self.compile is True or (self.compile == "auto" and device_type == "cuda")
-
 
 @dataclass(kw_only=True, slots=True)
 class HostConfig:

@@ -54,8 +54,11 @@ class ParallelPlan:
 def resolve_parallel(cfg: Config) -> ParallelPlan:
     """The ranks and nodes of a run; in Ray mode from the cluster's nodes (Ray must be initialised)."""
     p = cfg.parallel
-    if cfg.runtime.mode == "local":
-        return ParallelPlan()  # the config check refused more than one rank in-process
+    if cfg.runtime.mode == "local":  # one rank (the config check refused more in-process), on this process's GPU
+        if cfg.engine.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("engine.device=cuda but CUDA is not available to this process; set engine.device=auto "
+                              "or cpu")
+        return ParallelPlan(use_gpu=cfg.engine.device != "cpu" and torch.cuda.is_available())
     import ray
 
     has_gpu = ray.cluster_resources().get("GPU", 0) >= 1

@@ -29,6 +29,7 @@ from actors.gpu_worker import GPUWorker
 from actors.host_shard import HostShard
 from actors.optimizer_worker import OptimizerWorker
 from megatrain_ray.config.load import config_to_yaml
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config, parse_drill
 from megatrain_ray.data.batches import make_batches, make_eval_batches
 from megatrain_ray.driver.faults import HealthMonitor, monitor_actors
@@ -49,7 +50,7 @@ from megatrain_ray.observe.metrics import (
 )
 from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
 from megatrain_ray.optim.schedule import lr_at
-from megatrain_ray.planning.memory import check_plan
+from megatrain_ray.planning.memory import check_plan, resolve_run
 from megatrain_ray.store.checkpoint import (
     CheckpointDir,
     CheckpointInfo,
@@ -164,6 +165,8 @@ class Trainer:
         if cfg.host.moments_tier == "disk":
             sweep_stale_segments(cfg.host.disk_dir)
         self.plan = check_plan(cfg)  # refuse before allocating anything
+        self.run_spec: RunSpec = self.plan.run
+        """Settings derived from the config and the machine, sent to every actor (final once the ranks are known)."""
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
         self.nodes: list[NodeActors] = []
         """Every node's actors; node 0's shards write the checkpoints and serve the inspection methods."""
@@ -259,6 +262,8 @@ class Trainer:
     def _spawn_actors(self) -> None:
         cfg, mode = self.cfg, self.cfg.runtime.mode
         self.parallel = plan = resolve_parallel(cfg)
+        self.run_spec = resolve_run(cfg, self.plan.machine.gpu_memory, "cuda" if plan.use_gpu else "cpu",
+                                    plan.ranks_per_node, plan.nodes)
         t0 = time.perf_counter()
         tag = f"megatrain-{self.run_id}"
         for k in range(plan.nodes):  # what was spawned before an error is in self.nodes, for close()
@@ -285,17 +290,18 @@ class Trainer:
         node.placement = placement = RunPlacement(cfg, use_gpu=plan.use_gpu, ranks=ranks, node_id=plan.node_ids[k],
                                                   node_resources=plan.node_resources[k])
         name = f"{tag}-{node.prefix}"
-        node.shards = [spawn(mode, HostShard, cfg, self.layout, run_id, s, stages, *placement.shard_binding(s),
-                             restore=self.restore, ranks_per_node=ranks, name=f"{name}host{s}",
+        node.shards = [spawn(mode, HostShard, cfg, self.run_spec, self.layout, run_id, s, stages,
+                             *placement.shard_binding(s), restore=self.restore, name=f"{name}host{s}",
                              ray_options=placement.options(f"host{s}"))
                        for s, stages in enumerate(self.stage_groups)]
         for shard in node.shards:
             node.specs.extend(shard.call("segments").result())
         workers = placement.num_workers
-        node.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, node.specs, w, workers,
+        node.optimizers = [spawn(mode, OptimizerWorker, cfg, self.run_spec, self.layout, node.specs, w, workers,
                                  placement.worker_cores(w), name=f"{name}optim{w}",
                                  ray_options=placement.options(f"optim{w}")) for w in range(workers)]
-        node.gpus = [spawn(mode, GPUWorker, cfg, self.layout, node.specs, node.optimizers if r == 0 else [],
+        node.gpus = [spawn(mode, GPUWorker, cfg, self.run_spec, self.layout, node.specs,
+                           node.optimizers if r == 0 else [],
                            plan.rank(k, r), placement.gpu_cores(r), name=f"{name}{gpu_actor(r)}",
                            num_gpus=1 if plan.use_gpu else 0, ray_options=placement.options(gpu_actor(r)))
                      for r in range(ranks)]

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
@@ -39,7 +40,7 @@ from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.engine.telemetry import UpdateTrace
 from megatrain_ray.exceptions import ParallelError
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult, UpdateDone, UpdateOrder
-from megatrain_ray.model.layout import ModelLayout, StageLayout, runs_compiled
+from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
     DocumentBucket,
     LayerSpec,
@@ -53,8 +54,7 @@ from megatrain_ray.model.templates import (
     rope_tables,
 )
 from megatrain_ray.observe.log import get_logger, warn_once
-from megatrain_ray.planning.memory import resolve_activation_offload
-from megatrain_ray.store.segments import HostStore, SlabTurns, grad_dtype, grad_home, grad_pieces, vocab_in_pieces
+from megatrain_ray.store.segments import HostStore, SlabTurns, grad_pieces
 
 log = get_logger(__name__)
 
@@ -159,11 +159,12 @@ def _gaps(stage: StageLayout) -> list[tuple[int, int]]:
 
 
 class StreamEngine:
-    def __init__(self, cfg: Config, layout: ModelLayout, store: HostStore, optimizers: list[Any],
+    def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, store: HostStore, optimizers: list[Any],
                  device: torch.device, rank: RankInfo | None = None):
         """`optimizers`: the node's OptimizerWorker handles (only its first rank gets them); `rank`: this
         worker's place in a data-parallel run (None: the only one)."""
         self.cfg = cfg
+        self.run = run
         self.rank = rank = rank or RankInfo()
         self.comm: Collectives | None = None
         """The process group, attached by the GPU worker once every rank has joined (several ranks only)."""
@@ -175,18 +176,17 @@ class StreamEngine:
         self.device = device
         self.streams = DeviceStreams(device)
         self.spec = LayerSpec.from_config(cfg.model)
-        self.compute_dtype = TORCH_DTYPES[cfg.precision.compute_dtype]
-        self.stream_dtype = TORCH_DTYPES[cfg.precision.resolved_stream_dtype]
-        self.grad_dtype = TORCH_DTYPES[grad_dtype(cfg)]
-        self.grad_home = grad_home(cfg)
+        self.compute_dtype = TORCH_DTYPES[run.compute_dtype]
+        self.stream_dtype = TORCH_DTYPES[run.stream_dtype]
+        self.grad_dtype = TORCH_DTYPES[run.grad_dtype]
+        self.grad_home = run.grad_home
         # Accumulation of the vocabulary-sized gradients and of norms: float32, or float64 when computing in it.
         self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
         self.clip = cfg.optimizer.grad_clip
         self.mlp_chunk = cfg.engine.mlp_chunk_tokens
         self._compiled = _CompiledLayer(decoder_layer, fall_back=cfg.engine.compile == "auto") \
-            if cfg.engine.compiles_on(device.type) else None
-        gpu_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        self.offload = resolve_activation_offload(cfg, gpu_memory)
+            if run.compiles else None
+        self.offload = run.activation_offload
         poison = cfg.engine.poison_buffers
 
         def weight_slot(numel: int) -> WeightSlot:
@@ -220,7 +220,7 @@ class StreamEngine:
         self.pool = store.pool() if self.grad_home == "pool" else []
         self.slab_turns = SlabTurns(cfg.engine.grad_slabs, len(self.pool))
         # A stage larger than the slabs (the embedding, the LM head) goes through them in pieces.
-        self.slab_numel = layout.max_layer_numel if vocab_in_pieces(cfg, rank.local_world) else 0
+        self.slab_numel = layout.max_layer_numel if run.vocab_in_pieces else 0
         self.pending: dict[int, list[tuple[int, Future]]] = {}
         """Stage -> (step, ordered update) for its updates (one, or one per piece) not yet awaited."""
         self.dispatcher = ThreadPoolExecutor(1, thread_name_prefix="update-dispatch")
@@ -440,7 +440,7 @@ class StreamEngine:
         """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
         runs in one piece, else the eager function."""
         if self._compiled is None or self._compiled.failed or \
-                not runs_compiled(x.shape[0] * x.shape[1], self.mlp_chunk, documents is not None):
+                not self.run.runs_compiled(x.shape[0] * x.shape[1], self.mlp_chunk, documents is not None):
             return decoder_layer
         return self._compiled
 

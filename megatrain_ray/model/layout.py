@@ -159,10 +159,3 @@ def token_chunks(tokens: int, chunk_tokens: int) -> list[slice]:
     if chunk_tokens <= 0 or tokens <= chunk_tokens:
         return [slice(0, tokens)]
     return [slice(a, min(a + chunk_tokens, tokens)) for a in range(0, tokens, chunk_tokens)]
-
-
-def runs_compiled(tokens: int, mlp_chunk_tokens: int, packed: bool) -> bool:
-    """Whether a step of `tokens` tokens (per GPU) takes the compiled layer template when engine.compile
-    is on: packed documents (their per-document attention) and a chunked MLP (its loop over slices) run
-    the eager one."""
-    return not packed and len(token_chunks(tokens, mlp_chunk_tokens)) == 1

@@ -35,13 +35,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatrain_ray.config.load import parse_size
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import HostMemoryError
-from megatrain_ray.model.layout import build_layout, runs_compiled
+from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.speed import SpeedProfile, estimate, preset, profile_for_gpu, speed_lines
 from megatrain_ray.store.disk_tier import disk_problems, staging_bytes
-from megatrain_ray.store.segments import grad_dtype, grad_home, moment_dtype, plan_segments, shard_stages
+from megatrain_ray.store.segments import plan_segments, shard_stages
 from megatrain_ray.system.topology import detect_topology, plan_placement
 
 GiB = 2**30
@@ -156,6 +157,8 @@ class Plan:
     """Layer inputs offloaded to pinned host memory (engine.activation_offload, resolved)."""
     offloaded: int = 0
     """Bytes of the pinned host buffers holding the offloaded layer inputs."""
+    run: RunSpec | None = None
+    """The settings derived from the config on this machine (plan_run resolves them)."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -176,21 +179,18 @@ class Plan:
         return not self.problems
 
 
-def ranks_per_node(cfg: Config) -> int:
-    p = cfg.parallel
-    return p.gpus // p.nodes if p.gpus != "auto" else 1
 
 
-def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
+def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int]:
     """The engine's device buffers and the activation terms of the module docstring, in bytes (one GPU)."""
     layout = build_layout(cfg.model)
     m = cfg.model
-    stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
-    compute_b = DTYPE_BYTES[cfg.precision.compute_dtype]
-    grad_b = DTYPE_BYTES[grad_dtype(cfg)]
+    stream_b = DTYPE_BYTES[run.stream_dtype]
+    compute_b = DTYPE_BYTES[run.compute_dtype]
+    grad_b = DTYPE_BYTES[run.grad_dtype]
     acc_b = max(4, compute_b)
     per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
-    tokens = rank_tokens(cfg)
+    tokens = run.rank_tokens
     h, f, v = m.hidden_size, m.intermediate_size, m.vocab_size
     q = m.num_attention_heads * m.resolved_head_dim
     kv = m.num_key_value_heads * m.resolved_head_dim
@@ -199,7 +199,7 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
     # Chunked MLP backward: float32 sums of its three matrices' gradients.
     mlp_sums = 3 * h * f * acc_b if mlp_tokens < tokens else 0
     grad_elems = 2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel
-    ranks = ranks_per_node(cfg)
+    ranks = run.ranks_per_node
     grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
     return {
         "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
@@ -208,7 +208,7 @@ def gpu_bytes(cfg: Config, offload: bool = False) -> dict[str, int]:
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
         "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
-                                          * (COMPILED_WORKING_SET if layers_compiled(cfg) else 1)) + mlp_sums,
+                                          * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + mlp_sums,
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b) + 2 * tokens * h * acc_b,
     }
 
@@ -257,31 +257,31 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
     return saved + max(mlp_piece, attention_grads)
 
 
-def rank_tokens(cfg: Config) -> int:
-    """Tokens one GPU computes per step: its rows of the global batch."""
-    return cfg.data.batch_size // (ranks_per_node(cfg) * cfg.parallel.nodes) * cfg.data.seq_len
 
 
-def layers_compiled(cfg: Config, device_type: str = "cuda") -> bool:
-    """Whether the layers of this run go through the compiled template (engine.compile on that device,
-    and rows the compiled template takes)."""
-    return cfg.engine.compiles_on(device_type) and \
-        runs_compiled(rank_tokens(cfg), cfg.engine.mlp_chunk_tokens, cfg.data.packing)
 
 
-def offloaded_bytes(cfg: Config) -> int:
+def offloaded_bytes(cfg: Config, run: RunSpec) -> int:
     """Pinned host memory of one GPU worker for its layer inputs when they are offloaded."""
-    return cfg.model.num_layers * rank_tokens(cfg) * cfg.model.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype]
+    return cfg.model.num_layers * run.rank_tokens * cfg.model.hidden_size * DTYPE_BYTES[run.compute_dtype]
 
 
-def resolve_activation_offload(cfg: Config, gpu_memory: int | None) -> bool:
+def resolve_activation_offload(cfg: Config, run: RunSpec, gpu_memory: int | None) -> bool:
     """engine.activation_offload with `auto` decided: offload when the kept layer inputs would not fit."""
     choice = cfg.engine.activation_offload
     if choice != "auto":
         return bool(choice)
     if not gpu_memory or cfg.engine.device == "cpu":
         return False
-    return _peak(gpu_bytes(cfg, offload=False)) + GPU_RESERVE_BYTES > gpu_memory
+    return _peak(gpu_bytes(cfg, run, offload=False)) + GPU_RESERVE_BYTES > gpu_memory
+
+
+def resolve_run(cfg: Config, gpu_memory: int | None, device_type: str = "cuda", ranks_per_node: int | None = None,
+                nodes: int | None = None) -> RunSpec:
+    """The run's RunSpec on a machine whose GPU has `gpu_memory` bytes (None: none or unknown): the
+    config's derived settings, with engine.activation_offload=auto decided by this plan."""
+    run = RunSpec.resolve(cfg, device_type=device_type, ranks_per_node=ranks_per_node, nodes=nodes)
+    return dataclasses.replace(run, activation_offload=resolve_activation_offload(cfg, run, gpu_memory))
 
 
 COMPILED_WORKING_SET = 0.797
@@ -290,7 +290,7 @@ activations at the peak (all but the engine's buffers, the layer input coming ba
 in two GPU traces of the same step, 8 layers of 7B width at 64K tokens
 (benchmarks/results/gpu-memory-peak-h200-20261123-181853.json eager, -181932 compiled): Inductor fuses
 the norms' and RoPE's intermediates and the MLP's activation away. Compiled rows have at most
-engine.mlp_chunk_tokens tokens (runs_compiled), so no longer sequence depends on it."""
+engine.mlp_chunk_tokens tokens (config/resolved.takes_compiled_layer), so no longer sequence depends on it."""
 
 
 def _peak(g: dict[str, int]) -> int:
@@ -298,33 +298,34 @@ def _peak(g: dict[str, int]) -> int:
             + max(g["layer backward working set"], g["loss head working set"]))
 
 
-def store_bytes(cfg: Config, workers: int) -> tuple[dict[str, int], dict[str, int], int]:
+def store_bytes(cfg: Config, run: RunSpec, workers: int) -> tuple[dict[str, int], dict[str, int], int]:
     """Bytes of the store by kind in RAM (shared memory) and on disk, and the disk tier's staging RAM."""
     layout = build_layout(cfg.model)
     ram: dict[str, int] = {}
     disk: dict[str, int] = {}
     for k, stages in enumerate(shard_stages(layout, cfg.host.num_shards)):
-        for spec in plan_segments(layout, cfg, "plan", stages, k, ranks_per_node(cfg)):
+        for spec in plan_segments(layout, cfg, run, "plan", stages, k):
             where = disk if spec.on_disk else ram
             where[spec.kind] = where.get(spec.kind, 0) + spec.nbytes
     staging = staging_bytes([s.numel for s in layout.stages], layout.max_layer_numel, workers,
-                            DTYPE_BYTES[moment_dtype(cfg)]) if cfg.host.moments_tier == "disk" else 0
+                            DTYPE_BYTES[run.moment_dtype]) if cfg.host.moments_tier == "disk" else 0
     return ram, disk, staging
 
 
 def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan = Plan(cfg, machine)
+    plan.run = run = resolve_run(cfg, machine.gpu_memory)
     workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
-                                 gpu_ranks=ranks_per_node(cfg)).workers)
+                                 gpu_ranks=run.ranks_per_node).workers)
     plan.workers = workers
-    plan.host, plan.disk, plan.staging = store_bytes(cfg, workers)
-    pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if cfg.precision.stream_is_master else set())
+    plan.host, plan.disk, plan.staging = store_bytes(cfg, run, workers)
+    pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if run.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
-    plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + ranks_per_node(cfg) * GPU_PROCESS_BYTES
-    plan.offload = resolve_activation_offload(cfg, machine.gpu_memory)
-    plan.offloaded = ranks_per_node(cfg) * offloaded_bytes(cfg) if plan.offload else 0
+    plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + run.ranks_per_node * GPU_PROCESS_BYTES
+    plan.offload = run.activation_offload
+    plan.offloaded = run.ranks_per_node * offloaded_bytes(cfg, run) if plan.offload else 0
     plan.pinned += plan.offloaded  # page-locked like the registered segments
-    plan.gpu = gpu_bytes(cfg, plan.offload)
+    plan.gpu = gpu_bytes(cfg, run, plan.offload)
     _check(plan)
     return plan
 
@@ -381,7 +382,7 @@ _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg
 
 
 def format_plan(plan: Plan) -> str:
-    cfg, machine, g = plan.cfg, plan.machine, GiB
+    cfg, machine, run, g = plan.cfg, plan.machine, plan.run, GiB
     layout = build_layout(cfg.model)
     lines = [f"megatrain plan: {cfg.model.family}, {layout.num_params / 1e9:.2f} B parameters, "
              f"{cfg.model.num_layers} layers, {cfg.data.tokens_per_step:,} tokens/step "
@@ -391,15 +392,15 @@ def format_plan(plan: Plan) -> str:
              f"{cfg.host.shm_dir}, GPU "
              + (f"{machine.gpu_name or ''} {machine.gpu_memory / g:.1f} GiB".strip() if machine.gpu_memory
                 else "none visible"),
-             *([f"data parallel: {ranks_per_node(cfg)} GPU(s) on each of {cfg.parallel.nodes} node(s), "
-                f"{cfg.data.batch_size // (ranks_per_node(cfg) * cfg.parallel.nodes)} rows per GPU: host figures per "
-                "node, GPU figures per GPU"] if ranks_per_node(cfg) * cfg.parallel.nodes > 1 else []),
+             *([f"data parallel: {run.ranks_per_node} GPU(s) on each of {run.nodes} node(s), "
+                f"{cfg.data.batch_size // run.world} rows per GPU: host figures per "
+                "node, GPU figures per GPU"] if run.world > 1 else []),
              "", "host (shared memory, per kind):"]
-    dtypes = {"master": cfg.precision.master_dtype, "exp_avg": moment_dtype(cfg),
-              "exp_avg_sq": moment_dtype(cfg), "stream": cfg.precision.resolved_stream_dtype}
+    dtypes = {"master": run.master_dtype, "exp_avg": run.moment_dtype, "exp_avg_sq": run.moment_dtype,
+              "stream": run.stream_dtype}
     for kind, nbytes in plan.host.items():
         if nbytes >= 2**20:
-            lines.append(f"  {_LABELS[kind]:<28}{dtypes.get(kind, grad_dtype(cfg)):>9} {nbytes / g:10.2f} GiB")
+            lines.append(f"  {_LABELS[kind]:<28}{dtypes.get(kind, run.grad_dtype):>9} {nbytes / g:10.2f} GiB")
     params = layout.num_params
     lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)"]
     if plan.disk:
@@ -407,7 +408,7 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
               *([f"  {'offloaded layer inputs (pinned)':<38}{plan.offloaded / g:10.2f} GiB"] if plan.offload else []),
               f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
-              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  (grad home: {grad_home(cfg)})",
+              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  (grad home: {run.grad_home})",
               ""]
     if plan.disk:
         lines.append(f"disk (host.disk_dir={cfg.host.disk_dir}):")
@@ -421,11 +422,11 @@ def format_plan(plan: Plan) -> str:
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
     fixed = sum(plan.gpu[k] for k in ("weight buffers", "gradient buffers", "vocabulary accumulator"))
-    per_token = (plan.gpu_peak - fixed) / rank_tokens(cfg)
+    per_token = (plan.gpu_peak - fixed) / run.rank_tokens
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
               f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB",
               f"  {'activations per token (one GPU)':<38}{per_token / 1024:10.1f} KiB"
-              + (f"  (+ {plan.offloaded / ranks_per_node(cfg) / rank_tokens(cfg) / 1024:.1f} KiB pinned host RAM)"
+              + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
                  if plan.offload else ""), ""]
     lines += speed_lines(cfg, machine.profile, plan.offload)
     if plan.fits:
@@ -473,7 +474,7 @@ def tier_lines(plan: Plan) -> list[str]:
         alternatives.append((f"streaming copy {'none (master streamed)' if stream == cfg.precision.master_dtype else stream}",
                              dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, stream_dtype=stream))))
     for label, other in alternatives:
-        ram, disk, staging = store_bytes(other, plan.workers)
+        ram, disk, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
         d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
         change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
         speed = f"  {estimate(other, profile, offload=plan.offload).tok_per_s:9,.0f} tok/s" if profile else ""

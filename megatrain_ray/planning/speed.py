@@ -77,6 +77,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import ConfigError
@@ -84,11 +85,8 @@ from megatrain_ray.model.flops import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.store.segments import (
     SlabTurns,
-    grad_dtype,
-    grad_home,
     grad_pieces,
     pool_slab_sizes,
-    vocab_in_pieces,
 )
 
 GiB = 2**30
@@ -124,10 +122,11 @@ DISK_GBPS = 5.0
 
 def optimizer_dram_bytes(cfg: Config) -> int:
     """DRAM bytes per parameter of one update (FlatAdamW.bytes_per_element of the config's formats)."""
-    master = DTYPE_BYTES[cfg.precision.master_dtype]
+    run = RunSpec.resolve(cfg)
+    master = DTYPE_BYTES[run.master_dtype]
     moments = DTYPE_BYTES[cfg.optimizer.moment_dtype]
-    copy = 0 if cfg.precision.stream_is_master else DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
-    return 2 * master + 4 * moments + DTYPE_BYTES[grad_dtype(cfg)] + copy
+    copy = 0 if run.stream_is_master else DTYPE_BYTES[run.stream_dtype]
+    return 2 * master + 4 * moments + DTYPE_BYTES[run.grad_dtype] + copy
 
 
 def adamw_gparams(cfg: Config, host: "HostProfile") -> float:
@@ -251,16 +250,15 @@ class StageCost:
 
 def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None = None,
                 offload: bool = False) -> list[StageCost]:
-    from megatrain_ray.planning.memory import layers_compiled, rank_tokens  # plan imports this module
-
     layout = layout or build_layout(cfg.model)
-    tokens = rank_tokens(cfg)  # one GPU's rows: with data parallelism every GPU runs this schedule at once
+    run = RunSpec.resolve(cfg)
+    tokens = run.rank_tokens  # one GPU's rows: with data parallelism every GPU runs this schedule at once
     flops = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
-    stream_b = DTYPE_BYTES[cfg.precision.resolved_stream_dtype]
-    grad_b = DTYPE_BYTES[grad_dtype(cfg)]
+    stream_b = DTYPE_BYTES[run.stream_dtype]
+    grad_b = DTYPE_BYTES[run.grad_dtype]
 
-    rate = profile.gpu.tflops(layers_compiled(cfg)) * 1e12
-    activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype] if offload else 0
+    rate = profile.gpu.tflops(run.layers_compiled) * 1e12
+    activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[run.compute_dtype] if offload else 0
     costs = []
     for stage, f in zip(layout.stages, flops):
         seconds = f * tokens / rate
@@ -470,11 +468,10 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it)."""
     layout = build_layout(cfg.model)
     costs = stage_costs(cfg, profile, layout, offload)
-    from megatrain_ray.planning.memory import layers_compiled, ranks_per_node  # plan imports this module
-
-    pieces = vocab_in_pieces(cfg, ranks_per_node(cfg))
+    run = RunSpec.resolve(cfg)
+    pieces = run.vocab_in_pieces
     turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
-        if grad_home(cfg) == "pool" else None
+        if run.grad_home == "pool" else None
     replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, adamw_gparams(cfg, profile.host),
                      slab_turns=turns, slab_numel=layout.max_layer_numel if pieces else 0)
     start = end = 0.0
@@ -485,7 +482,7 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     flops = sum(stage_flops_per_token(cfg.model, layout, cfg.data.seq_len))
     return SpeedEstimate(profile, cfg.data.tokens_per_step, end - start, flops, busy["compute"], busy["h2d"],
                          busy["d2h"], busy["optimizer"], dict(replay.idle), cfg.optimizer.grad_clip > 0,
-                         replay.adamw_gparams, layers_compiled(cfg))
+                         replay.adamw_gparams, run.layers_compiled)
 
 
 def format_speed(est: SpeedEstimate) -> list[str]:

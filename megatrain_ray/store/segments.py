@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.exceptions import HostMemoryError
@@ -42,7 +43,6 @@ from megatrain_ray.store.disk_tier import DiskSegment, allocate_file
 log = get_logger(__name__)
 
 SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync"]
-GradHome = Literal["stream", "stage", "pool"]
 
 @dataclass(frozen=True, slots=True)
 class SegmentSpec:
@@ -62,39 +62,28 @@ class SegmentSpec:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
-def grad_home(cfg: Config) -> GradHome:
-    """Where a stage's gradients land on the host (see the module docstring)."""
-    if not cfg.precision.stream_is_master:
-        return "stream"
-    return "stage" if cfg.optimizer.grad_clip > 0 else "pool"
 
 
-def grad_dtype(cfg: Config) -> str:
-    """Format of the gradients on the host: the streaming copy's when they land in it, else precision.grad_dtype."""
-    return cfg.precision.resolved_stream_dtype if grad_home(cfg) == "stream" else cfg.precision.resolved_grad_dtype
 
 
-def moment_dtype(cfg: Config) -> str:
-    """Format of the AdamW moments: the master's at full precision, else bfloat16."""
-    return "bfloat16" if cfg.optimizer.moment_dtype == "bfloat16" else cfg.precision.master_dtype
 
 
-def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[int],
-                  shard: int, ranks_per_node: int = 1) -> list[SegmentSpec]:
+def plan_segments(layout: ModelLayout, cfg: Config, run: RunSpec, run_id: str, stages: list[int],
+                  shard: int) -> list[SegmentSpec]:
     """The segments one HostShard owns: its stages' buffers and its checkpoint gate, plus on shard 0 the
     gradient pool and, with several GPU workers on the node, their counters."""
     directory = cfg.host.shm_dir
     master = cfg.precision.master_dtype
     specs: list[SegmentSpec] = []
-    home = grad_home(cfg)
-    moments, on_disk = moment_dtype(cfg), cfg.host.moments_tier == "disk"
+    home, ranks_per_node = run.grad_home, run.ranks_per_node
+    moments, on_disk = run.moment_dtype, cfg.host.moments_tier == "disk"
     for index in stages:
         stage = layout.stages[index]
         kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", moments), ("exp_avg_sq", moments)]
-        if not cfg.precision.stream_is_master:
-            kinds.append(("stream", cfg.precision.resolved_stream_dtype))
+        if not run.stream_is_master:
+            kinds.append(("stream", run.stream_dtype))
         if home == "stage":
-            kinds.append(("grad", grad_dtype(cfg)))
+            kinds.append(("grad", run.grad_dtype))
         for kind, dtype in kinds:
             disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
             path = os.path.join(cfg.host.disk_dir if disk else directory, f"megatrain-{run_id}-{stage.name}-{kind}")
@@ -102,10 +91,9 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
     specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":
-        for k, numel in enumerate(pool_slab_sizes(layout, cfg.engine.grad_slabs,
-                                                  vocab_in_pieces(cfg, ranks_per_node))):
+        for k, numel in enumerate(pool_slab_sizes(layout, cfg.engine.grad_slabs, run.vocab_in_pieces)):
             path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
-            specs.append(SegmentSpec(path, grad_dtype(cfg), numel, "gradpool", k))
+            specs.append(SegmentSpec(path, run.grad_dtype, numel, "gradpool", k))
     if shard == 0 and ranks_per_node > 1:
         specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-sync"), "int64",
                                  (ranks_per_node + 1) * len(layout.stages), "sync", 0))
@@ -115,7 +103,7 @@ def plan_segments(layout: ModelLayout, cfg: Config, run_id: str, stages: list[in
 def pool_slab_sizes(layout: ModelLayout, slabs: int, vocab_pieces: bool) -> list[int]:
     """Elements of each gradient slab: `slabs` of a layer's size, which the stages take in turn. When the
     embedding and the LM head are larger than a layer (a large vocabulary), their gradients go through those
-    slabs in layer-sized pieces (`vocab_pieces`, see vocab_in_pieces), or else through one more slab of
+    slabs in layer-sized pieces (`vocab_pieces`, see RunSpec.vocab_in_pieces), or else through one more slab of
     their size, which the two share: the head's gradients are the first of a backward, the embedding's the
     last, so the head's update is long done when the embedding needs it."""
     vocab = max(layout.embed.numel, layout.head.numel)
@@ -149,13 +137,6 @@ class SlabTurns:
         return k, previous
 
 
-def vocab_in_pieces(cfg: Config, ranks_per_node: int) -> bool:
-    """Whether, in the slab pool, a stage larger than a layer goes through the layer-sized slabs in pieces,
-    each copied and updated on its own, instead of through a slab of its own (engine.vocab_grad_pieces).
-    Only with one GPU worker per node and the moments in RAM: other ranks' pieces would need landing
-    counters of their own, and the disk tier stages whole stage spans."""
-    return (cfg.engine.vocab_grad_pieces and grad_home(cfg) == "pool" and ranks_per_node == 1
-            and cfg.host.moments_tier == "ram")
 
 
 def grad_pieces(numel: int, slab: int) -> list[tuple[int, int]]:

@@ -1,0 +1,97 @@
+"""RunSpec: every setting of a run that follows from several config sections and the machine.
+
+The driver resolves one spec, once, from the config and what it learned of the machine (device
+kind, GPUs per node, whether the kept layer inputs fit the GPU), and sends it to every actor. The
+components read their own config section plus the spec; nothing re-derives these settings, so the
+planner, the host store, the engine and the optimizer workers cannot disagree about them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatrain_ray.config.sections import Config
+
+GradHome = Literal["stream", "stage", "pool"]
+"""Where a stage's gradients land on the host: in its streaming copy (free until its update), in a
+buffer of its own (clipping on: every stage's gradients wait for the global norm), or in a small pool
+of slabs reused as updates finish (clipping off). See store/segments.py."""
+
+
+def takes_compiled_layer(tokens: int, mlp_chunk_tokens: int, packed: bool) -> bool:
+    """Whether a step of `tokens` tokens (per GPU) can take the compiled layer template: packed documents
+    (their per-document attention) and a chunked MLP (its loop over slices) run the eager one."""
+    return not packed and (mlp_chunk_tokens <= 0 or tokens <= mlp_chunk_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    device_type: Literal["cuda", "cpu"]
+    """Where the layer stream computes."""
+    ranks_per_node: int
+    """GPU workers sharing one node's host store (parallel.gpus / parallel.nodes)."""
+    nodes: int
+    rank_tokens: int
+    """Tokens one GPU computes per step: its rows of the global batch."""
+    master_dtype: str
+    compute_dtype: str
+    stream_dtype: str
+    """The host copy streamed to the device (precision.stream_dtype with auto resolved)."""
+    stream_is_master: bool
+    """The master weights are streamed directly (no separate streaming copy)."""
+    grad_home: GradHome
+    grad_dtype: str
+    """Format of the gradients on the host: the streaming copy's when they land in it, else precision.grad_dtype."""
+    moment_dtype: str
+    """Format of the AdamW moments: the master's at full precision, else bfloat16."""
+    vocab_in_pieces: bool
+    """Whether, in the slab pool, a stage larger than a layer (embedding, LM head) goes through the
+    layer-sized slabs in pieces, each copied and updated on its own (engine.vocab_grad_pieces). Only with
+    one GPU worker per node and the moments in RAM: other ranks' pieces would need landing counters of
+    their own, and the disk tier stages whole stage spans."""
+    compiles: bool
+    """The decoder-layer template goes through torch.compile on this device (engine.compile)."""
+    layers_compiled: bool
+    """And this run's training rows take it (see takes_compiled_layer)."""
+    activation_offload: bool
+    """Kept layer inputs live in pinned host memory (engine.activation_offload with auto decided by the plan)."""
+
+    @property
+    def world(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    def runs_compiled(self, tokens: int, mlp_chunk_tokens: int, packed: bool) -> bool:
+        """Whether a call of the layer over `tokens` tokens takes the compiled template (evaluation batches
+        may differ in shape from training ones)."""
+        return self.compiles and takes_compiled_layer(tokens, mlp_chunk_tokens, packed)
+
+    @classmethod
+    def resolve(cls, cfg: Config, *, device_type: str = "cuda", ranks_per_node: int | None = None,
+                nodes: int | None = None, activation_offload: bool | None = None) -> "RunSpec":
+        """The spec of `cfg` on a machine with `device_type`. `ranks_per_node`: GPUs per node once
+        `parallel.gpus: auto` is known (default: the config's count, auto planned as 1). `activation_offload`:
+        the plan's answer for `auto` (default: off; an explicit true/false in the config always wins)."""
+        p, e, o = cfg.precision, cfg.engine, cfg.optimizer
+        ranks = ranks_per_node if ranks_per_node is not None else \
+            (cfg.parallel.gpus // cfg.parallel.nodes if cfg.parallel.gpus != "auto" else 1)
+        nodes = nodes if nodes is not None else cfg.parallel.nodes
+        device: Literal["cuda", "cpu"] = "cuda" if device_type == "cuda" else "cpu"
+        stream_dtype = p.compute_dtype if p.stream_dtype == "auto" else p.stream_dtype
+        stream_is_master = stream_dtype == p.master_dtype
+        grad_home: GradHome = "stream" if not stream_is_master else ("stage" if o.grad_clip > 0 else "pool")
+        rank_tokens = cfg.data.batch_size // (ranks * nodes) * cfg.data.seq_len
+        compiles = e.compile is True or (e.compile == "auto" and device == "cuda")
+        offload = e.activation_offload if e.activation_offload != "auto" else bool(activation_offload)
+        return cls(
+            device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
+            master_dtype=p.master_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,
+            stream_is_master=stream_is_master, grad_home=grad_home,
+            grad_dtype=stream_dtype if grad_home == "stream" else
+            (p.compute_dtype if p.grad_dtype == "auto" else p.grad_dtype),
+            moment_dtype="bfloat16" if o.moment_dtype == "bfloat16" else p.master_dtype,
+            vocab_in_pieces=(e.vocab_grad_pieces and grad_home == "pool" and ranks == 1
+                             and cfg.host.moments_tier == "ram"),
+            compiles=compiles,
+            layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
+            activation_offload=bool(offload))
