@@ -55,7 +55,7 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 from megatrain_ray.observe.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
-from megatrain_ray.planning.memory import query_gpu  # noqa: E402
+from megatrain_ray.planning.machine import query_gpu  # noqa: E402
 
 # ----------------------------------------------------------------------------- one point (child process)
 
@@ -81,7 +81,8 @@ def _common(cfg, tokens_per_s: float) -> dict:
 def run_megatrain(spec: dict) -> dict:
     from megatrain_ray.driver.trainer import Trainer
     from megatrain_ray.observe.metrics import shm_bytes
-    from megatrain_ray.planning.memory import Machine, plan_run
+    from megatrain_ray.planning.machine import Machine
+    from megatrain_ray.planning.memory import plan_run
 
     cfg = _load(spec)
     plan = plan_run(cfg, Machine.detect(cfg.host.shm_dir))  # before the store takes the shared memory
@@ -239,7 +240,7 @@ def _refuse_what_deepspeed_says_will_not_fit(cfg) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     from megatrain_ray.model.layout import build_layout
-    from megatrain_ray.planning.memory import Machine
+    from megatrain_ray.planning.machine import Machine
 
     layout = build_layout(cfg.model)
     largest = max(layout.max_layer_numel, layout.embed.numel, layout.head.numel)

@@ -9,7 +9,8 @@ import torch
 from megatrain_ray.config.load import load_config
 from megatrain_ray.model import templates
 from megatrain_ray.model.templates import LayerSpec, decoder_layer, decoder_layer_backward, document_buckets
-from megatrain_ray.planning.memory import GiB, Machine, plan_run
+from megatrain_ray.planning.machine import Machine
+from megatrain_ray.planning.memory import GiB, plan_run
 from tests.conftest import saved_storage_bytes, tiny_raw
 
 

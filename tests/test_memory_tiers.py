@@ -18,7 +18,8 @@ from megatrain_ray.config.sections import ConfigError
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import CheckpointError, HostMemoryError
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.planning.memory import GiB, Machine, format_plan, plan_run
+from megatrain_ray.planning.machine import Machine
+from megatrain_ray.planning.memory import GiB, format_plan, plan_run
 from megatrain_ray.store.checkpoint import CheckpointDir
 from megatrain_ray.store.disk_tier import MomentStager
 from tests.conftest import tiny_config, tiny_raw
