@@ -5,7 +5,7 @@
 #
 # Every run writes its JSON into $OUT (the device tool brings it back) or benchmarks/results/.
 # Names and the issue each run answers:
-#   gpu-tests     tests/test_gpu.py (bf16 parity, copy overlap, peak vs depth, Ray path, 32K-token chunked
+#   gpu-tests     tests/gpu/test_gpu.py (bf16 parity, copy overlap, peak vs depth, Ray path, 32K-token chunked
 #                 + offloaded step against the unchunked one, offloaded peak flat in depth)      any GPU
 #   load-8b       issue 5: load time and peak RAM of an 8B sharded checkpoint (random bf16)      nvidia-h200 / h100
 #   long-context  issue 8: 8B-width layers at 128K/256K/512K tokens, activation offload on       nvidia-h200
@@ -42,7 +42,7 @@ export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/
 
 case "${1:-}" in
   gpu-tests)
-    python -m pytest -q tests/test_gpu.py -m gpu -s ;;
+    python -m pytest -q tests/gpu/test_gpu.py -m gpu -s ;;
   load-8b)
     python benchmarks/load_checkpoint.py --dir /tmp/llama8b-random --layers 32 --shards 2 --out "$OUT" ;;
   long-context)
@@ -102,7 +102,7 @@ case "${1:-}" in
     python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems "${SYSTEMS:-megatrain,megatrain-noclip}" \
       --gpus 1,2 --steps 3 --warmup 1 --name data-parallel-x2 --out "$OUT" --trace "$trace"
     for d in "$trace"/*/; do python benchmarks/update_trace.py "$d" --stages; done
-    if [ "${NCCL_TEST:-1}" = 1 ]; then python -m pytest -q tests/test_gpu.py -m gpu -s -p no:logging -k two_gpus; fi ;;
+    if [ "${NCCL_TEST:-1}" = 1 ]; then python -m pytest -q tests/gpu/test_gpu.py -m gpu -s -p no:logging -k two_gpus; fi ;;
   attention)
     python benchmarks/attention_backends.py --out "$OUT" ;;
   optim-x2)

@@ -5,7 +5,7 @@
 Nothing here needs the hardware: memory comes from `megatrain_ray.planning.memory` (the layout the host store
 allocates, the engine's GPU buffers), speed from `megatrain_ray.planning.speed` (the engine's schedule replayed
 with rates measured on the H100 and H200 boxes). Prints two markdown tables, the plan and the speed
-model against every measured megatrain point in benchmarks/results (tests/test_speed.py holds the
+model against every measured megatrain point in benchmarks/results (tests/unit/test_speed.py holds the
 same check), writes them to docs/plan-large-models.md and the figures to
 benchmarks/results/plan-large-models-*.json.
 
@@ -56,9 +56,9 @@ MACHINES = list(PRESETS)
 DOC = ROOT / "docs" / "plan-large-models.md"
 TIGHT = 0.93
 """GPU rows above this share of the GPU are marked tight: against the measured peaks the plan reads within
-TOLERANCE (peak_errors; the doc prints the range, tests/test_speed.py holds it)."""
+TOLERANCE (peak_errors; the doc prints the range, tests/unit/test_speed.py holds it)."""
 TOLERANCE = 0.10
-"""The speed model's tok/s against each measured point: within 10 % (tests/test_speed.py)."""
+"""The speed model's tok/s against each measured point: within 10 % (tests/unit/test_speed.py)."""
 
 
 # ----------------------------------------------------------------------------- the measured points
@@ -260,7 +260,7 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         f"{H200_BOX.h2d_gbps:g} / {H100_BOX.h2d_gbps:g} GB/s ({H200_BOX.h2d_loaded_gbps:g} / "
         f"{H100_BOX.h2d_loaded_gbps:g} while AdamW runs), D2H {H200_BOX.d2h_gbps:g} GB/s, CPU AdamW "
         f"{H200_BOX.adamw_gparams:g} / {H100_BOX.adamw_gparams:g} G params/s. Against every measured "
-        f"megatrain point on one GPU (the table at the end) it is within {worst:.1%} (tests/test_speed.py holds "
+        f"megatrain point on one GPU (the table at the end) it is within {worst:.1%} (tests/unit/test_speed.py holds "
         f"{TOLERANCE:.0%}, naming the misses); with several GPUs: {several}; the +27 % point ran before "
         "a stall of the 2-GPU updates was fixed (README, data parallel). Compiled layers were measured at the 7B, "
         "Qwen2.5-14B and Qwen2.5-32B widths. Hosts of 512 GB-1.5 TB "

@@ -23,7 +23,7 @@ log = get_logger(__name__)
 
 # Set before Ray is imported for a private single-box Ray: every Ray socket (GCS, raylets,
 # dashboard, metrics) then binds 127.0.0.1 instead of the host's routable address. An internal
-# Ray switch, guarded by tests/test_runtime.py, which lists the listening sockets.
+# Ray switch, guarded by tests/integration/test_runtime.py, which lists the listening sockets.
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # Concurrency group of every actor's heartbeat(), apart from its default group (one thread, so
 # the calls that touch its state run in order): a health check answers during a long step.

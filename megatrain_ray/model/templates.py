@@ -243,7 +243,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: L
     """Causal attention through SDPA (flash on GPU); q: [B, H, T, D], k and v: [B, H_kv, T, D]."""
     seq_len = q.shape[2]
     # GQA inside the kernel: k and v are never repeated to q's heads, so autograd keeps them at their own
-    # width (flash attention takes the groups as they are; tests/test_gpu.py forces it to show so).
+    # width (flash attention takes the groups as they are; tests/gpu/test_gpu.py forces it to show so).
     gqa = spec.num_kv_heads != spec.num_heads
     scale = spec.head_dim ** -0.5
     if spec.sliding_window and seq_len > spec.sliding_window:

@@ -47,7 +47,7 @@ bench rows record, i.e. measured under the engine's own overlap):
 (*) The microbenchmark's rate without concurrent H2D (with it: 3.84). On the H200 box the in-engine median
 (4.20) matches the microbenchmark without H2D (4.2, DESIGN.md section 3; 4.16-4.56 for 2-16 workers in
 `optimizer-scaling-h200-*`), not the one with it (3.5-3.9): in a step the copies run only part of the
-time. The H100 figure follows that evidence; the H100 run of `fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/test_speed.py.
+time. The H100 figure follows that evidence; the H100 run of `fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/unit/test_speed.py.
 
 A host of 512 GB .. 1.5 TB (the presets) is assumed to stream and update at the rates of the
 measured 16-core VM of its GPU kind; a server with more DRAM channels updates faster (DESIGN.md
@@ -56,7 +56,7 @@ section 3 gives 6.2 G params/s on 32 cores of `nvidia-h200-x2`; the x2 box measu
 rate. Data parallelism: every GPU runs the schedule on its own rows at once (plan.rank_tokens); the sum
 of the gradients over the GPUs (0.03-0.06 s per step on two), the weight all-gather of
 parallel.gather_weights and the slower AdamW while two GPUs copy (5.1 -> 4.3 G params/s in
-`data-parallel-x2-*` before the GPU workers were pinned; 5.3 -> 5.0-5.3 after) are not modelled. tests/test_speed.py replays every measured
+`data-parallel-x2-*` before the GPU workers were pinned; 5.3 -> 5.0-5.3 after) are not modelled. tests/unit/test_speed.py replays every measured
 megatrain point and holds the prediction within 10 % (docs/plan-large-models.md lists them), with two
 named known misses: a 2-GPU point measured before a stall was fixed (+27 %), and a 1-GPU point of the
 32-core x2 box where AdamW ran faster than the 16-core rate the model uses (-10.1 %). The H200 rows are

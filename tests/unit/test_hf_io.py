@@ -22,7 +22,7 @@ from megatrain_ray.exceptions import CheckpointError, ConfigError
 from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.store.export import export_weights_dir
 from tests.conftest import tiny_raw
-from tests.test_templates import hf_model
+from tests.unit.test_templates import hf_model
 
 # One model per family, each with the feature that family adds.
 FAMILY_MODELS = {"llama": "llama-gqa", "mistral": "mistral-sliding-window", "qwen2": "qwen2-bias-tied",

@@ -26,7 +26,7 @@ from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ParallelError
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import REPO, learnable_tokens, tiny_config, tiny_raw
-from tests.test_runtime import LOOPBACK, listening_sockets
+from tests.integration.test_runtime import LOOPBACK, listening_sockets
 
 pytestmark = pytest.mark.ray
 

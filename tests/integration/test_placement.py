@@ -19,7 +19,7 @@ from megatrain_ray.driver.runtime import spawn, start_ray
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.system import topology
 from tests.conftest import tiny_config
-from tests.test_topology import fake_sysfs
+from tests.unit.test_topology import fake_sysfs
 
 pytestmark = pytest.mark.ray
 

@@ -1,6 +1,6 @@
 """GPU-only checks (marker `gpu`; skipped without CUDA). Run on the GPU machine:
 
-    python -m pytest tests/test_gpu.py -m gpu -s
+    python -m pytest tests/gpu/test_gpu.py -m gpu -s
 
 They print the figures the closing notes report (overlap fraction, peak memory by depth).
 """

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open
 
 from tests.conftest import REPO
-from tests.test_cli import megatrain
+from tests.integration.test_cli import megatrain
 
 EXAMPLE = f"{REPO}/examples/finetune_qwen2"
 
