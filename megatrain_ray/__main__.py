@@ -22,10 +22,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megatrain_ray.config.load import config_to_yaml, load_config
+from megatrain_ray.config.load import config_to_yaml, load_config, parse_size
 from megatrain_ray.config.sections import Config
-from megatrain_ray.exceptions import MegatrainError
+from megatrain_ray.driver.placement import numa_resources
+from megatrain_ray.exceptions import ConfigError, MegatrainError
 from megatrain_ray.observe.log import get_logger, init_logger
+from megatrain_ray.observe.plot import plot_run
+from megatrain_ray.planning.memory import Machine, format_plan, plan_run
+from megatrain_ray.planning.speed import PRESETS
+from megatrain_ray.store.export import export_weights_dir
+from megatrain_ray.system.topology import detect_topology
 
 log = get_logger(__name__)
 
@@ -41,7 +47,7 @@ def _load(args: argparse.Namespace) -> Config:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a model as the config says; the run directory gets config.yaml, metrics.jsonl and checkpoints."""
-    from megatrain_ray.driver.trainer import Interrupted, Trainer
+    from megatrain_ray.driver.trainer import Interrupted, Trainer  # lazy: start-up time (the actors and engine)
 
     cfg = _load(args)
     trainer = Trainer(cfg, resume=args.resume, config_path=args.config)
@@ -81,9 +87,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the host RAM, shared memory, pinned memory and GPU memory the config needs, and the expected
     tok/s, against this machine (or one described by --machine and/or --host-memory/--gpu-memory/--shm);
     exit 2 when it does not fit."""
-    from megatrain_ray.exceptions import ConfigError
-    from megatrain_ray.planning.memory import Machine, format_plan, plan_run
-
     cfg = _load(args)
     machine = Machine.from_preset(args.machine) if args.machine else Machine.detect(cfg.host.shm_dir)
     machine = machine.override(host_memory=args.host_memory, gpu_memory=args.gpu_memory, shm=args.shm)
@@ -109,8 +112,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw a run's loss and throughput (tok/s, model TFLOPS) curves from its metrics.jsonl to PNG."""
-    from megatrain_ray.observe.plot import plot_run
-
     for path in plot_run(Path(args.run_dir), Path(args.out) if args.out else None):
         log.info("wrote %s", path)
     return 0
@@ -118,9 +119,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_resources(args: argparse.Namespace) -> int:
     """Print this machine's NUMA nodes as Ray custom resources, for `ray start --head --resources=...`."""
-    from megatrain_ray.driver.placement import numa_resources
-    from megatrain_ray.system.topology import detect_topology
-
     sys.stdout.write(json.dumps(numa_resources(detect_topology())) + "\n")
     return 0
 
@@ -128,16 +126,13 @@ def cmd_resources(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a Hugging Face model directory (safetensors shards, index, config.json, tokenizer files) from a
     directory of safetensors weights (train.export_dir of a run, or a Hugging Face model) or a run directory."""
-    from megatrain_ray.config.load import parse_size
-    from megatrain_ray.store.export import export_weights_dir
-
     export_weights_dir(args.source, args.out_dir, dtype=args.dtype, shard_bytes=parse_size(args.shard_size, "--shard-size"))
     return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenize text or chat/instruction data into pyarrow shards with a per-token loss mask (data.path)."""
-    from megatrain_ray.data.prepare import PrepareOptions, prepare
+    from megatrain_ray.data.prepare import PrepareOptions, prepare  # lazy: start-up time (pyarrow)
 
     prepare(PrepareOptions(
         tokenizer_dir=args.tokenizer, format=args.format, inputs=list(args.input or []), output_dir=args.output,
@@ -163,8 +158,6 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="continue from a checkpoint: a checkpoint directory, or auto for the newest complete "
                             "one under checkpoint.dir (starting afresh when there is none)")
     if name == "plan":
-        from megatrain_ray.planning.speed import PRESETS
-
         p.add_argument("--machine", metavar="NAME", help="plan for a described machine instead of this one: "
                        f"{', '.join(PRESETS)} (GPU kind and installed host RAM; the flags below override its sizes)")
         for flag, what in (("--host-memory", "host RAM"), ("--gpu-memory", "GPU memory"), ("--shm", "/dev/shm size")):

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from megatrain_ray.config.hf import model_config_of_dir
 from megatrain_ray.config.sections import Config, ModelConfig, _fail, _to_plain
 from megatrain_ray.exceptions import ConfigError
 
@@ -167,8 +168,6 @@ def _shape_from_checkpoint(raw: dict[str, Any], config_dir: Path) -> None:
         return
     if not isinstance(model["path"], str):
         _fail("model.path", model["path"], "expected a string (a Hugging Face model directory)")
-    from megatrain_ray.config.hf import model_config_of_dir  # model code imports this module
-
     model_dir = resolve_data_path(model["path"], config_dir)
     if not Path(model_dir).is_dir():
         _fail("model.path", model["path"], "is not a directory; give a Hugging Face model directory")

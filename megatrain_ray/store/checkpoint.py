@@ -41,18 +41,17 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from megatrain_ray.config.load import _build
+from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.disk_tier import DiskTensor, byte_view
-
-if TYPE_CHECKING:
-    from megatrain_ray.config.sections import ModelConfig
 
 log = get_logger(__name__)
 
@@ -418,7 +417,4 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
 
 def model_config_of(info: CheckpointInfo) -> ModelConfig:
     """The model a checkpoint holds, from the config saved in its manifest."""
-    from megatrain_ray.config.load import _build
-    from megatrain_ray.config.sections import ModelConfig
-
     return _build(ModelConfig, dict(info.manifest["config"]["model"]), "model")
