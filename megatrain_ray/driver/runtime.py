@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_ray.config.sections import RuntimeConfig
+from megatrain_ray.driver.placement import numa_resources
 from megatrain_ray.exceptions import ActorFailedError
 from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.topology import detect_topology
 
 log = get_logger(__name__)
 
@@ -170,9 +172,6 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     # Token auth: Ray 2.60 turns it on by default for a new local cluster (unless RAY_AUTH_MODE says
     # otherwise) and writes ~/.ray/auth_token when there is none.
     if resources is None:
-        from megatrain_ray.driver.placement import numa_resources
-        from megatrain_ray.system.topology import detect_topology
-
         resources = numa_resources(detect_topology())
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
