@@ -180,3 +180,24 @@ class StageSync:
                                     f"{self.info.node} is stuck or dead")
             time.sleep(self.POLL_S[min(polls, len(self.POLL_S) - 1)])
             polls += 1
+
+
+def global_totals(comm: Collectives, info: RankInfo, loss_sum: torch.Tensor, sqnorm: torch.Tensor,
+                  checksum: float | None, step: int) -> tuple[float, float]:
+    """The step's loss and gradient norm over all ranks, in one all-reduce that also compares the nodes'
+    checksums: [loss, squared norm, checksum of node 0, ..., checksum of node M-1]. Each piece of the
+    summed gradients is held by one rank per node, so only node 0's ranks add their squared norms."""
+    totals = torch.zeros(2 + info.nodes, dtype=torch.float64, device=sqnorm.device)
+    totals[0] = loss_sum
+    if info.node == 0:
+        totals[1] = sqnorm
+    if checksum is not None:
+        totals[2 + info.node] = checksum
+    comm.all_reduce(totals)
+    loss, squared_norm, *sums = totals.tolist()
+    if info.nodes > 1 and any(x != sums[0] and not (math.isnan(x) and math.isnan(sums[0])) for x in sums):
+        raise ParallelError(f"the nodes' host copies of the weights differ at train step {step}: "
+                            f"checksums {', '.join(f'node {k}: {x!r}' for k, x in enumerate(sums))}. Each node "
+                            "applies the same summed gradients to its own copy, so one copy was corrupted or "
+                            "missed an update; resume from the last checkpoint (--resume auto)")
+    return loss, math.sqrt(squared_norm)

@@ -19,6 +19,9 @@ CLOCK_MONOTONIC: one clock for every process of a host, so the optimizer workers
     wait_start, wait_end  main thread blocked for the stage's update (a load, or a gradient slab)
 
 benchmarks/update_trace.py reads the files and says where the time goes.
+
+Besides the trace, every step measures itself (StepTelemetry): device time per activity from timing
+events (Timeline) and host-side counters (STEP_STATS), both returned in the step's StepResult.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from megatrain_ray.engine.streams import DeviceStreams
 
 
 class UpdateTrace:
@@ -61,3 +66,66 @@ class UpdateTrace:
         with open(self.path, "a") as f:
             f.writelines(json.dumps({"step": s, "stage": i, "event": e, "t": round(t, 6)}) + "\n"
                          for s, i, e, t in events)
+
+
+STEP_STATS = ("optimizer_seconds", "optimizer_bytes", "update_wait_seconds", "slab_wait_seconds", "h2d_bytes",
+              "d2h_bytes")
+"""The host-side counters of a step, summed over its loads, copies and waits."""
+
+
+class Timeline:
+    """Device time of each activity in a step (compute, H2D, D2H), from timing events that are
+    read once at the end of the step: no synchronisation inside it."""
+
+    def __init__(self, streams: DeviceStreams):
+        self.streams = streams
+        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": [], "comm": []}
+
+    def start(self, stream: Any) -> Any:
+        return self.streams.record(stream, timing=True)
+
+    def stop(self, kind: str, stream: Any, start: Any) -> Any:
+        """Close a span of `kind` on `stream`; returns its end event."""
+        end = self.streams.record(stream, timing=True)
+        self.spans[kind].append((start, end))
+        return end
+
+    def seconds(self) -> dict[str, float]:
+        out = {}
+        for kind, spans in self.spans.items():
+            if spans:
+                spans[-1][1].synchronize()
+            out[kind] = sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return out
+
+
+class StepTelemetry:
+    """What the engine's parts measure in a step, in one object they share: the timeline, the counters
+    and the update trace (None unless engine.update_trace). Each step starts both afresh."""
+
+    def __init__(self, streams: DeviceStreams, trace: UpdateTrace | None):
+        self.streams = streams
+        self.trace = trace
+        self.timeline = Timeline(streams)
+        self.stats: dict[str, float] = dict.fromkeys(STEP_STATS, 0.0)
+
+    def new_step(self) -> None:
+        self.timeline = Timeline(self.streams)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = dict.fromkeys(STEP_STATS, 0.0)
+
+    def mark(self, event: str, stage: int, step: int, at: float | None = None) -> None:
+        if self.trace is not None:
+            self.trace.mark(event, stage, step, at)
+
+    def on_device(self, stage: int, step: int, timing_event: Any) -> None:
+        if self.trace is not None:
+            self.trace.on_device(stage, step, timing_event)
+
+    def copied(self, kind: str, stream: Any, start: Any, nbytes: int) -> None:
+        """A copy outside the weight and gradient streams (the activation stash's): into the timeline and
+        the byte counts with them."""
+        self.timeline.stop(kind, stream, start)
+        self.stats[f"{kind}_bytes"] += nbytes

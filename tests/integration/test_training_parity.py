@@ -181,12 +181,12 @@ def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch, tmp_pat
     import torch._inductor.config as inductor_config
 
     from megatrain_ray.config.resolved import RunSpec
-    from megatrain_ray.engine import step as stream_engine
+    from megatrain_ray.engine import weights as engine_weights
 
     assert [RunSpec.resolve(tiny_config(tmp_path, engine={"compile": c}), device_type=d).compiles
             for c in ("auto", True, False) for d in ("cuda", "cpu")] == [True, False, True, True, False, False]
     warnings = []
-    monkeypatch.setattr(stream_engine, "warn_once", lambda _log, message: warnings.append(message))
+    monkeypatch.setattr(engine_weights, "warn_once", lambda _log, message: warnings.append(message))
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
 
     def layer(x, w):
@@ -195,7 +195,7 @@ def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch, tmp_pat
     x, w = torch.randn(8), torch.randn(8)
     for fall_back in (False, True):
         torch._dynamo.reset()
-        compiled = stream_engine._CompiledLayer(layer, fall_back=fall_back)
+        compiled = engine_weights._CompiledLayer(layer, fall_back=fall_back)
         if not fall_back:
             with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
                 compiled(x, w)

@@ -166,7 +166,7 @@ def test_a_closed_run_lets_go_of_its_device_and_pinned_buffers_without_the_garba
         with Trainer(cfg) as trainer:
             trainer.step(0)
             engine = trainer.gpu.instance.engine
-            buffers = [weakref.ref(t) for t in (engine.layer_slots[0].raw, engine.layer_grads[0].buf,
+            buffers = [weakref.ref(t) for t in (engine.weights.layer_slots[0].raw, engine.grads.layer_slots[0].buf,
                                                  engine.vocab_acc, *engine.activations.host.values())]
             del engine
         assert len(buffers) > 4  # the offloaded inputs' host buffers are among them

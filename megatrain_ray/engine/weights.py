@@ -1,0 +1,184 @@
+"""The weights' way in: device slots that each hold one stage's weights, filled host->device on the H2D stream.
+
+Two slots serve the layers (layer i computes in one while layer i+1 is copied into the other), one each the
+embedding and the LM head. A load waits first for the stage's last ordered update (its weights change), and
+compute waits for the load by an event; a slot is overwritten only once compute released its occupant.
+
+Several ranks per node with parallel.gather_weights: each rank copies its piece of the stage from the host
+and the pieces are all-gathered over the node's ranks. Several nodes: the leader sums a sample of every stage's
+host weights, which the step's totals compare across the nodes (their copies must stay equal).
+
+Also here: the decoder layer through torch.compile (_CompiledLayer), which runs on these weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatrain_ray.engine.collective import Collectives, RankInfo, padded
+from megatrain_ray.engine.streams import DeviceStreams
+from megatrain_ray.engine.telemetry import StepTelemetry
+from megatrain_ray.engine.updates import UpdateDispatch
+from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.templates import bind
+from megatrain_ray.observe.log import get_logger, warn_once
+from megatrain_ray.store.segments import HostStore
+
+log = get_logger(__name__)
+
+CHECKSUM_SAMPLES = 4096
+"""Elements per stage (evenly strided) in the per-step checksum that compares the nodes' copies."""
+
+
+class _CompiledLayer:
+    """A layer function (decoder_layer) through torch.compile. Shapes are fixed per run (the weights of
+    every layer are views at the same offsets), so one graph per sequence shape serves every layer. With
+    engine.compile auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in
+    BackendCompilerFailed) is logged once and the eager function runs from then on; with true it
+    propagates. It surfaces at the call that compiles, before the layer computed anything, so the eager
+    function in its place loses nothing."""
+
+    def __init__(self, eager: Any, fall_back: bool) -> None:
+        self.eager = eager
+        self.fn = torch.compile(eager, dynamic=False)
+        self.fall_back = fall_back
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if not self.fall_back:
+                raise
+            self.failed = True
+            warn_once(log, f"engine.compile=auto: torch.compile of the decoder layer failed "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                           "the layer runs eagerly. Set engine.compile=false: that skips the attempt, and the "
+                           "memory plan then budgets the GPU for eager layers, which need more")
+            return self.eager(*args)
+
+
+@dataclass(slots=True)
+class WeightSlot:
+    """A device buffer that holds one stage's weights at a time."""
+
+    raw: torch.Tensor
+    """Destination of the H2D copy, in the streaming dtype."""
+    compute: torch.Tensor
+    """The same buffer when the streaming dtype is the compute dtype, else its cast."""
+    ready: Any = None
+    """Event: the copy (and cast) of `holds` is complete."""
+    free: Any = None
+    """Event: compute no longer reads the previous occupant."""
+    holds: int = -1
+
+
+class WeightStream:
+    def __init__(self, layout: ModelLayout, store: HostStore, streams: DeviceStreams, telemetry: StepTelemetry,
+                 updates: UpdateDispatch, rank: RankInfo, stream_dtype: torch.dtype, compute_dtype: torch.dtype,
+                 poison: bool, gather_weights: bool):
+        """`poison`: fill the slots with NaN (engine.poison_buffers); `gather_weights`: parallel.gather_weights."""
+        self.store = store
+        self.streams = streams
+        self.telemetry = telemetry
+        self.updates = updates
+        self.rank = rank
+        self.stream_dtype, self.compute_dtype = stream_dtype, compute_dtype
+        self.poison = poison
+        self.gather_weights = gather_weights
+        self.comm: Collectives | None = None
+        """The process group (several ranks only), attached once every rank has joined."""
+        self.gather = False
+        """This step loads weights in pieces gathered over the node's ranks (training steps only)."""
+        self.checksum: float | None = None
+        self.summed: set[int] = set()
+        self.layer_slots = [self._slot(layout.max_layer_numel) for _ in range(2)]
+        self.embed_slot = self._slot(layout.embed.numel)
+        self.head_slot = self._slot(layout.head.numel)
+
+    def _slot(self, numel: int) -> WeightSlot:
+        numel, device = padded(numel, self.rank.local_world), self.streams.device  # room for every rank's piece
+        raw = torch.empty(numel, dtype=self.stream_dtype, device=device)
+        compute = raw if self.stream_dtype == self.compute_dtype else \
+            torch.empty(numel, dtype=self.compute_dtype, device=device)
+        for t in {id(raw): raw, id(compute): compute}.values():
+            t.fill_(float("nan") if self.poison else 0.0)
+        return WeightSlot(raw, compute)
+
+    def begin_step(self, training: bool) -> None:
+        """A step starts; a training step gathers weights (parallel.gather_weights) and, on the leader of one of
+        several nodes, sums the checksum sample of each stage it loads."""
+        self.checksum = None
+        if not training:
+            return
+        self.gather = self.gather_weights and self.comm is not None and self.rank.local_world > 1
+        if self.comm is not None and self.rank.nodes > 1 and self.rank.leader:
+            self.checksum, self.summed = 0.0, set()
+
+    def take_checksum(self) -> float | None:
+        """The step's checksum sample (None: not summed on this rank); the next step sums its own."""
+        checksum, self.checksum = self.checksum, None
+        return checksum
+
+    def end_step(self) -> None:
+        self.gather = False  # evaluation runs on one rank: it must never wait for the others' pieces
+        # Weights change with the updates just ordered: nothing on the device is current any more.
+        for slot in (*self.layer_slots, self.embed_slot, self.head_slot):
+            slot.holds = -1
+
+    def slot_for(self, stage: StageLayout) -> WeightSlot:
+        if stage.kind == "embed":
+            return self.embed_slot
+        if stage.kind == "head":
+            return self.head_slot
+        return self.layer_slots[stage.index % 2]
+
+    def load(self, stage: StageLayout) -> WeightSlot:
+        """Issue the H2D copy of a stage's weights (no-op if its slot still holds them this step)."""
+        slot = self.slot_for(stage)
+        if slot.holds == stage.index:
+            return slot
+        self.updates.wait(stage.index)
+        if self.checksum is not None and stage.index not in self.summed:
+            self.summed.add(stage.index)
+            self.checksum += self._sample_sum(stage)
+        s, timeline = self.streams, self.telemetry.timeline
+        with s.on(s.h2d):
+            s.wait(s.h2d, slot.free)
+            start = timeline.start(s.h2d)
+            first, end = self.rank.piece(stage.numel) if self.gather else (0, stage.numel)
+            slot.raw[first:end].copy_(self.store.stream(stage.index)[first:end], non_blocking=True)
+            timeline.stop("h2d", s.h2d, start)
+            if self.gather:
+                start = timeline.start(s.h2d)
+                self.comm.gather(slot.raw[:padded(stage.numel, self.rank.local_world)])
+                timeline.stop("comm", s.h2d, start)
+            if slot.compute is not slot.raw:
+                slot.compute[:stage.numel].copy_(slot.raw[:stage.numel])
+            slot.ready = s.record(s.h2d)
+        slot.holds = stage.index
+        self.telemetry.stats["h2d_bytes"] += (end - first) * slot.raw.element_size()
+        return slot
+
+    def _sample_sum(self, stage: StageLayout) -> float:
+        """float64 sum of evenly strided elements of the weights the node streams for `stage` (read once
+        its update is applied, before this step's gradients exist): equal on every node, or a copy is wrong."""
+        host = self.store.stream(stage.index)[:stage.numel]
+        return float(host[::max(1, stage.numel // CHECKSUM_SAMPLES)].sum(dtype=torch.float64))
+
+    def bind(self, stage: StageLayout, slot: WeightSlot) -> dict[str, torch.Tensor]:
+        """The stage's tensors, views of the slot, once compute waited for their load."""
+        self.streams.wait(self.streams.compute, slot.ready)
+        return bind(slot.compute[:stage.numel], stage)
+
+    def release(self, slot: WeightSlot) -> None:
+        """Compute is done with the slot's weights: the next load may overwrite them."""
+        slot.free = self.streams.record(self.streams.compute)
+
+    def close(self) -> None:
+        """Let go of the device buffers."""
+        self.layer_slots = []
+        self.embed_slot = self.head_slot = None
