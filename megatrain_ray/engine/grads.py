@@ -74,8 +74,8 @@ class GradientSink:
         """The step's squared norm of this rank's pieces of the summed gradients."""
 
     def _slot(self, stage: StageLayout) -> GradSlot:
-        numel, local_world = padded(stage.numel, self.rank.local_world), self.rank.local_world
-        device = self.streams.device
+        local_world, device = self.rank.local_world, self.streams.device
+        numel = padded(stage.numel, local_world)
         buf = torch.full((numel,), float("nan") if self.poison else 0.0, dtype=self.grad_dtype, device=device)
         for a, b in [*_gaps(stage), (stage.numel, numel)]:
             buf[a:b].zero_()

@@ -153,7 +153,7 @@ class StreamEngine:
         self.telemetry.mark("device_idle", -1, step)
         loss, grad_norm = self._totals(head.loss_sum, step)
         skipped = self._order_deferred_updates(loss, grad_norm)
-        self._end()
+        self.weights.end_step()
 
         device_seconds = self.telemetry.timeline.seconds()
         if trace is not None:
@@ -177,9 +177,6 @@ class StreamEngine:
         self.weights.begin_step(training)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-
-    def _end(self) -> None:
-        self.weights.end_step()
 
     # ------------------------------------------------------------------ forward
 
@@ -352,7 +349,7 @@ class StreamEngine:
         out = head(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w))
         self.weights.release(self.weights.head_slot)
         self.weights.release(embed_slot)
-        self._end()
+        self.weights.end_step()
         return out
 
     def flush(self) -> float:
