@@ -12,12 +12,12 @@ import time
 import pytest
 
 from actors.base import ActorBase
-from megatrain_ray.system import topology
 from megatrain_ray.config.sections import RuntimeConfig
 from megatrain_ray.driver.faults import HealthMonitor
 from megatrain_ray.driver.placement import RayPlacement, numa_resources
 from megatrain_ray.driver.runtime import spawn, start_ray
 from megatrain_ray.driver.trainer import Trainer
+from megatrain_ray.system import topology
 from tests.conftest import tiny_config
 from tests.test_topology import fake_sysfs
 
@@ -91,8 +91,8 @@ def test_health_names_slow_and_dead_actors(two_node_ray, caplog):
     handles = {name: spawn("ray", cls, name=f"health-test-{name}")
                for name, cls in (("busy", Patient), ("frozen", Frozen), ("doomed", Patient))}
     for handle in handles.values():
-        handle.call("pid").result(timeout=60)
-    busy = handles["busy"].call("work", 6.0)
+        handle.pid().result(timeout=60)
+    busy = handles["busy"].work(6.0)
     ages: dict[str, float] = {}
     monitor = HealthMonitor(handles, interval_s=0.3, timeout_s=2.0, on_age=ages.__setitem__)
     with caplog.at_level(logging.INFO, logger="megatrain_ray"):

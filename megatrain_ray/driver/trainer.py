@@ -269,10 +269,10 @@ class Trainer:
         log.info("host store ready: %.2f GiB in %d segments per node, %s (%.1f s)",
                  sum(s.nbytes for s in self.specs) / 2**30, len(self.specs), plan.describe(),
                  time.perf_counter() - t0)
-        self.device_name = self.gpu.call("device_name").result()
+        self.device_name = self.gpu.device_name().result()
         handles = self.actor_handles()
         self.actor_names = list(handles)
-        self.actor_pids = [h.call("pid").result() for h in handles.values()]
+        self.actor_pids = [h.pid().result() for h in handles.values()]
         self.health = monitor_actors(cfg.runtime.heartbeat_interval_s if mode == "ray" else 0,
                                      cfg.runtime.heartbeat_timeout_s, handles,
                                      self._exporter.heartbeat_age if self._exporter else None)
@@ -290,7 +290,7 @@ class Trainer:
                              ray_options=placement.options(f"host{s}"))
                        for s, stages in enumerate(self.stage_groups)]
         for shard in node.shards:
-            node.specs.extend(shard.call("segments").result())
+            node.specs.extend(shard.segments().result())
         workers = placement.num_workers
         node.optimizers = [spawn(mode, OptimizerWorker, cfg, self.layout, node.specs, w, workers,
                                  placement.worker_cores(w), name=f"{name}optim{w}",
@@ -307,8 +307,8 @@ class Trainer:
         if plan.same_host:
             init_method = f"file://{self._store_file()}"
         else:
-            init_method = self.gpu.call("rendezvous").result()
-        gather([g.call("join", init_method, plan.backend, self.cfg.parallel.timeout_s, plan.same_host)
+            init_method = self.gpu.rendezvous().result()
+        gather([g.join(init_method, plan.backend, self.cfg.parallel.timeout_s, plan.same_host)
                 for g in self.gpus])
 
     def _store_file(self) -> str:
@@ -330,7 +330,7 @@ class Trainer:
         if after_failure and self.parallel.world > 1:
             patience = min(patience, 30.0)
         deadline = time.monotonic() + patience
-        for name, future in [(n, g.call("shutdown")) for n, g in self._rank_names()]:
+        for name, future in [(n, g.shutdown()) for n, g in self._rank_names()]:
             try:
                 future.result(timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:  # a dead optimizer makes the last flush fail; keep closing
@@ -338,12 +338,12 @@ class Trainer:
         for node in self.nodes:
             for handle in node.optimizers:  # their disk-tier writes finish, their threads stop
                 try:
-                    handle.call("shutdown").result(timeout=max(0.1, deadline - time.monotonic()))
+                    handle.shutdown().result(timeout=max(0.1, deadline - time.monotonic()))
                 except Exception as exc:
                     log.warning("optimizer shutdown: %s", exc)
             for handle in node.shards:
                 try:
-                    handle.call("shutdown").result()
+                    handle.shutdown().result()
                 except Exception as exc:
                     log.warning("shard shutdown: %s", exc)
             for handle in [*node.gpus, *node.optimizers, *node.shards]:
@@ -410,16 +410,16 @@ class Trainer:
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
         parts, loss_tokens = split_batch(self.data.batch(step), self.parallel.world)
         if self._drill("nan_grad", step) is not None:
-            self.gpu.call("arm_nan_grad").result()  # rank 0's next step puts a NaN into a gradient
+            self.gpu.arm_nan_grad().result()  # rank 0's next step puts a NaN into a gradient
         kill = self._drill("kill", step)
         t0 = time.perf_counter()
         # Each rank its rows (one rank: the whole batch); every rank divides by the loss tokens of the whole batch.
-        futures = [gpu.call("train_step", part, lr, self.updates_applied + 1, loss_tokens)
+        futures = [gpu.train_step(part, lr, self.updates_applied + 1, loss_tokens)
                    for gpu, part in zip(self.gpus, parts)]
         if kill:
             time.sleep(0.05)  # let the step get going: the kill lands in the middle of it
             self._kill(kill)
-        pings = [shard.call("pid") for node in self.nodes for shard in node.shards]  # a dead HostShard fails here
+        pings = [shard.pid() for node in self.nodes for shard in node.shards]  # a dead HostShard fails here
         try:
             result = merge_results(gather(futures))
         except ActorFailedError:
@@ -575,7 +575,7 @@ class Trainer:
         self.sync_moments()
         partial = self.checkpoints.partial(self.next_step, self.run_id)
         die = self._drill("kill_during_checkpoint", self.next_step) is not None
-        for begun in [shard.call("save_begin", self.next_step, str(partial), die) for shard in self.shards]:
+        for begun in [shard.save_begin(self.next_step, str(partial), die) for shard in self.shards]:
             begun.result()
         self._pending_save = (self.next_step, self.updates_applied, partial, time.perf_counter())
         return self._finish_save() if wait else None
@@ -584,7 +584,7 @@ class Trainer:
         assert self._pending_save is not None
         step, updates, partial, t0 = self._pending_save
         self._pending_save = None
-        files = [entry for shard in self.shards for entry in shard.call("save_wait").result()]
+        files = [entry for shard in self.shards for entry in shard.save_wait().result()]
         manifest = {"updates_applied": updates, "state_config": state_config(self.cfg), "config": self.cfg.to_dict(),
                     "rng": rng_state(), "data": {"seed": self.cfg.data.seed, "epoch": self.data.epoch_of(step)},
                     "run_id": self.run_id, "files": files}
@@ -598,7 +598,7 @@ class Trainer:
         pending updates)."""
         assert self.gpu is not None
         self.flush()
-        results = [self.gpu.call("eval_loss", batch).result() for batch in self.eval_data]
+        results = [self.gpu.eval_loss(batch).result() for batch in self.eval_data]
         tokens = sum(n for _, n in results)
         return sum(loss * n for loss, n in results) / max(1, tokens)
 
@@ -612,12 +612,12 @@ class Trainer:
 
     def flush(self) -> None:
         assert self.gpu is not None
-        gather([g.call("flush") for g in self.gpus])
+        gather([g.flush() for g in self.gpus])
 
     def sync_moments(self) -> None:
         """With the disk tier: wait until the moments the optimizers wrote back behind are in their files."""
         if self.cfg.host.moments_tier == "disk":
-            for done in [worker.call("sync") for worker in self.optimizers]:
+            for done in [worker.sync() for worker in self.optimizers]:
                 done.result()
 
     def read_moments(self, kind: str) -> dict[str, torch.Tensor]:
@@ -656,4 +656,4 @@ class Trainer:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.gpu is not None
         self.flush()
-        return self.gpu.call("logits", ids).result()
+        return self.gpu.logits(ids).result()
