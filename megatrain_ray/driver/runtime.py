@@ -42,9 +42,11 @@ class ActorHandle(ABC):
         self.actor_class, self.name = actor_class, name
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
-        # Underscored names first: unpickling asks for __setstate__ before actor_class is restored.
-        if method.startswith("_") or not callable(getattr(self.actor_class, method, None)):
-            raise AttributeError(f"{self.actor_class.__name__} (actor {self.name}) has no method {method!r}")
+        # Read through __dict__: unpickling looks names up before the attributes are restored.
+        actor_class = self.__dict__.get("actor_class")
+        if actor_class is None or method.startswith("_") or not callable(getattr(actor_class, method, None)):
+            raise AttributeError(f"{getattr(actor_class, '__name__', 'actor')} ({self.__dict__.get('name')}) "
+                                 f"has no method {method!r}")
         return functools.partial(self._send, method)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
