@@ -117,12 +117,6 @@ class HostShard(ActorBase):
     def segments(self) -> list[SegmentSpec]:
         return self.specs
 
-    def read_tensors(self, layout: ModelLayout, kind: str = "master") -> dict[str, torch.Tensor]:
-        return self.store.read_tensors(layout, kind)  # type: ignore[arg-type]
-
-    def write_tensors(self, layout: ModelLayout, tensors: dict[str, torch.Tensor]) -> None:
-        self.store.write_tensors(layout, tensors)
-
     def shutdown(self) -> None:
         if self._writer is not None:
             self._writer.thread.join()

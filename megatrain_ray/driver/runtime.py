@@ -1,16 +1,19 @@
 """Two launch modes, one set of classes: Ray actors, or the same classes in this process.
 
-`spawn` returns a handle whose `call(method, *args)` gives a future with `.result()`. In Ray
-mode the future wraps an ObjectRef; in local mode each actor is an object with one thread of
-its own, so calls to one actor run in order, as Ray runs them, and calls to different actors
-run concurrently, as they do in Ray.
+`spawn` returns a handle whose methods are the actor's: `handle.flush()` gives a future with
+`.result()`. In Ray mode the future wraps an ObjectRef; in local mode each actor is an object with
+one thread of its own, so calls to one actor run in order, as Ray runs them, and calls to different
+actors run concurrently, as they do in Ray.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,13 +36,33 @@ HEALTH_GROUP = "health"
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-class LocalHandle:
+class ActorHandle(ABC):
+    """A spawned actor: `handle.train_step(...)` sends it that call and returns a future with `.result()`.
+    A name the actor's class does not define fails here, at once, rather than inside the actor."""
+
+    def __init__(self, actor_class: type, name: str):
+        self.actor_class, self.name = actor_class, name
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        # Read through __dict__: unpickling looks names up before the attributes are restored.
+        actor_class = self.__dict__.get("actor_class")
+        if actor_class is None or method.startswith("_") or not callable(getattr(actor_class, method, None)):
+            raise AttributeError(f"{getattr(actor_class, '__name__', 'actor')} ({self.__dict__.get('name')}) "
+                                 f"has no method {method!r}")
+        return functools.partial(self._send, method)
+
+    @abstractmethod
+    def _send(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start `method` on the actor; a future of its result."""
+
+
+class LocalHandle(ActorHandle):
     def __init__(self, instance: Any, name: str):
-        self.name = name
+        super().__init__(type(instance), name)
         self.instance = instance
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
+    def _send(self, method: str, *args: Any, **kwargs: Any) -> Future:
         return self._thread.submit(getattr(self.instance, method), *args, **kwargs)
 
     def heartbeat(self) -> Future:
@@ -76,11 +99,12 @@ class RayFuture:
             raise ActorFailedError(f"actor {self.actor} failed in {self.method}: {exc}", {self.actor: exc}) from exc
 
 
-class RayHandle:
-    def __init__(self, actor: Any, name: str):
-        self.actor, self.name = actor, name
+class RayHandle(ActorHandle):
+    def __init__(self, actor: Any, name: str, actor_class: type):
+        super().__init__(actor_class, name)
+        self.actor = actor
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> RayFuture:
+    def _send(self, method: str, *args: Any, **kwargs: Any) -> RayFuture:
         return RayFuture(getattr(self.actor, method).remote(*args, **kwargs), self.name, method)
 
     def heartbeat(self) -> RayFuture:
@@ -198,4 +222,4 @@ def spawn(mode: str, cls: type, *args: Any, name: str, num_gpus: float = 0, ray_
     options = {"num_cpus": 0, "num_gpus": num_gpus, **(ray_options or {})}
     remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)
     actor = remote_cls.options(name=name, max_restarts=0, namespace="megatrain", **options).remote(*args, **kwargs)
-    return RayHandle(actor, name)
+    return RayHandle(actor, name, cls)

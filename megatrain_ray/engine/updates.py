@@ -130,7 +130,7 @@ class UpdateDispatch:
                 sync.wait_landed(stage, step)  # and so are the other ranks' pieces
                 telemetry.mark("landed", stage, step)
             telemetry.mark("sent", stage, step)
-            return [worker.call("apply", order) for worker in self.optimizers]
+            return [worker.apply(order) for worker in self.optimizers]
         future = self.dispatcher.submit(send)
         self.pending.setdefault(stage, []).append((step, future))
         if self.publisher is not None:

@@ -213,7 +213,7 @@ def test_two_nodes_give_the_run_of_one_and_check_their_copies(tmp_path, two_ray_
     cfg = tiny_config(tmp_path / "two", parallel={"gpus": 4, "nodes": 2, "gather_weights": True}, runtime={"mode": "ray"},
                       **steps)
     with Trainer(cfg) as trainer:
-        nodes = [{g.call("node_id").result(timeout=60) for g in node.gpus} for node in trainer.nodes]
+        nodes = [{g.node_id().result(timeout=60) for g in node.gpus} for node in trainer.nodes]
         assert len(nodes[0]) == len(nodes[1]) == 1 and nodes[0] != nodes[1], nodes
         assert nodes[0] == {ray.get_runtime_context().get_node_id()}  # node 0, which checkpoints, is the driver's
         assert not {s.path for s in trainer.nodes[0].specs} & {s.path for s in trainer.nodes[1].specs}

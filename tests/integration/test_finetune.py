@@ -203,7 +203,7 @@ def test_packed_and_unpacked_batches_give_the_same_update(model_dir, prepared, t
         data = DocumentBatches(cfg.data, cfg.model, str(prepared))
         batch = data.rows_batch([[0, 1, 2]] if packing else [[0], [1], [2]])
         with Trainer(cfg) as trainer:
-            result = trainer.gpu.call("train_step", batch, 1e-3, 1, batch.loss_tokens).result()
+            result = trainer.gpu.train_step(batch, 1e-3, 1, batch.loss_tokens).result()
             results[packing] = (result, trainer.master_weights())
     (plain, w_plain), (packed, w_packed) = results[False], results[True]
     assert packed.valid_tokens == plain.valid_tokens

@@ -91,8 +91,8 @@ def test_health_names_slow_and_dead_actors(two_node_ray, caplog):
     handles = {name: spawn("ray", cls, name=f"health-test-{name}")
                for name, cls in (("busy", Patient), ("frozen", Frozen), ("doomed", Patient))}
     for handle in handles.values():
-        handle.call("pid").result(timeout=60)
-    busy = handles["busy"].call("work", 6.0)
+        handle.pid().result(timeout=60)
+    busy = handles["busy"].work(6.0)
     ages: dict[str, float] = {}
     monitor = HealthMonitor(handles, interval_s=0.3, timeout_s=2.0, on_age=ages.__setitem__)
     with caplog.at_level(logging.INFO, logger="megatrain_ray"):

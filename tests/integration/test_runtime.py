@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatrain_ray.config.sections import RuntimeConfig
-from megatrain_ray.driver.runtime import start_ray
+from megatrain_ray.driver.runtime import spawn, start_ray
 
 pytestmark = pytest.mark.ray
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
@@ -100,3 +100,18 @@ def test_dashboard_needs_the_token(private_ray_with_dashboard):
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
+
+
+class Echo:
+    def echo(self, value: int) -> int:
+        return value
+
+
+def test_a_handle_offers_the_actor_methods_and_refuses_others_at_once():
+    handle = spawn("local", Echo, name="echo")
+    try:
+        assert handle.echo(3).result() == 3
+        with pytest.raises(AttributeError, match="no method 'ecko'"):
+            handle.ecko(3)
+    finally:
+        handle.kill()

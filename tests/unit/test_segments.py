@@ -11,7 +11,8 @@ import torch
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import ModelConfig
-from megatrain_ray.driver.trainer import Trainer, sweep_stale_segments
+from megatrain_ray.driver.cluster import sweep_stale_segments
+from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import DataError, HostMemoryError
 from megatrain_ray.model.layout import ALIGN_ELEMS, build_layout
 from megatrain_ray.store.segments import shard_stages

@@ -1,0 +1,112 @@
+"""The driver's side of checkpoints: which one a run resumes from, and the save protocol with the shards.
+
+A save is asynchronous: every HostShard snapshots its stages and writes them in the background
+(save_begin); the next step runs meanwhile, and the save completes when the shards' file entries are
+back (save_wait) and the manifest commits the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatrain_ray.config.sections import Config
+from megatrain_ray.data.batches import DocumentBatches, TokenBatches
+from megatrain_ray.driver.runtime import Handle
+from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, check_compatible, read_manifest, rng_state
+
+log = get_logger(__name__)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def truncate_metrics(path: Path, next_step: int) -> None:
+    """Drop the records of steps >= next_step (written after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) < next_step]
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def state_config(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The config keys that decide what the saved state means: a checkpoint only loads where they agree.
+    host.moments_tier is not one of them: the files are the same from either tier."""
+    return {"model": cfg.to_dict()["model"], "precision": {"master_dtype": cfg.precision.master_dtype},
+            "optimizer": {"moment_dtype": cfg.optimizer.moment_dtype}}
+
+
+def find_checkpoint(resume: str | None, checkpoints: CheckpointDir, layout: ModelLayout,
+                    cfg: Config) -> CheckpointInfo | None:
+    """The checkpoint `resume` names (a directory, or "auto": the newest complete one), checked against
+    this config before anything is allocated; None to start at step 0."""
+    if resume is None:
+        return None
+    info = checkpoints.latest() if resume == "auto" else read_manifest(resume)
+    if info is None:
+        log.info("--resume auto: no complete checkpoint under %s, starting from step 0", checkpoints.root)
+        return None
+    check_compatible(info, layout, state_config(cfg))
+    if info.step > cfg.train.steps:
+        raise CheckpointError(f"checkpoint {info.directory} is at step {info.step}, beyond "
+                              f"train.steps={cfg.train.steps}; raise train.steps to continue training")
+    return info
+
+
+@dataclass(frozen=True, slots=True)
+class SaveInFlight:
+    """A save the shards are writing: the state after `step` steps, `updates` of them applied."""
+
+    step: int
+    updates: int
+    partial: Path
+    started: float
+
+
+class Checkpointer:
+    """Begins saves on node 0's shards and completes them; at most one is in flight."""
+
+    def __init__(self, cfg: Config, checkpoints: CheckpointDir, data: TokenBatches | DocumentBatches):
+        self.cfg, self.checkpoints, self.data = cfg, checkpoints, data
+        self.in_flight: SaveInFlight | None = None
+
+    def begin(self, shards: list[Handle], step: int, updates: int, partial: Path, die: bool) -> None:
+        """Every shard holds its stages and starts writing them; `die` arms the kill_during_checkpoint drill."""
+        for begun in [shard.save_begin(step, str(partial), die) for shard in shards]:
+            begun.result()
+        self.in_flight = SaveInFlight(step, updates, partial, time.perf_counter())
+
+    def finish(self, shards: list[Handle], run_id: str) -> Path:
+        """Wait for the shards' files and commit the save in flight; its directory."""
+        assert self.in_flight is not None
+        save, self.in_flight = self.in_flight, None
+        files = [entry for shard in shards for entry in shard.save_wait().result()]
+        manifest = {"updates_applied": save.updates, "state_config": state_config(self.cfg),
+                    "config": self.cfg.to_dict(), "rng": rng_state(),
+                    "data": {"seed": self.cfg.data.seed, "epoch": self.data.epoch_of(save.step)},
+                    "run_id": run_id, "files": files}
+        final = self.checkpoints.commit(save.partial, save.step, manifest, self.cfg.checkpoint.keep)
+        log.info("checkpoint of step %d: %s (%.2f GiB, %.1f s)", save.step, final,
+                 sum(e["bytes"] for e in files) / 2**30, time.perf_counter() - save.started)
+        return final
+
+    def finish_or_lose(self, shards: list[Handle], run_id: str) -> None:
+        """After an actor died: complete the save in flight if its writers live (its snapshot predates the
+        failure); else it is lost and the previous checkpoint stands."""
+        if self.in_flight is not None:
+            try:
+                self.finish(shards, run_id)
+            except Exception as failed:  # noqa: BLE001 (a dead shard)
+                log.warning("the checkpoint in flight is lost: %s", str(failed).splitlines()[0])
+                self.in_flight = None
