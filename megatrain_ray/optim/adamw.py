@@ -4,7 +4,7 @@ The update of a span runs in cache-sized chunks. Per chunk: the gradient is cast
 dtype in a small scratch buffer (when it arrives in bf16 or fp32), torch's fused CPU AdamW
 updates master and moments, and the new weights are written to the streaming copy while the
 chunk is still in cache. Each byte of master, moments, gradient and streaming copy then
-crosses DRAM once per step, which is what bounds a CPU optimizer (see DESIGN.md section 3).
+crosses DRAM once per step, which is what bounds a CPU optimizer (docs/speed-model.md).
 
 bfloat16 moments (`optimizer.moment_dtype`) are widened to float32 in scratch chunks, updated in
 float32 and rounded back stochastically: the float32 bits plus 16 bits of noise, truncated. The

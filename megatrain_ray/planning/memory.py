@@ -198,8 +198,8 @@ def resolve_run(cfg: Config, gpu_memory: int | None, device_type: str = "cuda", 
 COMPILED_WORKING_SET = 0.797
 """A compiled layer's recompute and backward working set over the eager one's: 10,782 / 13,535 MiB of
 activations at the peak (all but the engine's buffers, the layer input coming back and RoPE's tables)
-in two GPU traces of the same step, 8 layers of 7B width at 64K tokens
-(benchmarks/results/gpu-memory-peak-h200-20261123-181853.json eager, -181932 compiled): Inductor fuses
+in two GPU traces of the same step, 8 layers of 7B width at 64K tokens on the H200 (eager and compiled;
+docs/benchmarks.md lists the traces): Inductor fuses
 the norms' and RoPE's intermediates and the MLP's activation away. Compiled rows have at most
 engine.mlp_chunk_tokens tokens (config/resolved.takes_compiled_layer), so no longer sequence depends on it."""
 

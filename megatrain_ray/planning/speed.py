@@ -1,73 +1,13 @@
 """Expected step time and tok/s of a run on a described machine, from measured costs.
 
 `megatrain plan CONFIG --machine h200-1tb` prints it next to the memory plan; nothing here needs
-the hardware. Every rate below was measured; each names its source.
-
-Costs of one stage (the embedding, each layer, the head):
-- GPU compute = model FLOPs of the stage (metrics.stage_flops_per_token, the harness formula
-  6 N + 6 L T d_attn split by stage) x tokens / the GPU's achieved model TFLOPS, the eager or the
-  compiled one as the run's layers go (plan.layers_compiled: engine.compile on the GPU). That rate is
-  measured on GPU-busy time (the engine's timed compute spans), so it already holds the
-  recomputation and the elementwise work. A layer's time splits 1 : 3 between forward and
-  recompute + backward (forward F, recompute F, backward 2 F); the head runs whole after the forward.
-- H2D = stage elements x streaming dtype bytes / the H2D rate, the lower "loaded" rate when the
-  optimizer runs at the copy's start (they share DRAM bandwidth);
-- D2H = stage elements x gradient dtype bytes / the D2H rate;
-- CPU AdamW = stage elements / the measured AdamW rate (all workers together: the rate is DRAM
-  bound and flat in the number of workers).
-
-They are combined by replaying the engine's schedule (megatrain_ray/engine/step.py) on
-four resources, each busy serially: the compute stream, the H2D stream, the D2H stream and the
-optimizer workers, plus the issuing thread that blocks where the engine blocks:
-- forward: H2D of stage i+1 overlaps the compute of stage i, into the weight slot stage i-1
-  released; the issuing thread waits for stage i+1's update before issuing stage i's compute;
-- backward: H2D of layer i-1 overlaps recompute + backward of layer i; the two layers still in
-  the slots at the end of the forward are not copied again; layer i's gradients go D2H while
-  layer i-1 computes, into one of two device gradient buffers;
-- clipping off: each stage's update is ordered once its gradients are on the host, so the
-  optimizer overlaps the backward; the next forward waits for the embedding's update, the last;
-- clipping on: the updates are ordered after the backward in forward order; the next step's
-  forward of stage i waits only for stage i's update (overlap with the forward);
-- gradients in a pool of slabs (fp32 master streamed, clipping off): a slab is reused only after
-  the update that read it.
-The step time is that of a steady-state step (the fourth replayed), as the trainer times it.
-
-Measured rates (the `benchmarks/results/` files; "in-engine" = the per-step figures megatrain's
-bench rows record, i.e. measured under the engine's own overlap):
-
-| constant | H200 box (`nvidia-h200`) | H100 box (`nvidia-h100-x1`) |
-|---|---|---|
-| model TFLOPS on GPU-busy time, eager layers | 371.7: median of model FLOPs / compute_seconds (one GPU's tokens) over the 34 eager megatrain rows of `*-h200-*.json`, both H200 hosts (347-379; the lowest at 256K-512K tokens) | 358.9: the H200 figure x 16.8 / 17.4, the 7B-layer fwd+bwd times of DESIGN.md section 3 on the two boxes (no megatrain compute split was recorded on the H100) |
-| the same, compiled layers | 461.8: median over the 41 compiled rows (449-474; 7B-width layers at 32k-64k tokens per GPU, Qwen2.5-14B and -32B widths at 32k) | 445.9: scaled the same way (not measured) |
-| H2D GB/s, idle / under optimizer load | 53 / 40: DESIGN.md section 3 ("H2D drops 53 -> 40 GB/s" while AdamW runs); in-engine link 46-54 | 55 / 43.4: DESIGN.md section 3; `optimizer-scaling-h100-*`, 4 workers + H2D |
-| D2H GB/s | 51.8: median in-engine d2h_gbps_link of the 39 rows of this box | 51.7: assumed equal (DESIGN.md gives 55 one way on both) |
-| AdamW G params/s (fp32, all workers) | 4.20: median in-engine optimizer_gparams_per_s of the 11 rows of this box it bounds (GPU busy under 90 %: the 8k rows and the 32k rows with clipping on; 3.5-4.7 across the sessions' boxes; the 32-core `nvidia-h200-x2` host ran 4.3-5.1, not counted). Where the GPU bounds the step the in-engine rate says little (2.9-5.6) | 4.36: `optimizer-scaling-h100-*`, 4 workers (*) |
-| control round trip per update | 1.1 ms: DESIGN.md section 2, an actor call | same |
-
-(*) The microbenchmark's rate without concurrent H2D (with it: 3.84). On the H200 box the in-engine median
-(4.20) matches the microbenchmark without H2D (4.2, DESIGN.md section 3; 4.16-4.56 for 2-16 workers in
-`optimizer-scaling-h200-*`), not the one with it (3.5-3.9): in a step the copies run only part of the
-time. The H100 figure follows that evidence; the H100 run of `fault-recovery-h100-*` (4 layers, 16k tokens, clipping on) checks it in tests/unit/test_speed.py.
-
-A host of 512 GB .. 1.5 TB (the presets) is assumed to stream and update at the rates of the
-measured 16-core VM of its GPU kind; a server with more DRAM channels updates faster (DESIGN.md
-section 3 gives 6.2 G params/s on 32 cores of `nvidia-h200-x2`; the x2 box measured here ran 4.0-5.2 for
-1-32 workers, `optimizer-scaling-h200-20261123-184223.json`): `--optimizer-gparams` plans with another
-rate. Data parallelism: every GPU runs the schedule on its own rows at once (plan.rank_tokens); the sum
-of the gradients over the GPUs (0.03-0.06 s per step on two), the weight all-gather of
-parallel.gather_weights and the slower AdamW while two GPUs copy (5.1 -> 4.3 G params/s in
-`data-parallel-x2-*` before the GPU workers were pinned; 5.3 -> 5.0-5.3 after) are not modelled. tests/unit/test_speed.py replays every measured
-megatrain point and holds the prediction within 10 % (docs/plan-large-models.md lists them), with two
-named known misses: a 2-GPU point measured before a stall was fixed (+27 %), and a 1-GPU point of the
-32-core x2 box where AdamW ran faster than the 16-core rate the model uses (-10.1 %). The H200 rows are
-in sample (the H200 rates are their medians): they test the schedule; the H100 run is out of sample.
-
-Limits. The rates were measured on one shape (3.5B-bench width: hidden 4096, T2048); wider layers run
-their matrix products at least as fast, so the eager GPU term is, if anything, pessimistic for 70B+
-shapes (compiling saves elementwise work, a smaller share of a wider layer, so the compiled rate is
-less sure), while a longer sequence raises the share of attention, which the FLOPs count but whose rate was not
-measured apart. Not modelled: kernel-launch time of the issuing thread, several NUMA nodes (host
-shards and workers per node), activation offload, bf16 AdamW moments (their rate is unmeasured).
+the hardware. Each stage (the embedding, each layer, the head) costs GPU compute (its model FLOPs x
+tokens / the GPU's achieved model TFLOPS, eager or compiled as the run's layers go), an H2D copy of
+its weights, a D2H copy of its gradients and a CPU AdamW update; `estimate` combines them by replaying
+the engine's schedule (engine/step.py) on the compute stream, the two copy streams and the optimizer
+workers, as the engine overlaps them with clipping on and off. The measured rates live in
+machines.yaml beside this file, each with its source; docs/speed-model.md explains the model, its
+rates and its limits.
 """
 
 from __future__ import annotations
@@ -76,6 +16,9 @@ import bisect
 import math
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
@@ -117,7 +60,6 @@ class GpuProfile:
 REFERENCE_OPTIMIZER_BYTES = 28
 """DRAM bytes per parameter of the update the AdamW rates were measured with: fp32 master and moments
 read and written (24), the bf16 gradient read (2), the bf16 streaming copy written (2)."""
-DISK_GBPS = 5.0
 
 
 def optimizer_dram_bytes(cfg: Config) -> int:
@@ -149,12 +91,12 @@ class HostProfile:
     d2h_gbps: float
     adamw_gparams: float
     """CPU AdamW, all workers together, fp32 master and moments, while the engine runs."""
-    control_seconds: float = 1.1e-3
-    """Round trip of an update order to the optimizer workers and back (DESIGN.md section 2)."""
-    source: str = ""
-    disk_gbps: float = DISK_GBPS
+    control_seconds: float
+    """Round trip of an update order to the optimizer workers and back."""
+    source: str
+    disk_gbps: float
     """Disk tier (host.moments_tier=disk): read plus write GB/s of host.disk_dir. Not measured on the GPU
-    boxes: an assumption for an NVMe drive (benchmarks/moment_tiers.py measures a disk)."""
+    boxes: an assumption for an NVMe drive."""
 
 
 @dataclass(frozen=True)
@@ -174,24 +116,19 @@ class SpeedProfile:
         return replace(self, host=replace(self.host, disk_gbps=gbps), assumptions=(*self.assumptions, note))
 
 
-H200 = GpuProfile("h200", "NVIDIA H200", 143771 * 2**20, 371.7, 461.8,
-                  "median model FLOPs / GPU-busy s of the megatrain rows in benchmarks/results/*-h200-*.json "
-                  "(34 eager, 41 compiled)")
-H100 = GpuProfile("h100", "NVIDIA H100 80GB HBM3", 81559 * 2**20, round(H200.model_tflops * 16.8 / 17.4, 1),
-                  round(H200.compiled_model_tflops * 16.8 / 17.4, 1),
-                  "the H200 rates x 16.8 / 17.4 (7B-layer fwd+bwd on each box, DESIGN.md section 3)")
-H200_BOX = HostProfile("nvidia-h200 (16 cores, 1 NUMA node)", h2d_gbps=53.0, h2d_loaded_gbps=40.0, d2h_gbps=51.8,
-                       adamw_gparams=4.20, source="AdamW and D2H: in-engine medians of benchmarks/results/*-h200-*.json; "
-                       "H2D idle/loaded: DESIGN.md section 3")
-H100_BOX = HostProfile("nvidia-h100-x1 (16 cores, 1 NUMA node)", h2d_gbps=55.0, h2d_loaded_gbps=43.4, d2h_gbps=51.7,
-                       adamw_gparams=4.36, source="benchmarks/results/optimizer-scaling-h100-*.json, 4 workers "
-                       "(H2D under load: 4 workers + H2D); H2D idle: DESIGN.md section 3")
-GPUS = {"h100": H100, "h200": H200}
-HOSTS = {"h100": H100_BOX, "h200": H200_BOX}
+MACHINES = yaml.safe_load((Path(__file__).with_name("machines.yaml")).read_text())
+"""The measured rates (machines.yaml), read once."""
+GPUS = {kind: GpuProfile(kind, g["name"], g["memory_mib"] * 2**20, g["model_tflops"], g["compiled_model_tflops"],
+                         " ".join(g["source"].split())) for kind, g in MACHINES["gpus"].items()}
+HOSTS = {kind: HostProfile(h["name"], h2d_gbps=h["h2d_gbps"], h2d_loaded_gbps=h["h2d_loaded_gbps"],
+                           d2h_gbps=h["d2h_gbps"], adamw_gparams=h["adamw_gparams"],
+                           control_seconds=MACHINES["control_seconds"], source=" ".join(h["source"].split()),
+                           disk_gbps=MACHINES["disk_gbps"]) for kind, h in MACHINES["hosts"].items()}
+H100, H200, H100_BOX, H200_BOX = GPUS["h100"], GPUS["h200"], HOSTS["h100"], HOSTS["h200"]
 HOST_RAM = {"512gb": 512 * GiB, "1tb": 1024 * GiB, "1.5tb": 1536 * GiB}
 """Installed RAM of the presets (DIMM sizes are binary: 16 x 32 GB = 512 GiB)."""
-MEMTOTAL_FRACTION = 125 / 128
-"""Share of the installed RAM the kernel reports as MemTotal: 125 of 128 GiB on the H100 box (DESIGN.md section 3)."""
+MEMTOTAL_FRACTION = MACHINES["memtotal_fraction"]
+"""Share of the installed RAM the kernel reports as MemTotal (125 of 128 GiB on the H100 box)."""
 
 
 @dataclass(frozen=True)

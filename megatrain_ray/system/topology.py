@@ -7,9 +7,8 @@ which optimizer worker runs on which node and cores, which node each HostShard b
 memory to, and which cores stay free for the GPU worker and the shards.
 
 Why few optimizer workers: CPU AdamW is bound by DRAM bandwidth, not by cores. Measured on
-the GPU machines (one NUMA node): 4.2 G params/s on 16 cores, flat from 1 to 16 worker processes
-(DESIGN.md section 3), and 4.0-5.2 on the 32 cores of nvidia-h200-x2, flat from 1 to 32
-(benchmarks/results/optimizer-scaling-h200-20261123-184223.json). On the H100 box (benchmarks/results/optimizer-scaling-h100-*)
+the GPU machines (one NUMA node; docs/benchmarks.md): 4.2 G params/s on 16 cores, flat from 1 to 16
+worker processes, and 4.0-5.2 on the 32 cores of nvidia-h200-x2, flat from 1 to 32. On the H100 box
 1, 2 and 4 processes over the same 16 cores gave 4.58, 5.08, 4.36 G params/s alone and 4.10, 4.09,
 3.84 beside H2D copies: two processes are as fast as any count, and each further one costs
 ~0.35 GiB of RAM and more messages per stage. Across sockets each socket's memory channels add

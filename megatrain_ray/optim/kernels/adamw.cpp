@@ -2,11 +2,11 @@
 //
 // Per element: read the gradient (fp32 or bf16), master weight and both moments; write the
 // weight, the moments and, when asked, the bf16 streaming copy. 28 bytes per parameter with
-// bf16 gradients and copy, the least DRAM traffic AdamW allows (DESIGN.md section 3). The math
+// bf16 gradients and copy, the least DRAM traffic AdamW allows (docs/speed-model.md). The math
 // is torch.optim.AdamW's (decoupled weight decay, bias corrections), in the order of torch's
 // fused CPU kernel. The gradient may be the streaming copy itself (bf16 gradients land there),
 // so `g` and `out` may alias: element i is read before it is written. Built by
-// megatrain_ray/kernels/__init__.py and called through ctypes, which releases the GIL.
+// megatrain_ray/optim/kernels/__init__.py and called through ctypes, which releases the GIL.
 //
 // The *_bf16m variants keep both moments in bf16 (20 bytes per parameter): each is widened to
 // fp32, updated, and rounded back stochastically, with 16 bits of noise from a hash of the
