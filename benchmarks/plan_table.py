@@ -38,17 +38,18 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.config.resolved import RunSpec  # noqa: E402
 from megatrain_ray.config.sections import Config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
-from megatrain_ray.planning.memory import GPU_RESERVE_BYTES, Machine, Plan, plan_run  # noqa: E402
-from megatrain_ray.planning.speed import (  # noqa: E402
+from megatrain_ray.planning.machine import Machine  # noqa: E402
+from megatrain_ray.planning.memory import GPU_RESERVE_BYTES, Plan, plan_run  # noqa: E402
+from megatrain_ray.planning.profiles import (  # noqa: E402
     H100,
     H100_BOX,
     H200,
     H200_BOX,
     PRESETS,
     SpeedProfile,
-    estimate,
     profile_for_gpu,
 )
+from megatrain_ray.planning.speed import estimate  # noqa: E402
 
 GiB = 2**30
 CONFIGS = ["configs/llama3-70b.yaml", "configs/qwen2.5-72b.yaml", "configs/dense-120b.yaml"]

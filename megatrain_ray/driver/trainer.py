@@ -7,7 +7,6 @@ workers and reads back StepResults; bulk tensors stay in shared memory.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.observe.metrics import MetricsWriter, Progress, optimizer_hidden_fraction
+from megatrain_ray.observe.metrics import MetricsWriter, Progress, step_record
 from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
 from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.memory import check_plan, resolve_run
@@ -241,37 +240,16 @@ class Trainer:
         # A HostShard does no work in a step, so only asking it notices that it died.
         health.check_now(f"step {step}", names=self.cluster.shard_names())
         seconds = time.perf_counter() - t0
-        finite = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
-        if finite:
+        record = step_record(step, lr, result, seconds, self.flops_per_token, self.layout.num_params,
+                             self.cluster.parallel.world, self.host_memory_bytes(), self.data.epoch_of(step + 1))
+        if not record["skipped"]:
             self.updates_applied += 1
-        tok_per_s = result.tokens / seconds
-        params = self.layout.num_params
-        record = {
-            "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens": result.tokens,
-            "loss_tokens": result.valid_tokens,
-            "tok_per_s": tok_per_s, "tflops": tok_per_s * self.flops_per_token / 1e12, "step_seconds": seconds,
-            "compute_seconds": result.compute_seconds, "gpu_busy": min(1.0, result.compute_seconds / seconds),
-            "gpus": self.cluster.parallel.world, "comm_seconds": result.comm_seconds,
-            "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
-            "slab_wait_seconds": result.slab_wait_seconds,
-            **({"rank_update_wait_seconds": list(result.rank_update_wait_seconds)}
-               if result.rank_update_wait_seconds else {}),
-            "optimizer_hidden": optimizer_hidden_fraction(result.optimizer_seconds, seconds, result.compute_seconds),
-            "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
-            "h2d_gbps": result.h2d_bytes / seconds / 1e9, "d2h_gbps": result.d2h_bytes / seconds / 1e9,
-            "h2d_link_gbps": result.h2d_bytes / result.h2d_seconds / 1e9 if result.h2d_seconds else 0.0,
-            "d2h_link_gbps": result.d2h_bytes / result.d2h_seconds / 1e9 if result.d2h_seconds else 0.0,
-            "dram_bytes_per_param": (result.h2d_bytes + result.d2h_bytes + result.optimizer_bytes) / params,
-            "host_mem_gib": self.host_memory_bytes() / 2**30,
-            "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": not finite,
-            "epoch": self.data.epoch_of(step + 1),
-        }
         every = cfg.train.eval_every
         if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
             record["eval_loss"] = self.evaluate()
         if self._metrics:
             self._metrics.write(record)
-        if not finite:
+        if record["skipped"]:
             stop_or_skip_nonfinite(cfg, step, result.loss, result.grad_norm, self.checkpoints, self.config_path,
                                    self._save_before)
         return record

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from megatrain_ray.messages import StepResult
 
 
 def optimizer_hidden_fraction(optimizer_seconds: float, step_seconds: float, compute_seconds: float) -> float:
@@ -93,3 +96,34 @@ class Progress:
         elif done % self.every == 0 or done == self.total:
             self.stream.write(f"[megatrain] {text}\n")
             self.stream.flush()
+
+
+def finite(result: StepResult) -> bool:
+    """Whether a step's loss and gradient norm are finite (else its update was dropped or stops the run)."""
+    return math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+
+
+def step_record(step: int, lr: float, result: StepResult, seconds: float, flops_per_token: float, params: int,
+                gpus: int, host_memory_bytes: int, epoch: float) -> dict[str, Any]:
+    """The metrics.jsonl record of a step (the console, the Ray metrics and the benchmarks read the same keys)."""
+    tok_per_s = result.tokens / seconds
+    return {
+        "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens": result.tokens,
+        "loss_tokens": result.valid_tokens,
+        "tok_per_s": tok_per_s, "tflops": tok_per_s * flops_per_token / 1e12, "step_seconds": seconds,
+        "compute_seconds": result.compute_seconds, "gpu_busy": min(1.0, result.compute_seconds / seconds),
+        "gpus": gpus, "comm_seconds": result.comm_seconds,
+        "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
+        "slab_wait_seconds": result.slab_wait_seconds,
+        **({"rank_update_wait_seconds": list(result.rank_update_wait_seconds)}
+           if result.rank_update_wait_seconds else {}),
+        "optimizer_hidden": optimizer_hidden_fraction(result.optimizer_seconds, seconds, result.compute_seconds),
+        "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
+        "h2d_gbps": result.h2d_bytes / seconds / 1e9, "d2h_gbps": result.d2h_bytes / seconds / 1e9,
+        "h2d_link_gbps": result.h2d_bytes / result.h2d_seconds / 1e9 if result.h2d_seconds else 0.0,
+        "d2h_link_gbps": result.d2h_bytes / result.d2h_seconds / 1e9 if result.d2h_seconds else 0.0,
+        "dram_bytes_per_param": (result.h2d_bytes + result.d2h_bytes + result.optimizer_bytes) / params,
+        "host_mem_gib": host_memory_bytes / 2**30,
+        "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": not finite(result),
+        "epoch": epoch,
+    }

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain_ray.config.load import parse_size
-from megatrain_ray.planning.speed import SpeedProfile, preset, profile_for_gpu
+from megatrain_ray.planning.profiles import SpeedProfile, preset, profile_for_gpu
 
 
 def _read_int(path: str) -> int | None:

@@ -27,8 +27,10 @@ from megatrain_ray.config.load import load_config
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.flops import model_flops_per_token, stage_flops_per_token
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.planning.memory import Machine, format_plan, plan_run
-from megatrain_ray.planning.speed import H200, H200_BOX, PRESETS, SpeedProfile, estimate, preset, profile_for_gpu
+from megatrain_ray.planning.machine import Machine
+from megatrain_ray.planning.memory import format_plan, plan_run
+from megatrain_ray.planning.profiles import H200, H200_BOX, PRESETS, SpeedProfile, preset, profile_for_gpu
+from megatrain_ray.planning.speed import estimate
 from tests.conftest import REPO
 
 RESULTS = Path(REPO) / "benchmarks" / "results"
