@@ -254,7 +254,7 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "counted), so leave a batch of margin there.",
         "- **tok/s is a prediction**, not a measurement: `megatrain_ray/planning/speed.py` replays the engine's schedule "
         "(forward H2D overlap, backward H2D/D2H overlap, AdamW overlapped with the backward) with the rates "
-        f"measured on the boxes (its docstring names each source): H200 {H200.model_tflops:g} model TFLOPS "
+        f"measured on the boxes (planning/machines.yaml names each source; docs/speed-model.md): H200 {H200.model_tflops:g} model TFLOPS "
         f"on GPU-busy time with eager layers, {H200.compiled_model_tflops:g} compiled (engine.compile, on by "
         f"default on a GPU; medians of the megatrain H200 rows), H100 {H100.model_tflops:g} / "
         f"{H100.compiled_model_tflops:g} (the H200 rates x the 7B-layer time ratio), H2D "
@@ -263,7 +263,7 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         f"{H200_BOX.adamw_gparams:g} / {H100_BOX.adamw_gparams:g} G params/s. Against every measured "
         f"megatrain point on one GPU (the table at the end) it is within {worst:.1%} (tests/unit/test_speed.py holds "
         f"{TOLERANCE:.0%}, naming the misses); with several GPUs: {several}; the +27 % point ran before "
-        "a stall of the 2-GPU updates was fixed (README, data parallel). Compiled layers were measured at the 7B, "
+        "a stall of the 2-GPU updates was fixed (docs/operations.md, data parallel). Compiled layers were measured at the 7B, "
         "Qwen2.5-14B and Qwen2.5-32B widths. Hosts of 512 GB-1.5 TB "
         "are assumed as fast as the measured 16-core VMs; a host with more DRAM channels runs AdamW faster, "
         "which matters only where the bound is the CPU optimizer (`--optimizer-gparams`). Model TFLOPS = "

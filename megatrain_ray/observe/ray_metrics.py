@@ -4,7 +4,7 @@ The driver feeds each step's record (the same dict written to metrics.jsonl) to 
 which sets `ray.util.metrics` gauges tagged with the run and the model. Each node's metrics
 agent serves them in Prometheus text with Ray's `ray_` prefix (`megatrain_loss` is scraped as
 `ray_megatrain_loss`); the dashboard graphs them once Prometheus and Grafana run with the
-configs Ray writes under its session directory (README "Watching a run").
+configs Ray writes under its session directory (docs/operations.md, "Watching a run").
 """
 
 from __future__ import annotations
