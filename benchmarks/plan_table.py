@@ -154,6 +154,71 @@ def validation_rows(results: Path = RESULTS) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- the tests' fixture
+
+FIXTURE = ROOT / "tests" / "fixtures" / "measured_points.json"
+TRACES = {"gpu-memory-peak-h200-20261123-182011.json": ("4",), "gpu-memory-peak-h200-20261123-181853.json": ("8",),
+          "gpu-memory-peak-h200-20261123-181932.json": ("8",)}
+"""The GPU traces the plan's activation terms come from, and the depths the tests plan."""
+ENGINE_SITES = ("stream_engine.py", "engine/step.py", "activations.py", "rope_tables")
+"""Allocation sites of the engine's own buffers, the layer input coming back and RoPE's tables: the activations
+of a trace are every other live byte at the peak."""
+ROW_FIGURES = ("tokens_per_step", "gpus", "compute_seconds", "gpu_busy", "optimizer_gparams_per_s", "d2h_gbps_link")
+
+
+BASE_CONFIG = "configs/llama-3.5b-bench.yaml"
+"""The config every fixture entry states its differences from (section.key -> value)."""
+
+
+def _config_of(cfg: Config) -> dict:
+    """A config as its differences from BASE_CONFIG, which tests/unit/test_speed.py applies to the base and
+    rebuilds with load_config(raw=...): checked here to give back the same config."""
+    base, raw = load_config(ROOT / BASE_CONFIG).to_dict(), cfg.to_dict()
+    changes = {f"{section}.{key}": value for section, values in raw.items() for key, value in values.items()
+               if base[section][key] != value}
+    rebuilt = {section: dict(values) for section, values in base.items()}
+    for dotted, value in json.loads(json.dumps(changes)).items():
+        section, key = dotted.split(".", 1)
+        rebuilt[section][key] = value
+    if load_config(raw=rebuilt) != cfg:
+        raise AssertionError(f"a config does not survive the fixture: {cfg}")
+    return changes
+
+
+def fixture(results: Path = RESULTS) -> dict:
+    """What tests/unit/test_speed.py checks the speed model and the plan against, distilled from results/:
+    every measured point (its config as run, the measured figures, the GPU), the rows that ran out of GPU
+    memory, the GPU traces' peaks and activation totals, and the H100 optimizer-scaling rows. Each entry names
+    its source file."""
+    files = {path.name: json.loads(path.read_text()) for path in sorted(results.glob("*.json"))}
+    points = []
+    for p in measured_points(results):
+        result = files[p.source]
+        [r] = [r for r in result.get("rows", []) if r.get("step_seconds") == p.step_seconds] or [{}]
+        points.append({"label": p.label, "source": p.source, "date": p.date, "device": p.profile.gpu.name,
+                       "tok_per_s": p.tok_per_s, "step_seconds": p.step_seconds, "gpu_peak_gib": p.gpu_peak_gib,
+                       "peak_comparable": peak_comparable(p), "cpu_count": result.get("cpu_count"),
+                       "row": {k: r[k] for k in ROW_FIGURES if k in r}, "config": _config_of(p.cfg)})
+    ooms = [{"source": name, "error": r["error"][:200], "config": _config_of(row_config(result, r))}
+            for name, result in files.items() for r in result.get("rows", [])
+            if r.get("system", "").startswith("megatrain") and r.get("status") == "oom"]
+    traces = {}
+    for name, depths in TRACES.items():
+        trace = files[name]
+        traces[name] = {depth: {
+            "gpu_peak_gib": trace["depths"][depth]["gpu_peak_gib"],
+            "activations_mib": sum(mib for site, mib in trace["depths"][depth]["live_mib_by_site"].items()
+                                   if not any(s in site for s in ENGINE_SITES)),
+            "config": _config_of(load_config(ROOT / trace["config"], [*trace["overrides"],
+                                                                     f"model.num_layers={depth}"]))}
+            for depth in depths}
+    [scaling] = [name for name in files if name.startswith("optimizer-scaling-h100-")]
+    return {"generated_by": "python benchmarks/plan_table.py --write-fixture", "base_config": BASE_CONFIG,
+            "points": points, "oom": ooms,
+            "traces": traces, "optimizer_scaling_h100": {"source": scaling, "rows": [
+                {k: r[k] for k in ("workers", "h2d", "gparams_per_s", "h2d_gbps") if k in r} for r in files[scaling]["rows"]]}}
+
+
 # ----------------------------------------------------------------------------- the plan of the large shapes
 
 
@@ -312,7 +377,14 @@ def main() -> int:
     parser.add_argument("--machines", default=",".join(MACHINES))
     parser.add_argument("--doc", default=str(DOC), help="markdown file to write ('' for none)")
     parser.add_argument("--out", default=str(RESULTS), help="directory of the JSON result ('' for none)")
+    parser.add_argument("--write-fixture", nargs="?", const=str(FIXTURE), default="", metavar="PATH",
+                        help=f"only write the tests' distilled fixture (default {FIXTURE.relative_to(ROOT)})")
     args = parser.parse_args()
+    if args.write_fixture:
+        Path(args.write_fixture).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write_fixture).write_text(json.dumps(fixture(), indent=1) + "\n")
+        print(f"wrote {args.write_fixture}")
+        return 0
     rows = [row(str(ROOT / c) if not Path(c).is_absolute() else c, m)
             for c in args.configs.split(",") for m in args.machines.split(",")]
     for r in rows:

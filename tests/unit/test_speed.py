@@ -6,24 +6,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
-from benchmarks.plan_table import (
-    CONFIGS,
-    TOLERANCE,
-    markdown,
-    measured_points,
-    peak_comparable,
-    planned_peak_gib,
-    row,
-    row_config,
-    validation_rows,
-)
 from megatrain_ray.__main__ import main
 from megatrain_ray.config.load import load_config
+from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.flops import model_flops_per_token, stage_flops_per_token
 from megatrain_ray.model.layout import build_layout
@@ -33,22 +23,46 @@ from megatrain_ray.planning.profiles import H200, H200_BOX, PRESETS, SpeedProfil
 from megatrain_ray.planning.speed import estimate
 from tests.conftest import REPO
 
-RESULTS = Path(REPO) / "benchmarks" / "results"
-POINTS = measured_points(RESULTS)
+FIXTURE = json.loads((Path(REPO) / "tests" / "fixtures" / "measured_points.json").read_text())
+"""Every measured megatrain point, the runs that ran out of GPU memory, the GPU traces and the H100 AdamW
+scaling, distilled from benchmarks/results by `python benchmarks/plan_table.py --write-fixture`."""
+TOLERANCE = 0.10
+"""The speed model's tok/s and the plan's GPU peak against each measured point (docs/speed-model.md)."""
 
 
-def megatrain_rows(pattern: str) -> list[dict]:
-    rows = []
-    for path in sorted(RESULTS.glob(pattern)):
-        result = json.loads(path.read_text())
-        rows += [r for r in result.get("rows", []) if r.get("system", "").startswith("megatrain")
-                 and r.get("status") == "ok"]
-    return rows
+def config_of(changes: dict) -> Config:
+    """A fixture config: its differences applied to the base config they were taken from."""
+    raw = load_config(os.path.join(REPO, FIXTURE["base_config"])).to_dict()
+    for dotted, value in changes.items():
+        section, key = dotted.split(".", 1)
+        raw[section][key] = value
+    return load_config(raw=raw)
 
 
-def test_every_measured_megatrain_run_is_a_validation_point():
-    recoveries = [p for p in RESULTS.glob("*.json") if "recovery" in json.loads(p.read_text())]
-    assert len(POINTS) == len(megatrain_rows("*.json")) + len(recoveries) >= 15
+@dataclass(frozen=True)
+class Point:
+    label: str
+    source: str
+    cfg: Config
+    profile: SpeedProfile
+    tok_per_s: float
+    step_seconds: float
+    gpu_peak_gib: float | None
+    peak_comparable: bool
+    """Its GPU peak was measured on the memory the plan counts (eager rows from before the lean norms and
+    GQA inside flash attention kept more)."""
+    cpu_count: int | None
+    row: dict
+    """The harness row's figures (none for a fault-recovery run)."""
+
+
+POINTS = [Point(p["label"], p["source"], config_of(p["config"]), profile_for_gpu(p["device"]), p["tok_per_s"],
+                p["step_seconds"], p["gpu_peak_gib"], p["peak_comparable"], p["cpu_count"], p["row"])
+          for p in FIXTURE["points"]]
+
+
+def test_the_measured_points_cover_both_gpus():
+    assert len(POINTS) >= 15
     assert {p.profile.gpu.kind for p in POINTS} == {"h100", "h200"}
 
 
@@ -73,36 +87,26 @@ def test_predicted_tok_per_s_is_within_tolerance_of_the_measured(point):
     assert abs(predicted / point.tok_per_s - 1) <= TOLERANCE, (predicted, point.tok_per_s)
 
 
-PEAK_POINTS = [p for p in POINTS if peak_comparable(p)]
+PEAK_POINTS = [p for p in POINTS if p.peak_comparable and p.gpu_peak_gib]
 
 
 @pytest.mark.parametrize("point", PEAK_POINTS, ids=[f"{p.source[:-5]}:{p.label}" for p in PEAK_POINTS])
 def test_planned_gpu_peak_is_within_tolerance_of_the_measured(point):
     """The plan's GPU peak (torch's allocations) against max_memory_allocated of every measured row of the
-    engine whose memory it counts (plan_table.peak_comparable: eager rows from before the lean norms and
+    engine whose memory it counts (Point.peak_comparable: eager rows from before the lean norms and
     GQA inside flash attention kept more), long context and compiled layers included."""
-    planned = planned_peak_gib(point)
+    planned = plan_run(point.cfg, Machine.from_preset(f"{point.profile.gpu.kind}-1.5tb")).gpu_peak / 2**30
     assert abs(planned / point.gpu_peak_gib - 1) <= TOLERANCE, (planned, point.gpu_peak_gib)
-
-
-def _oom_points() -> list[tuple[str, dict, dict]]:
-    """(file, result, row) of every megatrain point that ran out of GPU memory."""
-    found = []
-    for path in sorted(RESULTS.glob("*.json")):
-        result = json.loads(path.read_text())
-        found += [(path.name, result, r) for r in result.get("rows", [])
-                  if r.get("system", "").startswith("megatrain") and r.get("status") == "oom"]
-    return found
 
 
 @pytest.mark.xfail(strict=True, reason="known miss: at 1M tokens (8B width, 4 layers) the plan counts 133.7 GiB of "
                    "peak + 1.5 GiB reserve on the 139.8 GiB H200 and says it fits; the step asked for 32.13 GiB "
                    "with 102.5 GiB allocated and 8.3 GiB reserved by the allocator but unusable for it "
                    "(fragmentation, which GPU_RESERVE_BYTES does not scale with)")
-@pytest.mark.parametrize("name,result,row", _oom_points(), ids=[p[0][:-5] for p in _oom_points()])
-def test_the_plan_refuses_what_ran_out_of_gpu_memory(name, result, row):
-    plan = plan_run(row_config(result, row), Machine.from_preset("h200-1.5tb"))
-    assert not plan.fits, (plan.gpu_peak / 2**30, row["error"][:120])
+@pytest.mark.parametrize("oom", FIXTURE["oom"], ids=[p["source"][:-5] for p in FIXTURE["oom"]])
+def test_the_plan_refuses_what_ran_out_of_gpu_memory(oom):
+    plan = plan_run(config_of(oom["config"]), Machine.from_preset("h200-1.5tb"))
+    assert not plan.fits, (plan.gpu_peak / 2**30, oom["error"][:120])
 
 
 @pytest.mark.parametrize("name,depth,tolerance", [
@@ -114,10 +118,9 @@ def test_the_planned_peak_matches_the_gpu_traces(name, depth, tolerance):
     """benchmarks/gpu_memory_peak.py runs the plan's activation terms come from (commit 2c98170, the lean
     norms and GQA inside flash attention). The 128K trace predates freeing each MLP piece's gradients
     before the next piece, so the plan, which still counts them, sits 3 % under it."""
-    trace = json.loads((RESULTS / name).read_text())
-    measured = trace["depths"][depth]["gpu_peak_gib"]
-    cfg = load_config(os.path.join(REPO, trace["config"]), [*trace["overrides"], f"model.num_layers={depth}"])
-    planned = plan_run(cfg, Machine.from_preset("h200-1.5tb")).gpu_peak / 2**30
+    trace = FIXTURE["traces"][name][depth]
+    measured = trace["gpu_peak_gib"]
+    planned = plan_run(config_of(trace["config"]), Machine.from_preset("h200-1.5tb")).gpu_peak / 2**30
     assert abs(planned / measured - 1) <= tolerance, (planned, measured)
 
 
@@ -128,9 +131,7 @@ def test_the_compiled_working_set_factor_is_the_traced_ratio():
     from megatrain_ray.planning.memory import COMPILED_WORKING_SET
 
     def activations(name: str) -> float:
-        live = json.loads((RESULTS / name).read_text())["depths"]["8"]["live_mib_by_site"]
-        return sum(mib for site, mib in live.items()
-                   if "stream_engine.py" not in site and "activations.py" not in site and "rope_tables" not in site)
+        return FIXTURE["traces"][name]["8"]["activations_mib"]
 
     eager = activations("gpu-memory-peak-h200-20261123-181853.json")
     compiled = activations("gpu-memory-peak-h200-20261123-181932.json")
@@ -147,11 +148,11 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
     for p in POINTS:
         if p.profile.gpu.kind != "h200":
             continue
-        [r] = [r for r in megatrain_rows(p.source) if r["step_seconds"] == p.step_seconds]
+        r = p.row
         flops = model_flops_per_token(p.cfg.model, build_layout(p.cfg.model), p.cfg.data.seq_len)
         (compiled_tflops if RunSpec.resolve(p.cfg).layers_compiled else tflops).append(
             flops * r["tokens_per_step"] / r.get("gpus", 1) / r["compute_seconds"] / 1e12)  # one GPU's
-        if json.loads((RESULTS / p.source).read_text())["cpu_count"] != 16:
+        if p.cpu_count != 16:
             continue
         if r["gpu_busy"] < 0.9:
             adamw.append(r["optimizer_gparams_per_s"])
@@ -164,8 +165,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
 
 
 def test_the_h100_rates_come_from_the_optimizer_scaling_run():
-    [path] = RESULTS.glob("optimizer-scaling-h100-*.json")
-    rows = {(r["workers"], r["h2d"]): r for r in json.loads(path.read_text())["rows"]}
+    rows = {(r["workers"], r["h2d"]): r for r in FIXTURE["optimizer_scaling_h100"]["rows"]}
     box = PRESETS["h100-1tb"].profile.host
     assert box.adamw_gparams == pytest.approx(rows[4, False]["gparams_per_s"], rel=0.005)
     assert box.h2d_loaded_gbps == pytest.approx(rows[4, True]["h2d_gbps"], rel=0.005)
@@ -239,29 +239,6 @@ def test_plan_names_the_presets_when_no_rates_were_measured_for_the_gpu(capsys):
         format_plan(plan_run(cfg, machine))
     assert main(["plan", os.path.join(REPO, "configs", "tiny.yaml"), "--machine", "h300-1tb"]) == 2
     assert "--machine 'h300-1tb' is not a known machine" in capsys.readouterr().err
-
-
-def test_the_large_model_table_plans_every_config_on_every_preset(tmp_path):
-    rows = [row(os.path.join(REPO, c), m) for c in CONFIGS for m in ("h100-1tb", "h200-1.5tb")]
-    by = {(Path(r["config"]).stem, r["machine"]): r for r in rows}
-    assert by["dense-120b", "h200-1.5tb"]["host_fits"] and not by["dense-120b", "h100-1tb"]["host_fits"]
-    assert by["dense-120b", "h100-1tb"]["host_fits_bf16_moments"]
-    assert all(r["gpu_fits"] and r["expected_tok_per_s"] > 0 for r in rows)
-    # The config's batch fits an 80 GB GPU once the layer inputs go to host memory (auto); not needed on an H200.
-    assert by["llama3-70b", "h100-1tb"]["activation_offload"]
-    assert by["llama3-70b", "h100-1tb"]["batch_size"] == by["llama3-70b", "h100-1tb"]["config_batch_size"]
-    assert not by["llama3-70b", "h200-1.5tb"]["activation_offload"]
-    text = markdown(rows, validation_rows(RESULTS))
-    assert "tok/s is a prediction" in text and "optimizer.moment_dtype: bfloat16" in text
-    assert "| dense-120b | 119.8 B | h200-1.5tb |" in text
-
-
-def test_the_committed_large_model_doc_has_every_row():
-    text = Path(REPO, "docs", "plan-large-models.md").read_text()
-    for c in CONFIGS:
-        for m in PRESETS:
-            assert f"| {Path(c).stem} |" in text and f"| {m} |" in text
-    assert "tok/s is a prediction" in text
 
 
 def test_plan_prices_each_memory_tier_in_ram_and_speed(capsys):
