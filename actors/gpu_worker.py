@@ -62,7 +62,8 @@ class GPUWorker(ActorBase):
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
-        self.engine = StreamEngine(cfg, run, layout, self.store, optimizers, self.device, rank)
+        self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer.grad_clip, run, layout,
+                                   self.store, optimizers, self.device, rank)
         self.comm: Collectives | None = None
         log.info("layer stream on %s (%s): compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s); "
                  "layers %s (engine.compile=%s)%s",

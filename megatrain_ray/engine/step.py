@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from megatrain_ray.config.resolved import RunSpec
-from megatrain_ray.config.sections import Config
+from megatrain_ray.config.sections import EngineConfig, ModelConfig, ParallelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals
@@ -60,18 +60,20 @@ from megatrain_ray.store.segments import HostStore
 
 
 class StreamEngine:
-    def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, store: HostStore, optimizers: list[Any],
-                 device: torch.device, rank: RankInfo | None = None):
-        """`run`: the settings the driver derived from the config and the machine; `optimizers`: the node's
+    def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, grad_clip: float,
+                 run: RunSpec, layout: ModelLayout, store: HostStore, optimizers: list[Any], device: torch.device,
+                 rank: RankInfo | None = None):
+        """The config sections the layer stream reads (model, engine, parallel, optimizer.grad_clip), and `run`:
+        the settings the driver derived from the config and the machine; `optimizers`: the node's
         OptimizerWorker handles (only its first rank gets them); `rank`: this worker's place in a data-parallel
         run (None: the only one)."""
-        self.cfg = cfg
+        self.model_cfg, self.engine_cfg = model, engine
         self.run = run
         self.rank = rank = rank or RankInfo()
         self.layout = layout
         self.device = device
         self.streams = DeviceStreams(device)
-        self.spec = LayerSpec.from_config(cfg.model)
+        self.spec = LayerSpec.from_config(model)
         # The run's derived settings (RunSpec), turned into what the parts take.
         self.compute_dtype = TORCH_DTYPES[run.compute_dtype]
         stream_dtype = TORCH_DTYPES[run.stream_dtype]
@@ -82,21 +84,21 @@ class StreamEngine:
         self.offload = run.activation_offload
         # Accumulation of the vocabulary-sized gradients and of norms: float32, or float64 when computing in it.
         self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
-        self.clip = cfg.optimizer.grad_clip
-        self.mlp_chunk = cfg.engine.mlp_chunk_tokens
-        self._compiled = _CompiledLayer(decoder_layer, fall_back=cfg.engine.compile == "auto") if compiles else None
-        poison = cfg.engine.poison_buffers
+        self.clip = grad_clip
+        self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
+        self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
+        poison = self.engine_cfg.poison_buffers
 
-        trace = UpdateTrace(cfg.engine.update_trace, rank.rank, rank.world) if cfg.engine.update_trace else None
+        trace = UpdateTrace(self.engine_cfg.update_trace, rank.rank, rank.world) if self.engine_cfg.update_trace else None
         self.telemetry = StepTelemetry(self.streams, trace)
-        sync = StageSync(store.get("sync", 0), rank, len(layout.stages), cfg.parallel.timeout_s) \
+        sync = StageSync(store.get("sync", 0), rank, len(layout.stages), parallel.timeout_s) \
             if rank.local_world > 1 else None
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0)
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
-                                    self.compute_dtype, poison, cfg.parallel.gather_weights)
+                                    self.compute_dtype, poison, parallel.gather_weights)
         self.grads = GradientSink(layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype,
-                                  self.acc_dtype, host_grad_home, cfg.engine.grad_slabs, slab_numel, poison)
-        v, h = cfg.model.vocab_size, cfg.model.hidden_size
+                                  self.acc_dtype, host_grad_home, self.engine_cfg.grad_slabs, slab_numel, poison)
+        v, h = self.model_cfg.vocab_size, self.model_cfg.hidden_size
         self.vocab_acc = torch.zeros((v, h), dtype=self.acc_dtype, device=device)
         self._comm: Collectives | None = None
         self._nan_armed = False
@@ -183,7 +185,7 @@ class StreamEngine:
     def _rope(self, seq_len: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for positions 0..seq_len-1, or gathered per row for packed documents."""
         if seq_len not in self._rope_cache:
-            self._rope_cache[seq_len] = rope_tables(self.cfg.model, seq_len, self.device, self.compute_dtype)
+            self._rope_cache[seq_len] = rope_tables(self.model_cfg, seq_len, self.device, self.compute_dtype)
         cos, sin = self._rope_cache[seq_len]
         if positions is None:
             return cos, sin
@@ -233,14 +235,14 @@ class StreamEngine:
     def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int) -> HeadResult:
         """The loss and its gradients in token chunks (the LM head's weights were loaded after the last layer);
         the head's weight gradients go out at once."""
-        layout, cfg, compute = self.layout, self.cfg, self.streams.compute
+        layout, compute = self.layout, self.streams.compute
         head_slot = self.weights.slot_for(layout.head)
         head_w = self.weights.bind(layout.head, head_slot)
         lm_w = head_w.get("lm_head.weight", embed_w)
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
-        head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, cfg.model.rms_norm_eps,
-                                   cfg.engine.loss_chunk_tokens, self.vocab_acc)
+        head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.model_cfg.rms_norm_eps,
+                                   self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
         self.weights.release(head_slot)
         head_grads = {"model.norm.weight": head.grad_norm_weight}
         if not layout.tied:
@@ -324,7 +326,7 @@ class StreamEngine:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Full logits of a small batch through the same layer stream (tests, small inputs)."""
         def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-            return head_logits(x, norm_w, lm_w, self.cfg.model.rms_norm_eps).float().cpu()
+            return head_logits(x, norm_w, lm_w, self.model_cfg.rms_norm_eps).float().cpu()
 
         return self._forward_only(Batch(ids, torch.full_like(ids, IGNORE_INDEX)), head)
 
@@ -333,11 +335,10 @@ class StreamEngine:
         """Mean loss over the batch's loss tokens, and their number, without gradients or updates."""
         n_valid = max(1, batch.loss_tokens)
         labels = batch.labels.to(self.device, non_blocking=True)
-        cfg = self.cfg
 
         def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-            return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, cfg.model.rms_norm_eps,
-                                       cfg.engine.loss_chunk_tokens, grad_lm_acc=None).loss_sum
+            return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.model_cfg.rms_norm_eps,
+                                       self.engine_cfg.loss_chunk_tokens, grad_lm_acc=None).loss_sum
 
         return float(self._forward_only(batch, head)), batch.loss_tokens
 
