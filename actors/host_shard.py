@@ -44,7 +44,7 @@ class HostShard(ActorBase):
         self.shard = shard
         self.layout = layout
         self.stages = stages
-        self.specs = plan_segments(layout, cfg, run, run_id, stages, shard)
+        self.specs = plan_segments(layout, cfg.host, cfg.engine.grad_slabs, run, run_id, stages, shard)
         self._created: list[SegmentSpec] = []
         self._writer: StageWriter | None = None
         try:

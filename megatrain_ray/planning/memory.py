@@ -215,7 +215,7 @@ def store_bytes(cfg: Config, run: RunSpec, workers: int) -> tuple[dict[str, int]
     ram: dict[str, int] = {}
     disk: dict[str, int] = {}
     for k, stages in enumerate(shard_stages(layout, cfg.host.num_shards)):
-        for spec in plan_segments(layout, cfg, run, "plan", stages, k):
+        for spec in plan_segments(layout, cfg.host, cfg.engine.grad_slabs, run, "plan", stages, k):
             where = disk if spec.on_disk else ram
             where[spec.kind] = where.get(spec.kind, 0) + spec.nbytes
     staging = staging_bytes([s.numel for s in layout.stages], layout.max_layer_numel, workers,

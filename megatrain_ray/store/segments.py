@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from megatrain_ray.config.resolved import RunSpec
-from megatrain_ray.config.sections import Config
+from megatrain_ray.config.sections import HostConfig
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.hf_io import HFDirectory
@@ -68,15 +68,15 @@ class SegmentSpec:
 
 
 
-def plan_segments(layout: ModelLayout, cfg: Config, run: RunSpec, run_id: str, stages: list[int],
-                  shard: int) -> list[SegmentSpec]:
+def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: RunSpec, run_id: str,
+                  stages: list[int], shard: int) -> list[SegmentSpec]:
     """The segments one HostShard owns: its stages' buffers and its checkpoint gate, plus on shard 0 the
     gradient pool and, with several GPU workers on the node, their counters."""
-    directory = cfg.host.shm_dir
-    master = cfg.precision.master_dtype
+    directory = host.shm_dir
+    master = run.master_dtype
     specs: list[SegmentSpec] = []
     home, ranks_per_node = run.grad_home, run.ranks_per_node
-    moments, on_disk = run.moment_dtype, cfg.host.moments_tier == "disk"
+    moments, on_disk = run.moment_dtype, host.moments_tier == "disk"
     for index in stages:
         stage = layout.stages[index]
         kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", moments), ("exp_avg_sq", moments)]
@@ -86,12 +86,12 @@ def plan_segments(layout: ModelLayout, cfg: Config, run: RunSpec, run_id: str, s
             kinds.append(("grad", run.grad_dtype))
         for kind, dtype in kinds:
             disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
-            path = os.path.join(cfg.host.disk_dir if disk else directory, f"megatrain-{run_id}-{stage.name}-{kind}")
+            path = os.path.join(host.disk_dir if disk else directory, f"megatrain-{run_id}-{stage.name}-{kind}")
             specs.append(SegmentSpec(path, dtype, stage.numel, kind, index, on_disk=disk))
     specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":
-        for k, numel in enumerate(pool_slab_sizes(layout, cfg.engine.grad_slabs, run.vocab_in_pieces)):
+        for k, numel in enumerate(pool_slab_sizes(layout, grad_slabs, run.vocab_in_pieces)):
             path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
             specs.append(SegmentSpec(path, run.grad_dtype, numel, "gradpool", k))
     if shard == 0 and ranks_per_node > 1:
