@@ -129,7 +129,10 @@ def test_ray_job_submit_flow_as_in_the_readme(tmp_path):
         for _ in range(20):
             submit = subprocess.Popen(
                 [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".", "--", "megatrain",
-                 "train", "configs/tiny.yaml", "--set", f"train.output_dir={out}", "--set", "train.steps=40"],
+                 "train", "configs/tiny.yaml", "--set", f"train.output_dir={out}", "--set", "train.steps=40",
+                 # a heartbeat round every second (default 5 s): the 40 steps may take less than 5 s, and the
+                 # heartbeat-age gauge exists only once a round ran while the job is alive
+                 "--set", "runtime.heartbeat_interval_s=1"],
                 env={**env, "RAY_AUTH_MODE": "token"}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True)
             while submit.poll() is None:  # the driver's gauges live as long as the job: read them while it runs

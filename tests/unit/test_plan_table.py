@@ -3,10 +3,11 @@ imports it): every large config planned on every preset, and the committed doc h
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from benchmarks.plan_table import CONFIGS, RESULTS, markdown, row, validation_rows
+from benchmarks.plan_table import CONFIGS, FIXTURE, RESULTS, fixture, markdown, row, validation_rows
 from megatrain_ray.planning.profiles import PRESETS
 from tests.conftest import REPO
 
@@ -32,3 +33,9 @@ def test_the_committed_large_model_doc_has_every_row():
         for m in PRESETS:
             assert f"| {Path(c).stem} |" in text and f"| {m} |" in text
     assert "tok/s is a prediction" in text
+
+
+def test_the_committed_fixture_is_what_the_results_give():
+    """tests/fixtures/measured_points.json, which test_speed reads, is regenerated whenever benchmarks/results
+    changes (python benchmarks/plan_table.py --write-fixture): a stale fixture fails here."""
+    assert json.loads(FIXTURE.read_text()) == json.loads(json.dumps(fixture(RESULTS)))
