@@ -185,7 +185,7 @@ def two_ray_nodes():
     tmp = tempfile.mkdtemp(prefix="mtdp-")  # short: Ray's socket paths live under it
     patch = pytest.MonkeyPatch()
     patch.setenv("RAY_TMPDIR", tmp)
-    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray socket on 127.0.0.1 (DESIGN.md 2)
+    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray socket on 127.0.0.1 (driver/runtime.py)
     patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
                                                             "object_store_memory": 96 * 2**20})
