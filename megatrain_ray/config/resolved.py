@@ -68,30 +68,27 @@ class RunSpec:
 
     @classmethod
     def resolve(cls, cfg: Config, *, device_type: str = "cuda", ranks_per_node: int | None = None,
-                nodes: int | None = None, activation_offload: bool | None = None) -> "RunSpec":
+                nodes: int | None = None) -> "RunSpec":
         """The spec of `cfg` on a machine with `device_type`. `ranks_per_node`: GPUs per node once
-        `parallel.gpus: auto` is known (default: the config's count, auto planned as 1). `activation_offload`:
-        the plan's answer for `auto` (default: off; an explicit true/false in the config always wins)."""
+        `parallel.gpus: auto` is known (default: the config's count, auto planned as 1). engine.activation_offload
+        auto reads as off here: planning.memory.resolve_run decides it from the GPU's memory."""
         p, e, o = cfg.precision, cfg.engine, cfg.optimizer
         ranks = ranks_per_node if ranks_per_node is not None else \
             (cfg.parallel.gpus // cfg.parallel.nodes if cfg.parallel.gpus != "auto" else 1)
         nodes = nodes if nodes is not None else cfg.parallel.nodes
         device: Literal["cuda", "cpu"] = "cuda" if device_type == "cuda" else "cpu"
-        stream_dtype = p.compute_dtype if p.stream_dtype == "auto" else p.stream_dtype
-        stream_is_master = stream_dtype == p.master_dtype
+        stream_dtype, stream_is_master = p.resolved_stream_dtype, p.stream_is_master
         grad_home: GradHome = "stream" if not stream_is_master else ("stage" if o.grad_clip > 0 else "pool")
         rank_tokens = cfg.data.batch_size // (ranks * nodes) * cfg.data.seq_len
         compiles = e.compile is True or (e.compile == "auto" and device == "cuda")
-        offload = e.activation_offload if e.activation_offload != "auto" else bool(activation_offload)
         return cls(
             device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
             master_dtype=p.master_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,
             stream_is_master=stream_is_master, grad_home=grad_home,
-            grad_dtype=stream_dtype if grad_home == "stream" else
-            (p.compute_dtype if p.grad_dtype == "auto" else p.grad_dtype),
+            grad_dtype=stream_dtype if grad_home == "stream" else p.resolved_grad_dtype,
             moment_dtype="bfloat16" if o.moment_dtype == "bfloat16" else p.master_dtype,
             vocab_in_pieces=(e.vocab_grad_pieces and grad_home == "pool" and ranks == 1
                              and cfg.host.moments_tier == "ram"),
             compiles=compiles,
             layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
-            activation_offload=bool(offload))
+            activation_offload=e.activation_offload is True)

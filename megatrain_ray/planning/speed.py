@@ -50,10 +50,8 @@ class StageCost:
     """Layers, with activation offload: the layer input that goes to host memory and comes back."""
 
 
-def stage_costs(cfg: Config, profile: SpeedProfile, layout: ModelLayout | None = None,
+def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelLayout,
                 offload: bool = False) -> list[StageCost]:
-    layout = layout or build_layout(cfg.model)
-    run = RunSpec.resolve(cfg)
     tokens = run.rank_tokens  # one GPU's rows: with data parallelism every GPU runs this schedule at once
     flops = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
     stream_b = DTYPE_BYTES[run.stream_dtype]
@@ -268,9 +266,8 @@ class SpeedEstimate:
 def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool = False) -> SpeedEstimate:
     """Replay `steps` steps of the engine's schedule with the profile's rates; the last one is the estimate.
     `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it)."""
-    layout = build_layout(cfg.model)
-    costs = stage_costs(cfg, profile, layout, offload)
-    run = RunSpec.resolve(cfg)
+    layout, run = build_layout(cfg.model), RunSpec.resolve(cfg)
+    costs = stage_costs(cfg, run, profile, layout, offload)
     pieces = run.vocab_in_pieces
     turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
         if run.grad_home == "pool" else None
