@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
+_EXCERPT = reprlib.Repr()
+_EXCERPT.maxlevel, _EXCERPT.maxstring, _EXCERPT.maxother, _EXCERPT.maxlong = 2, 60, 60, 40
+_EXCERPT.maxdict = _EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxset = 4
+
+
+def excerpt(value: Any, limit: int = 80) -> str:
+    """A short repr of a value for an error message: bounded in time and length whatever the value (a YAML
+    alias bomb, a megabyte string)."""
+    text = _EXCERPT.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
 
 class MegatrainError(Exception):
     """Base of every error megatrain raises on purpose."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Any
 
 from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
-from megatrain_ray.exceptions import CheckpointError, ConfigError
+from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
+from megatrain_ray.system.files import read_json_object
 
 
 class UnsupportedArchitectureError(ConfigError):
@@ -23,13 +24,14 @@ MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3"
 
 
 def _family(hf: dict[str, Any]) -> str:
-    for arch in hf.get("architectures") or []:
-        if arch in FAMILIES:
+    archs = hf.get("architectures")
+    for arch in archs if isinstance(archs, list) else []:
+        if isinstance(arch, str) and arch in FAMILIES:
             return FAMILIES[arch]
-    if hf.get("model_type") in MODEL_TYPES:
+    if isinstance(hf.get("model_type"), str) and hf["model_type"] in MODEL_TYPES:
         return MODEL_TYPES[hf["model_type"]]
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
+        f"unsupported architecture {excerpt(hf.get('architectures') or hf.get('model_type'))}; "
         f"supported: {', '.join(FAMILIES)}")
 
 
@@ -59,30 +61,67 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
     raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: llama3, yarn, linear)")
 
 
-def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a Hugging Face config.json mapping."""
+def _count(hf: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
+    """A whole-number field of config.json, present (unless it has a default) and at least `minimum`."""
+    value = hf.get(key, default)
+    if value is None and default is not None:
+        value = default
+    if value is None:
+        raise CheckpointError(f"{where} has no {key!r}, which the architecture needs; the file is incomplete or "
+                              "not a Hugging Face config.json")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"{where}: {key} = {excerpt(value)} must be a whole number >= {minimum}")
+    return value
+
+
+def _number(hf: dict[str, Any], key: str, where: str, default: float) -> float:
+    value = hf.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{where}: {key} = {excerpt(value)} must be a finite number > 0")
+    return float(value)
+
+
+def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json mapping; every field is checked before it is used
+    (`where` names the file in errors)."""
     family = _family(hf)
-    theta, scaling = _rope(hf)
+    hidden, heads = _count(hf, "hidden_size", where), _count(hf, "num_attention_heads", where)
+    if hidden % heads and not hf.get("head_dim"):
+        raise CheckpointError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                              "and no head_dim is given")
+    kv_heads = _count(hf, "num_key_value_heads", where, default=heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                              f"{kv_heads}")
+    head_dim = _count(hf, "head_dim", where, default=0, minimum=0)
+    if head_dim == hidden // heads:
+        head_dim = 0
+    try:
+        theta, scaling = _rope(hf)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise CheckpointError(f"{where}: the RoPE settings (rope_scaling / rope_parameters) are incomplete or "
+                              f"malformed ({excerpt(exc)})") from None
     sliding = 0
     if family == "mistral":
-        sliding = int(hf.get("sliding_window") or 0)
+        sliding = _count(hf, "sliding_window", where, default=0, minimum=0)
     elif hf.get("use_sliding_window"):
         raise ConfigError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
-    heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or 0)
-    if head_dim == hf["hidden_size"] // heads:
-        head_dim = 0
     return ModelConfig(
         family=family,  # type: ignore[arg-type]
-        vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
-        num_attention_heads=heads, num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        vocab_size=_count(hf, "vocab_size", where), hidden_size=hidden,
+        intermediate_size=_count(hf, "intermediate_size", where), num_layers=_count(hf, "num_hidden_layers", where),
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias") or False),
         qk_norm=family == "qwen3", sliding_window=sliding,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        initializer_range=float(hf.get("initializer_range", 0.02)),
+        max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
+        initializer_range=_number(hf, "initializer_range", where, 0.02),
     )
 
 
@@ -127,12 +166,9 @@ def read_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"model.path={str(model_dir)!r} has no config.json; point model.path at a Hugging Face "
                               "model directory (config.json + model.safetensors or its index)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    return read_json_object(path, str(path), CheckpointError)
 
 
 def model_config_of_dir(model_dir: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face directory (UnsupportedArchitectureError for other families)."""
-    return model_config_from_hf(read_hf_config(model_dir))
+    return model_config_from_hf(read_hf_config(model_dir), str(Path(model_dir) / "config.json"))

@@ -18,7 +18,8 @@ import yaml
 
 from megatrain_ray.config.hf import model_config_of_dir
 from megatrain_ray.config.sections import Config, ModelConfig, _fail, _to_plain
-from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.exceptions import ConfigError, excerpt
+from megatrain_ray.system.files import read_text_file
 
 
 def _type_name(tp: Any) -> str:
@@ -43,7 +44,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[-1] if len(errors) == 1 else
-                          f"config key '{key}' = {value!r}: expected " +
+                          f"config key '{key}' = {excerpt(value)}: expected " +
                           " or ".join(_type_name(o) for o in options if o is not type(None)))
     if origin is Literal:
         if value not in get_args(tp):
@@ -102,6 +103,57 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(f"cannot build section '{prefix or 'root'}': {exc}") from exc
 
 
+# A config has a few hundred values; YAML aliases can make a few lines expand to billions ("billion laughs").
+_MAX_VALUES = 100_000
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(f"key {excerpt(key)} appears twice in one mapping "
+                                  f"(lines {seen[key]} and {line}); keep one")
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _count_values(value: Any, budget: int) -> int:
+    """Values in `value` once aliases are expanded, counting stops past `budget` (bounded time)."""
+    todo, count = [value], 0
+    while todo and count <= budget:
+        item = todo.pop()
+        count += 1
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return count
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """YAML with duplicate keys refused and aliases bounded; errors name `where`."""
+    try:
+        value = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where} is not valid YAML: {excerpt(str(exc), 300)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} nests too deeply to be a config") from None
+    if _count_values(value, _MAX_VALUES) > _MAX_VALUES:
+        raise ConfigError(f"{where} expands to more than {_MAX_VALUES:,} values once its YAML aliases (*name) are "
+                          "expanded; a config has a few hundred: write the values out")
+    return value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=c` -> (["a", "b"], value), the value read as YAML (`1`, `true`, `[0.9, 0.95]`, `null`)."""
     if "=" not in text:
@@ -110,10 +162,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {text!r}: empty key component")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    value = read_yaml(raw, f"override {excerpt(text)}") if raw.strip() else ""
     return parts, value
 
 
@@ -140,11 +189,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError("no config given: pass a YAML file")
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"config file {str(path)!r} does not exist" if not path.exists() else
+                              f"config file {str(path)!r} is not a regular file")
+        what = f"config file {str(path)!r}"
+        raw = read_yaml(read_text_file(path, what, ConfigError), what) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     raw = apply_overrides(raw, list(overrides or []))

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from megatrain_ray.dtypes import DTYPE_RANK
-from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.exceptions import ConfigError, excerpt
 
 DType = Literal["bfloat16", "float16", "float32", "float64"]
 
 
 def _fail(key: str, value: Any, why: str) -> None:
-    raise ConfigError(f"config key '{key}' = {value!r}: {why}")
+    raise ConfigError(f"config key '{key}' = {excerpt(value)}: {why}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from megatrain_ray.config.sections import DataConfig, ModelConfig
-from megatrain_ray.exceptions import ConfigError, DataError
+from megatrain_ray.exceptions import ConfigError, DataError, excerpt
 from megatrain_ray.messages import IGNORE_INDEX, Batch
+from megatrain_ray.system.files import contained, read_json_object
 
 _BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 
@@ -42,6 +43,11 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
                             f"of shape {tokens.shape}")
         return tokens
     if suffix == ".bin":
+        itemsize = np.dtype(_BIN_DTYPES[cfg.token_dtype]).itemsize
+        if path.stat().st_size % itemsize or not path.stat().st_size:
+            raise DataError(f"data.path={cfg.path!r} has {path.stat().st_size} bytes, not a whole number of "
+                            f"{cfg.token_dtype} tokens ({itemsize} bytes each): set data.token_dtype to the "
+                            "type it was written with")
         return np.memmap(path, dtype=_BIN_DTYPES[cfg.token_dtype], mode="r")
     raise DataError(f"data.path={cfg.path!r}: unknown file type {suffix!r}; use .npy, .bin (with data.token_dtype) "
                     "or .txt")
@@ -116,35 +122,75 @@ class TokenBatches:
 
 # ----------------------------------------------------------------------------- prepared documents
 
+# The columns a prepared shard holds: lists of integers (token ids; 0/1 loss mask).
+SHARD_COLUMNS = ("input_ids", "loss_mask")
+
+
+def _read_shard(path: Path, where: str):
+    """One parquet shard of a prepared directory, its columns and their types checked."""
+    import pyarrow as pa  # lazy: start-up time
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise DataError(f"{where}: shard {path.name} is missing; copy the whole prepared directory or prepare "
+                        "it again")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{where}: shard {path.name} is not a readable parquet file ({excerpt(str(exc), 120)}); "
+                        "prepare the data again") from None
+    for column in SHARD_COLUMNS:
+        if column not in table.column_names:
+            raise DataError(f"{where}: shard {path.name} has no {column!r} column (it has "
+                            f"{', '.join(table.column_names) or 'none'}); give a directory written by "
+                            "`megatrain prepare`")
+        kind = table.schema.field(column).type
+        if table.num_rows and not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) \
+                or table.num_rows and not (pa.types.is_integer(kind.value_type) or
+                                           (column == "loss_mask" and pa.types.is_boolean(kind.value_type))):
+            raise DataError(f"{where}: shard {path.name} column {column!r} is {kind}, not a list of integers "
+                            "(token ids must be whole numbers); prepare the data again")
+    return table.select(list(SHARD_COLUMNS))
+
 
 class Documents:
     """One split of a prepared directory, in memory as flat arrays (fine-tuning sets are small)."""
 
     def __init__(self, directory: str, split: str, key: str):
-        import json
-
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow as pa  # lazy: start-up time
 
         root = Path(directory)
         manifest_path = root / "manifest.json"
         if not manifest_path.is_file():
             raise DataError(f"{key}={directory!r} has no manifest.json: give a directory written by "
                             "`megatrain prepare`")
-        self.manifest = json.loads(manifest_path.read_text())
-        split_info = self.manifest["splits"].get(split)
+        where = f"{key}={directory!r}: manifest.json"
+        self.manifest = read_json_object(manifest_path, where, DataError)
+        splits = self.manifest.get("splits")
+        if not isinstance(splits, dict):
+            raise DataError(f"{where} has no 'splits' mapping; prepare the data again with `megatrain prepare`")
+        split_info = splits.get(split)
         if split_info is None:
             raise DataError(f"{key}={directory!r} has no {split!r} split (it has "
-                            f"{', '.join(self.manifest['splits'])}); run megatrain prepare with --eval-fraction")
+                            f"{', '.join(map(str, splits))}); run megatrain prepare with --eval-fraction")
+        files = split_info.get("files") if isinstance(split_info, dict) else None
+        if not isinstance(files, list) or not files:
+            raise DataError(f"{where}: split {split!r} lists no shard files; prepare the data again")
         self.where = f"{key}={directory!r} ({split})"
-        tables = [pq.read_table(root / f) for f in split_info["files"]]
-        table = pa.concat_tables(tables)
+        table = pa.concat_tables([_read_shard(contained(root, f, where, DataError), self.where) for f in files])
+        if table.num_rows == 0:
+            raise DataError(f"{self.where} holds no documents")
         ids, mask = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
         offsets = ids.offsets.to_numpy()
         if not np.array_equal(offsets, mask.offsets.to_numpy()):
             raise DataError(f"{self.where}: input_ids and loss_mask differ in length; prepare the data again")
+        if ids.values.null_count or mask.values.null_count or ids.null_count or mask.null_count:
+            raise DataError(f"{self.where}: input_ids or loss_mask holds missing (null) values; prepare the data "
+                            "again")
         self.tokens = ids.values.to_numpy()[offsets[0]:offsets[-1]]  # int32 as stored; rows are int64
         self.mask = mask.values.to_numpy()[offsets[0]:offsets[-1]]
+        if len(self.mask) and (int(self.mask.min()) < 0 or int(self.mask.max()) > 1):
+            raise DataError(f"{self.where}: loss_mask holds values other than 0 and 1; prepare the data again")
         self.starts = offsets - offsets[0]
         self.lengths = np.diff(self.starts)
 

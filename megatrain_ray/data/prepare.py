@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from megatrain_ray.exceptions import DataError
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.system.files import atomic_directory, refuse_existing
+from megatrain_ray.system.files import atomic_directory, contained, read_json_object, read_text_file, refuse_existing
 
 log = get_logger(__name__)
 
@@ -80,18 +80,21 @@ def read_records(path: Path) -> Iterator[dict[str, Any]]:
         raise DataError(f"input file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        yield {"text": path.read_text()}
+        yield {"text": read_text_file(path, f"input file {str(path)!r}", DataError, limit=1 << 40)}
     elif suffix == ".jsonl":
-        with path.open() as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
+        with path.open(encoding="utf-8") as f:
+            n = 0
+            try:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
                         yield json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}:{n} is not valid JSON: {exc}") from exc
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{n + 1} is not UTF-8 text: save the file as UTF-8") from None
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{n} is not valid JSON: {exc}") from None
     elif suffix == ".json":
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text_file(path, f"input file {str(path)!r}", DataError, limit=1 << 40))
         except json.JSONDecodeError as exc:
             raise DataError(f"{path} is not valid JSON: {exc}") from exc
         if not isinstance(data, list):
@@ -220,14 +223,16 @@ def resolve_inputs(opts: PrepareOptions) -> tuple[list[Path], str, Columns]:
         fmt = opts.format or "text"
         return [Path(p) for p in opts.inputs], fmt, cols
     registry = Path(opts.registry)
-    try:
-        entries = json.loads(registry.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"--registry {opts.registry!r} is not a readable JSON file: {exc}") from exc
+    if not registry.is_file():
+        raise DataError(f"--registry {opts.registry!r} is not a file; give a dataset_info.json")
+    entries = read_json_object(registry, f"--registry {opts.registry!r}", DataError)
     if opts.dataset not in entries:
         raise DataError(f"--dataset {opts.dataset!r} is not in {registry}; it names: {', '.join(sorted(entries))}")
     entry = entries[opts.dataset]
-    files = [registry.parent / entry["file_name"]] if "file_name" in entry else []
+    if not isinstance(entry, dict):
+        raise DataError(f"--registry {opts.registry!r}: the entry of {opts.dataset!r} is not a JSON object")
+    where = f"--registry {opts.registry!r} ({opts.dataset})"
+    files = [contained(registry.parent, entry["file_name"], where, DataError)] if "file_name" in entry else []
     files += [Path(p) for p in opts.inputs]
     fmt = opts.format or entry.get("formatting", "alpaca")
     renames = entry.get("columns", {})
@@ -252,6 +257,8 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
         raise DataError(f"format {fmt!r} is not supported; use one of {', '.join(FORMATS)}")
     if not 0 <= opts.eval_fraction < 1:
         raise DataError(f"--eval-fraction {opts.eval_fraction} must be in [0, 1)")
+    if opts.seq_len < 0:
+        raise DataError(f"--seq-len {opts.seq_len} must be >= 0 (the longest document in tokens; 0: never truncate)")
     out = Path(opts.output_dir)
     refuse_existing(out, DataError, "--output")  # before the tokenizing, which takes the time
     tok = Tokenizer(opts.tokenizer_dir)

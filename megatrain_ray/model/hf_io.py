@@ -29,7 +29,7 @@ from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.system.files import atomic_directory, refuse_existing
+from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
 
 log = get_logger(__name__)
 
@@ -58,11 +58,11 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         self.dir = Path(model_dir)
         index = self.dir / INDEX_FILE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index} is not a safetensors index (a JSON object with 'weight_map'): "
-                                      f"{exc}") from exc
+            weight_map = read_json_object(index, str(index), CheckpointError).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map \
+                    or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose 'weight_map' maps "
+                                      "tensor names to file names)")
         elif (self.dir / SINGLE_FILE).is_file():
             weight_map = None
         else:
@@ -70,7 +70,7 @@ class HFDirectory(Mapping[str, torch.Tensor]):
                                   "weights are read (convert .bin checkpoints with transformers' save_pretrained)")
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
         for name in files:
-            if not (self.dir / name).is_file():
+            if not contained(self.dir, name, str(index), CheckpointError).is_file():
                 raise CheckpointError(f"shard {name} listed in {index} is missing from {self.dir}; "
                                       "copy the complete model directory")
         # Headers only: name -> (file, shape, dtype code). The tensor data stays on disk.
@@ -105,7 +105,13 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         return len(self.entries)
 
     def check_against_layout(self, layout: ModelLayout) -> None:
-        """Every tensor of the layout present, with its shape and a float dtype: raised before allocating."""
+        """Every tensor of the layout present, with its shape and a float dtype, and no tensor the model does
+        not have (weights for another shape, a layer more): raised before allocating."""
+        wanted = {stage.hf_name(slot) for stage in layout.stages for slot in stage.slots}
+        extra = sorted(n for n in self.entries if n not in wanted and not _derived(n, wanted))
+        if extra:
+            raise CheckpointError(f"{self.dir} holds {len(extra)} tensor(s) the model of its config.json does not have, "
+                                  f"first {extra[0]!r}; the weights and config.json do not belong together")
         for stage in layout.stages:
             for slot in stage.slots:
                 name = stage.hf_name(slot)
@@ -120,6 +126,20 @@ class HFDirectory(Mapping[str, torch.Tensor]):
                     raise CheckpointError(f"{self.dir}: tensor {name!r} is stored as {code}, which cannot be "
                                           f"converted to float master weights (quantized checkpoints are not "
                                           f"supported; supported: {', '.join(sorted(FLOAT_CODES))})")
+
+
+def _derived(name: str, wanted: set[str]) -> bool:
+    """Tensors some checkpoints carry that hold nothing to train: RoPE inverse frequencies (recomputed from
+    config.json) and an LM head saved beside tied embeddings (the embedding is the head)."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and "lm_head.weight" not in wanted)
+
+
+def finite_or_refuse(tensor: torch.Tensor, name: str, source: str | Path) -> None:
+    """A loaded weight must be finite: a NaN would make every step's loss NaN and every step skipped."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"{source}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); the "
+                              "checkpoint is damaged: load another copy")
 
 
 # ----------------------------------------------------------------------------- export

@@ -46,10 +46,11 @@ import torch
 
 from megatrain_ray.config.load import _build
 from megatrain_ray.config.sections import ModelConfig
-from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.safetensors_io import read_safetensors_into, write_safetensors
+from megatrain_ray.system.files import contained, read_json_object
 
 log = get_logger(__name__)
 
@@ -146,7 +147,8 @@ def wait_for_gate(gates: list[torch.Tensor], stage: int) -> float:
 
 
 def load_stage(directory: Path, stage: StageLayout, flats: dict[str, torch.Tensor], entry: dict) -> None:
-    read_safetensors_into(directory / entry["path"], dict(stage_tensors(stage, flats)), entry)
+    path = contained(directory, entry["path"], f"checkpoint {directory}: {MANIFEST}", CheckpointError)
+    read_safetensors_into(path, dict(stage_tensors(stage, flats)), entry)
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -258,16 +260,24 @@ def read_manifest(directory: str | Path) -> CheckpointInfo:
     path = directory / MANIFEST
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it is incomplete")
+    where = f"checkpoint {directory}: {MANIFEST}"
     try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it is incomplete") from None
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is corrupt ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is not a {FORMAT} manifest")
-    for entry in manifest.get("files", []):
-        file = directory / entry["path"]
+        manifest = read_json_object(path, where, CheckpointError)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} (the manifest is corrupt)") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where} is not a {FORMAT} manifest")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not isinstance(manifest.get("step"), int) or manifest["step"] < 0:
+        raise CheckpointError(f"{where} is corrupt: it needs a whole-number 'step' and a list of 'files'")
+    for entry in files:
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
+                                                  for k in ("bytes", "crc32", "stage")):
+            raise CheckpointError(f"{where} is corrupt: file entry {excerpt(entry)} needs path, bytes, crc32 and "
+                                  "stage")
+        file = contained(directory, entry.get("path"), where, CheckpointError)
         if not file.is_file() or file.stat().st_size != entry["bytes"]:
             raise CheckpointError(f"checkpoint {directory}: {entry['path']} is missing or has the wrong size")
     return CheckpointInfo(directory, manifest)
@@ -301,7 +311,8 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
         self._open = safe_open
         self.files: dict[str, Path] = {}
         for entry in info.manifest["files"]:
-            path = info.directory / entry["path"]
+            path = contained(info.directory, entry["path"], f"checkpoint {info.directory}: {MANIFEST}",
+                             CheckpointError)
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if not name.startswith("optimizer."):
@@ -320,4 +331,12 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
 
 def model_config_of(info: CheckpointInfo) -> ModelConfig:
     """The model a checkpoint holds, from the config saved in its manifest."""
-    return _build(ModelConfig, dict(info.manifest["config"]["model"]), "model")
+    saved = info.manifest.get("config")
+    model = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(model, dict):
+        raise CheckpointError(f"checkpoint {info.directory}: {MANIFEST} holds no model config; it is corrupt")
+    try:
+        return _build(ModelConfig, dict(model), "model")
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint {info.directory}: {MANIFEST} holds a model config this version cannot "
+                              f"read ({exc})") from None

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from megatrain_ray.config.hf import model_config_of_dir
+from megatrain_ray.config.load import read_yaml
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointWeights, model_config_of, read_manifest
+from megatrain_ray.system.files import read_text_file
 
 
 def weights_dir_of(source: str | Path) -> Path:
@@ -20,8 +20,11 @@ def weights_dir_of(source: str | Path) -> Path:
     if (src / "config.json").is_file():
         return src
     if (src / "config.yaml").is_file():  # a run directory: its resolved config names the export
-        export_dir = ((yaml.safe_load((src / "config.yaml").read_text()) or {}).get("train") or {}).get("export_dir")
-        if export_dir and (Path(export_dir) / "config.json").is_file():
+        what = f"run config {str(src / 'config.yaml')!r}"
+        saved = read_yaml(read_text_file(src / "config.yaml", what, CheckpointError), what)
+        train = saved.get("train") if isinstance(saved, dict) else None
+        export_dir = train.get("export_dir") if isinstance(train, dict) else None
+        if export_dir and isinstance(export_dir, str) and (Path(export_dir) / "config.json").is_file():
             return Path(export_dir)
         raise CheckpointError(f"run directory {str(src)!r} holds no exported weights (train.export_dir was "
                               f"{export_dir or 'unset'}); set train.export_dir and train again")

@@ -1,14 +1,90 @@
-"""Directories that appear complete or not at all (exports, prepared data)."""
+"""Files a run reads and writes: small text and JSON files read with their name in every error, paths read
+from a file kept inside its directory, output directories checked before a run starts, and directories
+that appear complete or not at all (exports, prepared data)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from megatrain_ray.exceptions import MegatrainError
+from megatrain_ray.exceptions import MegatrainError, excerpt
+
+
+def read_text_file(path: Path, what: str, error: type[MegatrainError], limit: int = 64 << 20) -> str:
+    """A UTF-8 text file of at most `limit` bytes (a config, a manifest), refused with its name otherwise."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise error(f"{what} is {size / 2**20:.0f} MiB, more than a file of its kind holds (at most "
+                        f"{limit >> 20} MiB): is it the right file?")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise error(f"{what} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): "
+                    "save it as UTF-8") from None
+
+
+def read_json_object(path: Path, what: str, error: type[MegatrainError]) -> dict[str, Any]:
+    """A JSON file holding an object (config.json, manifest.json, an index)."""
+    text = read_text_file(path, what, error)
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise error(f"{what} is not valid JSON ({exc}); it is damaged or not the file expected") from None
+    if not isinstance(value, dict):
+        raise error(f"{what} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def contained(directory: Path, name: Any, what: str, error: type[MegatrainError]) -> Path:
+    """The file `name`, read from a file in `directory` (a manifest, an index), as a path kept inside
+    `directory`: a relative name without `..` whose real path, symlinks followed, stays inside it. One
+    exception: a Hugging Face hub snapshot (`.../snapshots/<revision>/`) links its files to the repository's
+    `blobs/`, so there the link may end in that repository's blobs directory."""
+    if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) \
+            or ".." in Path(name).parts:
+        raise error(f"{what}: entry {excerpt(name)} is not a relative file name inside {directory}; "
+                    "the file was edited or written by another tool")
+    root = directory.resolve()
+    target = (root / name).resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    if not any(target == base or base in target.parents for base in allowed):
+        raise error(f"{what}: entry {name!r} leads outside {directory} (to {target}); every file it names must "
+                    "be inside that directory")
+    return target
+
+
+def check_output_dir(path: Path, key: str, error: type[MegatrainError], need_bytes: int = 0) -> None:
+    """A directory a run will create or write: not a file, not under a file, writable by this user, with
+    `need_bytes` free. Checked before anything starts, so a run never fails at its first checkpoint."""
+    where = f"{key}={str(path)!r}"
+    if path.exists() and not path.is_dir():
+        raise error(f"{where} is a file, not a directory: choose a directory path")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing != path and not existing.is_dir():
+        raise error(f"{where} lies under {str(existing)!r}, which is a file: choose a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise error(f"{where}: {str(existing)!r} is not writable by this user; choose a directory you may write "
+                    "or fix its permissions")
+    if need_bytes:
+        free = shutil.disk_usage(existing).free
+        if free < need_bytes:
+            raise error(f"{where}: {free / 1e9:.2f} GB free on its disk, the run needs {need_bytes / 1e9:.2f} GB "
+                        "there; free space or choose another disk")
 
 
 def refuse_existing(out: Path, error: type[MegatrainError], what: str) -> None:
@@ -22,6 +98,7 @@ def atomic_directory(out: Path, error: type[MegatrainError], what: str) -> Itera
     """Yields a temporary sibling of `out` to fill; it is renamed to `out` when the block succeeds and
     removed when it fails, so a reader never sees half a result."""
     refuse_existing(out, error, what)
+    check_output_dir(out, what, error)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
