@@ -27,6 +27,7 @@ from megatrain_ray.store.segments import (
     plan_segments,
     unlink_segment,
 )
+from megatrain_ray.system.guardian import Guardian
 from megatrain_ray.system.topology import bind_process
 
 log = get_logger(__name__)
@@ -47,10 +48,11 @@ class HostShard(ActorBase):
         self.specs = plan_segments(layout, cfg.host, cfg.engine.grad_slabs, run, run_id, stages, shard)
         self._created: list[SegmentSpec] = []
         self._writer: StageWriter | None = None
+        # The segments go when this process does, however it ends (a SIGKILL included): system/guardian.py.
+        self._guardian = Guardian()
+        self._guardian.remove_on_exit([spec.path for spec in self.specs])
         try:
-            for spec in self.specs:
-                create_segment(spec)
-                self._created.append(spec)
+            self._create_segments()
             self.store = HostStore(self.specs)
             self.gate = self.store.gates()[0]
             if restore is not None:
@@ -73,6 +75,15 @@ class HostShard(ActorBase):
         disk = sum(s.nbytes for s in self.specs if s.on_disk)
         log.info("shard %d: %d stages, %d segments, %.2f GiB in %s%s; %s", shard, len(stages), len(self.specs), gib,
                  cfg.host.shm_dir, f", {disk / 1e9:.2f} GB of moments in {cfg.host.disk_dir}" if disk else "", binding)
+
+    def _create_segments(self) -> None:
+        """Every segment allocated whole (create_segment), in parallel threads: the kernel zero-fills the pages
+        of separate files concurrently, and a large store would otherwise take minutes on one core."""
+        self._created = list(self.specs)  # unlinking one never created is a no-op; a failure removes them all
+        threads = max(1, min(len(self.specs), len(os.sched_getaffinity(0))))
+        with ThreadPoolExecutor(threads, thread_name_prefix="allocate") as pool:
+            for future in [pool.submit(create_segment, spec) for spec in self.specs]:
+                future.result()
 
     def _each_stage(self, what: str, fill: Callable[[int], None]) -> None:
         """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress."""
@@ -123,3 +134,4 @@ class HostShard(ActorBase):
         for spec in self._created:
             unlink_segment(spec)
         self._created.clear()
+        self._guardian.close(wait_s=1.0)

@@ -31,7 +31,7 @@ from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.observe.metrics import rss_anon_bytes, shm_bytes
 from megatrain_ray.store.checkpoint import CheckpointInfo
-from megatrain_ray.store.segments import SegmentSpec, unlink_segment
+from megatrain_ray.store.segments import SegmentSpec, segment_prefix, unlink_segment
 
 log = get_logger(__name__)
 
@@ -172,7 +172,12 @@ class Cluster:
         gather([g.join(init_method, plan.backend, self.cfg.parallel.timeout_s, plan.same_host) for g in self.gpus])
 
     def _store_file(self) -> str:
-        return os.path.join(self.cfg.host.shm_dir, f"megatrain-{self.run_id}-pgstore")
+        return os.path.join(self.cfg.host.shm_dir, f"{segment_prefix(self.run_id)}pgstore")
+
+    def segment_dirs(self) -> list[str]:
+        """The directories that hold this run's files on this node: shared memory, and the disk tier's."""
+        host = self.cfg.host
+        return [host.shm_dir, *([host.disk_dir] if host.moments_tier == "disk" else [])]
 
     def flush(self) -> None:
         """Every ordered update applied: the segments hold the state after the steps run so far."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import stat
 import sys
 from abc import ABC, abstractmethod
@@ -18,9 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from megatrain_ray import exceptions
 from megatrain_ray.config.sections import RuntimeConfig
 from megatrain_ray.driver.placement import numa_resources
-from megatrain_ray.exceptions import ActorFailedError
+from megatrain_ray.exceptions import ActorFailedError, MegatrainError
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.topology import detect_topology
 
@@ -90,6 +92,9 @@ class RayFuture:
         try:
             return ray.get(self.ref, timeout=timeout)
         except ray.exceptions.RayActorError as exc:
+            own = _own_error_of_failed_init(exc)
+            if own is not None:
+                raise own from None  # the constructor's own error (a bad weight, no shared memory), unwrapped
             raise ActorFailedError(f"actor {self.actor} died during {self.method}: {exc}",
                                    {self.actor: exc}) from exc
         except ray.exceptions.RayTaskError as exc:
@@ -97,6 +102,22 @@ class RayFuture:
             if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
                 raise cause from None  # the actor's own error, e.g. a ConfigError, unwrapped
             raise ActorFailedError(f"actor {self.actor} failed in {self.method}: {exc}", {self.actor: exc}) from exc
+
+
+_OWN_ERROR = re.compile(r"^megatrain_ray\.exceptions\.(\w+): ", re.MULTILINE)
+
+
+def _own_error_of_failed_init(exc: Exception) -> MegatrainError | None:
+    """An actor whose constructor raised one of our errors dies with that error only as text (Ray keeps no
+    cause for a failed creation task): the error, rebuilt from its class name and message."""
+    if not getattr(exc, "actor_init_failed", False):
+        return None
+    text = str(getattr(exc, "error_msg", "") or "")
+    found = list(_OWN_ERROR.finditer(text))
+    cls = getattr(exceptions, found[-1].group(1), None) if found else None
+    if not (isinstance(cls, type) and issubclass(cls, MegatrainError)) or cls is ActorFailedError:
+        return None
+    return cls(text[found[-1].end():].strip())
 
 
 class RayHandle(ActorHandle):
@@ -206,6 +227,16 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     tighten_token_file()
     log.info("started a private Ray on 127.0.0.1 (token auth on), resources %s", resources)
     return True
+
+
+def private_ray_pids() -> list[int]:
+    """The processes `ray.init` started for a private Ray (GCS, raylet, dashboard, monitors); the raylet's
+    children (agents, workers) are found below them."""
+    import ray
+
+    node = ray._private.worker._global_node
+    return [info.process.pid for infos in (node.all_processes if node else {}).values() for info in infos
+            if info.process is not None]
 
 
 def spawn(mode: str, cls: type, *args: Any, name: str, num_gpus: float = 0, ray_options: dict[str, Any] | None = None,

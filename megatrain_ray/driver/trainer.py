@@ -22,7 +22,8 @@ from megatrain_ray.driver.cluster import Cluster, NodeActors, new_run_id, sweep_
 from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonfinite
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.placement import RunPlacement
-from megatrain_ray.driver.runtime import Handle, gather, start_ray
+from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, start_ray
+from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
@@ -33,8 +34,9 @@ from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
 from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.memory import check_plan, resolve_run
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
-from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, shard_stages
-from megatrain_ray.system.files import refuse_existing
+from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages
+from megatrain_ray.system.files import check_output_dir, refuse_existing
+from megatrain_ray.system.guardian import Guardian
 
 log = get_logger(__name__)
 
@@ -62,6 +64,9 @@ class Trainer:
             HFDirectory(cfg.model.path).check_against_layout(self.layout)
         if cfg.train.export_dir:  # found now, not after hours of training
             refuse_existing(Path(cfg.train.export_dir), ConfigError, "train.export_dir")
+        if (self.run_dir / "metrics.jsonl").exists() and resume is None:
+            raise ConfigError(f"train.output_dir={str(self.run_dir)!r} already holds a run (metrics.jsonl); "
+                              "continue it with --resume auto, or choose another train.output_dir")
         # Bad data fails before any allocation.
         self.data = make_batches(cfg.data, cfg.model)
         self.eval_data = make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches) if cfg.train.eval_every else []
@@ -80,6 +85,7 @@ class Trainer:
         self.plan = check_plan(cfg)
         self.run_spec: RunSpec = self.plan.run
         """Settings derived from the config and the machine, sent to every actor (final once the ranks are known)."""
+        self._check_outputs()
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
         self.cluster = Cluster(cfg, self.layout, self.run_id)
         self.saver = Checkpointer(cfg, self.checkpoints, self.data)
@@ -88,6 +94,7 @@ class Trainer:
         """Set by a signal handler: the run saves a checkpoint after the current step and stops."""
         self._exporter: RayMetrics | None = None
         self._started_ray = False
+        self._guardian: Guardian | None = None
         self._metrics: MetricsWriter | None = None
 
     # ------------------------------------------------------------------ the actors (cluster.py)
@@ -146,14 +153,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _check_outputs(self) -> None:
+        """Every directory the run writes can be written, with room for a checkpoint and the export, before
+        anything starts: a run never fails at its first checkpoint or after hours at its export."""
+        cfg, run = self.cfg, self.run_spec
+        check_output_dir(self.run_dir, "train.output_dir", ConfigError)
+        state_bytes = DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[run.moment_dtype]
+        checkpoint_bytes = self.layout.num_params * state_bytes if cfg.checkpoint.every or cfg.checkpoint.at_end else 0
+        check_output_dir(self.checkpoints.root, "checkpoint.dir", ConfigError, checkpoint_bytes)
+        if cfg.train.export_dir:
+            export_bytes = self.layout.num_params * (2 if cfg.train.export_dtype == "bfloat16" else 4)
+            check_output_dir(Path(cfg.train.export_dir), "train.export_dir", ConfigError, export_bytes)
+
     def start(self) -> "Trainer":
         cfg = self.cfg
-        metrics_path = self.run_dir / "metrics.jsonl"
-        if metrics_path.exists() and self.resume is None:
-            raise ConfigError(f"train.output_dir={str(self.run_dir)!r} already holds a run (metrics.jsonl); "
-                              "continue it with --resume auto, or choose another train.output_dir")
+        # What this run leaves in shared memory, and a private Ray, go when the driver does: system/guardian.py.
+        self._guardian = Guardian()
         if cfg.runtime.mode == "ray":
             self._started_ray = start_ray(cfg.runtime)
+            if self._started_ray:
+                self._guardian.kill_on_exit(private_ray_pids())
         self._exporter = ray_metrics_for(cfg.runtime.mode, self.run_id, cfg.model.family, self.layout.num_params)
         self._spawn_actors()  # a checkpoint that fails its checks stops here, before the run directory changes
         if self.restore is not None:
@@ -167,6 +186,9 @@ class Trainer:
         return self
 
     def _spawn_actors(self) -> None:
+        if self._guardian is not None:
+            for directory in self.cluster.segment_dirs():
+                self._guardian.remove_prefix_on_exit(directory, segment_prefix(self.run_id))
         on_age = self._exporter.heartbeat_age if self._exporter else None
         parallel = resolve_parallel(self.cfg)
         self.run_spec = resolve_run(self.cfg, self.plan.machine.gpu_memory, "cuda" if parallel.use_gpu else "cpu",
@@ -200,6 +222,9 @@ class Trainer:
 
                 ray.shutdown()
                 self._started_ray = False
+            if self._guardian is not None:  # kills what a private Ray left behind, removes stray segments
+                self._guardian.close()
+                self._guardian = None
 
     def __enter__(self) -> "Trainer":
         try:

@@ -23,8 +23,10 @@ a stage's gradients landed and its update is done (megatrain_ray/engine/collecti
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,7 +37,7 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import HostConfig
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.exceptions import HostMemoryError
-from megatrain_ray.model.hf_io import HFDirectory
+from megatrain_ray.model.hf_io import HFDirectory, finite_or_refuse
 from megatrain_ray.model.layout import ModelLayout, StageLayout, token_chunks
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.disk_tier import DiskSegment, allocate_file
@@ -68,6 +70,11 @@ class SegmentSpec:
 
 
 
+def segment_prefix(run_id: str) -> str:
+    """Every file of a run in host.shm_dir and host.disk_dir starts with this."""
+    return f"megatrain-{run_id}-"
+
+
 def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: RunSpec, run_id: str,
                   stages: list[int], shard: int) -> list[SegmentSpec]:
     """The segments one HostShard owns: its stages' buffers and its checkpoint gate, plus on shard 0 the
@@ -86,16 +93,16 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
             kinds.append(("grad", run.grad_dtype))
         for kind, dtype in kinds:
             disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
-            path = os.path.join(host.disk_dir if disk else directory, f"megatrain-{run_id}-{stage.name}-{kind}")
+            path = os.path.join(host.disk_dir if disk else directory, f"{segment_prefix(run_id)}{stage.name}-{kind}")
             specs.append(SegmentSpec(path, dtype, stage.numel, kind, index, on_disk=disk))
-    specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-gate{shard}"), "int32",
+    specs.append(SegmentSpec(os.path.join(directory, f"{segment_prefix(run_id)}gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":
         for k, numel in enumerate(pool_slab_sizes(layout, grad_slabs, run.vocab_in_pieces)):
-            path = os.path.join(directory, f"megatrain-{run_id}-gradpool{k}")
+            path = os.path.join(directory, f"{segment_prefix(run_id)}gradpool{k}")
             specs.append(SegmentSpec(path, run.grad_dtype, numel, "gradpool", k))
     if shard == 0 and ranks_per_node > 1:
-        specs.append(SegmentSpec(os.path.join(directory, f"megatrain-{run_id}-sync"), "int64",
+        specs.append(SegmentSpec(os.path.join(directory, f"{segment_prefix(run_id)}sync"), "int64",
                                  (ranks_per_node + 1) * len(layout.stages), "sync", 0))
     return specs
 
@@ -157,16 +164,43 @@ def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:
 
 
 def create_segment(spec: SegmentSpec) -> None:
-    """A zero-filled file of the exact size: in shared memory pages are allocated on first touch; on disk
-    every block is allocated now (a full disk fails here, at start, not in the middle of a step)."""
+    """A zero-filled file of the exact size, every page or block allocated now: a full /dev/shm or disk fails
+    here, at start, with its sizes, instead of a SIGBUS at the first touch of a page in the middle of a step.
+    A file that cannot be allocated whole is removed."""
     fd = os.open(spec.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         if spec.on_disk:
             allocate_file(fd, spec.nbytes, spec.path)
         else:
-            os.ftruncate(fd, spec.nbytes)
+            allocate_shared(fd, spec.nbytes, spec.path)
+    except BaseException:
+        unlink_segment(spec)
+        raise
     finally:
         os.close(fd)
+
+
+def binary_size(nbytes: int) -> str:
+    """Memory sizes as the kernel counts them: 1.50 GiB, 820.0 MiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def allocate_shared(fd: int, nbytes: int, path: str) -> None:
+    os.ftruncate(fd, nbytes)
+    if nbytes == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        directory = os.path.dirname(path)
+        usage = shutil.disk_usage(directory)
+        raise HostMemoryError(
+            f"host.shm_dir={directory!r} has no room for segment {os.path.basename(path)} of "
+            f"{binary_size(nbytes)}: {binary_size(usage.free)} free of {binary_size(usage.total)} now "
+            "(another process may have filled it since the memory check). Free shared memory, enlarge it "
+            "(mount -o remount,size=... /dev/shm) or run `megatrain plan` for a configuration that fits") from None
 
 
 def map_segment(spec: SegmentSpec) -> torch.Tensor | DiskSegment:
@@ -286,13 +320,8 @@ class StoreTensors(Mapping[str, torch.Tensor]):
 def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> None:
     """Random initialisation as in Hugging Face: normal(0, std) matrices, ones for norms, zero biases.
 
-    The moments are written too (zeros): every page of the stage is allocated now, so a store that
-    does not fit fails at start, not in the middle of the first step. Disk-tier moments are fresh
-    files whose blocks create_segment allocated: they read as zeros already.
+    The moments are fresh segments, zero-filled and allocated whole by create_segment: nothing to write.
     """
-    for kind in ("exp_avg", "exp_avg_sq"):
-        if not store.on_disk(kind, stage.index):
-            store.get(kind, stage.index).zero_()
     master = store.get("master", stage.index)
     for slot in stage.slots:
         view = master[slot.offset:slot.offset + slot.numel]
@@ -308,13 +337,12 @@ def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> N
 
 
 def load_hf_stage(store: HostStore, stage: StageLayout, source: HFDirectory) -> None:
-    """Copy one stage's tensors from the checkpoint into its master weights, zero its moments and refresh
-    its streaming copy. Extra RAM: one tensor at a time."""
-    for kind in ("exp_avg", "exp_avg_sq"):
-        store.get(kind, stage.index).zero_()
+    """Copy one stage's tensors from the checkpoint into its master weights and refresh its streaming copy
+    (the moments are fresh zero-filled segments). Extra RAM: one tensor at a time."""
     master = store.get("master", stage.index)
     for slot in stage.slots:
         tensor = source[stage.hf_name(slot)]
+        finite_or_refuse(tensor, stage.hf_name(slot), source.dir)
         master[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
     if store.has("stream", stage.index):
         store.get("stream", stage.index).copy_(master)
