@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 from dataclasses import replace
@@ -46,12 +47,24 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
+def _resume_command(args: argparse.Namespace) -> str:
+    """This command line with `--resume auto`: every override kept, so it continues this run and no other."""
+    words = ["megatrain", "train", args.config]
+    for override in args.set or []:
+        words += ["--set", override]
+    if args.address:
+        words += ["--address", args.address]
+    if args.local:
+        words.append("--local")
+    return shlex.join([*words, "--resume", "auto"])
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a model as the config says; the run directory gets config.yaml, metrics.jsonl and checkpoints."""
     from megatrain_ray.driver.trainer import Interrupted, Trainer  # lazy: start-up time (the actors and engine)
 
     cfg = _load(args)
-    trainer = Trainer(cfg, resume=args.resume, config_path=args.config)
+    trainer = Trainer(cfg, resume=args.resume, resume_command=_resume_command(args))
 
     def stop(signum: int, frame: object) -> None:
         if trainer.stop_signal is not None:  # a second signal: stop now, without the checkpoint
@@ -63,9 +76,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         trainer.start()
+        # ray.init installs Ray's own handler for SIGTERM, which logs and kills the process (`ray job stop`
+        # would lose the checkpoint): ours again, after it.
+        for sig in previous:
+            signal.signal(sig, stop)
         history = trainer.train()
     except Interrupted as exc:
-        where = f"checkpoint {exc.checkpoint}; resume with: megatrain train {args.config} --resume auto" \
+        where = f"checkpoint {exc.checkpoint}; resume with: {trainer.resume_command}" \
             if exc.checkpoint else "no checkpoint saved (checkpoint.on_signal is false)"
         log.warning("stopped by signal %d at step %d: %s", exc.signum, trainer.next_step, where)
         return 128 + exc.signum

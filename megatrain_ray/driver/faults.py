@@ -169,8 +169,8 @@ class Recovery:
     """Restarts the actors from the last checkpoint when one dies, at most fault.max_restarts times;
     past that, one error naming the dead actor, the last good checkpoint and how to resume."""
 
-    def __init__(self, max_restarts: int, config_path: str):
-        self.max_restarts, self.config_path = max_restarts, config_path
+    def __init__(self, max_restarts: int, resume_command: str):
+        self.max_restarts, self.resume_command = max_restarts, resume_command
         self.restarts = 0
         self.events: list[dict[str, Any]] = []
         """One entry per automatic restart: who died, when it was noticed, how long the restart took."""
@@ -184,7 +184,7 @@ class Recovery:
         if self.restarts >= self.max_restarts:
             raise ActorFailedError(f"{dead} died, noticed at step {noticed} ({str(exc).splitlines()[0]}). "
                                    f"Last good checkpoint: {where}. "
-                                   f"Resume with: megatrain train {self.config_path} --resume auto", exc.failures) \
+                                   f"Resume with: {self.resume_command}", exc.failures) \
                 from exc
         self.restarts += 1
         log.error("%s died, noticed at step %d; restart %d of %d from checkpoint %s", dead, noticed, self.restarts,
@@ -198,7 +198,7 @@ class Recovery:
 
 
 def stop_or_skip_nonfinite(cfg: Config, step: int, loss: float, grad_norm: float, checkpoints: CheckpointDir,
-                           config_path: str, save_before: Callable[[int], Path | None]) -> None:
+                           resume_command: str, save_before: Callable[[int], Path | None]) -> None:
     """A step whose loss or gradient norm is not finite: with clipping, dropped (fault.nonfinite=skip) or
     the state before it saved by `save_before(step)` and the run stopped; without clipping part of it was
     already applied, so the run stops pointing at the last good checkpoint."""
@@ -208,11 +208,11 @@ def stop_or_skip_nonfinite(cfg: Config, step: int, loss: float, grad_norm: float
         raise NonFiniteError(f"non-finite {what}. With optimizer.grad_clip=0 the updates stream layer by layer, "
                              "so part of this step was applied; the last good state is "
                              f"{last.directory if last else 'the initial one (no checkpoint yet)'}. Resume with "
-                             f"`megatrain train {config_path} --resume auto` after lowering the lr")
+                             f"`{resume_command}` after lowering the lr")
     if cfg.fault.nonfinite == "skip":
         log.warning("non-finite %s: step dropped, weights and moments unchanged", what)
         return
     saved = save_before(step)
     raise NonFiniteError(f"non-finite {what}; fault.nonfinite=stop. The state before this step is saved in "
-                         f"{saved}; resume with `megatrain train {config_path} --resume auto` after "
+                         f"{saved}; resume with `{resume_command}` after "
                          "lowering the lr or fixing the data")

@@ -177,7 +177,10 @@ class _Orders:
 
 
 def _serve(read_fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the owner's terminal is the owner's to handle
+    # A Ctrl-C in the owner's terminal, or `ray job stop` (SIGTERM to the driver and all its descendants),
+    # is the owner's to handle: the guardian ends only after its owner, by end-of-file (or SIGKILL).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     orders = _Orders()
     done = threading.Event()
 

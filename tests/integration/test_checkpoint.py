@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -165,15 +167,30 @@ def test_kill_in_the_middle_of_a_checkpoint_write_uses_the_previous_one(tmp_path
         read_manifest(done.directory)
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, tiny_yaml):
-    proc = megatrain_popen(*cli_args(tiny_yaml, tmp_path / "run", "--set", "checkpoint.every=0"))
+@pytest.mark.parametrize("mode", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_sigterm_saves_a_checkpoint_exits_143_and_prints_a_resume_command_that_continues_this_run(
+        tmp_path, tiny_yaml, mode):
+    """Under Ray too: ray.init installs Ray's own SIGTERM handler (it logs and dies), which `ray job stop`
+    and `kill -TERM` met before. The printed command keeps the run's overrides, so it resumes this run."""
+    ref = run_to_end(*cli_args(tiny_yaml, tmp_path / "ref"))
+    args = cli_args(tiny_yaml, tmp_path / "run", "--set", "checkpoint.every=0")
+    if mode == "ray":
+        args.remove("--local")
+    proc = megatrain_popen(*args)
     wait_for_steps(tmp_path / "run", 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
     latest = CheckpointDir(tmp_path / "run" / "checkpoints").latest()
     assert latest is not None and latest.step == len(losses(tmp_path / "run"))
-    assert "--resume auto" in err
+    printed = re.search(r"resume with: (megatrain train .*--resume auto)$", err, re.MULTILINE)
+    assert printed, err
+    command = shlex.split(printed.group(1))
+    assert command[:2] == ["megatrain", "train"] and "checkpoint.every=0" in command
+    resumed = run_to_end(*command[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming at step {latest.step}" in resumed.stderr
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref") and ref.returncode == 0
 
 
 def test_export_of_a_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
