@@ -426,6 +426,9 @@ class RuntimeConfig:
     on this machine, else a private local Ray bound to 127.0.0.1."""
     dashboard: bool = True
     """Start the Ray dashboard with a private local Ray (127.0.0.1 only)."""
+    allow_unauthenticated: bool = False
+    """Let a private local Ray start without token auth when RAY_AUTH_MODE says so (anyone who can reach
+    its ports could then run code as you). By default that is refused before Ray starts."""
     object_store_mb: int = 512
     """Object store of a private local Ray. Bulk tensors never go through it, so it stays small."""
     heartbeat_interval_s: float = 5.0
@@ -499,7 +502,12 @@ class TrainConfig:
     seed: int = 0
     """Seed of the random initialisation."""
     output_dir: str = "runs/default"
-    """Run directory: resolved config, metrics.jsonl. Relative paths are taken from the working directory."""
+    """Run directory: resolved config, metrics.jsonl, checkpoints. A relative path is taken under
+    train.storage_root."""
+    storage_root: str = "auto"
+    """Where relative train.output_dir, checkpoint.dir and train.export_dir paths are taken from. auto: the
+    working directory, except inside Ray's session tree (the copy of `--working-dir` that `ray job submit`
+    runs in, deleted when Ray stops), where it is ~/megatrain. A path lying in Ray's session tree is refused."""
     log_every: int = 1
     """Steps between console log lines (metrics.jsonl gets every step)."""
     eval_every: int = 0

@@ -18,12 +18,12 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.data.batches import make_batches, make_eval_batches
 from megatrain_ray.driver.checkpointing import Checkpointer, find_checkpoint, truncate_metrics, write_atomic
-from megatrain_ray.driver.cluster import Cluster, NodeActors, new_run_id, sweep_stale_segments
+from megatrain_ray.driver.cluster import Cluster, NodeActors, new_run_id
 from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonfinite
+from megatrain_ray.driver.outputs import check_outputs, place_outputs
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.placement import RunPlacement
 from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, start_ray
-from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
@@ -34,8 +34,9 @@ from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
 from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.memory import check_plan, resolve_run
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
+from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages
-from megatrain_ray.system.files import check_output_dir, refuse_existing
+from megatrain_ray.system.files import refuse_existing
 from megatrain_ray.system.guardian import Guardian
 
 log = get_logger(__name__)
@@ -54,11 +55,13 @@ class Trainer:
     newest complete one under checkpoint.dir, starting afresh when there is none)."""
 
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: str | None = None,
-                 config_path: str | None = None):
-        self.cfg = cfg
+                 resume_command: str | None = None):
+        self.cfg = cfg = place_outputs(cfg)  # absolute output paths, never in Ray's session tree
         self.layout: ModelLayout = build_layout(cfg.model)
         self.run_dir = Path(run_dir or cfg.train.output_dir)
-        self.config_path = config_path or str(self.run_dir / "config.yaml")
+        # What a user types to continue this run: the CLI passes its own command line with every override;
+        # otherwise the run's resolved config.yaml, which holds them all.
+        self.resume_command = resume_command or f"megatrain train {self.run_dir / 'config.yaml'} --resume auto"
         self.run_id = new_run_id()
         if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
             HFDirectory(cfg.model.path).check_against_layout(self.layout)
@@ -85,11 +88,12 @@ class Trainer:
         self.plan = check_plan(cfg)
         self.run_spec: RunSpec = self.plan.run
         """Settings derived from the config and the machine, sent to every actor (final once the ranks are known)."""
-        self._check_outputs()
+        check_outputs(cfg, self.run_dir, self.checkpoints.root, self.layout.num_params, self.run_spec.master_dtype,
+                      self.run_spec.moment_dtype)
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
         self.cluster = Cluster(cfg, self.layout, self.run_id)
         self.saver = Checkpointer(cfg, self.checkpoints, self.data)
-        self.recovery = Recovery(cfg.fault.max_restarts, self.config_path)
+        self.recovery = Recovery(cfg.fault.max_restarts, self.resume_command)
         self.stop_signal: int | None = None
         """Set by a signal handler: the run saves a checkpoint after the current step and stops."""
         self._exporter: RayMetrics | None = None
@@ -152,18 +156,6 @@ class Trainer:
         return self.cluster.host_memory_bytes()
 
     # ------------------------------------------------------------------ lifecycle
-
-    def _check_outputs(self) -> None:
-        """Every directory the run writes can be written, with room for a checkpoint and the export, before
-        anything starts: a run never fails at its first checkpoint or after hours at its export."""
-        cfg, run = self.cfg, self.run_spec
-        check_output_dir(self.run_dir, "train.output_dir", ConfigError)
-        state_bytes = DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[run.moment_dtype]
-        checkpoint_bytes = self.layout.num_params * state_bytes if cfg.checkpoint.every or cfg.checkpoint.at_end else 0
-        check_output_dir(self.checkpoints.root, "checkpoint.dir", ConfigError, checkpoint_bytes)
-        if cfg.train.export_dir:
-            export_bytes = self.layout.num_params * (2 if cfg.train.export_dtype == "bfloat16" else 4)
-            check_output_dir(Path(cfg.train.export_dir), "train.export_dir", ConfigError, export_bytes)
 
     def start(self) -> "Trainer":
         cfg = self.cfg
@@ -275,7 +267,7 @@ class Trainer:
         if self._metrics:
             self._metrics.write(record)
         if record["skipped"]:
-            stop_or_skip_nonfinite(cfg, step, result.loss, result.grad_norm, self.checkpoints, self.config_path,
+            stop_or_skip_nonfinite(cfg, step, result.loss, result.grad_norm, self.checkpoints, self.resume_command,
                                    self._save_before)
         return record
 
