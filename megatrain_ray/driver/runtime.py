@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import stat
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -22,6 +21,14 @@ from typing import Any
 from megatrain_ray import exceptions
 from megatrain_ray.config.sections import RuntimeConfig
 from megatrain_ray.driver.placement import numa_resources
+from megatrain_ray.driver.ray_setup import (
+    agent_ports,
+    auth_wanted,
+    ensure_private_token,
+    free_port,
+    private_temp_dir,
+    ray_init_ports,
+)
 from megatrain_ray.exceptions import ActorFailedError, MegatrainError
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.topology import detect_topology
@@ -180,13 +187,6 @@ def _running_cluster_address(cfg: RuntimeConfig) -> str | None:
     return None
 
 
-def tighten_token_file() -> None:
-    """Ray writes ~/.ray/auth_token readable by everyone (0644); the token is a credential."""
-    token = Path.home() / ".ray" / "auth_token"
-    if token.is_file() and stat.S_IMODE(token.stat().st_mode) & 0o077:
-        token.chmod(0o600)
-
-
 def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[str, float] | None = None) -> bool:
     """Attach to a running cluster, or start a private one on 127.0.0.1 with token auth.
 
@@ -214,18 +214,24 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     import ray._private.ray_constants as ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # if Ray was imported before the switch was set
-    # Token auth: Ray 2.60 turns it on by default for a new local cluster (unless RAY_AUTH_MODE says
-    # otherwise) and writes ~/.ray/auth_token when there is none.
+    # Private to this user (driver/ray_setup.py): the token 0600 before Ray reads it, a 0700 temporary tree,
+    # free ports for everything, token auth unless explicitly declined.
+    if auth_wanted(cfg.allow_unauthenticated):
+        ensure_private_token()
     if resources is None:
         resources = numa_resources(detect_topology())
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        address="local", include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1",
-        object_store_memory=cfg.object_store_mb * 2**20, num_gpus=num_gpus, log_to_driver=True,
-        resources=resources, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-    )
-    tighten_token_file()
-    log.info("started a private Ray on 127.0.0.1 (token auth on), resources %s", resources)
+    with ray_init_ports(agent_ports()):
+        ray.init(
+            address="local", include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", dashboard_port=free_port(),
+            object_store_memory=cfg.object_store_mb * 2**20, num_gpus=num_gpus, log_to_driver=True,
+            resources=resources, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+            _temp_dir=str(private_temp_dir()),
+        )
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    auth = "token auth on" if get_authentication_mode() == AuthenticationMode.TOKEN else "token auth OFF"
+    log.info("started a private Ray on 127.0.0.1 (%s), resources %s", auth, resources)
     return True
 
 

@@ -69,11 +69,46 @@ def _is_ray_process(pid: int) -> bool:
     return pid == os.getpid() or "ray" in cmd
 
 
-def test_every_ray_socket_listens_on_loopback(private_ray_with_dashboard):
+def _private_ray_tree() -> set[int]:
+    """The processes of this test's private Ray: those ray.init started and everything below them."""
+    from megatrain_ray.driver.runtime import private_ray_pids
+
+    tree: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat_line = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        tree.setdefault(int(stat_line.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = set(), [*private_ray_pids(), os.getpid()]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += tree.get(pid, [])
+    return found
+
+
+def test_every_ray_socket_listens_on_loopback_on_a_free_port(private_ray_with_dashboard):
     ours = [s for s in listening_sockets() if _is_ray_process(s[2])]
     assert len(ours) >= 4, f"expected the GCS, raylet, dashboard and workers to listen: {ours}"
     exposed = [s for s in ours if s[0] not in LOOPBACK]
     assert not exposed, f"Ray sockets open beyond loopback: {exposed}"
+    # Ray's fixed defaults (GCS, dashboard, dashboard agent, client server) stay free for the user's own cluster.
+    tree = _private_ray_tree()
+    private = [s for s in listening_sockets() if s[2] in tree]
+    assert len(private) >= 4, private
+    assert not [s for s in private if s[1] in (6379, 8265, 52365, 10001)], private
+
+
+def test_the_private_ray_keeps_its_temporary_tree_to_its_user(private_ray_with_dashboard):
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    root = session.parent.parent  # Ray makes its own temporary directory 0777; its parent keeps others out
+    assert root == Path(f"/tmp/megatrain-{os.getuid()}"), session
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700 and root.stat().st_uid == os.getuid()
+    assert not Path("/tmp/ray/session_latest").resolve() == session.resolve()
 
 
 def test_token_auth_is_on_and_the_token_is_private(private_ray_with_dashboard):
@@ -91,7 +126,7 @@ def test_dashboard_needs_the_token(private_ray_with_dashboard):
 
     import ray
 
-    url = "http://" + ray.get_runtime_context().gcs_address.split(":")[0] + ":8265/api/version"
+    url = "http://" + ray._private.worker._global_node.webui_url + "/api/version"
     assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(url, timeout=10)

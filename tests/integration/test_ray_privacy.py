@@ -1,0 +1,66 @@
+"""A Ray that megatrain starts is private to its user: the token is never readable by others, auth is never
+off by accident, and what the run writes is its user's alone."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.ray
+
+
+def _train(home: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    environment.update({"HOME": str(home), "PYTHONPATH": REPO, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "megatrain_ray", "train", "configs/tiny.yaml", "--set",
+                           f"train.output_dir={out}", "--set", "train.steps=6", *extra],
+                          cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_the_token_is_0600_from_its_first_moment_and_auth_is_on(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    token = home / ".ray" / "auth_token"
+    modes: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:  # a tight poll: any moment the file exists with another mode is seen
+        while not done.is_set():
+            try:
+                modes.add(stat.S_IMODE(os.stat(token).st_mode))
+            except FileNotFoundError:
+                pass
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = _train(home, tmp_path / "run")
+    finally:
+        done.set()
+        watcher.join()
+    assert result.returncode == 0, result.stderr
+    assert "token auth on" in result.stderr
+    assert modes == {0o600}, f"modes seen: {sorted(oct(m) for m in modes)}"
+    assert stat.S_IMODE((home / ".ray").stat().st_mode) & 0o077 == 0
+
+
+def test_auth_turned_off_by_the_environment_is_refused_before_ray_unless_allowed(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    refused = _train(home, tmp_path / "run", env={"RAY_AUTH_MODE": "disabled"})
+    assert refused.returncode == 2, refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "RAY_AUTH_MODE='disabled'" in errors[0] and "runtime.allow_unauthenticated" in errors[0]
+    assert "Traceback" not in refused.stderr and not (tmp_path / "run").exists()
+    allowed = _train(home, tmp_path / "run2", "--set", "runtime.allow_unauthenticated=true",
+                     env={"RAY_AUTH_MODE": "disabled"})
+    assert allowed.returncode == 0, allowed.stderr
+    assert "token auth OFF" in allowed.stderr and "token auth on" not in allowed.stderr
