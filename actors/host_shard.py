@@ -18,6 +18,7 @@ from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
+from megatrain_ray.store.liveness import RunLock
 from megatrain_ray.store.segments import (
     HostStore,
     SegmentSpec,
@@ -25,6 +26,7 @@ from megatrain_ray.store.segments import (
     init_stage,
     load_hf_stage,
     plan_segments,
+    segment_prefix,
     unlink_segment,
 )
 from megatrain_ray.system.guardian import Guardian
@@ -51,7 +53,12 @@ class HostShard(ActorBase):
         # The segments go when this process does, however it ends (a SIGKILL included): system/guardian.py.
         self._guardian = Guardian()
         self._guardian.remove_on_exit([spec.path for spec in self.specs])
+        self._locks: list[RunLock] = []
         try:
+            # A lock held for this process's life tells other runs' sweeps that these segments live (store/liveness.py).
+            for directory in sorted({os.path.dirname(spec.path) for spec in self.specs}):
+                self._guardian.remove_on_exit([RunLock.path_in(directory, segment_prefix(run_id), shard)])
+                self._locks.append(RunLock(directory, segment_prefix(run_id), shard))
             self._create_segments()
             self.store = HostStore(self.specs)
             self.gate = self.store.gates()[0]
@@ -134,4 +141,7 @@ class HostShard(ActorBase):
         for spec in self._created:
             unlink_segment(spec)
         self._created.clear()
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
         self._guardian.close(wait_s=1.0)

@@ -37,27 +37,9 @@ log = get_logger(__name__)
 
 
 def new_run_id() -> str:
-    """host-pid-random: segment names start with megatrain-<run id>, so a later run on this host can
-    tell whose driver is gone (sweep_stale_segments)."""
+    """host-pid-random: segment names start with megatrain-<run id> (host: a later run sweeps only its own
+    host's dead runs, store/liveness.py; random: unique across PID namespaces)."""
     return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def sweep_stale_segments(shm_dir: str) -> None:
-    """Remove segments left by runs of this host whose driver process no longer exists."""
-    host = socket.gethostname()
-    for name in os.listdir(shm_dir) if os.path.isdir(shm_dir) else []:
-        parts = name.split("-")
-        if len(parts) < 4 or parts[0] != "megatrain" or parts[1] != host.replace("-", "_"):
-            continue
-        try:
-            os.kill(int(parts[2]), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-            except FileNotFoundError:
-                pass
-        except (ValueError, PermissionError):
-            continue
 
 
 @dataclass(slots=True)

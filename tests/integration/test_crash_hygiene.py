@@ -179,3 +179,52 @@ def test_shared_memory_filled_mid_allocation_is_one_error_and_leaves_no_segment(
     assert "Traceback" not in result.stderr and "SIGBUS" not in result.stderr
     assert outcome["left"] == ["someone-else"], outcome
     assert not outcome["run"]
+
+
+def _in_new_pid_namespace(args: list[str], tmp: Path, pid_at_least: int) -> list[str]:
+    """`args` as the first program of a new PID namespace (with its own /proc), after `pid_at_least` short-lived
+    processes, so its pid there is one that no process of the other namespace has (a pid-based sweep in the
+    other namespace would take it for dead). /dev/shm and the hostname stay shared, as between containers."""
+    spin = f"i=0; while [ $i -lt {pid_at_least} ]; do /bin/true; i=$((i+1)); done; \"$@\""
+    return ["unshare", "-rpf", "--mount-proc", "sh", "-c", spin, "sh", *args]
+
+
+def test_two_runs_in_two_pid_namespaces_sharing_shm_never_sweep_each_other(tmp_path):
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-rpf", "--mount-proc", "true"],
+                                                     capture_output=True).returncode:
+        pytest.skip("needs `unshare -rpf --mount-proc` (user, PID and mount namespaces)")
+    config = run_config(tmp_path, "local")
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": REPO}
+    first_run, second_run = tmp_path / "first", tmp_path / "second"
+    host = socket.gethostname().replace("-", "_")
+    before = {f for f in os.listdir("/dev/shm") if f.startswith(f"megatrain-{host}-")}
+    train = [sys.executable, "-m", "megatrain_ray", "train", str(config), "--local", "--set", "train.log_every=1"]
+    first = subprocess.Popen(_in_new_pid_namespace([*train, "--set", f"train.output_dir={first_run}", "--set",
+                                                    "train.steps=400", "--set", "checkpoint.every=0"], tmp_path, 300),
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and first.poll() is None and not (
+                (first_run / "metrics.jsonl").exists() and (first_run / "metrics.jsonl").read_text().count("\n") >= 3):
+            time.sleep(0.1)
+        first_segments = {f for f in os.listdir("/dev/shm") if f.startswith(f"megatrain-{host}-")} - before
+        assert first.poll() is None and first_segments, "the first run should be training, with its segments"
+        assert all(int(f.split("-")[2]) >= 300 for f in first_segments), first_segments
+        # The second run sweeps at its start, in a namespace where the first run's pid does not exist.
+        second = subprocess.run(_in_new_pid_namespace([*train, "--set", f"train.output_dir={second_run}", "--set",
+                                                       "train.steps=4"], tmp_path, 0),
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stderr[-3000:]
+        still = {f for f in os.listdir("/dev/shm") if f in first_segments}
+        assert still == first_segments, f"the second run removed {sorted(first_segments - still)[:5]}"
+        assert first.poll() is None, "the first run should still be training"
+    finally:
+        for pid in filter(str.isdigit, os.listdir("/proc")):  # the driver itself, inside the namespace
+            try:
+                if f"train.output_dir={first_run}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes() \
+                        and b"megatrain_ray" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGINT)
+            except OSError:
+                pass
+        first.communicate(timeout=120)
+    assert not {f for f in os.listdir("/dev/shm") if f in first_segments}, "the first run's segments outlived it"

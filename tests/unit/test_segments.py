@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import ModelConfig
-from megatrain_ray.driver.cluster import sweep_stale_segments
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import DataError, HostMemoryError
 from megatrain_ray.model.layout import ALIGN_ELEMS, build_layout
+from megatrain_ray.store.liveness import RunLock, sweep_stale_segments
 from megatrain_ray.store.segments import shard_stages
 from tests.conftest import tiny_config
 
@@ -81,22 +80,35 @@ def test_segments_are_removed_on_close_and_after_errors(tmp_path):
     cfg = tiny_config(tmp_path, host={"shm_dir": str(tmp_path)})
     with Trainer(cfg) as trainer:
         trainer.step(0)
-        assert len([f for f in os.listdir(tmp_path) if f.startswith("megatrain-")]) == len(trainer.specs)
+        files = [f for f in os.listdir(tmp_path) if f.startswith("megatrain-")]
+        locks = [f for f in files if f.endswith(".lock")]
+        assert len(files) == len(trainer.specs) + len(locks) and len(locks) == cfg.host.num_shards
     assert not [f for f in os.listdir(tmp_path) if f.startswith("megatrain-")]
 
 
-def test_sweep_removes_segments_of_dead_runs_only(tmp_path):
+def test_sweep_removes_the_files_of_runs_whose_lock_nobody_holds(tmp_path):
+    """Liveness by lock, not pid: the live run's pid is one that does not exist here (as a run in another
+    PID namespace), the dead run's is this process's own."""
     import socket
 
     host = socket.gethostname().replace("-", "_")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f"megatrain-{host}-{int(dead.stdout)}-abcd1234-layer0-master"
-    live = tmp_path / f"megatrain-{host}-{os.getpid()}-abcd1234-layer0-master"
-    other = tmp_path / "unrelated-file"
-    for f in (stale, live, other):
+    live_prefix, dead_prefix = f"megatrain-{host}-999999999-aaaa1111-", f"megatrain-{host}-{os.getpid()}-bbbb2222-"
+    lock = RunLock(str(tmp_path), live_prefix, 0)  # held as a HostShard holds it
+    dead_lock = RunLock(str(tmp_path), dead_prefix, 0)
+    os.close(dead_lock._fd)  # its process ended without removing it: the kernel dropped the lock
+    live = [tmp_path / f"{live_prefix}layer0-master", tmp_path / f"{live_prefix}gate"]
+    dead = [tmp_path / f"{dead_prefix}layer0-master"]
+    unlocked = [tmp_path / f"megatrain-{host}-1-cccc3333-layer0-master"]  # a run with no lock file at all
+    other = [tmp_path / "unrelated-file", tmp_path / "megatrain-otherhost-1-dddd4444-layer0-master"]
+    for f in live + dead + unlocked + other:
         f.write_bytes(b"x")
-    sweep_stale_segments(str(tmp_path))
-    assert not stale.exists() and live.exists() and other.exists()
+    assert sweep_stale_segments(str(tmp_path)) == 3
+    assert all(f.exists() for f in live + other) and Path(lock.path).exists()
+    assert not any(f.exists() for f in dead + unlocked) and not Path(dead_lock.path).exists()
+    lock.release()
+    assert not Path(lock.path).exists()
+    assert sweep_stale_segments(str(tmp_path)) == 2  # now the formerly live run is stale too
+    assert all(f.exists() for f in other)
 
 
 def test_initial_weights_do_not_depend_on_sharding(tmp_path):
