@@ -9,6 +9,8 @@ configs Ray writes under its session directory (docs/operations.md, "Watching a 
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 # metrics.jsonl key -> (Ray metric name, description, factor from the record's unit)
@@ -29,26 +31,33 @@ STEP_GAUGES: dict[str, tuple[str, str, float]] = {
     "update_wait_seconds": ("megatrain_update_wait_seconds", "Time the layer stream waited for updates", 1.0),
     "host_mem_gib": ("megatrain_host_memory_bytes", "Host memory: shared segments touched + private RSS", 2.0**30),
     "gpu_peak_gib": ("megatrain_gpu_peak_bytes", "Peak GPU memory of the step", 2.0**30),
+    "eval_loss": ("megatrain_eval_loss", "Loss on the eval batches at the last evaluation (train.eval_every)", 1.0),
+    "epoch": ("megatrain_epoch", "Passes over the training data so far (fractional)", 1.0),
+    "step": ("megatrain_step", "Index of the last step done (0-based)", 1.0),
 }
 HEARTBEAT_AGE = "megatrain_actor_heartbeat_age_seconds"
-STEP_TAGS = ("run", "model")
+SKIPPED = "megatrain_skipped_steps"
+STEP_TAGS = ("run", "model", "submission")
+"""run: the run id (also in the log and checkpoints); submission: the Ray job's submission id, "" outside a
+job, so a job, its run and its metrics can be joined."""
 
 
 class RayMetrics:
     """Gauges and counters of one run; `record_step` takes a metrics.jsonl record."""
 
-    def __init__(self, run: str, model: str):
+    def __init__(self, run: str, model: str, submission: str = ""):
         from ray.util import metrics
 
-        tags = {"run": run, "model": model}
+        tags = {"run": run, "model": model, "submission": submission}
         self.gauges = {}
         for key, (name, description, _) in STEP_GAUGES.items():
             self.gauges[key] = metrics.Gauge(name, description=description, tag_keys=STEP_TAGS)
             self.gauges[key].set_default_tags(tags)
         self.steps = metrics.Counter("megatrain_steps", description="Optimizer steps done", tag_keys=STEP_TAGS)
         self.tokens = metrics.Counter("megatrain_tokens", description="Tokens trained on", tag_keys=STEP_TAGS)
-        self.skipped = metrics.Counter("megatrain_skipped_steps", description="Steps dropped for non-finite "
-                                       "gradients", tag_keys=STEP_TAGS)
+        self.skipped = metrics.Gauge(SKIPPED, description="Steps dropped for a non-finite loss or gradient so far",
+                                     tag_keys=STEP_TAGS)
+        self.skipped_count = 0
         self.heartbeat = metrics.Gauge(HEARTBEAT_AGE, description="Seconds since the actor last answered a heartbeat",
                                        tag_keys=(*STEP_TAGS, "actor"))
         for metric in (self.steps, self.tokens, self.skipped, self.heartbeat):
@@ -60,8 +69,8 @@ class RayMetrics:
                 self.gauges[key].set(float(record[key]) * factor)
         self.steps.inc(1)
         self.tokens.inc(record["tokens"])
-        if record.get("skipped"):
-            self.skipped.inc(1)
+        self.skipped_count += bool(record.get("skipped"))
+        self.skipped.set(self.skipped_count)  # from the first step on, 0 included: a panel has a series to show
 
     def heartbeat_age(self, actor: str, seconds: float) -> None:
         self.heartbeat.set(seconds, tags={"actor": actor})
@@ -72,6 +81,17 @@ def model_tag(family: str, num_params: int) -> str:
     return f"{family}-{num_params / 1e9:.2f}B" if num_params >= 1e9 else f"{family}-{num_params / 1e6:.1f}M"
 
 
+def submission_id() -> str:
+    """The Ray job submission id of this driver (`ray job submit` passes it in the job config), or ""."""
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "") or "{}")
+    except ValueError:
+        return ""
+    metadata = config.get("metadata") if isinstance(config, dict) else None
+    value = metadata.get("job_submission_id", "") if isinstance(metadata, dict) else ""
+    return value if isinstance(value, str) else ""
+
+
 def ray_metrics_for(mode: str, run: str, family: str, num_params: int) -> RayMetrics | None:
     """The run's Ray metrics, or None in-process (runtime.mode=local), where there is no Ray to export to."""
-    return RayMetrics(run, model_tag(family, num_params)) if mode == "ray" else None
+    return RayMetrics(run, model_tag(family, num_params), submission_id()) if mode == "ray" else None
