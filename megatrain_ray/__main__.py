@@ -6,6 +6,7 @@
     megatrain config configs/tiny.yaml [--set ...]      # print the resolved config
     megatrain plot runs/tiny [--out DIR]                # loss and throughput curves to PNG
     megatrain resources                                 # NUMA resources for `ray start --resources`
+    megatrain cluster start|stop|env                    # a one-box Ray head for `ray job submit` (127.0.0.1, token)
     megatrain export SOURCE OUT_DIR [--dtype bfloat16|float32] [--shard-size 5GB]  # SOURCE: model, run or checkpoint dir
     megatrain prepare --tokenizer MODEL_DIR --format alpaca --input data.json --output prepared/
 
@@ -159,8 +160,27 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """Start, stop or print the environment of a one-box Ray head for `ray job submit`: 127.0.0.1 only, token auth,
+    free ports, NUMA resources; `start` writes the exports to ~/.megatrain/cluster.env."""
+    from megatrain_ray.driver import head  # lazy: start-up time
+
+    if args.action == "start":
+        exports = head.start(num_gpus=args.num_gpus, allow_unauthenticated=args.allow_unauthenticated,
+                             private_parent=Path(args.temp_dir).absolute() if args.temp_dir else None)
+        log.info("Ray head up: dashboard %s (token in ~/.ray/auth_token); in every terminal that submits jobs: "
+                 "source %s", exports["RAY_API_SERVER_ADDRESS"], head.env_file())
+        sys.stdout.write(head.exports_text())
+    elif args.action == "stop":
+        log.info("stopped the megatrain cluster (%d processes)", head.stop())
+    else:
+        sys.stdout.write(head.exports_text())
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "plan": cmd_plan, "config": cmd_config, "plot": cmd_plot,
-            "resources": cmd_resources, "export": cmd_export, "prepare": cmd_prepare}
+            "resources": cmd_resources, "export": cmd_export, "prepare": cmd_prepare,
+            "cluster": cmd_cluster}
 
 
 def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
@@ -198,6 +218,14 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                        help="format of the written weights (default: the source's config.json dtype, else float32)")
         p.add_argument("--shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    if name == "cluster":
+        p.add_argument("action", choices=["start", "stop", "env"],
+                       help="start: the head, writing ~/.megatrain/cluster.env; stop: end it; env: print the exports")
+        p.add_argument("--num-gpus", type=int, help="GPUs the head offers (default: Ray counts them)")
+        p.add_argument("--temp-dir", help="a directory of yours, made mode 0700, for Ray's temporary tree (default "
+                                          "/tmp/megatrain-<uid>; keep it short: Ray's socket paths live below it)")
+        p.add_argument("--allow-unauthenticated", action="store_true",
+                       help="start without token auth when RAY_AUTH_MODE says so (refused otherwise)")
     if name == "prepare":
         p.add_argument("--tokenizer", required=True, help="model directory with the tokenizer (and chat template)")
         p.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages"],

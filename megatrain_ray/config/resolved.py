@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import DTYPE_BYTES
 
 GradHome = Literal["stream", "stage", "pool"]
 """Where a stage's gradients land on the host: in its streaming copy (free until its update), in a
@@ -60,6 +61,10 @@ class RunSpec:
     @property
     def world(self) -> int:
         return self.ranks_per_node * self.nodes
+
+    def checkpoint_bytes(self, num_params: int) -> int:
+        """A checkpoint's size: the master weights and both AdamW moments."""
+        return num_params * (DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.moment_dtype])
 
     def runs_compiled(self, tokens: int, mlp_chunk_tokens: int, packed: bool) -> bool:
         """Whether a call of the layer over `tokens` tokens takes the compiled template (evaluation batches

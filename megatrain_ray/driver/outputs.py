@@ -13,8 +13,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
-from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.system.files import check_output_dir
 
@@ -62,14 +62,12 @@ def place_outputs(cfg: Config) -> Config:
     return dataclasses.replace(cfg, train=train, checkpoint=checkpoint)
 
 
-def check_outputs(cfg: Config, run_dir: Path, checkpoint_dir: Path, num_params: int, master_dtype: str,
-                  moment_dtype: str) -> None:
+def check_outputs(cfg: Config, run_dir: Path, checkpoint_dir: Path, num_params: int, run: RunSpec) -> None:
     """Every directory the run writes can be written, with room for a checkpoint and the export, before
     anything starts: a run never fails at its first checkpoint or after hours at its export."""
     check_output_dir(run_dir, "train.output_dir", ConfigError)
-    state_bytes = DTYPE_BYTES[master_dtype] + 2 * DTYPE_BYTES[moment_dtype]
-    checkpoint_bytes = num_params * state_bytes if cfg.checkpoint.every or cfg.checkpoint.at_end else 0
-    check_output_dir(checkpoint_dir, "checkpoint.dir", ConfigError, checkpoint_bytes)
+    saves = cfg.checkpoint.every or cfg.checkpoint.at_end
+    check_output_dir(checkpoint_dir, "checkpoint.dir", ConfigError, run.checkpoint_bytes(num_params) if saves else 0)
     if cfg.train.export_dir:
         export_bytes = num_params * (2 if cfg.train.export_dtype == "bfloat16" else 4)
         check_output_dir(Path(cfg.train.export_dir), "train.export_dir", ConfigError, export_bytes)

@@ -69,22 +69,26 @@ def auth_wanted(allow_unauthenticated: bool) -> bool:
     return False
 
 
-def private_temp_dir() -> Path:
-    """<a directory of this user's with mode 0700>/ray: Ray makes its temporary directory 0777 for users
-    sharing a machine, so the privacy comes from the parent, /tmp/megatrain-<uid> (short: Ray's socket
-    paths live below it and a socket path holds at most 107 bytes)."""
-    parent = Path(f"/tmp/megatrain-{os.getuid()}")
+def private_directory(path: Path) -> Path:
+    """`path`, a directory of this user's with mode 0700 (made so when missing; refused when another user's)."""
     try:
-        parent.mkdir(mode=0o700)
+        path.mkdir(mode=0o700, parents=True)
     except FileExistsError:
         pass
-    info = parent.lstat()
+    info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise ConfigError(f"{parent} (where megatrain keeps Ray's temporary files) is not a directory of this "
-                          "user: another user made it. Remove it, or start a cluster yourself with ray start")
+        raise ConfigError(f"{path} (where megatrain keeps Ray's temporary files) is not a directory of this user: "
+                          "another user made it, or it is a link. Remove it, or choose another directory")
     if stat.S_IMODE(info.st_mode) != 0o700:
-        parent.chmod(0o700)
-    return parent / "ray"
+        path.chmod(0o700)
+    return path
+
+
+def private_temp_dir() -> Path:
+    """/tmp/megatrain-<uid>/ray: Ray makes its own temporary directory 0777 for users sharing a machine, so the
+    privacy comes from the parent, mode 0700 (short: Ray's socket paths live below it and a socket path holds
+    at most 107 bytes)."""
+    return private_directory(Path(f"/tmp/megatrain-{os.getuid()}")) / "ray"
 
 
 def free_port() -> int:

@@ -187,6 +187,21 @@ def _running_cluster_address(cfg: RuntimeConfig) -> str | None:
     return None
 
 
+def _warn_if_open(gcs_address: str) -> None:
+    """A cluster anyone may reach, or reach without a token, runs code for them as its owner: said once."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    host = gcs_address.rsplit(":", 1)[0].strip("[]")
+    problems = []
+    if not (host.startswith("127.") or host in ("::1", "localhost")):
+        problems.append(f"it listens on {host}, beyond loopback (fine for several nodes on a private network)")
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        problems.append("it runs without token auth")
+    if problems:
+        log.warning("the Ray cluster at %s is open: %s. On one box, start it with `megatrain cluster start` "
+                    "(127.0.0.1 only, token auth)", gcs_address, "; ".join(problems))
+
+
 def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[str, float] | None = None) -> bool:
     """Attach to a running cluster, or start a private one on 127.0.0.1 with token auth.
 
@@ -205,6 +220,7 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
         try:
             ray.init(address=address, log_to_driver=True)
             log.info("attached to Ray cluster at %s", address)
+            _warn_if_open(ray.get_runtime_context().gcs_address)
             return False
         except ConnectionError:
             if cfg.address or os.environ.get("RAY_ADDRESS"):
@@ -233,6 +249,14 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     auth = "token auth on" if get_authentication_mode() == AuthenticationMode.TOKEN else "token auth OFF"
     log.info("started a private Ray on 127.0.0.1 (%s), resources %s", auth, resources)
     return True
+
+
+def ray_session_dir() -> str | None:
+    """The session directory of the Ray this driver is attached to, as seen on this machine."""
+    import ray
+
+    node = ray._private.worker._global_node
+    return node.get_session_dir_path() if node is not None else None
 
 
 def private_ray_pids() -> list[int]:

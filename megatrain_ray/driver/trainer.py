@@ -23,11 +23,12 @@ from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonf
 from megatrain_ray.driver.outputs import check_outputs, place_outputs
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.placement import RunPlacement
-from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, start_ray
+from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, ray_session_dir, start_ray
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
+from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.observe.metrics import MetricsWriter, Progress, step_record
 from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
@@ -88,8 +89,7 @@ class Trainer:
         self.plan = check_plan(cfg)
         self.run_spec: RunSpec = self.plan.run
         """Settings derived from the config and the machine, sent to every actor (final once the ranks are known)."""
-        check_outputs(cfg, self.run_dir, self.checkpoints.root, self.layout.num_params, self.run_spec.master_dtype,
-                      self.run_spec.moment_dtype)
+        check_outputs(cfg, self.run_dir, self.checkpoints.root, self.layout.num_params, self.run_spec)
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
         self.cluster = Cluster(cfg, self.layout, self.run_id)
         self.saver = Checkpointer(cfg, self.checkpoints, self.data)
@@ -166,10 +166,13 @@ class Trainer:
             if self._started_ray:
                 self._guardian.kill_on_exit(private_ray_pids())
         self._exporter = ray_metrics_for(cfg.runtime.mode, self.run_id, cfg.model.family, self.layout.num_params)
+        if cfg.runtime.mode == "ray" and (session := ray_session_dir()):
+            install_dashboard(session)  # a "megatrain" Grafana dashboard beside Ray's own (observe/grafana.py)
         self._spawn_actors()  # a checkpoint that fails its checks stops here, before the run directory changes
         if self.restore is not None:
             restore_rng(self.restore.manifest["rng"])
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for private in (self.run_dir, self.checkpoints.root):  # metrics and weights are the user's alone
+            private.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.yaml", config_to_yaml(cfg))
         self._open_metrics()
         log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s%s", self.run_id, cfg.model.family,

@@ -340,11 +340,28 @@ def format_plan(plan: Plan) -> str:
               + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
                  if plan.offload else ""), ""]
     lines += speed_lines(cfg, machine.profile, plan.offload)
+    lines += stop_lines(plan, params)
     if plan.fits:
         lines.append("fits.")
     else:
         lines += ["does NOT fit:", *(f"  - {p}" for p in plan.problems)]
     return "\n".join(lines) + "\n"
+
+
+CHECKPOINT_WRITE_GBPS = 1.0
+"""Disk write rate assumed for the stop time: a checkpoint is one sequential write per stage file."""
+
+
+def stop_lines(plan: Plan, params: int) -> list[str]:
+    """How long a stop takes (SIGTERM: finish the step, write a checkpoint), for RAY_JOB_STOP_WAIT_TIME_S."""
+    checkpoint = plan.run.checkpoint_bytes(params)
+    write_s = checkpoint / (CHECKPOINT_WRITE_GBPS * 1e9)
+    profile = plan.machine.profile if plan.cfg.engine.device != "cpu" else None
+    step_s = estimate(plan.cfg, profile, offload=plan.offload).step_seconds if profile else None
+    wait_s = int(2 * (write_s + (step_s or 60.0))) + 30
+    return [f"stop (SIGTERM, ray job stop): the step ends ({f'~{step_s:.1f} s' if step_s else 'its time'}), then a "
+            f"checkpoint of {checkpoint / 1e9:.1f} GB (~{write_s:.0f} s at {CHECKPOINT_WRITE_GBPS:g} GB/s, an assumption); "
+            f"submit with RAY_JOB_STOP_WAIT_TIME_S={wait_s} in the job's runtime env", ""]
 
 
 def check_plan(cfg: Config) -> Plan:

@@ -4,9 +4,11 @@ off by accident, and what the run writes is its user's alone."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -64,3 +66,41 @@ def test_auth_turned_off_by_the_environment_is_refused_before_ray_unless_allowed
                      env={"RAY_AUTH_MODE": "disabled"})
     assert allowed.returncode == 0, allowed.stderr
     assert "token auth OFF" in allowed.stderr and "token auth on" not in allowed.stderr
+
+
+@pytest.fixture
+def other_user():
+    """A second local user, created for the test and removed after it."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"):
+        pytest.skip("needs root, useradd and runuser to create a second local user")
+    name = f"mtother{os.getpid() % 100000}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+def _as(user: str, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", user, "--", "sh", "-c", command], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_another_local_user_cannot_read_checkpoints_or_touch_rays_temporary_tree(tmp_path, other_user, ray_session):
+    import ray
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # world-traversable, as a lab's shared disk would be
+    try:
+        base.chmod(0o755)
+        result = _train(Path.home(), base / "run", "--local", "--set", "checkpoint.every=3")
+        assert result.returncode == 0, result.stderr
+        checkpoint = next((base / "run" / "checkpoints").glob("step-*/manifest.json"))
+        assert _as(other_user, f"cat {checkpoint}").returncode != 0, "another user read a checkpoint"
+        assert _as(other_user, f"cat {base / 'run' / 'metrics.jsonl'}").returncode != 0
+        assert _as(other_user, f"ls {base / 'run'}").returncode != 0
+        session = Path(ray._private.worker._global_node.get_session_dir_path())
+        for target in (session, session / "runtime_resources", session.parent):
+            probe = _as(other_user, f"ls {target} || exit 1; touch {target}/intruder")
+            assert probe.returncode != 0 and not (target / "intruder").exists(), f"{target}: {probe.stdout}"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
