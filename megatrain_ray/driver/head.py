@@ -31,6 +31,7 @@ from megatrain_ray.driver.ray_setup import (
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.processes import children_map, cmdline, is_guardian
 from megatrain_ray.system.topology import detect_topology
 
 log = get_logger(__name__)
@@ -66,31 +67,16 @@ def _cluster_processes(temp_dir: Path) -> list[int]:
     monitors) and every process below them (agents, workers, job drivers), guardians excepted: a guardian
     ends after its owner, by itself, and removes the owner's segments then (system/guardian.py)."""
     marker = str(temp_dir).encode()
-    children: dict[int, list[int]] = {}
-    roots = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat_line = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        children.setdefault(int(stat_line.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        if marker in cmdline and int(entry) != os.getpid():
-            roots.append(int(entry))
+    children = children_map()
+    roots = [pid for pid in {p for kids in children.values() for p in kids}
+             if pid != os.getpid() and marker in cmdline(pid)]
     found: set[int] = set()
     while roots:
         pid = roots.pop()
-        if pid not in found and not _is_guardian(pid):
+        if pid not in found and not is_guardian(pid):
             found.add(pid)
             roots += children.get(pid, [])
     return sorted(found)
-
-
-def _is_guardian(pid: int) -> bool:
-    try:
-        return b"megatrain_ray.system.guardian" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def _recorded_temp_dir() -> Path:

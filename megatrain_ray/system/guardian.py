@@ -15,8 +15,8 @@ closes the write end; the guardian reads end-of-file and then
   agents are children of the raylet and lose that parentage when it dies; a process is killed only
   when its start time still matches what was seen, so a reused pid is never touched.
 
-The guardian imports nothing but the standard library (it starts in about 30 ms) and exits after
-its work. Its orders arrive as lines on the same pipe, so the owner never waits for it.
+The guardian imports nothing but the standard library and system/processes.py (it starts in about
+30 ms) and exits after its work. Its orders arrive as lines on the same pipe, so the owner never waits for it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import sys
 import threading
 from pathlib import Path
 
+from megatrain_ray.system.processes import GUARDIAN_MODULE, children_map, is_guardian, start_time
+
 _SCAN_SECONDS = 1.0
 
 
@@ -38,7 +40,7 @@ class Guardian:
         read_end, self._write_end = os.pipe()  # both close-on-exec: only the guardian gets the read end
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "megatrain_ray.system.guardian", str(read_end), str(os.getpid())],
+                [sys.executable, "-m", GUARDIAN_MODULE, str(read_end), str(os.getpid())],
                 pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
                 cwd=str(Path(__file__).resolve().parents[2]))
         finally:
@@ -86,45 +88,14 @@ class Guardian:
 # ----------------------------------------------------------------------------- the guardian process
 
 
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks): with the pid, names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:].split()[19]
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
-        tree.setdefault(parent, []).append(int(entry))
-    return tree
-
-
-def _is_guardian(pid: int) -> bool:
-    """Another guardian (a HostShard's) below the watched processes does its own work: it is never killed."""
-    try:
-        return b"megatrain_ray.system.guardian" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def _descendants(known: dict[int, str]) -> dict[int, str]:
     """`known` ({pid: start time}) and every process below those of them still alive now."""
-    tree, found = _children(), dict(known)
-    todo = [pid for pid, started in known.items() if _start_time(pid) == started]
+    tree, found = children_map(), dict(known)
+    todo = [pid for pid, started in known.items() if start_time(pid) == started]
     while todo:
         for child in tree.get(todo.pop(), []):
-            started = _start_time(child)
-            if child not in found and started is not None and child != os.getpid() and not _is_guardian(child):
+            started = start_time(child)
+            if child not in found and started is not None and child != os.getpid() and not is_guardian(child):
                 found[child] = started
                 todo.append(child)
     return found
@@ -145,7 +116,7 @@ class _Orders:
                 self.removals.append((words[0], words[1], words[2] == "prefix"))
             elif verb == "kill":
                 for pid in map(int, words):
-                    started = _start_time(pid)
+                    started = start_time(pid)
                     if started is not None and pid not in self.seen:
                         self.seen[pid] = started
                 self.seen = _descendants(self.seen)
@@ -158,7 +129,7 @@ class _Orders:
     def carry_out(self) -> None:
         with self.lock:
             for pid, started in self.seen.items():
-                if _start_time(pid) == started:
+                if start_time(pid) == started:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except OSError:

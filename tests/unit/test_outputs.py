@@ -51,3 +51,20 @@ def test_an_output_inside_rays_session_tree_is_refused_naming_the_key(tmp_path, 
     monkeypatch.chdir(workdir)
     with pytest.raises(ConfigError, match="train.output_dir"):
         place_outputs(load_config(TINY, ["train.output_dir=runs/a", "train.storage_root=."]))
+
+
+def test_an_attached_cluster_beyond_loopback_or_without_auth_is_warned_about_once(monkeypatch, caplog):
+    import ray._raylet
+
+    from megatrain_ray.driver import runtime
+
+    monkeypatch.setattr(ray._raylet, "get_authentication_mode", lambda: ray._raylet.AuthenticationMode.TOKEN)
+    with caplog.at_level("WARNING"):
+        runtime._warn_if_open("127.0.0.1:6379")
+    assert not caplog.records
+    monkeypatch.setattr(ray._raylet, "get_authentication_mode", lambda: ray._raylet.AuthenticationMode.DISABLED)
+    with caplog.at_level("WARNING"):
+        runtime._warn_if_open("10.1.2.3:6379")
+    assert len(caplog.records) == 1
+    text = caplog.records[0].getMessage()
+    assert "beyond loopback" in text and "without token auth" in text and "megatrain cluster start" in text
