@@ -156,7 +156,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     prepare(PrepareOptions(
         tokenizer_dir=args.tokenizer, format=args.format, inputs=list(args.input or []), output_dir=args.output,
         seq_len=args.seq_len, seed=args.seed, eval_fraction=args.eval_fraction, registry=args.registry,
-        dataset=args.dataset))
+        dataset=args.dataset, revision=args.revision))
     return 0
 
 
@@ -227,7 +227,10 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--allow-unauthenticated", action="store_true",
                        help="start without token auth when RAY_AUTH_MODE says so (refused otherwise)")
     if name == "prepare":
-        p.add_argument("--tokenizer", required=True, help="model directory with the tokenizer (and chat template)")
+        p.add_argument("--tokenizer", required=True,
+                       help="the model's tokenizer (and chat template): a model directory, a hub name such as "
+                            "Qwen/Qwen2.5-7B-Instruct, or a .gguf file; use the model you will train")
+        p.add_argument("--revision", help="with a hub name in --tokenizer: the branch, tag or commit")
         p.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages"],
                        help="record format (default: the registry entry's formatting, else text)")
         p.add_argument("--input", nargs="+", help="jsonl, json, parquet or txt files")

@@ -19,6 +19,7 @@ import yaml
 from megatrain_ray.config.hf import model_config_of_dir
 from megatrain_ray.config.sections import Config, ModelConfig, _fail, _to_plain
 from megatrain_ray.exceptions import ConfigError, excerpt
+from megatrain_ray.model.sources import resolve_model_dir
 from megatrain_ray.system.files import read_text_file
 
 
@@ -215,12 +216,13 @@ def _shape_from_checkpoint(raw: dict[str, Any], config_dir: Path) -> None:
     if not isinstance(model, dict) or not model.get("path"):
         return
     if not isinstance(model["path"], str):
-        _fail("model.path", model["path"], "expected a string (a Hugging Face model directory)")
-    model_dir = resolve_data_path(model["path"], config_dir)
-    if not Path(model_dir).is_dir():
-        _fail("model.path", model["path"], "is not a directory; give a Hugging Face model directory")
+        _fail("model.path", model["path"], "expected a string (a model directory, hub name or .gguf file)")
+    revision = model.get("revision") or None
+    if revision is not None and not isinstance(revision, str):
+        _fail("model.revision", revision, "expected a string (a branch, tag or commit of the hub repository)")
+    model_dir = resolve_model_dir(model["path"], "model.path", config_dir, revision, ConfigError)
     from_checkpoint = model_config_of_dir(model_dir)
-    stated = {k: v for k, v in model.items() if k != "path"}
+    stated = {k: v for k, v in model.items() if k not in ("path", "revision")}
     base = _to_plain(from_checkpoint)
     merged = _build(ModelConfig, {**base, **stated}, "model")
     for key, value in stated.items():
@@ -228,7 +230,7 @@ def _shape_from_checkpoint(raw: dict[str, Any], config_dir: Path) -> None:
             _fail(f"model.{key}", value, f"disagrees with {model_dir}/config.json, which says "
                   f"{getattr(from_checkpoint, key)!r}; with model.path set the shape comes from config.json: "
                   "remove the key")
-    raw["model"] = {**base, "path": model_dir}
+    raw["model"] = {**base, "path": model_dir, "revision": revision or ""}
 
 
 def resolve_data_path(data_path: str, config_dir: Path) -> str:

@@ -88,10 +88,17 @@ class ModelConfig:
 
     SECTION: ClassVar[str] = "model"
     path: str = ""
-    """A Hugging Face model directory (config.json + model.safetensors or a sharded index) to fine-tune:
-    its weights are loaded into the host store and every shape key below is read from its config.json
-    (a shape key also set here must agree). Empty: random initialisation (pre-training from scratch).
-    Relative paths are resolved like data.path; on a multi-node cluster every HostShard's node must see it."""
+    """The model to fine-tune: a Hugging Face model directory (config.json + safetensors weights), a hub
+    name such as `Qwen/Qwen2.5-7B-Instruct` (resolved through huggingface_hub: HF_HOME, HF_TOKEN and
+    HF_HUB_OFFLINE are honoured; only JSON, tokenizer and safetensors files are downloaded, the weights
+    when a run starts), or a `.gguf` file (converted once to float32 into a cached directory under
+    $MEGATRAIN_CACHE, default ~/.cache/megatrain). Its weights are loaded into the host store and every
+    shape key below is read from its config.json (a shape key also set here must agree). Empty: random
+    initialisation (pre-training from scratch). Relative paths are resolved like data.path; on a
+    multi-node cluster every HostShard's node must see it. The resolved config.yaml of a run records
+    the local directory it came to."""
+    revision: str = ""
+    """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
     family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load."""
     vocab_size: int = 32000

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatrain_ray.exceptions import DataError
+from megatrain_ray.model.sources import resolve_model_dir
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory, contained, read_json_object, read_text_file, refuse_existing
 
@@ -53,6 +54,8 @@ class PrepareOptions:
     eval_fraction: float = 0.0
     registry: str | None = None
     dataset: str | None = None
+    revision: str | None = None
+    """The hub revision of --tokenizer when it is a hub name."""
 
 
 @dataclass(slots=True)
@@ -154,16 +157,16 @@ def to_messages(record: Any, fmt: str, cols: Columns, where: str) -> list[dict[s
 
 
 class Tokenizer:
-    """The model's tokenizer (transformers AutoTokenizer from a local directory) and its chat template."""
+    """The model's tokenizer (transformers AutoTokenizer from a model directory, hub name or GGUF file) and
+    its chat template."""
 
-    def __init__(self, directory: str):
+    def __init__(self, source: str, revision: str | None = None):
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
             raise DataError("megatrain prepare needs transformers: pip install 'megatrain-ray[hf]'") from exc
+        directory = resolve_model_dir(source, "--tokenizer", Path.cwd(), revision, DataError)
         path = Path(directory)
-        if not path.is_dir():
-            raise DataError(f"--tokenizer {directory!r} is not a directory; give the model directory")
         self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         if not self.tok.is_fast:
             raise DataError(f"the tokenizer in {directory} has no fast (tokenizer.json) version; prepare needs "
@@ -261,7 +264,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
         raise DataError(f"--seq-len {opts.seq_len} must be >= 0 (the longest document in tokens; 0: never truncate)")
     out = Path(opts.output_dir)
     refuse_existing(out, DataError, "--output")  # before the tokenizing, which takes the time
-    tok = Tokenizer(opts.tokenizer_dir)
+    tok = Tokenizer(opts.tokenizer_dir, opts.revision)
     docs: list[tuple[list[int], list[int]]] = []
     dropped: Counter[str] = Counter()
     truncated = records = 0

@@ -28,6 +28,7 @@ from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
+from megatrain_ray.model.sources import fetch_weights
 from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.observe.metrics import MetricsWriter, Progress, step_record
@@ -65,6 +66,7 @@ class Trainer:
         self.resume_command = resume_command or f"megatrain train {self.run_dir / 'config.yaml'} --resume auto"
         self.run_id = new_run_id()
         if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
+            fetch_weights(cfg.model.path)
             HFDirectory(cfg.model.path).check_against_layout(self.layout)
         if cfg.train.export_dir:  # found now, not after hours of training
             refuse_existing(Path(cfg.train.export_dir), ConfigError, "train.export_dir")

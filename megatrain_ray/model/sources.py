@@ -1,0 +1,205 @@
+"""Where a model comes from: a local Hugging Face directory, a hub name, or a GGUF file.
+
+    model.path / prepare --tokenizer
+      a directory            -> used as it is
+      owner/name             -> huggingface_hub snapshot (HF_HOME, HF_HUB_OFFLINE and revision honoured):
+                                config, JSON and tokenizer files first (enough for `plan` and `prepare`),
+                                safetensors weights only when a run loads them (`fetch_weights`)
+      FILE.gguf              -> converted once (transformers reads GGUF, dequantized to float32) into a
+                                cached Hugging Face directory under `cache_root()/gguf/`
+
+Only safetensors, JSON and tokenizer files are downloaded: no pickled weights ever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from megatrain_ray.exceptions import CheckpointError, MegatrainError, excerpt
+from megatrain_ray.observe.log import get_logger
+
+log = get_logger(__name__)
+
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
+WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
+
+
+def cache_root() -> Path:
+    """$MEGATRAIN_CACHE, else $XDG_CACHE_HOME/megatrain, else ~/.cache/megatrain."""
+    if os.environ.get("MEGATRAIN_CACHE"):
+        return Path(os.environ["MEGATRAIN_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "megatrain"
+
+
+def resolve_model_dir(spec: str, where: str, base_dir: Path, revision: str | None,
+                      error: type[MegatrainError]) -> str:
+    """A local Hugging Face model directory for `spec` (a directory, a hub name or a .gguf file).
+    `where` names the setting in errors; relative paths are tried beside `base_dir`, then here."""
+    local = _local_path(spec, base_dir)
+    if local is not None:
+        if revision:
+            raise error(f"{where}={spec!r} is a local path; a revision ({revision!r}) only applies to a hub name: "
+                        "remove the revision")
+        if local.is_dir():
+            return str(local)
+        if local.is_file() and local.suffix.lower() == ".gguf":
+            return str(gguf_to_hf_dir(local, where, error))
+        raise error(f"{where}={spec!r} is a file but not a .gguf model; give a Hugging Face model directory, "
+                    "a hub name (owner/name) or a .gguf file")
+    if HUB_NAME.match(spec):
+        return _hub_snapshot(spec, revision, CONFIG_PATTERNS, where, error)
+    raise error(f"{where}={spec!r} does not exist; give a Hugging Face model directory, a hub name such as "
+                "Qwen/Qwen2.5-0.5B-Instruct, or a .gguf file")
+
+
+def _local_path(spec: str, base_dir: Path) -> Path | None:
+    path = Path(spec).expanduser()
+    candidates = [path] if path.is_absolute() else [base_dir / path, Path.cwd() / path]
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate.resolve()
+    return None
+
+
+def _hub_snapshot(name: str, revision: str | None, patterns: list[str], where: str,
+                  error: type[MegatrainError]) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError:
+        raise error(f"{where}={name!r} is no local path; hub names need huggingface_hub: "
+                    "pip install 'megatrain-ray[hf]'") from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    at = f" at revision {revision!r}" if revision else ""
+    try:
+        return snapshot_download(name, revision=revision, allow_patterns=patterns)
+    except GatedRepoError:
+        raise error(f"{where}={name!r} is a gated repository: accept its license on the hub and log in "
+                    "(hf auth login or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise error(f"{where}={name!r}: the hub has no revision {revision!r}; give a branch, tag or commit "
+                    "that exists") from None
+    except RepositoryNotFoundError:
+        raise error(f"{where}={name!r} is no local path, and the hub has no such repository (or it is private: "
+                    "log in with hf auth login or HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        why = "while HF_HUB_OFFLINE is set" if offline else "and the hub could not be reached"
+        raise error(f"{where}={name!r} is no local path, and as a hub name it is not in the hub cache{at} "
+                    f"({_hub_cache_dir()}) {why}; download it where there is a network (hf download {name}), "
+                    "or give a local directory") from None
+    except Exception as exc:  # network and HTTP errors vary with huggingface_hub's backend
+        raise error(f"{where}={name!r}: the hub download failed: {excerpt(str(exc), 300)}") from None
+
+
+def _hub_cache_dir() -> str:
+    try:
+        from huggingface_hub import constants
+        return str(constants.HF_HUB_CACHE)
+    except ImportError:
+        return "~/.cache/huggingface/hub"
+
+
+def _snapshot_repo(model_dir: Path) -> tuple[str, str] | None:
+    """(repo id, commit) when `model_dir` is a hub cache snapshot: .../models--owner--name/snapshots/<commit>."""
+    if model_dir.parent.name != "snapshots" or not model_dir.parent.parent.name.startswith("models--"):
+        return None
+    owner_name = model_dir.parent.parent.name[len("models--"):]
+    if "--" not in owner_name:
+        return None
+    owner, name = owner_name.split("--", 1)
+    return f"{owner}/{name}", model_dir.name
+
+
+def _has_weights(model_dir: Path) -> bool:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            return True  # HFDirectory reports a broken index with its own error
+        return all((model_dir / n).is_file() for n in names)
+    return any(model_dir.glob("*.safetensors"))
+
+
+def fetch_weights(model_dir: str) -> None:
+    """Bring a hub snapshot's safetensors weights into the cache when a run is about to load them
+    (plan and prepare never need them). A local directory is left as it is."""
+    path = Path(model_dir)
+    repo = _snapshot_repo(path)
+    if repo is None or _has_weights(path):
+        return
+    name, commit = repo
+    log.info("downloading the safetensors weights of %s (%s) into the hub cache", name, commit[:12])
+    _hub_snapshot(name, commit, WEIGHT_PATTERNS, "model.path", CheckpointError)
+    if not _has_weights(path):
+        raise CheckpointError(f"model.path {name!r} ({path}) has no safetensors weights in the hub cache and none "
+                              f"could be downloaded; run `hf download {name}` where there is a network")
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
+    """The cached Hugging Face directory of a GGUF file, converted on first use (float32 weights,
+    config.json, tokenizer with its chat template). The cache key is the file's path, size and mtime."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        import accelerate  # noqa: F401
+        import gguf as _gguf  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise error(f"{where}={str(gguf)!r}: reading GGUF needs transformers, gguf and accelerate: "
+                    "pip install 'megatrain-ray[gguf]'") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s into a Hugging Face directory at %s (once; dequantized to float32)", gguf, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp, where, error)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process converted the same file meanwhile
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path, where: str, error: type[MegatrainError]) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many kinds for files it cannot read
+        raise error(f"{where}={str(gguf)!r}: transformers cannot read this GGUF file: {excerpt(str(exc), 300)}") \
+            from None
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(out)
