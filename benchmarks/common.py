@@ -15,6 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def recorded_config(path: str) -> Path:
+    """A config file named in a result file: results written before the shape configs moved into
+    configs/shapes/ name them as configs/NAME.yaml."""
+    recorded = ROOT / path
+    moved = ROOT / "configs" / "shapes" / Path(path).name
+    return recorded if recorded.is_file() or not moved.is_file() else moved
+
+
 def git_commit() -> str:
     """The commit measured: MEGATRAIN_COMMIT when set (the GPU machine gets a copy of the tree without
     .git), else git's HEAD, marked -dirty when tracked files differ from it."""

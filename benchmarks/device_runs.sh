@@ -46,60 +46,60 @@ case "${1:-}" in
   load-8b)
     python benchmarks/load_checkpoint.py --dir /tmp/llama8b-random --layers 32 --shards 2 --out "$OUT" ;;
   long-context)
-    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 4 \
+    python benchmarks/run.py --config configs/shapes/llama3-8b.yaml --systems megatrain --batches 1 --layers 4 \
       --seq-lens 131072,262144,524288 --steps 1 --warmup 1 --timeout 500 --name long-context --out "$OUT" \
       --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
   long-context-depth)
-    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 8 \
+    python benchmarks/run.py --config configs/shapes/llama3-8b.yaml --systems megatrain --batches 1 --layers 8 \
       --seq-lens 131072 --steps 1 --warmup 1 --name long-context-depth --out "$OUT" \
       --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
   long-context-1m)
-    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 1 --layers 4 \
+    python benchmarks/run.py --config configs/shapes/llama3-8b.yaml --systems megatrain --batches 1 --layers 4 \
       --seq-lens 1048576 --steps 1 --warmup 0 --timeout 580 --name long-context-1m --out "$OUT" \
       --set engine.activation_offload=true --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 ;;
   traces)
     for compile in false true; do
-      python benchmarks/gpu_memory_peak.py --config configs/llama-3.5b-bench.yaml --layers 8 --out "$OUT" \
+      python benchmarks/gpu_memory_peak.py --config configs/shapes/llama-3.5b-bench.yaml --layers 8 --out "$OUT" \
         --set schedule.warmup_steps=0 --set data.batch_size=32 --set engine.activation_offload=true \
         --set optimizer.grad_clip=0 --set engine.compile=$compile
     done
-    python benchmarks/gpu_memory_peak.py --config configs/llama3-8b.yaml --layers 4 --out "$OUT" \
+    python benchmarks/gpu_memory_peak.py --config configs/shapes/llama3-8b.yaml --layers 4 --out "$OUT" \
       --set schedule.warmup_steps=0 --set data.batch_size=1 --set data.seq_len=131072 \
       --set model.max_position_embeddings=131072 --set engine.activation_offload=true --set optimizer.grad_clip=0 \
       --set precision.stream_dtype=float32 ;;
   largest-h200)
-    python benchmarks/run.py --config configs/llama3-8b.yaml --systems megatrain --batches 8 --steps 8 --warmup 2 \
+    python benchmarks/run.py --config configs/shapes/llama3-8b.yaml --systems megatrain --batches 8 --steps 8 --warmup 2 \
       --name largest-h200 --out "$OUT" --set optimizer.grad_clip=0 --set precision.stream_dtype=float32 \
       --set engine.grad_slabs=3 --set optimizer.workers=auto ;;  # 12.4 B/param planned, -0.4 % tok/s against 4 slabs
   bench-3.5b)
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches "${BATCHES:-4,16,32}" \
+    python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches "${BATCHES:-4,16,32}" \
       --systems "${SYSTEMS:-megatrain,megatrain-noclip,resident,deepspeed}" --name bench-3.5b --out "$OUT" ;;
   depth-offload)
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 32 --layers 8,16,24 --steps 3 \
+    python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 32 --layers 8,16,24 --steps 3 \
       --warmup 1 --systems "${SYSTEMS:-megatrain-noclip}" --set engine.activation_offload=true --name depth-offload \
       --out "$OUT" ;;
   adamw-8k)
     for workers in 2 4; do
-      python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4 --systems megatrain-noclip \
+      python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 4 --systems megatrain-noclip \
         --set optimizer.workers=$workers --name "adamw-8k-workers$workers" --out "$OUT"
     done
     python benchmarks/optimizer_scaling.py --max-workers 16 --out "$OUT" ;;
   qwen14b-x2)
-    python benchmarks/run.py --config configs/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
+    python benchmarks/run.py --config configs/shapes/qwen2.5-14b.yaml --batches 8 --systems megatrain,deepspeed \
       --layers "${QWEN_LAYERS:-24,48}" --steps 3 --warmup 1 --timeout 420 --name qwen14b-x2 --out "$OUT" ;;
   largest-x2)
-    python benchmarks/run.py --config configs/qwen2.5-14b.yaml --layers "${LAYERS:-64}" --batches 8 --systems megatrain \
+    python benchmarks/run.py --config configs/shapes/qwen2.5-14b.yaml --layers "${LAYERS:-64}" --batches 8 --systems megatrain \
       --steps 4 --warmup 1 --name largest-x2 --out "$OUT" --set precision.stream_dtype=float32 \
       --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
   tiers-x2)
     df -h /tmp; mkdir -p /tmp/megatrain-moments
-    python benchmarks/run.py --config configs/qwen2.5-32b.yaml --layers "${LAYERS:-56}" --batches 8 --systems megatrain \
+    python benchmarks/run.py --config configs/shapes/qwen2.5-32b.yaml --layers "${LAYERS:-56}" --batches 8 --systems megatrain \
       --steps 3 --warmup 1 --name "tiers-${TIER:-ram}-x2" --out "$OUT" --set optimizer.moment_dtype=bfloat16 \
       --set host.moments_tier="${TIER:-ram}" --set host.disk_dir=/tmp/megatrain-moments \
       --set precision.stream_dtype=float32 --set optimizer.grad_clip=0 --set engine.grad_slabs=3 ;;
   dp-x2)
     trace=$(mktemp -d)
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 16 --systems "${SYSTEMS:-megatrain,megatrain-noclip}" \
+    python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 16 --systems "${SYSTEMS:-megatrain,megatrain-noclip}" \
       --gpus 1,2 --steps 3 --warmup 1 --name data-parallel-x2 --out "$OUT" --trace "$trace"
     for d in "$trace"/*/; do python benchmarks/update_trace.py "$d" --stages; done
     if [ "${NCCL_TEST:-1}" = 1 ]; then python -m pytest -q tests/gpu/test_gpu.py -m gpu -s -p no:logging -k two_gpus; fi ;;

@@ -1,6 +1,6 @@
 """Fault recovery and memory-plan accuracy on the GPU machine.
 
-    python benchmarks/fault_recovery.py --config configs/llama-3.5b-bench.yaml --layers 4 --batch 8 \\
+    python benchmarks/fault_recovery.py --config configs/shapes/llama-3.5b-bench.yaml --layers 4 --batch 8 \\
         --steps 15 --every 5 --kill-step 12 [--plan-points 8x16,16x32]
 
 1. Runs the config uninterrupted, then again with the GPU worker SIGKILLed in the middle of step
@@ -61,7 +61,7 @@ def plan_vs_measured(cfg, measured: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "configs" / "llama-3.5b-bench.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "shapes" / "llama-3.5b-bench.yaml"))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=15)

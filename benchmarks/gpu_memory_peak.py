@@ -1,6 +1,6 @@
 """Which tensors are live on the GPU at a step's peak, by the source line that allocated them.
 
-    python benchmarks/gpu_memory_peak.py --config configs/llama-3.5b-bench.yaml --layers 4,12 \
+    python benchmarks/gpu_memory_peak.py --config configs/shapes/llama-3.5b-bench.yaml --layers 4,12 \
         --set data.batch_size=4 --set engine.activation_offload=true
 
 For each depth it trains `--steps` steps in this process (the local runtime: the GPU worker is a thread

@@ -1,6 +1,6 @@
 """The plan of the large shapes on described machines: host RAM, GPU memory and expected tok/s.
 
-    python benchmarks/plan_table.py [--configs configs/llama3-70b.yaml,...] [--machines h100-512gb,...]
+    python benchmarks/plan_table.py [--configs configs/shapes/llama3-70b.yaml,...] [--machines h100-512gb,...]
 
 Nothing here needs the hardware: memory comes from `megatrain_ray.planning.memory` (the layout the host store
 allocates, the engine's GPU buffers), speed from `megatrain_ray.planning.speed` (the engine's schedule replayed
@@ -31,6 +31,7 @@ from benchmarks.common import (  # noqa: E402
     VARIANTS,
     point_overrides,
     provenance,
+    recorded_config,
     seq_len_overrides,
     write_result,
 )
@@ -52,7 +53,7 @@ from megatrain_ray.planning.profiles import (  # noqa: E402
 from megatrain_ray.planning.speed import estimate  # noqa: E402
 
 GiB = 2**30
-CONFIGS = ["configs/llama3-70b.yaml", "configs/qwen2.5-72b.yaml", "configs/dense-120b.yaml"]
+CONFIGS = ["configs/shapes/llama3-70b.yaml", "configs/shapes/qwen2.5-72b.yaml", "configs/shapes/dense-120b.yaml"]
 MACHINES = list(PRESETS)
 DOC = ROOT / "docs" / "plan-large-models.md"
 TIGHT = 0.93
@@ -95,8 +96,8 @@ def row_config(result: dict, r: dict, *later: str) -> Config:
     the `later` overrides."""
     extra = list(VARIANTS.get(r["system"], ("", []))[1])
     if r.get("seq_len"):
-        extra += seq_len_overrides(load_config(ROOT / result["config"], result["overrides"]), r["seq_len"])
-    return load_config(ROOT / result["config"], [*result["overrides"], *extra,
+        extra += seq_len_overrides(load_config(recorded_config(result["config"]), result["overrides"]), r["seq_len"])
+    return load_config(recorded_config(result["config"]), [*result["overrides"], *extra,
                                                  *point_overrides(r["batch"], r.get("gpus", 1), r["layers"]), *later])
 
 
@@ -110,7 +111,7 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
         if "plan-large-models" in path.name:
             continue
         if "recovery" in result:
-            cfg = load_config(ROOT / result["config"], [*result["overrides"], *_as_measured(result)])
+            cfg = load_config(recorded_config(result["config"]), [*result["overrides"], *_as_measured(result)])
             clean = result["recovery"]["clean"]
             step = statistics.median(clean["step_seconds"][1:])
             points.append(MeasuredPoint(
@@ -166,7 +167,7 @@ of a trace are every other live byte at the peak."""
 ROW_FIGURES = ("tokens_per_step", "gpus", "compute_seconds", "gpu_busy", "optimizer_gparams_per_s", "d2h_gbps_link")
 
 
-BASE_CONFIG = "configs/llama-3.5b-bench.yaml"
+BASE_CONFIG = "configs/shapes/llama-3.5b-bench.yaml"
 """The config every fixture entry states its differences from (section.key -> value)."""
 
 
@@ -209,7 +210,7 @@ def fixture(results: Path = RESULTS) -> dict:
             "gpu_peak_gib": trace["depths"][depth]["gpu_peak_gib"],
             "activations_mib": sum(mib for site, mib in trace["depths"][depth]["live_mib_by_site"].items()
                                    if not any(s in site for s in ENGINE_SITES)),
-            "config": _config_of(load_config(ROOT / trace["config"], [*trace["overrides"],
+            "config": _config_of(load_config(recorded_config(trace["config"]), [*trace["overrides"],
                                                                      f"model.num_layers={depth}"]))}
             for depth in depths}
     [scaling] = [name for name in files if name.startswith("optimizer-scaling-h100-")]
@@ -357,7 +358,7 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "tokens), predicted "
         "from its config with the rates of its GPU's box. The H200 GPU, D2H and AdamW rates are medians over "
         "these same H200 rows, so those rows test the schedule more than the rates; the H100 row is out of "
-        "sample (its rates come from a microbenchmark and DESIGN.md; with the AdamW rate measured under "
+        "sample (its rates come from microbenchmarks on the H100 box; with the AdamW rate measured under "
         "concurrent H2D, 3.84 instead of 4.36 G params/s, it would read -10 %). The 8k rows are the "
         "optimizer's and carry its spread from box to box: their AdamW ran at 3.70 to 4.71 G params/s "
         "(the AdamW constant is the median over the rows it bounds, GPU busy under 90 %).",

@@ -1,7 +1,7 @@
 """Benchmark harness: megatrain-ray, a GPU-resident PyTorch baseline and DeepSpeed ZeRO-3 offload,
 on the same model, batch and sequence, in one invocation.
 
-    python benchmarks/run.py --config configs/llama-3.5b-bench.yaml --batches 4,16,32 \\
+    python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 4,16,32 \\
         --systems megatrain,resident,deepspeed [--layers 8,16,24] [--steps 5 --warmup 2] [--set KEY=VALUE]
     python benchmarks/run.py --systems megatrain --gpus 1,2 --batches 4,16     # data-parallel scaling
 
@@ -369,7 +369,7 @@ def rederive(paths: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "configs" / "llama-3.5b-bench.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "shapes" / "llama-3.5b-bench.yaml"))
     parser.add_argument("--systems", default="megatrain,resident,deepspeed")
     parser.add_argument("--batches", default="4,16,32", help="sequences per step (per GPU), comma-separated")
     parser.add_argument("--gpus", default="1", help="megatrain's parallel.gpus values, comma-separated (data "

@@ -2,7 +2,7 @@
 
     megatrain train configs/tiny.yaml [--set optimizer.lr=1e-3 ...] [--address ADDR] [--local] [--resume auto|DIR]
     megatrain plan configs/tiny.yaml [--set ...]        # memory needed against what this machine has
-    megatrain plan configs/llama3-70b.yaml --machine h200-1tb   # ... against a described box, with expected tok/s
+    megatrain plan configs/shapes/llama3-70b.yaml --machine h200-1tb   # ... against a described box, with expected tok/s
     megatrain config configs/tiny.yaml [--set ...]      # print the resolved config
     megatrain plot runs/tiny [--out DIR]                # loss and throughput curves to PNG
     megatrain resources                                 # NUMA resources for `ray start --resources`
@@ -24,6 +24,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from megatrain_ray import __version__
 from megatrain_ray.config.load import config_to_yaml, load_config, parse_size
 from megatrain_ray.config.sections import Config
 from megatrain_ray.driver.placement import numa_resources
@@ -144,7 +145,8 @@ def cmd_resources(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a Hugging Face model directory (safetensors shards, index, config.json, tokenizer files) from a
-    directory of safetensors weights (train.export_dir of a run, or a Hugging Face model) or a run directory."""
+    run directory (its newest complete checkpoint), a checkpoint, or a directory of safetensors weights
+    (train.export_dir, a Hugging Face model)."""
     export_weights_dir(args.source, args.out_dir, dtype=args.dtype, shard_bytes=parse_size(args.shard_size, "--shard-size"))
     return 0
 
@@ -212,8 +214,9 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("run_dir", help="run directory holding metrics.jsonl (train.output_dir)")
         p.add_argument("--out", help="directory for the PNG files (default: the run directory)")
     if name == "export":
-        p.add_argument("source", help="a directory with model.safetensors* and config.json (train.export_dir, "
-                                      "a Hugging Face model) or a run directory whose config set train.export_dir")
+        p.add_argument("source", help="a run directory (train.output_dir: its newest complete checkpoint, else its "
+                                      "train.export_dir), a checkpoint directory (checkpoints/step-N), or a "
+                                      "directory with model.safetensors* and config.json")
         p.add_argument("out_dir", help="the directory to create (must not exist or be empty)")
         p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                        help="format of the written weights (default: the source's config.json dtype, else float32)")
@@ -242,11 +245,29 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--dataset", help="the dataset of --registry to prepare")
 
 
+def _summary(doc: str) -> str:
+    """A command's docstring up to its first full stop, on one line: its line in `megatrain --help`."""
+    text = " ".join(doc.split())
+    end = text.find(". ")
+    return text[:end + 1] if end >= 0 else text
+
+
+EPILOGS = {"train": "Every config key, its type, default and meaning: docs/config.md (or `megatrain config CONFIG` "
+                    "for the resolved values). Configs to start from: configs/recipes/ (fine-tunes of real models) "
+                    "and configs/shapes/ (random-init shapes for benchmarks).",
+           "plan": "What each line means: docs/reading-the-plan.md.",
+           "config": "Every key explained: docs/config.md."}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatrain", description="Train LLMs on one GPU from host memory.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="megatrain", description="Train and fine-tune LLMs on one GPU from host memory, with Ray actors.",
+        epilog="Docs: README.md and docs/ (quick start, fine-tuning guide, operations on Ray, configuration).")
+    parser.add_argument("--version", action="version", version=f"megatrain-ray {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, fn in COMMANDS.items():
-        _add_arguments(name, sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__))
+        _add_arguments(name, sub.add_parser(name, help=_summary(fn.__doc__), description=" ".join(fn.__doc__.split()),
+                                            epilog=EPILOGS.get(name)))
     return parser
 
 

@@ -19,8 +19,8 @@ import yaml
 from megatrain_ray.config.hf import model_config_of_dir
 from megatrain_ray.config.sections import Config, ModelConfig, _fail, _to_plain
 from megatrain_ray.exceptions import ConfigError, excerpt
-from megatrain_ray.model.sources import resolve_model_dir
 from megatrain_ray.system.files import read_text_file
+from megatrain_ray.system.model_sources import resolve_model_dir
 
 
 def _type_name(tp: Any) -> str:

@@ -28,9 +28,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatrain_ray.exceptions import DataError
-from megatrain_ray.model.sources import resolve_model_dir
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory, contained, read_json_object, read_text_file, refuse_existing
+from megatrain_ray.system.model_sources import resolve_model_dir
 
 log = get_logger(__name__)
 

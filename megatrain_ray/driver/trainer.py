@@ -28,7 +28,6 @@ from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
-from megatrain_ray.model.sources import fetch_weights
 from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.observe.metrics import MetricsWriter, Progress, step_record
@@ -40,6 +39,8 @@ from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages
 from megatrain_ray.system.files import refuse_existing
 from megatrain_ray.system.guardian import Guardian
+from megatrain_ray.system.model_sources import fetch_weights
+from megatrain_ray.units import human_count
 
 log = get_logger(__name__)
 
@@ -177,8 +178,8 @@ class Trainer:
             private.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.yaml", config_to_yaml(cfg))
         self._open_metrics()
-        log.info("run %s: %s, %.2f B params, %d tokens/step, device %s, output %s%s", self.run_id, cfg.model.family,
-                 self.layout.num_params / 1e9, cfg.data.tokens_per_step, self.device_name, self.run_dir,
+        log.info("run %s: %s, %s params, %s tokens/step, device %s, output %s%s", self.run_id, cfg.model.family,
+                 human_count(self.layout.num_params), f"{cfg.data.tokens_per_step:,}", self.device_name, self.run_dir,
                  f", resuming at step {self.next_step} from {self.restore.directory}" if self.restore else "")
         return self
 
@@ -300,7 +301,7 @@ class Trainer:
             record = self.step(step)
             self.next_step = step + 1
             history.append(record)
-            progress.update(step, record["loss"], record["tok_per_s"], record["tflops"])
+            progress.update(record)
             if self.saver.in_flight is not None:
                 self._finish_save()
             if self.stop_signal is not None:

@@ -72,20 +72,31 @@ class MetricsWriter:
 
 
 class Progress:
-    """A one-line progress bar on a terminal, a log line every `every` steps otherwise."""
+    """A one-line progress bar on a terminal, a log line every `every` steps otherwise: loss, the last
+    eval_loss, lr, gradient norm, speed and an ETA. The ETA leaves out the first step of the run (or of
+    a resume), which pays for compilation and warm-up; until a second step ends it reads '--'."""
 
     def __init__(self, total: int, every: int, first: int = 0, stream: TextIO | None = None):
         self.total, self.every, self.first = total, every, first
         self.stream = stream or sys.stderr  # looked up now: tests and callers may have replaced it
         self.tty = self.stream.isatty()
-        self.t0 = time.perf_counter()
+        self.warm_since: float | None = None
+        self.eval_loss: float | None = None
 
-    def update(self, step: int, loss: float, tok_per_s: float, tflops: float) -> None:
-        done = step + 1
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(1, done - self.first) * (self.total - done)
-        text = (f"step {done}/{self.total} loss {loss:.4f} {tok_per_s:,.0f} tok/s {tflops:.1f} TFLOPS "
-                f"eta {eta:.0f}s")
+    def update(self, record: dict[str, Any]) -> None:
+        step, done = record["step"], record["step"] + 1
+        now = time.perf_counter()
+        if "eval_loss" in record:
+            self.eval_loss = record["eval_loss"]
+        if self.warm_since is None:  # the first step ends now: time the rest from here
+            self.warm_since, eta = now, "--"
+        else:
+            per_step = (now - self.warm_since) / (step - self.first)
+            eta = _duration(per_step * (self.total - done))
+        text = (f"step {done}/{self.total} loss {record['loss']:.4f}"
+                + (f" eval {self.eval_loss:.4f}" if self.eval_loss is not None else "")
+                + f" lr {record['lr']:.2e} gnorm {record['grad_norm']:.3g} {record['tok_per_s']:,.0f} tok/s "
+                f"{record['tflops']:.1f} TFLOPS eta {eta}")
         if self.tty:
             width = 24
             filled = int(width * done / self.total)
@@ -93,9 +104,18 @@ class Progress:
             if done == self.total:
                 self.stream.write("\n")
             self.stream.flush()
-        elif done % self.every == 0 or done == self.total:
+        elif done % self.every == 0 or done == self.total or "eval_loss" in record:
             self.stream.write(f"[megatrain] {text}\n")
             self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def finite(result: StepResult) -> bool:

@@ -72,20 +72,22 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
-    """loss.png (loss against step) and throughput.png (tok/s, with model TFLOPS on the right axis)."""
+    """loss.png (loss and, where evaluated, eval_loss against step) and throughput.png (tok/s, with model TFLOPS on the right axis)."""
     records = read_metrics(run_dir)
     if not records:
         raise MegatrainError(f"{run_dir / 'metrics.jsonl'} holds no steps yet")
     out = out_dir or run_dir
     name = run_dir.resolve().name
     loss = [(r["step"], r["loss"]) for r in records if not r.get("skipped")]
+    eval_loss = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     throughput = [(r["step"], r["tok_per_s"]) for r in records]
     # TFLOPS = tok/s x FLOPs per token, the same factor every step: one right axis shows both.
     flops_per_token = records[-1]["tflops"] * 1e12 / records[-1]["tok_per_s"] if records[-1]["tok_per_s"] else 0.0
     marker = "o" if len(records) <= 50 else None
     return [
-        line_chart(out / "loss.png", [Line("loss", loss, "tab:blue", marker=marker)], "step", "loss",
-                   f"{name}: loss"),
+        line_chart(out / "loss.png", [Line("loss (train)", loss, "tab:blue", marker=marker),
+                                      *([Line("eval_loss", eval_loss, "tab:orange", marker="s")] if eval_loss else [])],
+                   "step", "loss", f"{name}: loss"),
         line_chart(out / "throughput.png", [Line("tokens / s", throughput, "tab:green", marker=marker)], "step",
                    "tokens / s", f"{name}: throughput", y_from_zero=True,
                    secondary_y=("model TFLOPS", flops_per_token / 1e12) if flops_per_token else None),

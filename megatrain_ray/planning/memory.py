@@ -40,6 +40,7 @@ from megatrain_ray.planning.speed import estimate, speed_lines
 from megatrain_ray.store.disk_tier import disk_problems, staging_bytes
 from megatrain_ray.store.segments import plan_segments, shard_stages
 from megatrain_ray.system.topology import detect_topology, plan_placement
+from megatrain_ray.units import human_count
 
 GiB = 2**30
 PROCESS_BYTES = int(0.35 * GiB)
@@ -71,6 +72,8 @@ class Plan:
     run: RunSpec | None = None
     """The settings derived from the config on this machine (plan_run resolves them)."""
     problems: list[str] = field(default_factory=list)
+    host_fixes: list[str] = field(default_factory=list)
+    """When the host store does not fit: each change that shrinks it, with what it saves on its own."""
 
     @property
     def shm_total(self) -> int:
@@ -251,13 +254,15 @@ def _check(plan: Plan) -> None:
         plan.problems.append(
             f"the host store needs {plan.shm_total / g:.1f} GiB in host.shm_dir={cfg.host.shm_dir!r}, "
             f"{machine.shm_free / g:.1f} GiB is free there: enlarge it (docker --shm-size, "
-            "`mount -o remount,size=...`) or shrink the store: " + _host_advice(cfg))
+            "`mount -o remount,size=...`) or shrink the store (below)")
     if cfg.host.moments_tier == "disk" and not machine.described:
         plan.problems.extend(disk_problems(cfg.host.disk_dir, sum(plan.disk.values())))
     if plan.host_total > machine.host_available:
         plan.problems.append(
             f"host RAM: {plan.host_total / g:.1f} GiB needed, {machine.host_available / g:.1f} GiB available: "
-            + _host_advice(cfg))
+            "shrink the store (below) or use a machine with more RAM")
+    if plan.problems and (plan.shm_total > machine.shm_free or plan.host_total > machine.host_available):
+        plan.host_fixes = host_fixes(plan)
     if machine.memlock is not None and cfg.engine.device != "cpu" and machine.gpu_memory \
             and plan.pinned > machine.memlock:
         plan.problems.append(f"pinned memory: {plan.pinned / g:.1f} GiB to register, RLIMIT_MEMLOCK is "
@@ -270,22 +275,44 @@ def _check(plan: Plan) -> None:
                                         "depth: engine.activation_offload=true moves them to host RAM"))
 
 
-def _host_advice(cfg: Config) -> str:
-    tips = []
-    if not cfg.precision.stream_is_master:
-        tips.append("set precision.stream_dtype equal to precision.master_dtype (no separate streaming copy, "
-                    "twice the PCIe bytes per step)")
-    if cfg.precision.master_dtype == "float64":
-        tips.append("use precision.master_dtype=float32")
+def host_fixes(plan: Plan) -> list[str]:
+    """The changes that shrink the host store, each with the RAM it saves on its own, computed from the
+    store this config would have (so a change that saves nothing here is left out: with clipping on,
+    the streaming copy doubles as the gradients' landing place, and streaming the master keeps it)."""
+    cfg, g = plan.cfg, GiB
+    precision, optimizer, host = cfg.precision, cfg.optimizer, cfg.host
+    candidates = []
+    if not precision.stream_is_master:
+        candidates.append((f"precision.stream_dtype={precision.master_dtype} (stream the master weights: no separate "
+                           "streaming copy, twice the PCIe bytes per step)",
+                           dataclasses.replace(cfg, precision=dataclasses.replace(
+                               precision, stream_dtype=precision.master_dtype))))
+    if precision.master_dtype == "float64":
+        candidates.append(("precision.master_dtype=float32", dataclasses.replace(
+            cfg, precision=dataclasses.replace(precision, master_dtype="float32"))))
     else:
-        if cfg.optimizer.moment_dtype == "float32":
-            tips.append("set optimizer.moment_dtype=bfloat16 (not full precision)")
-        if cfg.host.moments_tier == "ram":
-            tips.append("set host.moments_tier=disk with host.disk_dir on an NVMe disk")
-    tips.append("train a smaller model or use a machine with more RAM (`megatrain plan --host-memory 1TB` shows "
-                "what a larger one needs)")
-    return "; or ".join(tips)
+        if optimizer.moment_dtype == "float32":
+            candidates.append(("optimizer.moment_dtype=bfloat16 (not full precision)", dataclasses.replace(
+                cfg, optimizer=dataclasses.replace(optimizer, moment_dtype="bfloat16"))))
+        if host.moments_tier == "ram":
+            candidates.append(("host.moments_tier=disk with host.disk_dir on an NVMe disk (slower: see the memory "
+                               "tiers above)", dataclasses.replace(cfg, host=dataclasses.replace(
+                                   host, moments_tier="disk", disk_dir=host.disk_dir or "DISK_DIR"))))
+    ram_now = plan.shm_total + plan.staging
+    fixes = []
+    for text, other in candidates:
+        ram, _, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
+        saved = ram_now - sum(ram.values()) - staging
+        if saved >= GiB // 100:
+            fixes.append(f"{text}: saves {saved / g:.1f} GiB")
+    fixes.append("train a smaller model, or use a machine with more RAM (`megatrain plan --host-memory 1TB` shows "
+                 "what a larger one needs)")
+    return fixes
 
+
+GRAD_HOMES = {"stream": "gradients land in the streaming copy", "stage": "gradients in per-stage buffers",
+              "pool": "gradients in a pool of layer-sized slabs"}
+"""Where the GPU's gradients land on the host (RunSpec.grad_home), as plan prints it."""
 
 _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg_sq": "AdamW second moment",
            "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
@@ -295,7 +322,7 @@ _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg
 def format_plan(plan: Plan) -> str:
     cfg, machine, run, g = plan.cfg, plan.machine, plan.run, GiB
     layout = build_layout(cfg.model)
-    lines = [f"megatrain plan: {cfg.model.family}, {layout.num_params / 1e9:.2f} B parameters, "
+    lines = [f"megatrain plan: {cfg.model.family}, {human_count(layout.num_params)} parameters, "
              f"{cfg.model.num_layers} layers, {cfg.data.tokens_per_step:,} tokens/step "
              f"(batch {cfg.data.batch_size} x {cfg.data.seq_len})",
              f"machine{' (as described)' if machine.described else ''}: {machine.host_memory / g:.1f} GiB RAM "
@@ -319,7 +346,7 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
               *([f"  {'offloaded layer inputs (pinned)':<38}{plan.offloaded / g:10.2f} GiB"] if plan.offload else []),
               f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
-              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  (grad home: {run.grad_home})",
+              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  ({GRAD_HOMES[run.grad_home]})",
               ""]
     if plan.disk:
         lines.append(f"disk (host.disk_dir={cfg.host.disk_dir}):")
@@ -341,10 +368,14 @@ def format_plan(plan: Plan) -> str:
                  if plan.offload else ""), ""]
     lines += speed_lines(cfg, machine.profile, plan.offload)
     lines += stop_lines(plan, params)
+    lines.append("(what each line means: docs/reading-the-plan.md)")
     if plan.fits:
         lines.append("fits.")
     else:
         lines += ["does NOT fit:", *(f"  - {p}" for p in plan.problems)]
+        if plan.host_fixes:
+            lines += ["to shrink the host store (each change on its own):",
+                      *(f"  - {fix}" for fix in plan.host_fixes)]
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
-"""`megatrain export`: a directory of safetensors weights, a run directory or a megatrain checkpoint
-re-sharded and converted into a Hugging Face directory, one tensor at a time."""
+"""`megatrain export`: a directory of safetensors weights, a run directory (its newest complete checkpoint) or a
+megatrain checkpoint re-sharded and converted into a Hugging Face directory, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -10,32 +10,42 @@ from megatrain_ray.config.load import read_yaml
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.store.checkpoint import MANIFEST, CheckpointWeights, model_config_of, read_manifest
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.store.checkpoint import MANIFEST, CheckpointDir, CheckpointWeights, model_config_of, read_manifest
 from megatrain_ray.system.files import read_text_file
 
+log = get_logger(__name__)
 
-def weights_dir_of(source: str | Path) -> Path:
-    """The directory holding safetensors weights: `source` itself, or the train.export_dir of a run directory."""
-    src = Path(source)
-    if (src / "config.json").is_file():
-        return src
-    if (src / "config.yaml").is_file():  # a run directory: its resolved config names the export
-        what = f"run config {str(src / 'config.yaml')!r}"
-        saved = read_yaml(read_text_file(src / "config.yaml", what, CheckpointError), what)
-        train = saved.get("train") if isinstance(saved, dict) else None
-        export_dir = train.get("export_dir") if isinstance(train, dict) else None
-        if export_dir and isinstance(export_dir, str) and (Path(export_dir) / "config.json").is_file():
-            return Path(export_dir)
-        raise CheckpointError(f"run directory {str(src)!r} holds no exported weights (train.export_dir was "
-                              f"{export_dir or 'unset'}); set train.export_dir and train again")
-    raise CheckpointError(f"{str(src)!r} is neither a model directory (config.json + model.safetensors), a "
-                          "checkpoint (manifest.json) nor a run directory (config.yaml)")
+
+def run_source(run_dir: Path) -> Path:
+    """What `megatrain export RUN_DIR` exports: the newest complete checkpoint of the run (its
+    checkpoint.dir, from the run's config.yaml), else the run's train.export_dir."""
+    what = f"run config {str(run_dir / 'config.yaml')!r}"
+    saved = read_yaml(read_text_file(run_dir / "config.yaml", what, CheckpointError), what)
+    section = (lambda name: saved.get(name) if isinstance(saved, dict) and isinstance(saved.get(name), dict) else {})
+    checkpoint_dir = section("checkpoint").get("dir") or "checkpoints"  # empty: <train.output_dir>/checkpoints
+    if isinstance(checkpoint_dir, str):
+        root = run_dir / checkpoint_dir  # an absolute checkpoint_dir stays as it is
+        newest = CheckpointDir(root).latest() if root.is_dir() else None
+        if newest is not None:
+            log.info("export: the newest complete checkpoint of %s, step %d (%s)", run_dir, newest.step,
+                     newest.directory)
+            return newest.directory
+    export_dir = section("train").get("export_dir")
+    if isinstance(export_dir, str) and export_dir and (Path(export_dir) / "config.json").is_file():
+        log.info("export: the weights %s exported at the end of training", export_dir)
+        return Path(export_dir)
+    raise CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint (in "
+                          f"{checkpoint_dir}) and no exported weights (train.export_dir="
+                          f"{export_dir or 'unset'}); a run writes one at its end (checkpoint.at_end) and every checkpoint.every steps")
 
 
 def export_weights_dir(source: str | Path, out_dir: str | Path, dtype: str | None = None,
                        shard_bytes: int = 5 * 10**9) -> Path:
     """`megatrain export`: re-shard and convert a directory of safetensors weights or a megatrain
     checkpoint, one tensor at a time."""
+    if not (Path(source) / "config.json").is_file() and (Path(source) / "config.yaml").is_file():
+        source = run_source(Path(source))
     if (Path(source) / MANIFEST).is_file():
         info = read_manifest(source)
         model_cfg = model_config_of(info)
@@ -43,7 +53,10 @@ def export_weights_dir(source: str | Path, out_dir: str | Path, dtype: str | Non
         return export_hf(CheckpointWeights(info), model_cfg, out_dir, source_dir=origin,
                          dtype=dtype or (source_dtype(origin) if origin else None) or "float32",
                          shard_bytes=shard_bytes)
-    src = weights_dir_of(source)
+    src = Path(source)
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{str(src)!r} is neither a model directory (config.json + model.safetensors), a "
+                              "checkpoint (manifest.json) nor a run directory (config.yaml)")
     model_cfg = model_config_of_dir(src)
     tensors = HFDirectory(src)
     tensors.check_against_layout(build_layout(model_cfg))

@@ -199,7 +199,7 @@ def test_the_catalogue_has_at_least_thirty_distinct_cases():
 
 
 def test_plan_reports_the_numbers_for_a_box_it_does_not_run_on(capsys):
-    config = os.path.join(REPO, "configs", "qwen2.5-32b.yaml")
+    config = os.path.join(REPO, "configs", "shapes", "qwen2.5-32b.yaml")
     assert main(["plan", config, "--host-memory", "512GiB", "--gpu-memory", "141GB"]) == 0
     out = capsys.readouterr().out
     assert "fits." in out and "AdamW second moment" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,14 @@ def test_train_tiny_locally_end_to_end(tmp_path):
     assert plot.returncode == 0, plot.stderr
     for name in ("loss.png", "throughput.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"llama, 0\.[0-9] M params, 1,024 tokens/step", proc.stderr), proc.stderr
+    assert re.search(r"step 30/30 loss [0-9.]+ lr [0-9.e+-]+ gnorm [0-9.]+ ", proc.stderr), proc.stderr
+    # `export RUN_DIR` of a run without train.export_dir: its newest complete checkpoint.
+    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    by_run, by_checkpoint = tmp_path / "by-run", tmp_path / "by-checkpoint"
+    assert megatrain("export", str(out), str(by_run)).returncode == 0
+    assert megatrain("export", str(newest), str(by_checkpoint)).returncode == 0
+    assert (by_run / "model.safetensors").read_bytes() == (by_checkpoint / "model.safetensors").read_bytes()
 
 
 @pytest.mark.ray
@@ -79,6 +88,6 @@ def test_an_existing_run_directory_is_never_overwritten(tmp_path):
 
 
 def test_config_command_prints_the_resolved_config():
-    proc = megatrain("config", "configs/llama3-8b.yaml", "--set", "optimizer.workers=2")
+    proc = megatrain("config", "configs/shapes/llama3-8b.yaml", "--set", "optimizer.workers=2")
     assert proc.returncode == 0
     assert "workers: 2" in proc.stdout and "rope_type: llama3" in proc.stdout

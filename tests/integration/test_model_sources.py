@@ -19,7 +19,7 @@ pytest.importorskip("huggingface_hub")
 
 from megatrain_ray.config.load import load_config
 from megatrain_ray.exceptions import CheckpointError, ConfigError
-from megatrain_ray.model.sources import fetch_weights
+from megatrain_ray.system.model_sources import fetch_weights
 from tests.conftest import REPO
 from tests.integration.test_cli import megatrain
 

@@ -14,7 +14,9 @@ from megatrain_ray.config.sections import Config, ConfigError
 from megatrain_ray.model.layout import build_layout
 from tests.conftest import REPO, tiny_raw
 
-CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+# configs/recipes/ name hub models: tests/integration/test_recipes.py plans them from a test hub cache.
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))
+                 + glob.glob(os.path.join(REPO, "configs", "shapes", "*.yaml")))
 
 
 def test_every_required_config_ships():
@@ -37,12 +39,12 @@ def test_shipped_config_loads(path):
     ("qwen2.5-72b.yaml", 72.71), ("dense-120b.yaml", 119.82),
 ])
 def test_model_shapes_have_the_published_size(name, billions):
-    layout = build_layout(load_config(os.path.join(REPO, "configs", name)).model)
+    layout = build_layout(load_config(os.path.join(REPO, "configs", "shapes", name)).model)
     assert math.isclose(layout.num_params / 1e9, billions, rel_tol=0.01)
 
 
 def test_the_120b_shape_has_the_count_its_comment_derives():
-    path = os.path.join(REPO, "configs", "dense-120b.yaml")
+    path = os.path.join(REPO, "configs", "shapes", "dense-120b.yaml")
     assert build_layout(load_config(path).model).num_params == 119_817_349_120
     assert "total 119,817,349,120" in Path(path).read_text()
 

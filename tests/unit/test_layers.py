@@ -7,7 +7,7 @@
       -> megatrain_ray/model/, config/   pure descriptions
     megatrain_ray/planning/ (memory plan, speed model) reads config + model (+ store layout helpers).
     Leaves anyone may import: observe/ (logs, metrics), system/ (topology, files), exceptions.py,
-    dtypes.py, messages.py.
+    dtypes.py, messages.py, units.py.
 
 Every .py file under megatrain_ray/ and actors/ is parsed with `ast` (nothing is imported, so the
 check is cheap and sees imports that never run): `import x` and `from x import y` anywhere in the
@@ -34,7 +34,7 @@ ROOTS = ("megatrain_ray", "actors")
 OURS = set(ROOTS)
 
 DATA_PLANE = ("engine", "store", "optim", "data")
-LEAF_MODULES = ("exceptions", "dtypes", "messages")
+LEAF_MODULES = ("exceptions", "dtypes", "messages", "units")
 LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
 
 

@@ -172,7 +172,7 @@ def test_the_h100_rates_come_from_the_optimizer_scaling_run():
 
 
 def test_stage_flops_sum_to_the_harness_formula():
-    cfg = load_config(os.path.join(REPO, "configs", "qwen2.5-72b.yaml"))
+    cfg = load_config(os.path.join(REPO, "configs", "shapes", "qwen2.5-72b.yaml"))
     layout = build_layout(cfg.model)
     per_stage = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
     assert len(per_stage) == len(layout.stages) and per_stage[0] == 0
@@ -180,7 +180,7 @@ def test_stage_flops_sum_to_the_harness_formula():
 
 
 def bench_cfg(*overrides: str):
-    return load_config(os.path.join(REPO, "configs", "llama-3.5b-bench.yaml"), list(overrides))
+    return load_config(os.path.join(REPO, "configs", "shapes", "llama-3.5b-bench.yaml"), list(overrides))
 
 
 def test_with_free_copies_and_optimizer_the_step_is_the_gpu_compute():
@@ -215,7 +215,7 @@ def test_presets_describe_the_gpu_and_host_ram():
 
 
 def test_plan_prints_expected_tok_per_s_for_a_preset(capsys):
-    config = os.path.join(REPO, "configs", "llama3-70b.yaml")
+    config = os.path.join(REPO, "configs", "shapes", "llama3-70b.yaml")
     assert main(["plan", config, "--machine", "h200-1tb"]) == 0
     out = capsys.readouterr().out
     assert "GPU NVIDIA H200 140.4 GiB" in out and "fits." in out
@@ -233,7 +233,7 @@ def test_plan_prints_expected_tok_per_s_for_a_preset(capsys):
 
 
 def test_plan_names_the_presets_when_no_rates_were_measured_for_the_gpu(capsys):
-    cfg = load_config(os.path.join(REPO, "configs", "llama3-8b.yaml"))
+    cfg = load_config(os.path.join(REPO, "configs", "shapes", "llama3-8b.yaml"))
     machine = Machine(2**40, 2**40, 2**40, None, 24 * 2**30, "Tesla T4", described=True)
     assert "no measured rates for this GPU; name a machine with --machine (h100-512gb" in \
         format_plan(plan_run(cfg, machine))
@@ -242,7 +242,7 @@ def test_plan_names_the_presets_when_no_rates_were_measured_for_the_gpu(capsys):
 
 
 def test_plan_prices_each_memory_tier_in_ram_and_speed(capsys):
-    config = os.path.join(REPO, "configs", "llama3-70b.yaml")
+    config = os.path.join(REPO, "configs", "shapes", "llama3-70b.yaml")
     assert main(["plan", config, "--machine", "h200-1tb"]) == 0
     out = capsys.readouterr().out
     lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  moments")

@@ -1,0 +1,12 @@
+"""Numbers as people read them in logs and plans."""
+
+from __future__ import annotations
+
+
+def human_count(n: float) -> str:
+    """999 -> '999', 12_345 -> '12.3 K', 593_000 -> '0.6 M', 134_515_008 -> '135 M', 7.6e9 -> '7.6 B'."""
+    for threshold, scale, unit in ((1e9, 1e9, "B"), (1e5, 1e6, "M"), (1e3, 1e3, "K")):
+        if n >= threshold:
+            value = n / scale
+            return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.1f} {unit}"
+    return f"{n:.0f}"
