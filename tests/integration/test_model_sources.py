@@ -4,10 +4,8 @@ with HF_HUB_OFFLINE=1."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,28 +19,11 @@ from megatrain_ray.config.load import load_config
 from megatrain_ray.exceptions import CheckpointError, ConfigError
 from megatrain_ray.system.model_sources import fetch_weights
 from tests.conftest import REPO
+from tests.hub_cache import add_snapshot
 from tests.integration.test_cli import megatrain
 
 EXAMPLE = f"{REPO}/examples/finetune_qwen2"
 NAME = "tiny-org/tiny-qwen2"
-
-
-def add_snapshot(hf_home: Path, name: str, source: Path, ref: str, with_weights: bool = True) -> Path:
-    """Put `source`'s files into the hub cache as commit sha1(source, ref), with refs/<ref> naming it."""
-    repo = hf_home / "hub" / ("models--" + name.replace("/", "--"))
-    commit = hashlib.sha1(f"{source}:{ref}:{with_weights}".encode()).hexdigest()
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for file in sorted(source.iterdir()):
-        if file.suffix == ".safetensors" and not with_weights:
-            continue
-        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
-        shutil.copyfile(file, blob)
-        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture(scope="module")
