@@ -275,3 +275,42 @@ def test_a_missing_tracker_package_is_refused_before_the_run_starts(tmp_path, mo
     with pytest.raises(ConfigError, match=r"train\.report_to.*wandb package is not installed.*megatrain-ray\[track\]"):
         Trainer(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_closes_the_tracked_runs_as_killed_and_the_cli_resume_continues_them(offline):
+    """The CLI path: SIGTERM saves a checkpoint and exits 143, MLflow's run is KILLED; `--resume auto` goes on
+    in the same tracked runs (FINISHED at the end) with every step of the whole run once, equal to metrics.jsonl."""
+    for package in ("tensorboard", "mlflow", "wandb"):
+        pytest.importorskip(package)
+    import signal
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from tests.integration.test_checkpoint import cli_args, megatrain_popen, run_to_end, wait_for_steps
+
+    config = offline / "tracked.yaml"
+    config.write_text(yaml.safe_dump(tracked_config(offline, ["tensorboard", "mlflow", "wandb"], steps=16).to_dict()))
+    run_dir = offline / "run"
+    proc = megatrain_popen(*cli_args(config, run_dir))
+    wait_for_steps(run_dir, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    stopped = CheckpointDir(run_dir / "checkpoints").latest()
+    ids = stopped.manifest["tracking"]
+    assert stopped.step < 16 and set(ids) == {"tensorboard", "mlflow", "wandb"}, err
+    assert MlflowClient().get_run(ids["mlflow"]["run_id"]).info.status == "KILLED"
+
+    resumed = run_to_end(*cli_args(config, run_dir, "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming at step {stopped.step}" in resumed.stderr
+    assert CheckpointDir(run_dir / "checkpoints").latest().manifest["tracking"] == ids
+    want = expected(run_dir)
+    assert sorted(want["loss"]) == list(range(16))
+    assert_same(tensorboard_scalars(Path(ids["tensorboard"]["log_dir"])), want)
+    assert MlflowClient().get_run(ids["mlflow"]["run_id"]).info.status == "FINISHED"
+    assert_same(mlflow_metrics(ids["mlflow"]["run_id"], want), want)
+    runs = wandb_runs(offline / "wandb")
+    assert list(runs) == [ids["wandb"]["run_id"]]
+    assert_same(wandb_history(runs[ids["wandb"]["run_id"]])[0], want)
