@@ -314,3 +314,28 @@ def test_sigterm_closes_the_tracked_runs_as_killed_and_the_cli_resume_continues_
     runs = wandb_runs(offline / "wandb")
     assert list(runs) == [ids["wandb"]["run_id"]]
     assert_same(wandb_history(runs[ids["wandb"]["run_id"]])[0], want)
+
+
+@pytest.mark.ray
+def test_an_automatic_restart_rewinds_the_tracked_runs_in_process(offline, ray_session):
+    """An optimizer worker dies at step 5 (checkpoint at 3) and the run restarts its actors by itself: the same
+    tracked runs go on, each with steps 0..9 once (TensorBoard with the rerun's values of steps 3-4)."""
+    for package in ("tensorboard", "mlflow", "wandb"):
+        pytest.importorskip(package)
+    cfg = tracked_config(offline, ["tensorboard", "mlflow", "wandb"], steps=10, optimizer={"workers": 2},
+                         runtime={"mode": "ray"}, checkpoint={"every": 3},
+                         fault={"max_restarts": 1, "drill": "kill:optim1@5"})
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        assert trainer.restarts == 1
+        ids = trainer._tracking.state()
+    run_dir = offline / "run"
+    assert CheckpointDir(run_dir / "checkpoints").latest().manifest["tracking"] == ids
+    want = expected(run_dir)
+    assert sorted(want["loss"]) == list(range(10))
+    exact = {"loss", "lr", "grad_norm", "eval_loss", "tokens", "epoch"}
+    assert_same(tensorboard_scalars(Path(ids["tensorboard"]["log_dir"])), want)
+    assert_same(mlflow_metrics(ids["mlflow"]["run_id"], want), want, exact)
+    runs = wandb_runs(offline / "wandb")
+    assert list(runs) == [ids["wandb"]["run_id"]]
+    assert_same(wandb_history(runs[ids["wandb"]["run_id"]])[0], want, exact)
