@@ -46,6 +46,8 @@ def _type_text(tp: object) -> str:
 def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return "null" if f.default is None else repr(f.default).replace("'", "")
+    if f.default_factory is not dataclasses.MISSING:
+        return repr(f.default_factory()).replace("'", "")
     return "(required)"
 
 

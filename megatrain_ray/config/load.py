@@ -51,6 +51,11 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if value not in get_args(tp):
             _fail(key, value, f"expected {_type_name(tp)}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            _fail(key, value, "expected a list, e.g. [a, b] (--set key=[a,b])")
+        (item,) = get_args(tp)
+        return [_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             _fail(key, value, f"expected a mapping of {tp.__name__} fields")

@@ -499,6 +499,10 @@ class ParallelConfig:
             _fail(f"{s}.timeout_s", self.timeout_s, "must be > 0")
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+"""The experiment trackers train.report_to may name (observe/tracking.py)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """The loop around the steps."""
@@ -527,6 +531,15 @@ class TrainConfig:
     tokenizer files of model.path) at the end of training. Empty: no export."""
     export_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Format of the exported weights. auto: the dtype model.path's config.json declares, else float32."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers that get every metrics.jsonl record (loss, lr, grad_norm, tok_per_s, eval_loss, ...)
+    at its step, and the config once: any of `tensorboard` (event files in <train.output_dir>/tensorboard),
+    `mlflow` (the store MLFLOW_TRACKING_URI names; experiment MLFLOW_EXPERIMENT_NAME, default megatrain) and
+    `wandb` (WANDB_PROJECT, default megatrain; WANDB_MODE=offline keeps it local; files under WANDB_DIR, default
+    the run directory). Needs `pip install 'megatrain-ray[track]'`. A resume continues the same tracked runs
+    (their ids are in the checkpoint manifest). Empty: no tracking."""
+    run_name: str = ""
+    """Name of the tracked run (MLflow run name, W&B display name). Empty: the run directory's name."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -537,6 +550,11 @@ class TrainConfig:
             _fail("train.eval_batches", self.eval_batches, "must be >= 1")
         if self.log_every < 1:
             _fail("train.log_every", self.log_every, "must be >= 1")
+        for name in self.report_to:
+            if name not in TRACKERS:
+                _fail("train.report_to", name, f"unknown tracker; expected a list of {', '.join(TRACKERS)}")
+        if len(set(self.report_to)) != len(self.report_to):
+            _fail("train.report_to", self.report_to, "names a tracker twice")
 
 
 @dataclass(kw_only=True, slots=True)

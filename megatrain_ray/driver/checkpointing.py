@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,8 @@ class Checkpointer:
     def __init__(self, cfg: Config, checkpoints: CheckpointDir, data: TokenBatches | DocumentBatches):
         self.cfg, self.checkpoints, self.data = cfg, checkpoints, data
         self.in_flight: SaveInFlight | None = None
+        self.tracking: Callable[[], dict[str, Any]] = dict
+        """The experiment trackers' run ids (observe/tracking.Tracking.state), kept in each manifest."""
 
     def begin(self, shards: list[Handle], step: int, updates: int, partial: Path, die: bool) -> None:
         """Every shard holds its stages and starts writing them; `die` arms the kill_during_checkpoint drill."""
@@ -95,7 +98,7 @@ class Checkpointer:
         manifest = {"updates_applied": save.updates, "state_config": state_config(self.cfg),
                     "config": self.cfg.to_dict(), "rng": rng_state(),
                     "data": {"seed": self.cfg.data.seed, "epoch": self.data.epoch_of(save.step)},
-                    "run_id": run_id, "files": files}
+                    "run_id": run_id, "tracking": self.tracking(), "files": files}
         final = self.checkpoints.commit(save.partial, save.step, manifest, self.cfg.checkpoint.keep)
         log.info("checkpoint of step %d: %s (%.2f GiB, %.1f s)", save.step, final,
                  sum(e["bytes"] for e in files) / 2**30, time.perf_counter() - save.started)

@@ -32,6 +32,7 @@ from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.observe.metrics import MetricsWriter, Progress, step_record
 from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
+from megatrain_ray.observe.tracking import Tracking, check_available, last_logged_step
 from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.memory import check_plan, resolve_run
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
@@ -60,6 +61,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: str | None = None,
                  resume_command: str | None = None):
         self.cfg = cfg = place_outputs(cfg)  # absolute output paths, never in Ray's session tree
+        check_available(cfg.train.report_to)  # a tracker's missing package fails before anything starts
         self.layout: ModelLayout = build_layout(cfg.model)
         self.run_dir = Path(run_dir or cfg.train.output_dir)
         # What a user types to continue this run: the CLI passes its own command line with every override;
@@ -103,6 +105,9 @@ class Trainer:
         self._started_ray = False
         self._guardian: Guardian | None = None
         self._metrics: MetricsWriter | None = None
+        self._tracking: Tracking | None = None
+        self._outcome = "failed"
+        """How the run ended, for the trackers: finished, killed (a signal) or failed."""
 
     # ------------------------------------------------------------------ the actors (cluster.py)
 
@@ -177,6 +182,12 @@ class Trainer:
         for private in (self.run_dir, self.checkpoints.root):  # metrics and weights are the user's alone
             private.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.yaml", config_to_yaml(cfg))
+        if cfg.train.report_to:  # the same tracked runs as before a resume (their ids are in the manifest)
+            resumed = self.resume is not None
+            self._tracking = Tracking(cfg, self.run_dir, (self.restore.manifest.get("tracking") if self.restore
+                                                          else None), start_step=self.next_step if resumed else None,
+                                      logged_through=last_logged_step(self.run_dir / "metrics.jsonl") if resumed else -1)
+            self.saver.tracking = self._tracking.state
         self._open_metrics()
         log.info("run %s: %s, %s params, %s tokens/step, device %s, output %s%s", self.run_id, cfg.model.family,
                  human_count(self.layout.num_params), f"{cfg.data.tokens_per_step:,}", self.device_name, self.run_dir,
@@ -199,7 +210,7 @@ class Trainer:
             self._metrics.close()
         path = self.run_dir / "metrics.jsonl"
         truncate_metrics(path, self.next_step)
-        self._metrics = MetricsWriter(path, self._exporter)
+        self._metrics = MetricsWriter(path, self._exporter, self._tracking)
 
     def close(self) -> None:
         """Finish a checkpoint in flight, stop the actors, remove the segments (also after errors)."""
@@ -215,6 +226,9 @@ class Trainer:
             if self._metrics:
                 self._metrics.close()
                 self._metrics = None
+            if self._tracking:
+                self._tracking.close(self._outcome)
+                self._tracking = None
             if self._started_ray:
                 import ray
 
@@ -285,13 +299,18 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         """Run the remaining steps; restarts the actors from the last checkpoint when one dies (fault.max_restarts)."""
         history: list[dict[str, Any]] = []
-        while True:
-            try:
-                self._run_steps(history)
-                return history
-            except ActorFailedError as exc:
-                self.recovery.recover(exc, self)
-                history = [r for r in history if r["step"] < self.next_step]
+        try:
+            while True:
+                try:
+                    self._run_steps(history)
+                    self._outcome = "finished"
+                    return history
+                except ActorFailedError as exc:
+                    self.recovery.recover(exc, self)
+                    history = [r for r in history if r["step"] < self.next_step]
+        except (Interrupted, KeyboardInterrupt):
+            self._outcome = "killed"
+            raise
 
     def _run_steps(self, history: list[dict[str, Any]]) -> None:
         cfg = self.cfg
@@ -336,6 +355,8 @@ class Trainer:
         self.restore = last
         self.next_step = last.step if last else 0
         self.updates_applied = int(last.manifest["updates_applied"]) if last else 0
+        if self._tracking:
+            self._tracking.rewind(self.next_step)
         self._open_metrics()
         self.run_id = new_run_id()
         self.cluster = Cluster(self.cfg, self.layout, self.run_id)

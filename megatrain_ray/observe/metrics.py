@@ -53,19 +53,20 @@ def shm_bytes(paths: list[str]) -> int:
 
 class MetricsWriter:
     """Appends one JSON object per step to RUN_DIR/metrics.jsonl, flushed each line, and hands the
-    same record to `exporter` (ray_metrics.RayMetrics in Ray mode): one source for both."""
+    same record to each of `exporters` (ray_metrics.RayMetrics in Ray mode, tracking.Tracking with
+    train.report_to): one source for all."""
 
-    def __init__(self, path: Path, exporter: Any = None):
+    def __init__(self, path: Path, *exporters: Any):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.exporter = exporter
+        self.exporters = [e for e in exporters if e is not None]
         self._file = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self.exporter is not None:
-            self.exporter.record_step(record)
+        for exporter in self.exporters:
+            exporter.record_step(record)
 
     def close(self) -> None:
         self._file.close()
