@@ -500,7 +500,7 @@ class ParallelConfig:
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-"""The experiment trackers train.report_to may name (observe/tracking.py)."""
+"""The experiment trackers train.report_to may name (driver/tracking.py)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,6 +24,7 @@ from megatrain_ray.driver.outputs import check_outputs, place_outputs
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.placement import RunPlacement
 from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, ray_session_dir, start_ray
+from megatrain_ray.driver.tracking import Tracking, check_available, last_logged_step
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
@@ -32,7 +33,6 @@ from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.observe.metrics import MetricsWriter, Progress, step_record
 from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
-from megatrain_ray.observe.tracking import Tracking, check_available, last_logged_step
 from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.memory import check_plan, resolve_run
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng

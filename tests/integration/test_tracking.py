@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatrain_ray.config.load import load_config
+from megatrain_ray.driver.tracking import numeric_fields
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.observe.tracking import numeric_fields
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import tiny_raw
 
