@@ -11,9 +11,10 @@ from pathlib import Path
 HUB_CONFIGS = Path(__file__).parent / "fixtures" / "hub_configs"
 
 
-def add_snapshot(hf_home: Path, name: str, source: Path, ref: str = "main", with_weights: bool = True) -> Path:
+def add_snapshot(hf_home: Path, name: str, source: Path, ref: str = "main", with_weights: bool = True,
+                 repo_type: str = "model") -> Path:
     """Put `source`'s files into the hub cache as commit sha1(source, ref), with refs/<ref> naming it."""
-    repo = hf_home / "hub" / ("models--" + name.replace("/", "--"))
+    repo = hf_home / "hub" / (f"{repo_type}s--" + name.replace("/", "--"))
     commit = hashlib.sha1(f"{source}:{ref}:{with_weights}".encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)

@@ -55,7 +55,7 @@ def resolve_model_dir(spec: str, where: str, base_dir: Path, revision: str | Non
         raise error(f"{where}={spec!r} is a file but not a .gguf model; give a Hugging Face model directory, "
                     "a hub name (owner/name) or a .gguf file")
     if HUB_NAME.match(spec):
-        return _hub_snapshot(spec, revision, CONFIG_PATTERNS, where, error)
+        return hub_snapshot(spec, revision, CONFIG_PATTERNS, where, error)
     raise error(f"{where}={spec!r} does not exist; give a Hugging Face model directory, a hub name such as "
                 "Qwen/Qwen2.5-0.5B-Instruct, or a .gguf file")
 
@@ -69,8 +69,10 @@ def _local_path(spec: str, base_dir: Path) -> Path | None:
     return None
 
 
-def _hub_snapshot(name: str, revision: str | None, patterns: list[str], where: str,
-                  error: type[MegatrainError]) -> str:
+def hub_snapshot(name: str, revision: str | None, patterns: list[str], where: str,
+                 error: type[MegatrainError], repo_type: str = "model") -> str:
+    """The local snapshot directory of hub repository `name` holding the files `patterns` match
+    (downloaded unless cached; HF_HOME, HF_TOKEN and HF_HUB_OFFLINE honoured); one clear error otherwise."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (
@@ -85,7 +87,7 @@ def _hub_snapshot(name: str, revision: str | None, patterns: list[str], where: s
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     at = f" at revision {revision!r}" if revision else ""
     try:
-        return snapshot_download(name, revision=revision, allow_patterns=patterns)
+        return snapshot_download(name, revision=revision, allow_patterns=patterns, repo_type=repo_type)
     except GatedRepoError:
         raise error(f"{where}={name!r} is a gated repository: accept its license on the hub and log in "
                     "(hf auth login or HF_TOKEN)") from None
@@ -98,7 +100,8 @@ def _hub_snapshot(name: str, revision: str | None, patterns: list[str], where: s
     except LocalEntryNotFoundError:
         why = "while HF_HUB_OFFLINE is set" if offline else "and the hub could not be reached"
         raise error(f"{where}={name!r} is no local path, and as a hub name it is not in the hub cache{at} "
-                    f"({_hub_cache_dir()}) {why}; download it where there is a network (hf download {name}), "
+                    f"({_hub_cache_dir()}) {why}; download it where there is a network (hf download {name}"
+                    f"{' --repo-type dataset' if repo_type == 'dataset' else ''}), "
                     "or give a local directory") from None
     except Exception as exc:  # network and HTTP errors vary with huggingface_hub's backend
         raise error(f"{where}={name!r}: the hub download failed: {excerpt(str(exc), 300)}") from None
@@ -143,7 +146,7 @@ def fetch_weights(model_dir: str) -> None:
         return
     name, commit = repo
     log.info("downloading the safetensors weights of %s (%s) into the hub cache", name, commit[:12])
-    _hub_snapshot(name, commit, WEIGHT_PATTERNS, "model.path", CheckpointError)
+    hub_snapshot(name, commit, WEIGHT_PATTERNS, "model.path", CheckpointError)
     if not _has_weights(path):
         raise CheckpointError(f"model.path {name!r} ({path}) has no safetensors weights in the hub cache and none "
                               f"could be downloaded; run `hf download {name}` where there is a network")
