@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.run import kernel_oom_lines
+from benchmarks.run import derive, kernel_oom_lines
 
 # As the kernel printed them on nvidia-h200-x2 when DeepSpeed ran out of host memory (qwen14b, 48 layers).
 KERNEL_LOG = """\
@@ -52,3 +52,14 @@ def test_the_trace_analysis_splits_the_optimizers_time_and_names_the_tail(tmp_pa
     assert abs(step["optimizer_busy"] - 0.35) < 1e-9 and abs(step["optimizer_idle"] - 0.05) < 1e-9
     assert abs(step["tail_after_backward"] - 0.35) < 1e-9
     assert abs(result["links_median_ms"]["done on GPU -> seen by dispatcher"] - 55.0) < 1e-6
+
+
+def test_vs_resident_is_over_the_fastest_resident_row_of_the_same_point():
+    def row(system, tok, seq=2048, batch=16):
+        return {"system": system, "status": "ok", "layers": 16, "batch": batch, "seq_len": seq, "tok_per_s": tok}
+    rows = [row("resident", 17_500.0), row("resident-compile", 21_700.0), row("megatrain", 15_000.0),
+            row("resident-compile", 99_999.0, seq=4096), row("resident", 1.0, batch=4)]
+    rows[2].update(optimizer_seconds=0.0, step_seconds=1.0, compute_seconds=1.0)
+    derive(rows, None)
+    assert rows[2]["vs_resident"] == 15_000.0 / 21_700.0 and rows[2]["vs_resident_system"] == "resident-compile"
+    assert rows[0]["vs_resident_system"] == "resident-compile"
