@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -95,3 +100,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def prepared_data(root: Path, vocab: int = 96) -> Path:
+    """A prepared directory (what `megatrain prepare` writes) of random tokens with a train and an eval split
+    (for eval_loss); an existing one is reused."""
+    if (root / "manifest.json").exists():
+        return root
+    root.mkdir(parents=True)
+    rng = random.Random(0)
+    for split, rows in (("train", 64), ("eval", 8)):
+        ids = [[rng.randrange(vocab) for _ in range(32)] for _ in range(rows)]
+        pq.write_table(pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+                                 "loss_mask": pa.array([[1] * 32] * rows, type=pa.list_(pa.int8()))}),
+                       root / f"{split}-00000.parquet")
+    (root / "manifest.json").write_text(json.dumps({"splits": {s: {"files": [f"{s}-00000.parquet"]}
+                                                               for s in ("train", "eval")}}))
+    return root

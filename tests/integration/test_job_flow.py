@@ -20,31 +20,17 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from megatrain_ray.observe.grafana import dashboard, panel_queries
-from tests.conftest import REPO, tiny_raw
+from tests.conftest import REPO, prepared_data, tiny_raw
 from tests.integration.test_runtime import LOOPBACK, listening_sockets
 
 pytestmark = pytest.mark.ray
 STEPS = 400
 
 
-def prepared_data(root: Path, vocab: int) -> Path:
-    """A prepared directory (what `megatrain prepare` writes) with a train and an eval split."""
-    root.mkdir()
-    rng = random.Random(0)
-    for split, rows in (("train", 64), ("eval", 8)):
-        ids = [[rng.randrange(vocab) for _ in range(32)] for _ in range(rows)]
-        pq.write_table(pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32())),
-                                 "loss_mask": pa.array([[1] * 32] * rows, type=pa.list_(pa.int8()))}),
-                       root / f"{split}-00000.parquet")
-    (root / "manifest.json").write_text(json.dumps({"splits": {s: {"files": [f"{s}-00000.parquet"]}
-                                                               for s in ("train", "eval")}}))
-    return root
 
 
 def job_config(directory: Path, data: Path) -> None:

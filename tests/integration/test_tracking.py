@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import struct
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from megatrain_ray.config.load import load_config
@@ -23,7 +20,7 @@ from megatrain_ray.driver.tracking import numeric_fields
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.store.checkpoint import CheckpointDir
-from tests.conftest import tiny_raw
+from tests.conftest import prepared_data, tiny_raw
 
 STEPS, EVERY = 6, 2
 
@@ -42,22 +39,6 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return tmp_path
-
-
-def prepared_data(root: Path, vocab: int = 96) -> Path:
-    """A prepared directory (what `megatrain prepare` writes) with a train and an eval split, for eval_loss."""
-    if (root / "manifest.json").exists():
-        return root
-    root.mkdir(parents=True)
-    rng = random.Random(0)
-    for split, rows in (("train", 64), ("eval", 8)):
-        ids = [[rng.randrange(vocab) for _ in range(32)] for _ in range(rows)]
-        pq.write_table(pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32())),
-                                 "loss_mask": pa.array([[1] * 32] * rows, type=pa.list_(pa.int8()))}),
-                       root / f"{split}-00000.parquet")
-    (root / "manifest.json").write_text(json.dumps({"splits": {s: {"files": [f"{s}-00000.parquet"]}
-                                                               for s in ("train", "eval")}}))
-    return root
 
 
 def tracked_config(tmp_path: Path, report_to: list[str], steps: int = STEPS, **sections):
