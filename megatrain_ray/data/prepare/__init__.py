@@ -1,0 +1,27 @@
+"""`megatrain prepare`: text and chat/instruction records -> tokenized pyarrow shards with a loss mask.
+
+    records (jsonl / json / parquet / txt)          one of: text, alpaca, sharegpt, messages
+      -> documents: token ids + loss mask         text: every token; chat: the assistant turns only
+                                                  (--train-on-inputs: every token)
+      -> seeded split train / eval, shards written as they fill (memory bounded by a shard)
+      -> OUT/train-00000.parquet ..., OUT/eval-00000.parquet, OUT/manifest.json
+
+Columns: `input_ids` (list<int32>) and `loss_mask` (list<uint8>, 1 where the token is a target).
+Chat records go through the tokenizer's own chat template, tool and function-calling turns included
+as the template renders them; the assistant's part of each turn is found by rendering the
+conversation up to that turn, so any template that renders a conversation as a prefix of its
+continuation works. Records the format cannot read are skipped and counted (--on-bad-record fail
+stops at the first instead). Tokenizing runs in --workers processes. The output directory appears
+at once, complete, or not at all. A `dataset_info.json` registry in LLaMA-Factory's style can name
+files, format and columns.
+
+records.py reads and converts records, tokenize.py makes documents, shards.py writes them,
+pipeline.py runs it all (its docstring explains the split and shuffle).
+"""
+
+from megatrain_ray.data.prepare.pipeline import MANIFEST, PrepareOptions, prepare, resolve_inputs
+from megatrain_ray.data.prepare.records import FORMATS, BadRecord, Columns, read_records, to_messages
+from megatrain_ray.data.prepare.tokenize import Tokenizer, span_mask
+
+__all__ = ["FORMATS", "MANIFEST", "BadRecord", "Columns", "PrepareOptions", "Tokenizer", "prepare", "read_records",
+           "resolve_inputs", "span_mask", "to_messages"]
