@@ -19,9 +19,19 @@ records.py reads and converts records, tokenize.py makes documents, shards.py wr
 pipeline.py runs it all (its docstring explains the split and shuffle).
 """
 
-from megatrain_ray.data.prepare.pipeline import MANIFEST, PrepareOptions, prepare, resolve_inputs
-from megatrain_ray.data.prepare.records import FORMATS, BadRecord, Columns, read_records, to_messages
-from megatrain_ray.data.prepare.tokenize import Tokenizer, span_mask
+from __future__ import annotations
 
-__all__ = ["FORMATS", "MANIFEST", "BadRecord", "Columns", "PrepareOptions", "Tokenizer", "prepare", "read_records",
-           "resolve_inputs", "span_mask", "to_messages"]
+import importlib
+from typing import Any
+
+# Exported lazily, so that a worker process importing tokenize.py never imports pyarrow (shards, pipeline).
+_EXPORTS = {"MANIFEST": "pipeline", "PrepareOptions": "pipeline", "prepare": "pipeline", "resolve_inputs": "pipeline",
+            "FORMATS": "records", "BadRecord": "records", "Columns": "records", "read_records": "records",
+            "to_messages": "records", "Tokenizer": "tokenize", "span_mask": "tokenize"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

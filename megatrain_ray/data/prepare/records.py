@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from megatrain_ray.exceptions import DataError
 from megatrain_ray.system.files import read_text_file
 
@@ -80,6 +78,8 @@ def read_records(path: Path) -> Iterator[Item]:
         for n, record in enumerate(data):
             yield f"{path} record {n}", record, False
     elif suffix == ".parquet":
+        import pyarrow.parquet as pq  # lazy: worker processes never import pyarrow (nor its allocator's thread)
+
         n = 0
         parquet = pq.ParquetFile(path)
         for group in range(parquet.num_row_groups):
@@ -97,6 +97,8 @@ def count_records(path: Path) -> int:
         with path.open("rb") as f:
             return sum(1 for line in f if line.strip())
     if suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq
+
         return pq.ParquetFile(path).metadata.num_rows
     return sum(1 for _ in read_records(path))
 
