@@ -186,7 +186,7 @@ class Tokenizing:
         context.set_forkserver_preload(["megatrain_ray.data.prepare.worker"])
         os.environ[worker.TOKENIZER_ENV] = directory  # read once, by the forkserver as it starts
         self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
-                                        initargs=(directory, job))
+                                        initargs=(directory, job, os.getpid()))
 
     def info(self) -> tuple[int, bool]:
         """(vocabulary size, has a chat template)."""
