@@ -50,7 +50,8 @@ class Tokenizer:
         tokenizer directly: the ids and offsets transformers' own call returns, without its conversions."""
         backend = self.backend
         if all(s is None for s in spans):
-            encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+            fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets (tokenizers >= 0.21)
+            encodings = fast(texts, add_special_tokens=False)
         else:
             encodings = backend.encode_batch(texts, add_special_tokens=False)
         docs = []
