@@ -239,7 +239,8 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--seq-len", type=int, default=0, help="truncate documents to this many tokens (0: never)")
         p.add_argument("--seed", type=int, default=0, help="seed of the eval split and of the row order inside each "
                                                             "shard (training reshuffles by data.seed and epoch)")
-        p.add_argument("--eval-fraction", type=float, default=0.0, help="share of documents in the eval split")
+        p.add_argument("--eval-fraction", type=float, default=0.0,
+                       help="share of the records in the eval split (an exact sample seeded by --seed)")
         p.add_argument("--registry", help="a dataset_info.json (LLaMA-Factory style) naming datasets")
         p.add_argument("--dataset", help="the dataset of --registry to prepare")
         p.add_argument("--workers", type=int, default=0, metavar="N",
