@@ -158,7 +158,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     prepare(PrepareOptions(
         tokenizer_dir=args.tokenizer, format=args.format, inputs=list(args.input or []), output_dir=args.output,
         seq_len=args.seq_len, seed=args.seed, eval_fraction=args.eval_fraction, registry=args.registry,
-        dataset=args.dataset, revision=args.revision))
+        dataset=args.dataset, revision=args.revision, workers=args.workers, on_bad_record=args.on_bad_record,
+        train_on_inputs=args.train_on_inputs))
     return 0
 
 
@@ -239,10 +240,22 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--input", nargs="+", help="jsonl, json, parquet or txt files")
         p.add_argument("--output", required=True, help="directory to create for the shards and manifest.json")
         p.add_argument("--seq-len", type=int, default=0, help="truncate documents to this many tokens (0: never)")
-        p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
-        p.add_argument("--eval-fraction", type=float, default=0.0, help="share of documents in the eval split")
+        p.add_argument("--seed", type=int, default=0, help="seed of the eval split and of the row order inside each "
+                                                            "shard (training reshuffles by data.seed and epoch)")
+        p.add_argument("--eval-fraction", type=float, default=0.0,
+                       help="share of the records in the eval split (an exact sample seeded by --seed)")
         p.add_argument("--registry", help="a dataset_info.json (LLaMA-Factory style) naming datasets")
         p.add_argument("--dataset", help="the dataset of --registry to prepare")
+        p.add_argument("--workers", type=int, default=0, metavar="N",
+                       help="tokenizing processes (default 0: one per available core; 1: in this process); the "
+                            "output is the same for any N")
+        p.add_argument("--on-bad-record", choices=["skip", "fail"], default="skip",
+                       help="a record the format cannot read (invalid JSON, a missing field, an unknown role, a "
+                            "template error): skip it and count it by reason in manifest.json 'skipped' and the "
+                            "final log line (default), or fail with one error naming the file and record")
+        p.add_argument("--train-on-inputs", action="store_true",
+                       help="chat formats: every token in the loss (system, user and tool turns too), not only "
+                            "the assistant turns")
 
 
 def _summary(doc: str) -> str:

@@ -8,7 +8,8 @@ Prepared documents (`DocumentBatches`, a directory written by `megatrain prepare
 one document per row (padded), or with data.packing several whole documents per row, each
 with its own RoPE positions and attention span. Epoch e's rows come from perm_e the same way.
 Either way the batch of a step is a pure function of (data.seed, step): resuming needs only
-the step.
+the step. Prepared shards are never read whole: they are streamed row group by row group, checked,
+into memory-mapped files (under TMPDIR), so the process holds only the documents' offsets.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ class TokenBatches:
 SHARD_COLUMNS = ("input_ids", "loss_mask")
 
 
-def _read_shard(path: Path, where: str):
-    """One parquet shard of a prepared directory, its columns and their types checked."""
+def _open_shard(path: Path, where: str):
+    """One parquet shard of a prepared directory, opened (not read), its columns and their types checked."""
     import pyarrow as pa  # lazy: start-up time
     import pyarrow.parquet as pq
 
@@ -135,30 +136,41 @@ def _read_shard(path: Path, where: str):
         raise DataError(f"{where}: shard {path.name} is missing; copy the whole prepared directory or prepare "
                         "it again")
     try:
-        table = pq.read_table(path)
+        shard = pq.ParquetFile(path)
+        schema = shard.schema_arrow
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{where}: shard {path.name} is not a readable parquet file ({excerpt(str(exc), 120)}); "
                         "prepare the data again") from None
+    rows = shard.metadata.num_rows
     for column in SHARD_COLUMNS:
-        if column not in table.column_names:
+        if column not in schema.names:
             raise DataError(f"{where}: shard {path.name} has no {column!r} column (it has "
-                            f"{', '.join(table.column_names) or 'none'}); give a directory written by "
+                            f"{', '.join(schema.names) or 'none'}); give a directory written by "
                             "`megatrain prepare`")
-        kind = table.schema.field(column).type
-        if table.num_rows and not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) \
-                or table.num_rows and not (pa.types.is_integer(kind.value_type) or
-                                           (column == "loss_mask" and pa.types.is_boolean(kind.value_type))):
+        kind = schema.field(column).type
+        if rows and not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) \
+                or rows and not (pa.types.is_integer(kind.value_type) or
+                                 (column == "loss_mask" and pa.types.is_boolean(kind.value_type))):
             raise DataError(f"{where}: shard {path.name} column {column!r} is {kind}, not a list of integers "
                             "(token ids must be whole numbers); prepare the data again")
-    return table.select(list(SHARD_COLUMNS))
+    return shard
+
+
+def _mapped(f, dtype: np.dtype, total: int) -> np.ndarray:
+    """A written temporary file as a read-only memory map: its pages are the page cache's, read back as
+    training touches them, not the process's own memory."""
+    if not total:
+        return np.zeros(0, dtype=dtype)
+    f.flush()
+    return np.memmap(f, dtype=dtype, mode="r", shape=(total,))
 
 
 class Documents:
-    """One split of a prepared directory, in memory as flat arrays (fine-tuning sets are small)."""
+    """One split of a prepared directory. The shards are read row group by row group (checked as they come)
+    into memory-mapped flat arrays of token ids and loss mask (an unlinked file under TMPDIR), so memory holds
+    only the per-document offsets, whatever the size of the split."""
 
     def __init__(self, directory: str, split: str, key: str):
-        import pyarrow as pa  # lazy: start-up time
-
         root = Path(directory)
         manifest_path = root / "manifest.json"
         if not manifest_path.is_file():
@@ -177,22 +189,49 @@ class Documents:
         if not isinstance(files, list) or not files:
             raise DataError(f"{where}: split {split!r} lists no shard files; prepare the data again")
         self.where = f"{key}={directory!r} ({split})"
-        table = pa.concat_tables([_read_shard(contained(root, f, where, DataError), self.where) for f in files])
-        if table.num_rows == 0:
+        shards = [_open_shard(contained(root, f, where, DataError), self.where) for f in files]
+        if not sum(shard.metadata.num_rows for shard in shards):
             raise DataError(f"{self.where} holds no documents")
-        ids, mask = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
-        offsets = ids.offsets.to_numpy()
-        if not np.array_equal(offsets, mask.offsets.to_numpy()):
+        self._stream(shards)
+
+    def _stream(self, shards: list, rows_per_batch: int = 4096) -> None:
+        """Row groups in order, checked, appended to two unlinked temporary files (under TMPDIR) that are then
+        memory-mapped: memory holds one batch of rows and the per-document offsets."""
+        import tempfile
+
+        dtype = np.result_type(*(shard.schema_arrow.field("input_ids").type.value_type.to_pandas_dtype()
+                                 for shard in shards if shard.metadata.num_rows))
+        lengths: list[np.ndarray] = []
+        self.low = self.high = total = 0
+        with tempfile.TemporaryFile() as token_file, tempfile.TemporaryFile() as mask_file:
+            for shard in shards:
+                for batch in shard.iter_batches(batch_size=rows_per_batch, columns=list(SHARD_COLUMNS)):
+                    values, mask_values, offsets = self._checked(batch.column(0), batch.column(1))
+                    if len(values):
+                        self.low, self.high = min(self.low, int(values.min())), max(self.high, int(values.max()))
+                    token_file.write(values.astype(dtype, copy=False).tobytes())
+                    mask_file.write(mask_values.astype(np.uint8, copy=False).tobytes())
+                    lengths.append(np.diff(offsets))
+                    total += len(values)
+            self.tokens = _mapped(token_file, dtype, total)  # ids as stored (int32); rows are int64
+            self.mask = _mapped(mask_file, np.uint8, total)
+        self.lengths = np.concatenate(lengths).astype(np.int64)
+        self.starts = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.starts[1:])
+
+    def _checked(self, ids, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, loss mask, offsets) of one batch of rows, or the DataError that says what is wrong."""
+        offsets, mask_offsets = ids.offsets.to_numpy(), mask.offsets.to_numpy()
+        if not np.array_equal(offsets - offsets[0], mask_offsets - mask_offsets[0]):
             raise DataError(f"{self.where}: input_ids and loss_mask differ in length; prepare the data again")
-        if ids.values.null_count or mask.values.null_count or ids.null_count or mask.null_count:
+        values, mask_values = ids.flatten(), mask.flatten()
+        if values.null_count or mask_values.null_count or ids.null_count or mask.null_count:
             raise DataError(f"{self.where}: input_ids or loss_mask holds missing (null) values; prepare the data "
                             "again")
-        self.tokens = ids.values.to_numpy()[offsets[0]:offsets[-1]]  # int32 as stored; rows are int64
-        self.mask = mask.values.to_numpy()[offsets[0]:offsets[-1]]
-        if len(self.mask) and (int(self.mask.min()) < 0 or int(self.mask.max()) > 1):
+        values, mask_values = values.to_numpy(zero_copy_only=False), mask_values.to_numpy(zero_copy_only=False)
+        if len(mask_values) and (int(mask_values.min()) < 0 or int(mask_values.max()) > 1):
             raise DataError(f"{self.where}: loss_mask holds values other than 0 and 1; prepare the data again")
-        self.starts = offsets - offsets[0]
-        self.lengths = np.diff(self.starts)
+        return values, mask_values, offsets
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -201,9 +240,8 @@ class Documents:
         """Token ids inside the vocabulary, documents that fit: raised before anything is allocated."""
         if not len(self):
             raise DataError(f"{self.where} holds no documents")
-        top = int(self.tokens.max())
-        if top >= model.vocab_size or int(self.tokens.min()) < 0:
-            bad = top if top >= model.vocab_size else int(self.tokens.min())
+        if self.high >= model.vocab_size or self.low < 0:
+            bad = self.high if self.high >= model.vocab_size else self.low
             raise DataError(f"{self.where} holds token id {bad} outside model.vocab_size={model.vocab_size}; "
                             "prepare it with the model's own tokenizer")
         if int(self.lengths.min()) < 2:

@@ -1,0 +1,318 @@
+"""The `megatrain prepare` pipeline: records in, shards out, in bounded memory.
+
+    main process: read items (jsonl lines as bytes) -> chunks of CHUNK_RECORDS
+      -> workers (spawned processes, --workers): parse, render, tokenize, mask    [tokenize.py]
+      -> results in input order -> split by record -> shard writers              [shards.py]
+
+Why this shuffle and split: nothing ever holds all the documents. The eval split is an exact, seeded
+sample of round(records * eval_fraction) record numbers, drawn in one pass by selection sampling
+(Knuth's algorithm S) after a cheap count of the records (jsonl lines, parquet metadata); a record
+in the sample that is skipped or dropped leaves the eval split one short. Each split is written as
+shards while they fill, each shard's rows in a permutation seeded by (seed, split, shard number);
+training then shuffles all rows of a split by (data.seed, epoch) anyway (data/batches.py), so a
+global shuffle here would buy nothing but memory. Results come back in input order whatever the
+number of workers, so the output does not depend on --workers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatrain_ray.data.prepare.records import FORMATS, Columns, count_records, read_records
+from megatrain_ray.data.prepare.shards import SplitWriter
+from megatrain_ray.data.prepare.tokenize import (
+    NO_TEMPLATE,
+    Job,
+    Result,
+    Tokenizer,
+    process_chunk,
+    resolve_tokenizer,
+    tokenizer_hash,
+)
+from megatrain_ray.exceptions import DataError
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
+
+log = get_logger(__name__)
+
+MANIFEST = "manifest.json"
+CHUNK_RECORDS = 256
+PROGRESS_SECONDS = 5.0
+
+
+@dataclass(slots=True)
+class PrepareOptions:
+    tokenizer_dir: str
+    format: str | None
+    """One of FORMATS; None takes the registry entry's `formatting`, else text."""
+    inputs: list[str]
+    output_dir: str
+    seq_len: int = 0
+    """Documents longer than this many tokens are truncated (and counted); 0 never truncates."""
+    seed: int = 0
+    eval_fraction: float = 0.0
+    registry: str | None = None
+    dataset: str | None = None
+    revision: str | None = None
+    """The hub revision of --tokenizer when it is a hub name."""
+    workers: int = 0
+    """Tokenizing processes; 0: one per available core. One works in this process."""
+    on_bad_record: str = "skip"
+    """skip: a record the format cannot read is counted and left out; fail: it stops the run."""
+    train_on_inputs: bool = False
+    """Chat formats: every token in the loss, not only the assistant turns."""
+
+
+def resolve_inputs(opts: PrepareOptions) -> tuple[list[Path], str, Columns]:
+    """Files, format and field names, from the command line or a dataset_info.json entry."""
+    cols = Columns()
+    if not opts.registry:
+        if not opts.inputs:
+            raise DataError("give --input FILE... or --registry dataset_info.json --dataset NAME")
+        fmt = opts.format or "text"
+        return [Path(p) for p in opts.inputs], fmt, cols
+    registry = Path(opts.registry)
+    if not registry.is_file():
+        raise DataError(f"--registry {opts.registry!r} is not a file; give a dataset_info.json")
+    entries = read_json_object(registry, f"--registry {opts.registry!r}", DataError)
+    if opts.dataset not in entries:
+        raise DataError(f"--dataset {opts.dataset!r} is not in {registry}; it names: {', '.join(sorted(entries))}")
+    entry = entries[opts.dataset]
+    if not isinstance(entry, dict):
+        raise DataError(f"--registry {opts.registry!r}: the entry of {opts.dataset!r} is not a JSON object")
+    where = f"--registry {opts.registry!r} ({opts.dataset})"
+    files = [contained(registry.parent, entry["file_name"], where, DataError)] if "file_name" in entry else []
+    files += [Path(p) for p in opts.inputs]
+    fmt = opts.format or entry.get("formatting", "alpaca")
+    renames = entry.get("columns", {})
+    tags = entry.get("tags", {})
+    cols = Columns(prompt=renames.get("prompt", cols.prompt), query=renames.get("query", cols.query),
+                   response=renames.get("response", cols.response), system=renames.get("system", cols.system),
+                   messages=renames.get("messages", ""), role_tag=tags.get("role_tag", ""),
+                   content_tag=tags.get("content_tag", ""))
+    if tags:
+        cols.roles = {tags.get("user_tag", "human"): "user", tags.get("assistant_tag", "gpt"): "assistant",
+                      tags.get("system_tag", "system"): "system", tags.get("function_tag", "function_call"): "assistant",
+                      tags.get("observation_tag", "observation"): "tool"}
+    if fmt == "sharegpt" and cols.role_tag == "role":  # LLaMA-Factory spells the OpenAI format this way
+        fmt = "messages"
+    return files, fmt, cols
+
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class EvalSample:
+    """Selection sampling: of `total` records, exactly `wanted` (seeded) are chosen, in one pass."""
+
+    def __init__(self, total: int, wanted: int, seed: int):
+        self.left, self.wanted = total, wanted
+        self.rng = np.random.default_rng([seed, 0x5EED])
+        self.draws = np.zeros(0)
+
+    def next(self) -> bool:
+        if not self.wanted:
+            return False
+        if not len(self.draws):
+            self.draws = self.rng.random(4096)
+        u, self.draws = self.draws[0], self.draws[1:]
+        chosen = u * self.left < self.wanted
+        self.left -= 1
+        self.wanted -= chosen
+        return bool(chosen)
+
+
+class Progress:
+    """A line through the logger every PROGRESS_SECONDS: records done, records/s, ETA."""
+
+    def __init__(self, total: int):
+        self.total, self.t0 = total, time.perf_counter()
+        self.last = self.t0
+
+    def update(self, done: int, documents: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_SECONDS:
+            return
+        self.last = now
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate else math.inf
+        log.info("prepare: %d/%d records (%.0f%%), %d documents, %.0f records/s, ETA %.0f s", done, self.total,
+                 100 * done / max(self.total, 1), documents, rate, eta)
+
+
+def chunks(files: list[Path]) -> Iterator[list]:
+    """The input as chunks of CHUNK_RECORDS (item, record number within its file) pairs."""
+    chunk: list = []
+    for path in files:
+        for n, item in enumerate(read_records(path)):
+            chunk.append((item, n))
+            if len(chunk) >= CHUNK_RECORDS:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+class Tokenizing:
+    """Each chunk's results in input order: here (one worker), or from `workers` forked-from-a-forkserver
+    processes with at most two chunks each in flight, so memory does not grow with the input."""
+
+    def __init__(self, directory: str, job: Job, workers: int):
+        self.job, self.workers, self.pool, self.tok = job, workers, None, None
+        if workers <= 1:
+            self.tok = Tokenizer(directory)
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        from megatrain_ray.data.prepare import worker
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["megatrain_ray.data.prepare.worker"])
+        os.environ[worker.TOKENIZER_ENV] = directory  # read once, by the forkserver as it starts
+        self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
+                                        initargs=(directory, job, os.getpid()))
+
+    def info(self) -> tuple[int, bool]:
+        """(vocabulary size, has a chat template)."""
+        if self.tok is not None:
+            return self.tok.info()
+        from megatrain_ray.data.prepare import worker
+
+        try:
+            return self._result(self.pool.submit(worker.info))
+        finally:
+            os.environ.pop(worker.TOKENIZER_ENV, None)
+
+    def results(self, work_chunks: Iterable[list]) -> Iterator[list[Result]]:
+        if self.tok is not None:
+            for chunk in work_chunks:
+                yield process_chunk(self.tok, self.job, chunk)
+            return
+        from megatrain_ray.data.prepare import worker
+
+        pending: deque = deque()
+        for chunk in work_chunks:
+            pending.append(self.pool.submit(worker.work, chunk))
+            if len(pending) >= 2 * self.workers:
+                yield self._result(pending.popleft())
+        while pending:
+            yield self._result(pending.popleft())
+
+    @staticmethod
+    def _result(future: Any) -> Any:
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            raise DataError("a tokenizing worker process died (out of memory?); try fewer --workers") from None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def prepare(opts: PrepareOptions) -> dict[str, Any]:
+    """Tokenize, split and write; returns the manifest."""
+    t0 = time.perf_counter()
+    files, fmt, cols = resolve_inputs(opts)
+    if fmt not in FORMATS:
+        raise DataError(f"format {fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+    if not 0 <= opts.eval_fraction < 1:
+        raise DataError(f"--eval-fraction {opts.eval_fraction} must be in [0, 1)")
+    if opts.seq_len < 0:
+        raise DataError(f"--seq-len {opts.seq_len} must be >= 0 (the longest document in tokens; 0: never truncate)")
+    if opts.on_bad_record not in ("skip", "fail"):
+        raise DataError(f"--on-bad-record {opts.on_bad_record!r}: use skip or fail")
+    if opts.workers < 0:
+        raise DataError(f"--workers {opts.workers} must be >= 1 (0: one per available core)")
+    out = Path(opts.output_dir)
+    refuse_existing(out, DataError, "--output")  # before the tokenizing, which takes the time
+    counts = [count_records(path) for path in files]
+    for path, count in zip(files, counts):
+        if not count:
+            raise DataError(f"input file {str(path)!r} holds no records")
+    total = sum(counts)
+    directory = resolve_tokenizer(opts.tokenizer_dir, opts.revision)
+    workers = min(opts.workers or available_cores(), math.ceil(total / CHUNK_RECORDS))
+    job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs)
+    tokenizing = Tokenizing(directory, job, workers)
+    try:
+        return _prepare(opts, files, fmt, counts, directory, tokenizing, t0)
+    finally:
+        tokenizing.close()
+
+
+def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int], directory: str,
+             tokenizing: Tokenizing, t0: float) -> dict[str, Any]:
+    vocab_size, has_template = tokenizing.info()
+    if fmt != "text" and not has_template:
+        raise DataError(NO_TEMPLATE)
+    total, out = sum(counts), Path(opts.output_dir)
+    n_eval = min(total - 1, round(total * opts.eval_fraction)) if opts.eval_fraction else 0
+    sample = EvalSample(total, n_eval, opts.seed)
+    dropped: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    first_skipped = ""
+    truncated = records = 0
+    progress = Progress(total)
+    log.info("prepare: %d records in %d files, %d tokenizing %s", total, len(files), tokenizing.workers,
+             "process" if tokenizing.workers <= 1 else "processes")
+    with atomic_directory(out, DataError, "--output") as tmp:
+        writers = {"train": SplitWriter(tmp, "train", opts.seed), "eval": SplitWriter(tmp, "eval", opts.seed)}
+        for results in tokenizing.results(chunks(files)):
+            for result in results:
+                records += 1
+                split = "eval" if sample.next() else "train"
+                if result[0] == "doc":
+                    writers[split].add(result[1], result[2])
+                    truncated += result[3]
+                elif result[0] == "dropped":
+                    dropped[result[1]] += 1
+                    truncated += result[2]
+                else:
+                    if opts.on_bad_record == "fail":
+                        raise DataError(f"{result[2]} (--on-bad-record skip leaves such records out)")
+                    skipped[result[1]] += 1
+                    first_skipped = first_skipped or result[2]
+            progress.update(records, writers["train"].documents + writers["eval"].documents)
+        documents = writers["train"].documents + writers["eval"].documents
+        if not writers["train"].documents:
+            left_out = f"dropped: {dict(dropped)}" + (f"; skipped: {dict(skipped)}, the first: {first_skipped}"
+                                                      if skipped else "")
+            where = "the train split of " if documents else ""
+            raise DataError(f"no usable documents in {where}{', '.join(map(str, files))} ({left_out})")
+        manifest: dict[str, Any] = {
+            "format_version": 1, "format": fmt, "inputs": [str(p) for p in files],
+            "tokenizer": str(opts.tokenizer_dir), "tokenizer_hash": tokenizer_hash(directory), "vocab_size": vocab_size,
+            "seed": opts.seed, "seq_len": opts.seq_len, "train_on_inputs": opts.train_on_inputs,
+            "records": records, "documents": documents, "truncated": truncated, "dropped": dict(dropped),
+            "skipped": dict(skipped), "splits": {},
+        }
+        for split, writer in writers.items():
+            if writer.documents:
+                manifest["splits"][split] = writer.summary()
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    summary = ", ".join(f"{k}: {v['documents']} documents, {v['tokens']} tokens ({v['loss_tokens']} in the loss)"
+                        for k, v in manifest["splits"].items())
+    seconds = time.perf_counter() - t0
+    log.info("prepare: %d records -> %s; %d truncated, dropped %s, skipped %s; wrote %s (%.1f s, %.0f records/s)",
+             records, summary, truncated, dict(dropped) or "none", dict(skipped) or "none", out, seconds,
+             records / seconds)
+    return manifest

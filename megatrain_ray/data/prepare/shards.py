@@ -1,0 +1,69 @@
+"""Writing a split as shards while it fills: memory holds one shard's documents at most.
+
+A shard is written when its documents reach SHARD_TOKENS tokens (or DOCS_PER_SHARD documents); its
+rows are shuffled by a permutation seeded with (seed, split, shard number) first, so the order inside
+a shard is seeded but never needs more than the shard in memory. Rows go in row groups of
+ROW_GROUP_ROWS, the unit training reads them in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SHARD_TOKENS = 1 << 22
+DOCS_PER_SHARD = 50_000
+ROW_GROUP_ROWS = 4096
+SPLIT_IDS = {"train": 0, "eval": 1}
+
+
+def list_array(parts: list[np.ndarray], dtype: np.dtype, kind: pa.DataType) -> pa.Array:
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(values, type=kind))
+
+
+class SplitWriter:
+    """One split's shards, `{split}-{k:05d}.parquet`, and its totals for the manifest."""
+
+    def __init__(self, directory: Path, split: str, seed: int):
+        self.directory, self.split, self.seed = directory, split, seed
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.buffered = 0
+        self.files: list[str] = []
+        self.documents = self.tokens = self.loss_tokens = self.longest = 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        self.ids.append(ids)
+        self.masks.append(mask)
+        self.buffered += len(ids)
+        self.documents += 1
+        self.tokens += len(ids)
+        self.loss_tokens += int(np.count_nonzero(mask))
+        self.longest = max(self.longest, len(ids))
+        if self.buffered >= SHARD_TOKENS or len(self.ids) >= DOCS_PER_SHARD:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        k = len(self.files)
+        order = np.random.default_rng([self.seed, SPLIT_IDS[self.split], k]).permutation(len(self.ids))
+        table = pa.table({"input_ids": list_array([self.ids[i] for i in order], np.int32, pa.int32()),
+                          "loss_mask": list_array([self.masks[i] for i in order], np.uint8, pa.uint8())})
+        name = f"{self.split}-{k:05d}.parquet"
+        pq.write_table(table, self.directory / name, row_group_size=ROW_GROUP_ROWS)
+        self.files.append(name)
+        self.ids, self.masks, self.buffered = [], [], 0
+
+    def summary(self) -> dict[str, Any]:
+        self.flush()
+        return {"files": self.files, "documents": self.documents, "tokens": self.tokens,
+                "loss_tokens": self.loss_tokens, "max_document_tokens": self.longest}

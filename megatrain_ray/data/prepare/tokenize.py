@@ -1,0 +1,200 @@
+"""Tokenizing: records -> (input_ids, loss_mask) documents, a chunk of records at a time.
+
+`process_chunk` is what a worker process runs (and what one process runs with --workers 1), so the
+parallel and the single-process paths give the same documents by construction. The loss mask is
+vectorized: a token is in the loss iff its start offset falls in an assistant span, computed with
+numpy over the token offsets instead of a Python loop per token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatrain_ray.data.prepare.records import BadRecord, Columns, Item, parse_item, record_text, to_messages
+from megatrain_ray.exceptions import DataError
+
+NO_TEMPLATE = ("the tokenizer has no chat template (chat_template in tokenizer_config.json or chat_template.jinja); "
+               "use --format text, or add a template to the model directory")
+
+
+class Tokenizer:
+    """The model's tokenizer (transformers AutoTokenizer from a model directory, hub name or GGUF file) and
+    its chat template."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.tok = load_tokenizer(directory)
+
+    def info(self) -> tuple[int, bool]:
+        """(vocabulary size, whether it has a chat template)."""
+        return len(self.tok), bool(self.tok.chat_template)
+
+    def texts(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Text documents: every token in the loss, an EOS at the end so the model learns to stop."""
+        encoded = self.tok(texts, add_special_tokens=True)["input_ids"]
+        eos = self.tok.eos_token_id
+        docs = []
+        for ids in encoded:
+            array = np.array([*ids, eos] if eos is not None else ids, dtype=np.int32)
+            docs.append((array, np.ones(len(array), dtype=np.uint8)))
+        return docs
+
+    def chat_documents(self, texts: list[str], spans: list[list[tuple[int, int]] | None]) -> list[tuple]:
+        """Rendered conversations -> (ids, mask); spans None: every token in the loss. The backend (Rust)
+        tokenizer directly: the ids and offsets transformers' own call returns, without its conversions."""
+        backend = self.backend
+        if all(s is None for s in spans):
+            fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets (tokenizers >= 0.21)
+            encodings = fast(texts, add_special_tokens=False)
+        else:
+            encodings = backend.encode_batch(texts, add_special_tokens=False)
+        docs = []
+        for encoding, turn_spans in zip(encodings, spans):
+            ids = np.array(encoding.ids, dtype=np.int32)
+            if turn_spans is None:
+                docs.append((ids, np.ones(len(ids), dtype=np.uint8)))
+            else:
+                starts = np.fromiter(chain.from_iterable(encoding.offsets), dtype=np.int64, count=2 * len(ids))[::2]
+                docs.append((ids, span_mask(starts, turn_spans)))
+        return docs
+
+    @property
+    def backend(self) -> Any:
+        backend = self.tok.backend_tokenizer
+        if backend.truncation is not None:  # transformers switches both off for a call without them
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
+        return backend
+
+    def spans(self, messages: list[dict[str, Any]], tools: list | None, where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns: turn i spans from the end
+        of the conversation before it (with the generation prompt) to the end of the conversation through it."""
+        full = self.render(messages, tools, generation_prompt=False, where=where)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], tools, generation_prompt=True, where=where)
+            through = full if i == len(messages) - 1 else self.render(messages[:i + 1], tools, False, where)
+            if not (through.startswith(before) and full.startswith(through)):
+                raise BadRecord("template not a prefix", f"{where}: the chat template does not render a "
+                                "conversation as a prefix of its continuation, so the assistant turns cannot be "
+                                "located")
+            spans.append((len(before), len(through)))
+        return full, spans
+
+    def render(self, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool, where: str) -> str:
+        if not messages:
+            return ""
+        try:
+            return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                add_generation_prompt=generation_prompt)
+        except Exception as exc:  # the template's own raise_exception, or a field it cannot read
+            raise BadRecord("chat template error", f"{where}: the chat template cannot render the conversation: "
+                            f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def load_tokenizer(directory: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise DataError("megatrain prepare needs transformers: pip install 'megatrain-ray[hf]'") from exc
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if not tok.is_fast:
+        raise DataError(f"the tokenizer in {directory} has no fast (tokenizer.json) version; prepare needs "
+                        "token offsets to place the loss mask")
+    return tok
+
+
+def span_mask(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 where a token's start offset falls in one of the [a, b) spans (uint8)."""
+    mask = np.zeros(len(starts), dtype=bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < b)
+    return mask.view(np.uint8)
+
+
+def resolve_tokenizer(source: str, revision: str | None) -> str:
+    """--tokenizer as a local directory (a hub name fetched, a GGUF file converted once)."""
+    from megatrain_ray.system.model_sources import resolve_model_dir  # lazy: a worker process never needs it
+
+    return resolve_model_dir(source, "--tokenizer", Path.cwd(), revision, DataError)
+
+
+def tokenizer_hash(directory: str) -> str:
+    """The manifest's tokenizer_hash: of the files that decide tokens and template."""
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        path = Path(directory) / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- one chunk of records
+
+
+@dataclass(slots=True)
+class Job:
+    """What every chunk shares (sent once to each worker)."""
+
+    fmt: str
+    cols: Columns
+    seq_len: int
+    train_on_inputs: bool
+
+
+# A chunk's results, in its records' order: ("doc", ids, mask, truncated) | ("dropped", reason, truncated) |
+# ("skipped", reason, message).
+Result = tuple
+
+
+def process_chunk(tok: Tokenizer, job: Job, chunk: list[tuple[Item, int]]) -> list[Result]:
+    """Parse, render and tokenize a chunk of (item, record number) pairs; one batched tokenizer call."""
+    results: list[Result | None] = [None] * len(chunk)
+    texts, spans, slots = [], [], []
+    for k, (item, number) in enumerate(chunk):
+        try:
+            where, record = parse_item(item, number)
+            if job.fmt == "text":
+                text = record_text(record, job.cols, where)
+                if not text.strip():
+                    results[k] = ("dropped", "empty text", False)
+                    continue
+                texts.append(text)
+                spans.append(None)
+            else:
+                messages, tools = to_messages(record, job.fmt, job.cols, where)
+                if job.train_on_inputs:
+                    texts.append(tok.render(messages, tools, False, where))
+                    spans.append(None)
+                else:
+                    full, turn_spans = tok.spans(messages, tools, where)
+                    texts.append(full)
+                    spans.append(turn_spans)
+            slots.append(k)
+        except BadRecord as exc:
+            results[k] = ("skipped", exc.reason, str(exc))
+    if texts and job.fmt == "text":
+        docs = tok.texts(texts)
+    elif texts:
+        docs = tok.chat_documents(texts, spans)
+    else:
+        docs = []
+    for k, (ids, mask) in zip(slots, docs):
+        truncated = bool(job.seq_len and len(ids) > job.seq_len)
+        if truncated:
+            ids, mask = ids[:job.seq_len], mask[:job.seq_len]
+        if not mask[1:].any():  # the first token is never a target: it has no context
+            results[k] = ("dropped", "no loss tokens (after truncation)" if job.seq_len else "no loss tokens",
+                          truncated)
+        else:
+            results[k] = ("doc", ids, mask, truncated)
+    return results  # type: ignore[return-value]
