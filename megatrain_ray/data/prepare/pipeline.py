@@ -180,7 +180,7 @@ class Tokenizing:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        from megatrain_ray.data.prepare import worker
+        from megatrain_ray.data.prepare import worker  # lazy: importing it turns tokenizer threads off
 
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["megatrain_ray.data.prepare.worker"])
@@ -192,7 +192,7 @@ class Tokenizing:
         """(vocabulary size, has a chat template)."""
         if self.tok is not None:
             return self.tok.info()
-        from megatrain_ray.data.prepare import worker
+        from megatrain_ray.data.prepare import worker  # lazy: only with worker processes
 
         try:
             return self._result(self.pool.submit(worker.info))
@@ -204,7 +204,7 @@ class Tokenizing:
             for chunk in work_chunks:
                 yield process_chunk(self.tok, self.job, chunk)
             return
-        from megatrain_ray.data.prepare import worker
+        from megatrain_ray.data.prepare import worker  # lazy: only with worker processes
 
         pending: deque = deque()
         for chunk in work_chunks:
