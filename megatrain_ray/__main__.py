@@ -158,8 +158,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     prepare(PrepareOptions(
         tokenizer_dir=args.tokenizer, format=args.format, inputs=list(args.input or []), output_dir=args.output,
         seq_len=args.seq_len, seed=args.seed, eval_fraction=args.eval_fraction, registry=args.registry,
-        dataset=args.dataset, revision=args.revision, workers=args.workers, on_bad_record=args.on_bad_record,
-        train_on_inputs=args.train_on_inputs))
+        dataset=args.dataset, revision=args.revision, hf_dataset=args.hf_dataset, hf_split=args.hf_split,
+        hf_subset=args.hf_subset, hf_revision=args.hf_dataset_revision, workers=args.workers,
+        on_bad_record=args.on_bad_record, train_on_inputs=args.train_on_inputs))
     return 0
 
 
@@ -246,6 +247,13 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="share of the records in the eval split (an exact sample seeded by --seed)")
         p.add_argument("--registry", help="a dataset_info.json (LLaMA-Factory style) naming datasets")
         p.add_argument("--dataset", help="the dataset of --registry to prepare")
+        p.add_argument("--hf-dataset", metavar="NAME",
+                       help="a dataset by hub name (owner/name: its parquet/json/jsonl/txt data files only, HF_HOME "
+                            "and HF_HUB_OFFLINE honoured) or a local dataset directory, read through the datasets "
+                            "library (pip install 'megatrain-ray[datasets]')")
+        p.add_argument("--hf-split", default="train", help="the split of --hf-dataset (default train)")
+        p.add_argument("--hf-subset", help="the configuration (subset) of --hf-dataset, when it has several")
+        p.add_argument("--hf-dataset-revision", help="the branch, tag or commit of --hf-dataset")
         p.add_argument("--workers", type=int, default=0, metavar="N",
                        help="tokenizing processes (default 0: one per available core; 1: in this process); the "
                             "output is the same for any N")

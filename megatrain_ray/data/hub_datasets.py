@@ -1,18 +1,19 @@
-"""Records of a dataset named on the Hugging Face hub (or a local dataset directory), through the
-`datasets` library, for `megatrain prepare --hf-dataset`.
+"""The data files of one split of a dataset named on the Hugging Face hub (or a local dataset directory),
+for `megatrain prepare --hf-dataset`.
 
-    owner/name   -> huggingface_hub snapshot of its data files only (parquet, json, jsonl, csv, arrow,
-                    txt; HF_HOME, HF_TOKEN and HF_HUB_OFFLINE honoured, like model names)
+    owner/name   -> huggingface_hub snapshot of its data files only (parquet, json, jsonl, txt, and the
+                    README whose YAML names configs and splits; HF_HOME, HF_TOKEN and HF_HUB_OFFLINE
+                    honoured, like model names)
     a directory  -> used as it is
-    then `datasets.load_dataset(directory, subset, split=..., streaming=True)`: the files are read
-    batch by batch, never whole, and no dataset script is ever run.
+    then the `datasets` library says which files make the split (its conventions: configs in the
+    README, split names in file and folder names), and prepare reads them as it reads --input files:
+    parquet row group by row group, jsonl line by line, in parallel, never whole. No dataset script
+    is ever run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from megatrain_ray.exceptions import DataError, excerpt
 from megatrain_ray.system.model_sources import HUB_NAME, hub_snapshot
@@ -37,20 +38,28 @@ def dataset_dir(spec: str, revision: str | None) -> Path:
     return Path(hub_snapshot(spec, revision, DATA_PATTERNS, "--hf-dataset", DataError, repo_type="dataset"))
 
 
-def hub_dataset_records(spec: str, split: str, subset: str | None = None,
-                        revision: str | None = None) -> Iterator[dict[str, Any]]:
-    """The records of one split of a dataset, streamed."""
+READABLE = (".parquet", ".jsonl", ".json", ".txt")
+
+
+def hub_dataset_files(spec: str, split: str, subset: str | None = None, revision: str | None = None) -> list[Path]:
+    """The files of one split of a dataset, in the dataset's order."""
     try:
         import datasets
     except ImportError:
         raise DataError("--hf-dataset needs the datasets library: pip install 'megatrain-ray[datasets]'") from None
     directory = dataset_dir(spec, revision)
     try:
-        splits = datasets.get_dataset_split_names(str(directory), subset)
+        data_files = {str(name): files for name, files in
+                      (datasets.load_dataset_builder(str(directory), subset).config.data_files or {}).items()}
     except Exception as exc:  # datasets raises many kinds for a directory it cannot read
         raise DataError(f"--hf-dataset {spec!r} ({directory}): the datasets library cannot read it: "
                         f"{excerpt(str(exc), 300)}") from None
-    if split not in splits:
-        raise DataError(f"--hf-dataset {spec!r} has no split {split!r}; it has: {', '.join(splits)} "
+    if split not in data_files:
+        raise DataError(f"--hf-dataset {spec!r} has no split {split!r}; it has: {', '.join(data_files) or 'none'} "
                         "(choose one with --hf-split)")
-    yield from datasets.load_dataset(str(directory), subset, split=split, streaming=True)
+    files = [Path(f) for f in data_files[split]]
+    unreadable = [f.name for f in files if not f.name.lower().endswith(READABLE)]
+    if unreadable:
+        raise DataError(f"--hf-dataset {spec!r}: split {split!r} is in files prepare cannot read ({unreadable[0]}); "
+                        f"it reads {', '.join(READABLE)}")
+    return files

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_ray.data.hub_datasets import hub_dataset_files
 from megatrain_ray.data.prepare.records import FORMATS, Columns, count_records, read_records
 from megatrain_ray.data.prepare.shards import SplitWriter
 from megatrain_ray.data.prepare.tokenize import (
@@ -63,6 +64,11 @@ class PrepareOptions:
     eval_fraction: float = 0.0
     registry: str | None = None
     dataset: str | None = None
+    hf_dataset: str | None = None
+    """A dataset by hub name or local dataset directory (the datasets library), read like --input files."""
+    hf_split: str = "train"
+    hf_subset: str | None = None
+    hf_revision: str | None = None
     revision: str | None = None
     """The hub revision of --tokenizer when it is a hub name."""
     workers: int = 0
@@ -76,9 +82,15 @@ class PrepareOptions:
 def resolve_inputs(opts: PrepareOptions) -> tuple[list[Path], str, Columns]:
     """Files, format and field names, from the command line or a dataset_info.json entry."""
     cols = Columns()
+    if opts.hf_dataset:
+        if opts.registry:
+            raise DataError("give --hf-dataset or --registry, not both")
+        files = [*hub_dataset_files(opts.hf_dataset, opts.hf_split, opts.hf_subset, opts.hf_revision),
+                 *(Path(p) for p in opts.inputs)]
+        return files, opts.format or "text", cols
     if not opts.registry:
         if not opts.inputs:
-            raise DataError("give --input FILE... or --registry dataset_info.json --dataset NAME")
+            raise DataError("give --input FILE..., --hf-dataset NAME, or --registry dataset_info.json --dataset NAME")
         fmt = opts.format or "text"
         return [Path(p) for p in opts.inputs], fmt, cols
     registry = Path(opts.registry)
