@@ -1,6 +1,8 @@
-"""Ask a model directory the held-out questions (and one real-world question) with greedy decoding:
+"""Ask a model the held-out questions (and one real-world question) with greedy decoding. MODEL is a
+model directory, or anything model.path takes (a .gguf file: its cached conversion is used):
 
-    python examples/finetune_smollm2/ask.py runs/smollm2-facts-sft
+    python examples/finetune_smollm2/ask.py "$(python examples/finetune_smollm2/where_is_smollm2.py)"   # before
+    python examples/finetune_smollm2/ask.py runs/smollm2-facts-sft                                      # after
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ def ask(model_dir: str, questions: list[str] = QUESTIONS, max_new_tokens: int = 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megatrain_ray.exceptions import ConfigError
+    from megatrain_ray.system.model_sources import resolve_model_dir
+
+    model_dir = resolve_model_dir(model_dir, "MODEL", Path.cwd(), None, ConfigError)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     answers = {}

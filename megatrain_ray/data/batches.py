@@ -242,8 +242,10 @@ class Documents:
             raise DataError(f"{self.where} holds no documents")
         if self.high >= model.vocab_size or self.low < 0:
             bad = self.high if self.high >= model.vocab_size else self.low
-            raise DataError(f"{self.where} holds token id {bad} outside model.vocab_size={model.vocab_size}; "
-                            "prepare it with the model's own tokenizer")
+            hint = ("model.path is empty, so the model is the config's random-init shape: set model.path to the "
+                    "model whose tokenizer prepared the data") if not model.path else \
+                "prepare it with the model's own tokenizer"
+            raise DataError(f"{self.where} holds token id {bad} outside model.vocab_size={model.vocab_size}; {hint}")
         if int(self.lengths.min()) < 2:
             raise DataError(f"{self.where}: document {int(self.lengths.argmin())} has fewer than 2 tokens, so no "
                             "target; prepare the data with `megatrain prepare`, which drops such documents")

@@ -249,6 +249,8 @@ class Tracking:
             if own and not backend.replaces_steps:
                 backend.skip_through = logged_through
             self.backends.append(backend)
+            log.info("experiment tracking: %s %s %s", name, "continues" if own else "logs to",
+                     ", ".join(f"{k}={v}" for k, v in backend.state().items() if v))
 
     def record_step(self, record: dict[str, Any]) -> None:
         step = int(record["step"])

@@ -95,7 +95,7 @@ class Progress:
             per_step = (now - self.warm_since) / (step - self.first)
             eta = _duration(per_step * (self.total - done))
         text = (f"step {done}/{self.total} loss {record['loss']:.4f}"
-                + (f" eval {self.eval_loss:.4f}" if self.eval_loss is not None else "")
+                + (f" eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else "")
                 + f" lr {record['lr']:.2e} gnorm {record['grad_norm']:.3g} {record['tok_per_s']:,.0f} tok/s "
                 f"{record['tflops']:.1f} TFLOPS eta {eta}")
         if self.tty:

@@ -322,7 +322,8 @@ _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg
 def format_plan(plan: Plan) -> str:
     cfg, machine, run, g = plan.cfg, plan.machine, plan.run, GiB
     layout = build_layout(cfg.model)
-    lines = [f"megatrain plan: {cfg.model.family}, {human_count(layout.num_params)} parameters, "
+    lines = [f"megatrain plan: {cfg.model.family}, {human_count(layout.num_params)} parameters"
+             + ("" if cfg.model.path else " (random init: model.path is empty)") + ", "
              f"{cfg.model.num_layers} layers, {cfg.data.tokens_per_step:,} tokens/step "
              f"(batch {cfg.data.batch_size} x {cfg.data.seq_len})",
              f"machine{' (as described)' if machine.described else ''}: {machine.host_memory / g:.1f} GiB RAM "
@@ -366,7 +367,7 @@ def format_plan(plan: Plan) -> str:
               f"  {'activations per token (one GPU)':<38}{per_token / 1024:10.1f} KiB"
               + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
                  if plan.offload else ""), ""]
-    lines += speed_lines(cfg, machine.profile, plan.offload)
+    lines += speed_lines(cfg, machine.profile, plan.offload, gpu_visible=bool(machine.gpu_memory))
     lines += stop_lines(plan, params)
     lines.append("(what each line means: docs/reading-the-plan.md)")
     if plan.fits:
@@ -390,7 +391,8 @@ def stop_lines(plan: Plan, params: int) -> list[str]:
     profile = plan.machine.profile if plan.cfg.engine.device != "cpu" else None
     step_s = estimate(plan.cfg, profile, offload=plan.offload).step_seconds if profile else None
     wait_s = int(2 * (write_s + (step_s or 60.0))) + 30
-    return [f"stop (SIGTERM, ray job stop): the step ends ({f'~{step_s:.1f} s' if step_s else 'its time'}), then a "
+    return [f"stop (SIGTERM, ray job stop): the step ends ({f'~{step_s:.1f} s' if step_s else 'its time: 60 s assumed'}), "
+            f"then a "
             f"checkpoint of {checkpoint / 1e9:.1f} GB (~{write_s:.0f} s at {CHECKPOINT_WRITE_GBPS:g} GB/s, an assumption); "
             f"submit with RAY_JOB_STOP_WAIT_TIME_S={wait_s} in the job's runtime env", ""]
 

@@ -307,11 +307,11 @@ def format_speed(est: SpeedEstimate) -> list[str]:
     ]
 
 
-def speed_lines(cfg: Config, profile: SpeedProfile | None, offload: bool = False) -> list[str]:
+def speed_lines(cfg: Config, profile: SpeedProfile | None, offload: bool = False, gpu_visible: bool = True) -> list[str]:
     """The speed part of `megatrain plan`: the estimate, or why there is none."""
     if cfg.engine.device == "cpu":
         return []
     if profile is None:
-        return [f"expected speed: no measured rates for this GPU; name a machine with --machine "
-                f"({', '.join(PRESETS)})", ""]
+        return [f"expected speed: no measured rates for {'this GPU' if gpu_visible else 'a machine without a GPU'}; "
+                f"name a machine with --machine ({', '.join(PRESETS)})", ""]
     return [*format_speed(estimate(cfg, profile, offload=offload)), ""]

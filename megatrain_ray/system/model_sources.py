@@ -157,10 +157,9 @@ def fetch_weights(model_dir: str) -> None:
 
 def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
     """The cached Hugging Face directory of a GGUF file, converted on first use (float32 weights,
-    config.json, tokenizer with its chat template). The cache key is the file's path, size and mtime."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    config.json, tokenizer with its chat template). Keyed by the file's contents, so every checkout and
+    environment holding the same file shares one conversion."""
+    target = cache_root() / "gguf" / f"{gguf.stem}-{_content_key(gguf)}"
     if (target / "config.json").is_file():
         return target
     try:
@@ -183,6 +182,15 @@ def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _content_key(path: Path) -> str:
+    """16 hex digits of the file's SHA-256 (a 100 MB GGUF reads in well under a second)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def _convert_gguf(gguf: Path, out: Path, where: str, error: type[MegatrainError]) -> None:

@@ -41,8 +41,8 @@ def test_progress_line_shows_eval_lr_gnorm_and_an_eta_without_the_first_step(mon
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3
     assert lines[0] == ("[megatrain] step 2/10 loss 1.9000 lr 1.00e-04 gnorm 0.5 1,000 tok/s 1.0 TFLOPS eta 8s")
-    assert "eval 1.2500" in lines[1] and lines[1].endswith("eta 7s")
-    assert "step 4/10" in lines[2] and "eval 1.2500" in lines[2] and lines[2].endswith("eta 6s")
+    assert "eval_loss 1.2500" in lines[1] and lines[1].endswith("eta 7s")
+    assert "step 4/10" in lines[2] and "eval_loss 1.2500" in lines[2] and lines[2].endswith("eta 6s")
 
 
 def test_progress_eta_waits_for_a_second_step(monkeypatch):
