@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,3 +165,44 @@ def test_hf_config_round_trip(name):
     cfg = model_config_from_hf(hf_model(name).config.to_dict())
     hf = transformers.AutoConfig.for_model(**hf_config_from_model(cfg))
     assert model_config_from_hf(hf.to_dict()) == cfg
+
+
+def test_phi3_packed_rows_take_the_rope_factors_of_their_longest_document(tmp_path):
+    """Packed rows (positions restart per document): LongRoPE's factor set follows the longest position
+    in the batch, as transformers given the same position ids, not the row length. Rows of 32 tokens:
+    documents (20, 12) reach position 19 (long factors), documents (10, 12, 10) position 11 (short).
+    The reference is transformers on the packed row with its position ids and a block-diagonal causal
+    mask; the loss counts the 12-token document only, and q, k are scaled up so that attention (and
+    with it the factor set) moves the loss well past the tolerance."""
+    from megatrain_ray.messages import IGNORE_INDEX, Batch
+
+    model = hf_model("phi3-longrope")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(8.0)
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 32})
+    gen = torch.Generator().manual_seed(5)
+    losses = {}
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        for lengths in ((20, 12), (10, 12, 10)):
+            docs = [torch.randint(0, mcfg.vocab_size, (n + 1,), generator=gen) for n in lengths]
+            ids = torch.cat([d[:-1] for d in docs])[None]
+            counted = [torch.full((n,), k == lengths.index(12)) for k, n in enumerate(lengths)]
+            labels = torch.where(torch.cat(counted), torch.cat([d[1:] for d in docs]), IGNORE_INDEX)[None]
+            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            ours, _ = trainer.gpu.eval_loss(Batch(ids, labels, positions, (lengths,))).result()
+            doc = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
+            allowed = (doc[:, None] == doc[None, :]) & torch.ones(32, 32, dtype=torch.bool).tril()
+            mask = torch.zeros(1, 1, 32, 32).masked_fill(~allowed, float("-inf"))
+            with torch.no_grad():
+                packed = model(ids, attention_mask=mask, position_ids=positions).logits[0]
+                alone = model(docs[lengths.index(12)][None, :-1]).logits[0]  # 12 tokens: the short factors
+            twelve = docs[lengths.index(12)][1:]
+            losses[lengths] = (ours, F.cross_entropy(packed, labels[0]).item(), F.cross_entropy(alone, twelve).item())
+    for lengths, (ours, packed, alone) in losses.items():
+        assert ours == pytest.approx(packed, rel=1e-6), lengths
+        assert (ours == pytest.approx(alone, rel=1e-6)) == (max(lengths) <= 16), lengths
+    ours, _, alone = losses[(20, 12)]
+    assert abs(ours - alone) > 1e-4 * alone  # 100 times the tolerance (measured: 4.5e-4)
