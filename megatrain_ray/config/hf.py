@@ -136,9 +136,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         rms_norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        # Phi-3's fused qkv_proj has no bias whatever config.json says.
-        attention_bias=True if family == "qwen2" else False if family == "phi3" else bool(hf.get("attention_bias")
-                                                                                          or False),
+        # Qwen2 always has qkv bias; Phi-3's fused qkv_proj never has one, whatever config.json says.
+        attention_bias={"qwen2": True, "phi3": False}.get(family, bool(hf.get("attention_bias") or False)),
         qk_norm=family == "qwen3", sliding_window=sliding,
         max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
         initializer_range=_number(hf, "initializer_range", where, 0.02),
@@ -187,8 +186,10 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "phi3":
         rope["partial_rotary_factor"] = cfg.partial_rotary_factor
         out["sliding_window"] = cfg.sliding_window or None
-        out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings \
-            if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "longrope" else cfg.max_position_embeddings
+        longrope = cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "longrope"
+        # Top level, where Phi3Config reads it (it overrides the one in rope_parameters).
+        out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings if longrope \
+            else cfg.max_position_embeddings
     return out
 
 

@@ -206,3 +206,28 @@ def test_phi3_packed_rows_take_the_rope_factors_of_their_longest_document(tmp_pa
         assert (ours == pytest.approx(alone, rel=1e-6)) == (max(lengths) <= 16), lengths
     ours, _, alone = losses[(20, 12)]
     assert abs(ours - alone) > 1e-4 * alone  # 100 times the tolerance (measured: 4.5e-4)
+
+
+def test_phi3_config_json_in_transformers_4_spelling():
+    """A config.json as Phi-3-mini-128k-instruct ships it (transformers 4: rope_scaling of type "su" or
+    "longrope", the factor lists only; rope_theta and original_max_position_embeddings at the top;
+    the factor values here are made up) reads as transformers reads it, and its shape has 3.82 B parameters."""
+    factors = {"short_factor": [1.0 + 0.01 * i for i in range(48)], "long_factor": [1.0 + 0.5 * i for i in range(48)]}
+    read = {}
+    for kind in ("longrope", "su"):
+        hf = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+              "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": {"type": kind, **factors},
+              "sliding_window": 262144, "tie_word_embeddings": False, "attention_bias": False,
+              "hidden_act": "silu", "pad_token_id": 32000, "eos_token_id": 32000, "bos_token_id": 1}
+        cfg = read[kind] = model_config_from_hf(hf)
+        if kind == "longrope":  # transformers 5.23's Phi3Config(...) fails on "su" (no original length)
+            assert cfg == model_config_from_hf(transformers.Phi3Config(**hf).to_dict())
+        long = cfg.rope_scaling
+        assert long is not None and long.rope_type == "longrope" and long.factor == 32.0
+        assert long.original_max_position_embeddings == 4096 and long.long_factor == factors["long_factor"]
+        assert long.resolved_attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+        assert cfg.sliding_window == 262144 and cfg.rotary_dim == 96
+        assert build_layout(cfg).num_params == 3_821_079_552
+    assert read["su"] == read["longrope"]
