@@ -19,8 +19,11 @@ FAMILIES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# Phi3Config's own default for original_max_position_embeddings (a top-level key of its config.json).
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
 
 
 def _family(hf: dict[str, Any]) -> str:
@@ -35,7 +38,7 @@ def _family(hf: dict[str, Any]) -> str:
         f"supported: {', '.join(FAMILIES)}")
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
+def _rope(hf: dict[str, Any], family: str) -> tuple[float, RopeScalingConfig | None]:
     # transformers 5 nests theta and scaling in `rope_parameters`; 4.x has rope_theta + rope_scaling.
     params = dict(hf.get("rope_parameters") or {})
     theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
@@ -43,6 +46,18 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
     if not scaling:
         return theta, None
     kind = scaling.get("rope_type") or scaling.get("type")
+    if family == "phi3" and kind in ("su", "yarn", "longrope"):  # Phi3Config reads su and yarn as longrope
+        # As transformers: Phi-3's top-level original_max_position_embeddings wins (Phi3Config's default
+        # 4096 when absent); factor, when not given, is max_position_embeddings over it.
+        original = int(hf.get("original_max_position_embeddings") or PHI3_ORIGINAL_MAX_POSITIONS)
+        factor = scaling.get("factor") or hf.get("max_position_embeddings", 4096) / original
+        return theta, RopeScalingConfig(
+            rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
+            attention_factor=float(scaling.get("attention_factor") or 0.0),
+            short_factor=[float(v) for v in scaling["short_factor"]],
+            long_factor=[float(v) for v in scaling["long_factor"]])
+    if family == "phi3":
+        raise ConfigError(f"rope scaling type {kind!r} is not supported for phi3 (transformers' Phi3 takes longrope)")
     if kind == "llama3":
         return theta, RopeScalingConfig(
             rope_type="llama3", factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
@@ -58,7 +73,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
             original), truncate=bool(scaling.get("truncate", True)), **optional)
     if kind == "linear":
         return theta, RopeScalingConfig(rope_type="linear", factor=float(scaling["factor"]))
-    raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: llama3, yarn, linear)")
+    raise ConfigError(f"rope scaling type {kind!r} is not supported for {family} (supported: llama3, yarn, linear; "
+                      "longrope for phi3)")
 
 
 def _count(hf: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
@@ -99,14 +115,16 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     if head_dim == hidden // heads:
         head_dim = 0
     try:
-        theta, scaling = _rope(hf)
+        theta, scaling = _rope(hf, family)
+        partial = float((hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+                        or hf.get("partial_rotary_factor") or 1.0) if family == "phi3" else 1.0
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise CheckpointError(f"{where}: the RoPE settings (rope_scaling / rope_parameters) are incomplete or "
                               f"malformed ({excerpt(exc)})") from None
     sliding = 0
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         sliding = _count(hf, "sliding_window", where, default=0, minimum=0)
     elif hf.get("use_sliding_window"):
         raise ConfigError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
@@ -115,10 +133,11 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         vocab_size=_count(hf, "vocab_size", where), hidden_size=hidden,
         intermediate_size=_count(hf, "intermediate_size", where), num_layers=_count(hf, "num_hidden_layers", where),
         num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
+        head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         rms_norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias") or False),
+        # Qwen2 always has qkv bias; Phi-3's fused qkv_proj never has one, whatever config.json says.
+        attention_bias={"qwen2": True, "phi3": False}.get(family, bool(hf.get("attention_bias") or False)),
         qk_norm=family == "qwen3", sliding_window=sliding,
         max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
         initializer_range=_number(hf, "initializer_range", where, 0.02),
@@ -143,6 +162,12 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
                         beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, truncate=yarn.truncate)
             rope.update({key: getattr(yarn, key) for key in ("attention_factor", "mscale", "mscale_all_dim")
                          if getattr(yarn, key)})
+        if cfg.rope_scaling.rope_type == "longrope":
+            long = cfg.rope_scaling
+            rope.update(original_max_position_embeddings=long.original_max_position_embeddings,
+                        short_factor=list(long.short_factor), long_factor=list(long.long_factor))
+            if long.attention_factor:
+                rope["attention_factor"] = long.attention_factor
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -158,6 +183,13 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         out["sliding_window"] = cfg.sliding_window or None
     if cfg.family in ("qwen2", "qwen3"):
         out["use_sliding_window"] = False
+    if cfg.family == "phi3":
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+        out["sliding_window"] = cfg.sliding_window or None
+        longrope = cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "longrope"
+        # Top level, where Phi3Config reads it (it overrides the one in rope_parameters).
+        out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings if longrope \
+            else cfg.max_position_embeddings
     return out
 
 

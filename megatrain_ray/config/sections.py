@@ -29,30 +29,40 @@ class RopeScalingConfig:
     """RoPE frequency scaling, as in the `rope_scaling` entry of a Hugging Face config."""
 
     SECTION: ClassVar[str] = "model.rope_scaling"
-    rope_type: Literal["llama3", "yarn", "linear"] = "llama3"
+    rope_type: Literal["llama3", "yarn", "linear", "longrope"] = "llama3"
     """llama3: Llama 3.1's wavelength-dependent scaling; yarn: YaRN (Qwen2.5 long context, as in
     transformers: interpolated and extrapolated frequencies blended over a ramp, cos/sin scaled by
-    the attention factor); linear: positions divided by `factor`."""
+    the attention factor); linear: positions divided by `factor`; longrope: Phi-3's LongRoPE (each
+    frequency divided by its entry of short_factor, or of long_factor when a sequence is longer than
+    original_max_position_embeddings; cos/sin scaled by the attention factor)."""
     factor: float = 8.0
-    """How much longer the context is than the one the model was trained on."""
+    """How much longer the context is than the one the model was trained on (longrope: only derives
+    the attention factor; Phi-3 configs leave it out and it is max_position_embeddings over
+    original_max_position_embeddings)."""
     low_freq_factor: float = 1.0
     """llama3 only: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
     high_freq_factor: float = 4.0
     """llama3 only: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
-    """llama3 and yarn: the context length of the unscaled model."""
+    """llama3, yarn and longrope: the context length of the unscaled model."""
     beta_fast: float = 32.0
     """yarn only: rotations at which the ramp from extrapolation starts."""
     beta_slow: float = 1.0
     """yarn only: rotations at which the ramp to interpolation ends."""
     attention_factor: float = 0.0
-    """yarn only: factor on cos and sin; 0 derives it from factor (and mscale, mscale_all_dim)."""
+    """yarn and longrope: factor on cos and sin; 0 derives it from factor (yarn: and mscale, mscale_all_dim;
+    longrope: sqrt(1 + ln(factor) / ln(original_max_position_embeddings)))."""
     mscale: float = 0.0
     """yarn only: with mscale_all_dim, derives attention_factor as in DeepSeek's configs; 0 when unused."""
     mscale_all_dim: float = 0.0
     """yarn only: see mscale."""
     truncate: bool = True
     """yarn only: round the ramp's ends to whole dimensions (transformers' default)."""
+    short_factor: list[float] = field(default_factory=list)
+    """longrope only: one divisor per rotated frequency (rotary dimensions / 2 of them), used while a
+    sequence fits original_max_position_embeddings."""
+    long_factor: list[float] = field(default_factory=list)
+    """longrope only: the divisors used for sequences longer than original_max_position_embeddings."""
 
     def __post_init__(self) -> None:
         if self.factor < 1.0:
@@ -65,14 +75,24 @@ class RopeScalingConfig:
         if self.original_max_position_embeddings < 1:
             _fail(f"{self.SECTION}.original_max_position_embeddings", self.original_max_position_embeddings,
                   "must be >= 1")
+        if self.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                values = getattr(self, key)
+                if not values or not all(math.isfinite(v) and v > 0 for v in values):
+                    _fail(f"{self.SECTION}.{key}", values, "longrope needs a list of finite numbers > 0, one per "
+                          "rotated frequency (rotary dimensions / 2)")
 
     @property
     def resolved_attention_factor(self) -> float:
-        """The factor on cos and sin (1 except for yarn), as transformers derives it."""
-        if self.rope_type != "yarn":
+        """The factor on cos and sin (1 except for yarn and longrope), as transformers derives it."""
+        if self.rope_type not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor:
             return self.attention_factor
+        if self.rope_type == "longrope":
+            if self.factor <= 1:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
         def mscale_of(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -99,7 +119,7 @@ class ModelConfig:
     the local directory it came to."""
     revision: str = ""
     """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load."""
     vocab_size: int = 32000
     """Rows of the embedding and of the LM head."""
@@ -119,6 +139,9 @@ class ModelConfig:
     """RoPE base: wavelengths grow geometrically from 2 pi to about 2 pi * rope_theta."""
     rope_scaling: RopeScalingConfig | None = None
     """null for plain RoPE, or a mapping of model.rope_scaling keys (below)."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unrotated).
+    Phi-3 only, as transformers: below 1 for other families is refused."""
     rms_norm_eps: float = 1e-6
     """Epsilon inside every RMSNorm's square root."""
     tie_word_embeddings: bool = False
@@ -128,7 +151,7 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over each head of q and k before RoPE (Qwen3)."""
     sliding_window: int = 0
-    """Tokens each query may look back over (Mistral); 0 means full causal attention."""
+    """Tokens each query may look back over (Mistral, Phi-3); 0 means full causal attention."""
     max_position_embeddings: int = 4096
     """Longest sequence the model is meant for; data.seq_len may not exceed it without rope_scaling."""
     initializer_range: float = 0.02
@@ -152,6 +175,22 @@ class ModelConfig:
             _fail(f"{s}.head_dim", self.resolved_head_dim, "must be even for RoPE")
         if self.rope_theta <= 0:
             _fail(f"{s}.rope_theta", self.rope_theta, "must be > 0")
+        if not 0 < self.partial_rotary_factor <= 1:
+            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor, "must be > 0 and <= 1")
+        if self.partial_rotary_factor != 1 and self.family != "phi3":
+            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
+                  f"is read by the phi3 family only (family is {self.family}); leave it at 1")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
+                  f"rotates {self.rotary_dim} of the head's {self.resolved_head_dim} dimensions; RoPE needs an "
+                  "even number >= 2")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(getattr(scaling, key)) != self.rotary_dim // 2:
+                    _fail(f"{s}.rope_scaling.{key}", getattr(scaling, key),
+                          f"needs {self.rotary_dim // 2} entries (rotary dimensions {self.rotary_dim} / 2), "
+                          f"has {len(getattr(scaling, key))}")
         if self.rms_norm_eps <= 0:
             _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "must be > 0")
         if self.sliding_window < 0:
@@ -162,6 +201,11 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (int(head_dim * partial_rotary_factor), as transformers)."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -55,6 +55,7 @@ from megatrain_ray.model.templates import (
     head_logits,
     head_loss_and_grads,
     rope_tables,
+    uses_long_factors,
 )
 from megatrain_ray.store.segments import HostStore
 
@@ -103,7 +104,7 @@ class StreamEngine:
         self._comm: Collectives | None = None
         self._nan_armed = False
         """Fault drill `nan_grad` armed for the next train_step (arm_nan_grad)."""
-        self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         # Pinned host buffers of offloaded layer inputs live as long as the engine: allocated once.
         self.activations = ActivationStash(self.streams, self.offload, len(layout.layers), self.telemetry.copied)
 
@@ -183,10 +184,16 @@ class StreamEngine:
     # ------------------------------------------------------------------ forward
 
     def _rope(self, seq_len: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE tables for positions 0..seq_len-1, or gathered per row for packed documents."""
-        if seq_len not in self._rope_cache:
-            self._rope_cache[seq_len] = rope_tables(self.model_cfg, seq_len, self.device, self.compute_dtype)
-        cos, sin = self._rope_cache[seq_len]
+        """RoPE tables for positions 0..seq_len-1, or gathered per row for packed documents. LongRoPE takes
+        its long factors when the longest position is past the original context (as transformers given
+        these position ids): for packed rows, by their longest document."""
+        context = seq_len
+        if positions is not None and uses_long_factors(self.model_cfg, seq_len):
+            context = int(positions.max()) + 1  # host positions of the batch: no device sync
+        key = (seq_len, uses_long_factors(self.model_cfg, context))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_tables(self.model_cfg, seq_len, self.device, self.compute_dtype, key[1])
+        cos, sin = self._rope_cache[key]
         if positions is None:
             return cos, sin
         positions = positions.to(self.device, non_blocking=True)

@@ -87,6 +87,17 @@ def _stage(index: int, kind: StageKind, prefix: str, tensors: list[tuple[str, tu
 def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
     h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    if cfg.family == "phi3":
+        # Phi-3 keeps Hugging Face's fused matrices as they are (rows q | k | v, and gate | up): a 1:1
+        # name mapping on import and export; the template splits its output.
+        return [
+            ("self_attn.qkv_proj.weight", (q + 2 * kv, h), "normal"),
+            ("self_attn.o_proj.weight", (h, q), "normal"),
+            ("mlp.gate_up_proj.weight", (2 * f, h), "normal"),
+            ("mlp.down_proj.weight", (h, f), "normal"),
+            ("input_layernorm.weight", (h,), "ones"),
+            ("post_attention_layernorm.weight", (h,), "ones"),
+        ]
     tensors = [
         ("self_attn.q_proj.weight", (q, h), "normal"),
         ("self_attn.k_proj.weight", (kv, h), "normal"),

@@ -4,7 +4,8 @@ No function here owns a weight. The engine binds each stage's weights as views i
 flat device buffer it just streamed in (`bind`) and calls the template of that stage's kind:
 `embed`, `decoder_layer` (the Llama family: GQA, RoPE with Llama 3.1 or YaRN scaling, RMSNorm, SwiGLU,
 optional qkv bias for Qwen2, optional q/k norm for Qwen3, optional sliding window for
-Mistral) and the head (`head_logits`, or `head_loss_and_grads`, which computes the loss in
+Mistral; Phi-3: fused qkv_proj and gate_up_proj split after their matrix product, LongRoPE,
+partial rotary factor, optional sliding window) and the head (`head_logits`, or `head_loss_and_grads`, which computes the loss in
 token chunks so that full logits never exist).
 
 The math follows Hugging Face's modeling code operation by operation (norms in float32,
@@ -110,10 +111,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    dim = cfg.resolved_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim))
+def uses_long_factors(cfg: ModelConfig, context: int) -> bool:
+    """LongRoPE (Phi-3): whether a forward whose longest position is `context` - 1 takes the long
+    factors; as transformers, all positions of the pass then use them (the short ones otherwise)."""
     scaling = cfg.rope_scaling
+    return scaling is not None and scaling.rope_type == "longrope" and context > scaling.original_max_position_embeddings
+
+
+def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies of the rotated dimensions (cfg.rotary_dim / 2 of them); `long`: LongRoPE's
+    long factors (see uses_long_factors)."""
+    dim = cfg.rotary_dim
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        # As transformers: each frequency divided by its factor, 1 / (factor * theta^(2i/dim)).
+        ext = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=dtype)
+        return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim))
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
@@ -151,12 +165,15 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingConfig, dim: int,
     return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [seq_len, head_dim] in `dtype`, computed in float32 (float64 for float64)
-    and scaled by YaRN's attention factor when it applies."""
+def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
+                long: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, rotary_dim] in `dtype`, computed in float32 (float64 for float64)
+    and scaled by the YaRN or LongRoPE attention factor when it applies. `long`: LongRoPE's long factors
+    (None: when seq_len is past the original context, as transformers decides for positions 0..seq_len-1)."""
     work = _norm_dtype(dtype)
-    inv_freq = rope_inv_freq(cfg, work).to(device)
+    if long is None:
+        long = uses_long_factors(cfg, seq_len)
+    inv_freq = rope_inv_freq(cfg, work, long).to(device)
     positions = torch.arange(seq_len, device=device, dtype=work)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -170,9 +187,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos, sin: [seq, head_dim], or [batch, 1, seq, head_dim] when each
-    row has its own positions (packed documents)."""
-    return x * cos + _rotate_half(x) * sin
+    """x: [batch, heads, seq, head_dim]; cos, sin: [seq, rotary_dim], or [batch, 1, seq, rotary_dim] when
+    each row has its own positions (packed documents). A rotary_dim below head_dim (partial rotary factor)
+    rotates the first rotary_dim dimensions and passes the rest through."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :rotary], x[..., rotary:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -265,9 +287,13 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     batch, seq_len, _ = x.shape
     cos, sin = rope
     h = rms_norm(x, w["input_layernorm.weight"], spec.eps)
-    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
-    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
-    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+    if "self_attn.qkv_proj.weight" in w:  # Phi-3: one product, split into views as transformers does
+        q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q, k, v = F.linear(h, w["self_attn.qkv_proj.weight"]).split((q_width, kv_width, kv_width), dim=-1)
+    else:
+        q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+        k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+        v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
     q = q.view(batch, seq_len, spec.num_heads, spec.head_dim)
     k = k.view(batch, seq_len, spec.num_kv_heads, spec.head_dim)
     v = v.view(batch, seq_len, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
@@ -283,12 +309,17 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
     """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens)."""
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
-    m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
+    if "mlp.gate_up_proj.weight" in w:  # Phi-3: gate and up from one product, halves of its output
+        gate, up = F.linear(h, w["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+        m = up * F.silu(gate)
+    else:
+        m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
     return x + F.linear(m, w["mlp.down_proj.weight"])
 
 
-MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-               "mlp.down_proj.weight")
+def is_mlp_weight(name: str) -> bool:
+    """The weights mlp_block reads (the second half of a layer), of every family."""
+    return name == "post_attention_layernorm.weight" or name.startswith("mlp.")
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
@@ -331,7 +362,7 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     mid_flat = mid.detach().view(-1, mid.shape[-1])
     grad_y_flat = grad_y.reshape(-1, grad_y.shape[-1])
     grad_mid = torch.empty_like(mid_flat)
-    mlp_params = {n: params[n] for n in MLP_WEIGHTS}
+    mlp_params = {n: t for n, t in params.items() if is_mlp_weight(n)}
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     mlp_grads = {n: torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for n, t in mlp_params.items()}
     for part in chunks:

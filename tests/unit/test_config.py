@@ -22,7 +22,7 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))
 def test_every_required_config_ships():
     names = {os.path.basename(p) for p in CONFIGS}
     assert {"tiny.yaml", "llama-3.5b-bench.yaml", "llama3-8b.yaml", "qwen2.5-7b.yaml", "qwen2.5-32b.yaml",
-            "mistral-7b.yaml"} <= names
+            "mistral-7b.yaml", "phi3-mini.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -36,7 +36,7 @@ def test_shipped_config_loads(path):
 @pytest.mark.parametrize("name, billions", [
     ("llama3-8b.yaml", 8.03), ("qwen2.5-7b.yaml", 7.62), ("qwen2.5-32b.yaml", 32.76), ("mistral-7b.yaml", 7.24),
     ("qwen2.5-14b.yaml", 14.77), ("llama-3.5b-bench.yaml", 3.5), ("llama3-70b.yaml", 70.55),
-    ("qwen2.5-72b.yaml", 72.71), ("dense-120b.yaml", 119.82),
+    ("qwen2.5-72b.yaml", 72.71), ("dense-120b.yaml", 119.82), ("phi3-mini.yaml", 3.82),
 ])
 def test_model_shapes_have_the_published_size(name, billions):
     layout = build_layout(load_config(os.path.join(REPO, "configs", "shapes", name)).model)

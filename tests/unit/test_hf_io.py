@@ -26,7 +26,7 @@ from tests.unit.test_templates import hf_model
 
 # One model per family, each with the feature that family adds.
 FAMILY_MODELS = {"llama": "llama-gqa", "mistral": "mistral-sliding-window", "qwen2": "qwen2-bias-tied",
-                 "qwen3": "qwen3-qknorm-headdim"}
+                 "qwen3": "qwen3-qknorm-headdim", "phi3": "phi3-longrope-partial"}
 
 
 def save_hf(name: str, directory: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Path:
@@ -69,8 +69,10 @@ def test_load_then_export_is_bit_identical(tmp_path, family, sharded):
     assert json.loads((out / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
 
 
-def test_trained_export_loads_in_transformers_with_our_logits(tmp_path):
-    source = save_hf("qwen3-qknorm-headdim", tmp_path / "src")
+@pytest.mark.parametrize("name", ["qwen3-qknorm-headdim", "phi3-longrope-partial"])
+def test_trained_export_loads_in_transformers_with_our_logits(tmp_path, name):
+    """Phi-3: trained on 16-token rows (LongRoPE's short factors), read back on 20 tokens (the long ones)."""
+    source = save_hf(name, tmp_path / "src")
     export_dir = tmp_path / "exported"
     cfg = finetune_config(tmp_path, source, train={"steps": 3, "export_dir": str(export_dir)},
                           data={"path": "synthetic", "seq_len": 16, "batch_size": 2})
@@ -81,7 +83,11 @@ def test_trained_export_loads_in_transformers_with_our_logits(tmp_path):
         trained = trainer.master_weights()
     start = safetensors_of(source)
     assert any(not torch.equal(trained[k], start[k]) for k in start)  # the export is of the trained weights
-    model = transformers.AutoModelForCausalLM.from_pretrained(export_dir, attn_implementation="eager").eval()
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(export_dir, attn_implementation="eager",
+                                                                     output_loading_info=True)
+    assert type(model).__name__ == type(hf_model(name)).__name__
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model.eval()
     with torch.no_grad():
         theirs = model(ids).logits
     assert (ours - theirs).abs().max().item() <= 1e-5

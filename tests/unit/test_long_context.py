@@ -27,15 +27,31 @@ def _layer(gen: torch.Generator, hidden: int = 32, ffn: int = 48, heads: int = 4
     return weights, spec
 
 
+def _fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same layer in Phi-3's tensors: q, k, v as one qkv_proj, gate and up as one gate_up_proj."""
+    out = {n: t for n, t in weights.items() if n.split(".")[1] not in ("q_proj", "k_proj", "v_proj", "gate_proj",
+                                                                      "up_proj")}
+    out["self_attn.qkv_proj.weight"] = torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"])
+    out["mlp.gate_up_proj.weight"] = torch.cat((weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"], ids=["llama", "phi3-fused-partial-rotary"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed-documents"])
 @pytest.mark.parametrize("chunk", [7, 16, 40], ids=["ragged", "even", "one-chunk-bigger"])
-def test_chunked_layer_backward_equals_plain_autograd(packed, chunk):
+def test_chunked_layer_backward_equals_plain_autograd(packed, chunk, family):
+    """phi3: fused qkv_proj and gate_up_proj (the chunked MLP backward takes gate_up_proj's gradient in
+    pieces too), RoPE over half of each head's 8 dimensions."""
     gen = torch.Generator().manual_seed(0)
     weights, spec = _layer(gen)
+    if family == "phi3":
+        weights = _fused(weights)
     batch, seq = 2, 20
     x = torch.randn(batch, seq, 32, generator=gen, dtype=torch.float64)
     grad_y = torch.randn(batch, seq, 32, generator=gen, dtype=torch.float64)
     angles = torch.outer(torch.arange(seq, dtype=torch.float64), torch.rand(4, generator=gen, dtype=torch.float64))
+    if family == "phi3":
+        angles = angles[:, :2]
     rope = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
     docs = document_buckets(((5, 15), (20,)), torch.device("cpu")) if packed else None
     if packed:  # packed rows: RoPE positions restart per document

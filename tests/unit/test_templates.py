@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,6 +23,9 @@ from tests.conftest import tiny_config  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+PHI3 = dict(hidden_size=80, intermediate_size=72, original_max_position_embeddings=16, pad_token_id=None,
+            eos_token_id=2)
 
 FAMILIES = {
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -36,6 +40,21 @@ FAMILIES = {
     "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 7}),
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3-qknorm-headdim": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
+    # Phi-3: fused qkv_proj and gate_up_proj, hidden 80 (head_dim 20), GQA 4/2. LongRoPE over an original
+    # context of 16 tokens: the 33-token inputs below take the long factors, test_phi3_short_and_long_rope
+    # the short ones too.
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.15 * i for i in range(10)],
+        "long_factor": [1.0 + 2.5 * i for i in range(10)]}}),
+    # Without scaling: half of each head rotated, a sliding window of 7, one key/value head.
+    "phi3-partial-sliding": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "num_key_value_heads": 1, "sliding_window": 7,
+                                                               "rope_parameters": {"rope_type": "default",
+                                                                                   "rope_theta": 10000.0,
+                                                                                   "partial_rotary_factor": 0.5}}),
+    # Both: LongRoPE over the rotated half (5 factors each), window 9.
+    "phi3-longrope-partial": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "sliding_window": 9, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0], "long_factor": [1.0, 3.0, 7.0, 15.0, 31.0]}}),
 }
 
 
@@ -68,7 +87,19 @@ def test_templates_match_transformers(name):
     assert (ours - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["qwen2-bias-tied", "qwen3-qknorm-headdim", "mistral-sliding-window"])
+def template_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    cfg = model_config_from_hf(model.config.to_dict())
+    layout = build_layout(cfg)
+    buffers = [torch.full((s.numel,), float("nan")) for s in layout.stages]
+    for stage, buf in zip(layout.stages, buffers):
+        for slot in stage.slots:  # padding stays NaN: a template reading it would fail
+            buf[slot.offset:slot.offset + slot.numel] = model.state_dict()[stage.hf_name(slot)].reshape(-1)
+    with torch.no_grad():
+        return model_logits(cfg, list(layout.stages), buffers, ids)
+
+
+@pytest.mark.parametrize("name", ["qwen2-bias-tied", "qwen3-qknorm-headdim", "mistral-sliding-window",
+                                  "phi3-longrope", "phi3-partial-sliding", "phi3-longrope-partial"])
 def test_streamed_engine_logits_match_transformers(tmp_path, name):
     model = hf_model(name)
     mcfg = model_config_from_hf(model.config.to_dict())
@@ -83,6 +114,30 @@ def test_streamed_engine_logits_match_transformers(tmp_path, name):
     assert (ours - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi3-longrope-partial"])
+def test_phi3_short_and_long_rope(tmp_path, name):
+    """LongRoPE as transformers: up to original_max_position_embeddings (16) tokens the short factors, past
+    it the long ones for every position; through the templates and through the streamed engine. The two
+    sets differ enough that taking the wrong one moves the logits far past the tolerance."""
+    model = hf_model(name)
+    mcfg = model_config_from_hf(model.config.to_dict())
+    assert mcfg.rope_scaling is not None and mcfg.rope_scaling.rope_type == "longrope"
+    assert mcfg.rope_scaling.original_max_position_embeddings == 16
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg))
+    lengths = (5, 16, 17, 40)
+    inputs = [torch.randint(0, mcfg.vocab_size, (2, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    with torch.no_grad():
+        expected = [model(ids).logits for ids in inputs]
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        streamed = [trainer.logits(ids) for ids in inputs]
+    for n, ids, theirs, ours in zip(lengths, inputs, expected, streamed):
+        assert (template_logits(model, ids) - theirs).abs().max().item() <= 1e-5, n
+        assert (ours - theirs).abs().max().item() <= 1e-5, n
+    # The first 16 positions of a 17-token input differ from the 16-token input: the long factors took over.
+    assert not torch.allclose(expected[2][:, :16], model(inputs[2][:, :16]).logits, atol=1e-3)
+
+
 def test_config_mapping_reads_families():
     q2 = model_config_from_hf(hf_model("qwen2-bias-tied").config.to_dict())
     assert q2.family == "qwen2" and q2.attention_bias and q2.tie_word_embeddings and not q2.qk_norm
@@ -95,6 +150,14 @@ def test_config_mapping_reads_families():
     assert yarn is not None and yarn.rope_type == "yarn" and yarn.factor == 4.0
     assert yarn.resolved_attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
     assert model_config_from_hf(hf_model("mistral-sliding-window").config.to_dict()).sliding_window == 7
+    phi3 = model_config_from_hf(hf_model("phi3-longrope-partial").config.to_dict())
+    assert phi3.family == "phi3" and phi3.sliding_window == 9 and phi3.rotary_dim == 10 and not phi3.attention_bias
+    long = phi3.rope_scaling
+    assert long is not None and long.rope_type == "longrope" and long.long_factor == [1.0, 3.0, 7.0, 15.0, 31.0]
+    assert long.factor == 8.0  # max_position_embeddings 128 over the original 16, as transformers derives it
+    rotary = hf_model("phi3-longrope-partial").model.rotary_emb
+    assert long.resolved_attention_factor == pytest.approx(rotary.attention_scaling)
+    assert long.resolved_attention_factor == pytest.approx(math.sqrt(1 + math.log(8) / math.log(16)))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -102,3 +165,69 @@ def test_hf_config_round_trip(name):
     cfg = model_config_from_hf(hf_model(name).config.to_dict())
     hf = transformers.AutoConfig.for_model(**hf_config_from_model(cfg))
     assert model_config_from_hf(hf.to_dict()) == cfg
+
+
+def test_phi3_packed_rows_take_the_rope_factors_of_their_longest_document(tmp_path):
+    """Packed rows (positions restart per document): LongRoPE's factor set follows the longest position
+    in the batch, as transformers given the same position ids, not the row length. Rows of 32 tokens:
+    documents (20, 12) reach position 19 (long factors), documents (10, 12, 10) position 11 (short).
+    The reference is transformers on the packed row with its position ids and a block-diagonal causal
+    mask; the loss counts the 12-token document only, and q, k are scaled up so that attention (and
+    with it the factor set) moves the loss well past the tolerance."""
+    from megatrain_ray.messages import IGNORE_INDEX, Batch
+
+    model = hf_model("phi3-longrope")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(8.0)
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 32})
+    gen = torch.Generator().manual_seed(5)
+    losses = {}
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        for lengths in ((20, 12), (10, 12, 10)):
+            docs = [torch.randint(0, mcfg.vocab_size, (n + 1,), generator=gen) for n in lengths]
+            ids = torch.cat([d[:-1] for d in docs])[None]
+            counted = [torch.full((n,), k == lengths.index(12)) for k, n in enumerate(lengths)]
+            labels = torch.where(torch.cat(counted), torch.cat([d[1:] for d in docs]), IGNORE_INDEX)[None]
+            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            ours, _ = trainer.gpu.eval_loss(Batch(ids, labels, positions, (lengths,))).result()
+            doc = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
+            allowed = (doc[:, None] == doc[None, :]) & torch.ones(32, 32, dtype=torch.bool).tril()
+            mask = torch.zeros(1, 1, 32, 32).masked_fill(~allowed, float("-inf"))
+            with torch.no_grad():
+                packed = model(ids, attention_mask=mask, position_ids=positions).logits[0]
+                alone = model(docs[lengths.index(12)][None, :-1]).logits[0]  # 12 tokens: the short factors
+            twelve = docs[lengths.index(12)][1:]
+            losses[lengths] = (ours, F.cross_entropy(packed, labels[0]).item(), F.cross_entropy(alone, twelve).item())
+    for lengths, (ours, packed, alone) in losses.items():
+        assert ours == pytest.approx(packed, rel=1e-6), lengths
+        assert (ours == pytest.approx(alone, rel=1e-6)) == (max(lengths) <= 16), lengths
+    ours, _, alone = losses[(20, 12)]
+    assert abs(ours - alone) > 1e-4 * alone  # 100 times the tolerance (measured: 4.5e-4)
+
+
+def test_phi3_config_json_in_transformers_4_spelling():
+    """A config.json as Phi-3-mini-128k-instruct ships it (transformers 4: rope_scaling of type "su" or
+    "longrope", the factor lists only; rope_theta and original_max_position_embeddings at the top;
+    the factor values here are made up) reads as transformers reads it, and its shape has 3.82 B parameters."""
+    factors = {"short_factor": [1.0 + 0.01 * i for i in range(48)], "long_factor": [1.0 + 0.5 * i for i in range(48)]}
+    read = {}
+    for kind in ("longrope", "su"):
+        hf = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+              "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": {"type": kind, **factors},
+              "sliding_window": 262144, "tie_word_embeddings": False, "attention_bias": False,
+              "hidden_act": "silu", "pad_token_id": 32000, "eos_token_id": 32000, "bos_token_id": 1}
+        cfg = read[kind] = model_config_from_hf(hf)
+        if kind == "longrope":  # transformers 5.23's Phi3Config(...) fails on "su" (no original length)
+            assert cfg == model_config_from_hf(transformers.Phi3Config(**hf).to_dict())
+        long = cfg.rope_scaling
+        assert long is not None and long.rope_type == "longrope" and long.factor == 32.0
+        assert long.original_max_position_embeddings == 4096 and long.long_factor == factors["long_factor"]
+        assert long.resolved_attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+        assert cfg.sliding_window == 262144 and cfg.rotary_dim == 96
+        assert build_layout(cfg).num_params == 3_821_079_552
+    assert read["su"] == read["longrope"]
