@@ -56,24 +56,29 @@ class GPUWorker(ActorBase):
         else:  # the node's ranks share the cores
             binding = "not pinned (computes on the CPU)"
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world))
+        # The resident stages' master and moments too: the tier is filled from them and written back into them.
+        resident = {stage.index for stage in layout.resident_stages(run.resident_layers)}
         self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync")
-                                or (s.kind == "master" and run.stream_is_master)])
+                                or (s.kind == "master" and run.stream_is_master)
+                                or (s.kind in ("master", "exp_avg", "exp_avg_sq") and s.stage in resident)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
-        self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer.grad_clip, run, layout,
+        self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
                                    self.store, optimizers, self.device, rank)
         self.comm: Collectives | None = None
         log.info("layer stream on %s (%s): compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s); "
-                 "layers %s (engine.compile=%s)%s",
+                 "layers %s (engine.compile=%s)%s%s",
                  self.device, binding, run.compute_dtype, run.stream_dtype,
                  "offloaded to pinned host memory" if run.activation_offload else "kept on the device",
                  cfg.engine.activation_offload,
                  "compiled by torch.compile on the first step" if run.layers_compiled else "eager",
                  cfg.engine.compile,
                  f"; rank {rank.rank} of {rank.world} (node {rank.node}, local rank {rank.local_rank})"
-                 if rank.world > 1 else "")
+                 if rank.world > 1 else "",
+                 f"; {run.resident_layers} layers resident on the device "
+                 f"({self.engine.resident.bytes / 2**30:.2f} GiB)" if run.resident_layers else "")
 
     def rendezvous(self) -> str:
         """(Rank 0, ranks on several hosts) Where the others meet it: tcp://<this node's address>:<a free port>.
@@ -113,6 +118,17 @@ class GPUWorker(ActorBase):
 
     def flush(self) -> float:
         return self.engine.flush()
+
+    def resident_to_host(self) -> None:
+        """Write the GPU-resident stages' state into their host segments (before a checkpoint, an export or a
+        read of the weights; the updates ordered so far are applied first)."""
+        self.engine.flush()
+        self.engine.resident.store_to_host(self.store)
+
+    def resident_from_host(self) -> None:
+        """Refill the GPU-resident stages from their host segments (after the driver overwrote weights)."""
+        self.engine.flush()
+        self.engine.resident.load_from_host(self.store)
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"

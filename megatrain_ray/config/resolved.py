@@ -13,6 +13,7 @@ from typing import Literal
 
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.exceptions import ConfigError
 
 GradHome = Literal["stream", "stage", "pool"]
 """Where a stage's gradients land on the host: in its streaming copy (free until its update), in a
@@ -57,6 +58,9 @@ class RunSpec:
     """And this run's training rows take it (see takes_compiled_layer)."""
     activation_offload: bool
     """Kept layer inputs live in pinned host memory (engine.activation_offload with auto decided by the plan)."""
+    resident_layers: int = 0
+    """Decoder layers kept whole on the compute device (engine.gpu_resident; model.layout.resident_stages
+    says which)."""
 
     @property
     def world(self) -> int:
@@ -96,4 +100,21 @@ class RunSpec:
                              and cfg.host.moments_tier == "ram"),
             compiles=compiles,
             layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
-            activation_offload=e.activation_offload is True)
+            activation_offload=e.activation_offload is True,
+            resident_layers=resident_layer_count(cfg, ranks * nodes))
+
+
+def resident_layer_count(cfg: Config, world: int) -> int:
+    """engine.gpu_resident as a number of layers, refused where the tier does not apply (yet)."""
+    choice = cfg.engine.gpu_resident
+    count = 0 if choice == "none" else int(choice)
+    if count == 0:
+        return 0
+    if count > cfg.model.num_layers:
+        raise ConfigError(f"engine.gpu_resident={count}: the model has {cfg.model.num_layers} layers")
+    for refused, why in ((world > 1, "one GPU worker (parallel.gpus=1)"),
+                         (cfg.host.moments_tier != "ram", "host.moments_tier=ram"),
+                         (cfg.optimizer.moment_dtype != "float32", "optimizer.moment_dtype=float32")):
+        if refused:
+            raise ConfigError(f"engine.gpu_resident={count} needs {why}")
+    return count

@@ -165,6 +165,12 @@ class Cluster:
         """Every ordered update applied: the segments hold the state after the steps run so far."""
         gather([g.flush() for g in self.gpus])
 
+    def sync_resident(self, to_host: bool = True) -> None:
+        """The GPU-resident stages (engine.gpu_resident) and their host segments made equal: written back
+        (`to_host`: before the segments are read) or refilled from them (after they were overwritten)."""
+        if self.run is not None and self.run.resident_layers:
+            gather([g.resident_to_host() if to_host else g.resident_from_host() for g in self.gpus])
+
     def sync_moments(self) -> None:
         """With the disk tier: wait until the moments the optimizers wrote back behind are in their files."""
         if self.cfg.host.moments_tier == "disk":

@@ -371,6 +371,7 @@ class Trainer:
         if self.saver.in_flight is not None:
             self._finish_save()
         self.flush()  # every ordered update is applied: the segments hold the state after next_step steps
+        self.cluster.sync_resident()
         self.cluster.sync_moments()
         partial = self.checkpoints.partial(self.next_step, self.run_id)
         die = self.drills.due("kill_during_checkpoint", self.next_step) is not None
@@ -398,12 +399,14 @@ class Trainer:
     def read_moments(self, kind: str) -> dict[str, torch.Tensor]:
         """A copy of one AdamW moment (`exp_avg` or `exp_avg_sq`) by Hugging Face name, from RAM or disk."""
         self.flush()
+        self.cluster.sync_resident()
         self.cluster.sync_moments()
         return HostStore([s for s in self.specs if s.kind == kind]).read_tensors(self.layout, kind)  # type: ignore
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the master weights by Hugging Face name (after the pending updates)."""
         self.flush()
+        self.cluster.sync_resident()
         store = HostStore([s for s in self.specs if s.kind == "master"])
         return store.read_tensors(self.layout)
 
@@ -411,6 +414,7 @@ class Trainer:
         """Write the master weights as a Hugging Face directory (see megatrain_ray/model/hf_io.py), one
         tensor at a time straight from the shared segments."""
         self.flush()
+        self.cluster.sync_resident()
         source = self.cfg.model.path or None
         if dtype == "auto":
             dtype = (source_dtype(source) if source else None) or "float32"
@@ -425,6 +429,7 @@ class Trainer:
         for k in nodes if nodes is not None else range(len(self.nodes)):
             store = HostStore([s for s in self.nodes[k].specs if s.kind in ("master", "stream")])
             store.write_tensors(self.layout, tensors)
+        self.cluster.sync_resident(to_host=False)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.gpu is not None
