@@ -63,7 +63,7 @@ class GPUWorker(ActorBase):
                                 or (s.kind in ("master", "exp_avg", "exp_avg_sq") and s.stage in resident)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()
-            gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
+            gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"), skip=frozenset(resident))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
         self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
                                    self.store, optimizers, self.device, rank)

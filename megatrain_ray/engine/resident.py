@@ -26,15 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_ray.config.resolved import RESIDENT_UPDATE_CHUNK_ELEMS
 from megatrain_ray.config.sections import OptimizerConfig
 from megatrain_ray.engine.grads import _gaps
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import bind
 from megatrain_ray.store.segments import HostStore
-
-UPDATE_CHUNK_ELEMS = 1 << 24
-"""Elements per chunk of the device update: its scratch (the gradient in the master dtype) stays this
-size (64 MiB in fp32) instead of a whole stage's."""
 
 
 @dataclass(slots=True)
@@ -70,7 +67,7 @@ class ResidentTier:
             self.stages[stage.index] = ResidentStage(stage, master, torch.zeros_like(master),
                                                      torch.zeros_like(master), grad, compute)
         largest = max((s.stage.numel for s in self.stages.values()), default=0)
-        self.scratch = torch.empty(min(largest, UPDATE_CHUNK_ELEMS), dtype=master_dtype, device=device)
+        self.scratch = torch.empty(min(largest, RESIDENT_UPDATE_CHUNK_ELEMS), dtype=master_dtype, device=device)
         self.deferred: list[int] = []
         """Stages whose gradients wait for the global norm (clipping on), in the order they were written."""
 
