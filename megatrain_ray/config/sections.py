@@ -390,8 +390,9 @@ class EngineConfig:
     layers as fit the GPU memory the plan leaves after its peak, the reserve and a margin (`megatrain plan`
     prints them and the expected tok/s); none on the CPU, or where the tier does not apply. About 16 bytes
     of device memory per resident parameter (fp32 master and moments, the gradient and compute copy in
-    the streaming format). Checkpoints, export and resume read and write them through the host segments.
-    One GPU worker, moments in RAM at the master's precision (not optimizer.moment_dtype=bfloat16)."""
+    the streaming format), and no host memory: their segments are never allocated; the GPU worker fills
+    them (initialisation, fine-tuning, resume, restart), writes their checkpoint files and serves them to
+    export. One GPU worker, moments in RAM at the master's precision (not optimizer.moment_dtype=bfloat16)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:

@@ -138,7 +138,7 @@ class Cluster:
                                  ray_options=placement.options(f"optim{w}")) for w in range(workers)]
         node.gpus = [spawn(mode, GPUWorker, cfg, self.run, self.layout, node.specs,
                            node.optimizers if r == 0 else [],
-                           plan.rank(k, r), placement.gpu_cores(r), name=f"{name}{gpu_actor(r)}",
+                           plan.rank(k, r), placement.gpu_cores(r), restore=restore, name=f"{name}{gpu_actor(r)}",
                            num_gpus=1 if plan.use_gpu else 0, ray_options=placement.options(gpu_actor(r)))
                      for r in range(ranks)]
 
@@ -164,12 +164,6 @@ class Cluster:
     def flush(self) -> None:
         """Every ordered update applied: the segments hold the state after the steps run so far."""
         gather([g.flush() for g in self.gpus])
-
-    def sync_resident(self, to_host: bool = True) -> None:
-        """The GPU-resident stages (engine.gpu_resident) and their host segments made equal: written back
-        (`to_host`: before the segments are read) or refilled from them (after they were overwritten)."""
-        if self.run is not None and self.run.resident_layers:
-            gather([g.resident_to_host() if to_host else g.resident_from_host() for g in self.gpus])
 
     def sync_moments(self) -> None:
         """With the disk tier: wait until the moments the optimizers wrote back behind are in their files."""

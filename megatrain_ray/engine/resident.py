@@ -14,10 +14,10 @@ it is 1), then torch._fused_adamw_ with the stage's decay span [0, decay_numel) 
 decay. The compute copy is then the master cast as a streamed stage's would be (through the streaming
 dtype), so a resident stage computes on exactly the weights it would have had streamed.
 
-The host segments of a resident stage are its copy at rest: the tier is filled from them when the engine
-starts (a fresh run, a resume, a restart after a fault) and after the driver overwrote weights
-(load_weights), and written back into them before anything reads them (a checkpoint, export, the
-driver's inspection methods); in between they are stale and nothing reads them.
+A resident stage has no host segments (store/segments.plan_segments): the GPU worker fills the tier at its
+start (random initialisation, a Hugging Face directory, a checkpoint on resume or after a fault), writes its
+stage files of each checkpoint and serves its tensors to export and the driver, one stage at a time through
+CPU buffers of that stage's size (`staging`, `put`, `take`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from megatrain_ray.config.sections import OptimizerConfig
 from megatrain_ray.engine.grads import _gaps
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import bind
-from megatrain_ray.store.segments import HostStore
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""A resident stage's state, as a checkpoint's stage file holds it."""
 
 
 @dataclass(slots=True)
@@ -75,33 +77,39 @@ class ResidentTier:
         return stage.index in self.stages
 
     @property
+    def layouts(self) -> list[StageLayout]:
+        return [resident.stage for resident in self.stages.values()]
+
+    @property
     def bytes(self) -> int:
         """Device memory the tier holds."""
         seen = {id(t): t for s in self.stages.values()
                 for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.compute, self.scratch)}
         return sum(t.numel() * t.element_size() for t in seen.values())
 
-    # ------------------------------------------------------------------ the host segments
+    # ------------------------------------------------------------------ the state in and out (through the CPU)
 
-    def load_from_host(self, store: HostStore) -> None:
-        """Fill the tier from the stages' host segments (master and moments)."""
-        for resident in self.stages.values():
-            index = resident.stage.index
-            resident.master.copy_(store.get("master", index))
-            resident.exp_avg.copy_(store.get("exp_avg", index))
-            resident.exp_avg_sq.copy_(store.get("exp_avg_sq", index))
-            self._refresh_compute(resident, 0, resident.stage.numel)
+    def staging(self, stage: StageLayout) -> dict[str, torch.Tensor]:
+        """Zeroed CPU buffers of one stage's state (STATE_KINDS), for `put`: the moments of a fresh run are zero."""
+        return {kind: torch.zeros(stage.numel, dtype=self.master_dtype) for kind in STATE_KINDS}
 
-    def store_to_host(self, store: HostStore) -> None:
-        """Write master and moments back into the host segments (and the streaming copy, which a checkpoint
-        does not save but every host reader expects to be the master cast)."""
-        for resident in self.stages.values():
-            index = resident.stage.index
-            store.get("master", index).copy_(resident.master)
-            store.get("exp_avg", index).copy_(resident.exp_avg)
-            store.get("exp_avg_sq", index).copy_(resident.exp_avg_sq)
-            if store.has("stream", index):
-                store.get("stream", index).copy_(store.get("master", index))
+    def put(self, stage: StageLayout, flats: dict[str, torch.Tensor]) -> None:
+        """Set the stage's state from CPU buffers (staging's)."""
+        resident = self.stages[stage.index]
+        for kind in STATE_KINDS:
+            getattr(resident, kind).copy_(flats[kind])
+        self._refresh_compute(resident, 0, stage.numel)
+
+    def take(self, stage: StageLayout) -> dict[str, torch.Tensor]:
+        """CPU copies of the stage's state (STATE_KINDS)."""
+        resident = self.stages[stage.index]
+        return {kind: getattr(resident, kind).to("cpu", copy=True) for kind in STATE_KINDS}
+
+    def write_tensor(self, stage: StageLayout, offset: int, value: torch.Tensor) -> None:
+        """Overwrite master weights from `offset` of the stage (the driver's load_weights)."""
+        resident = self.stages[stage.index]
+        resident.master[offset:offset + value.numel()].copy_(value.reshape(-1))
+        self._refresh_compute(resident, offset, offset + value.numel())
 
     # ------------------------------------------------------------------ the step
 

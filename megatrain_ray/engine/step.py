@@ -102,10 +102,9 @@ class StreamEngine:
                                     self.compute_dtype, poison, parallel.gather_weights)
         self.grads = GradientSink(layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype,
                                   self.acc_dtype, host_grad_home, self.engine_cfg.grad_slabs, slab_numel, poison)
+        # Filled by the GPU worker (the run's initial state, a checkpoint), which has no host segments for it.
         self.resident = ResidentTier(layout, run.resident_layers, optimizer, device, TORCH_DTYPES[run.master_dtype],
                                      stream_dtype, self.compute_dtype, host_grad_dtype, poison)
-        if self.resident.stages:
-            self.resident.load_from_host(store)
         v, h = self.model_cfg.vocab_size, self.model_cfg.hidden_size
         self.vocab_acc = torch.zeros((v, h), dtype=self.acc_dtype, device=device)
         self._comm: Collectives | None = None

@@ -456,8 +456,8 @@ def resident_lines(plan: Plan) -> list[str]:
     tier = plan.gpu["GPU-resident layers"]
     first, last = stages[0].index - 1, stages[-1].index - 1
     lines = [head + f"layers {first}-{last} ({len(stages)} of {len(layout.layers)}, {human_count(params)} "
-             f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); their host copies "
-             "are written back at checkpoints and export"]
+             f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); no host copy: the "
+             "GPU worker checkpoints and exports them"]
     profile = plan.machine.profile if cfg.engine.device != "cpu" else None
     if profile is not None:
         with_tier = estimate(cfg, profile, offload=plan.offload, resident=len(stages)).tok_per_s

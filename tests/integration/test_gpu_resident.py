@@ -1,6 +1,6 @@
 """The GPU-resident tier (engine.gpu_resident) on the CPU device: resident layers train exactly as streamed
-ones (same AdamW math, same clipping, same step order), and checkpoints, resume, export, restarts and the
-driver's weight reads and writes see their state through the host segments."""
+ones (same AdamW math, same clipping, same step order); they have no host segments, and checkpoints, resume,
+export, fine-tuning, restarts and the driver's weight reads and writes reach their state on the device."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatrain_ray.config.load import load_config
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ConfigError
-from tests.conftest import tiny_config
+from megatrain_ray.store.checkpoint import CheckpointDir
+from tests.conftest import learnable_tokens, tiny_config, tiny_raw
 
 FLOAT64 = {"master_dtype": "float64", "compute_dtype": "float64"}
 
@@ -99,6 +101,41 @@ def test_export_with_the_tier_equals_export_without(tmp_path):
         exported[name] = load_file(str(tmp_path / name / "export" / "model.safetensors"))
     assert exported["two"].keys() == exported["none"].keys()
     assert all(torch.equal(exported["two"][k], exported["none"][k]) for k in exported["none"])
+
+
+def test_resident_stages_have_no_host_segments_and_checkpoint_the_same_files(tmp_path):
+    """The tier's stages own no shared memory; the GPU worker writes their checkpoint files, which hold what
+    a streamed run's shards write (float64: the same bits)."""
+    saved = {}
+    for name, engine in (("none", {}), ("two", {"gpu_resident": 2})):
+        cfg = tiny_config(tmp_path / name, engine=engine, precision=FLOAT64, train={"steps": 4})
+        with Trainer(cfg) as trainer:
+            trainer.train()
+            kinds = {(s.kind, s.stage) for s in trainer.specs}
+            layout = trainer.layout
+        assert {("master", 1), ("exp_avg", 2)} <= kinds if name == "none" else \
+            not kinds & {(k, i) for k in ("master", "exp_avg", "exp_avg_sq", "stream", "grad") for i in (1, 2)}
+        last = CheckpointDir(tmp_path / name / "run" / "checkpoints").latest()
+        assert sorted(e["stage"] for e in last.manifest["files"]) == [s.index for s in layout.stages]
+        saved[name] = {k: v for e in last.manifest["files"] for k, v in load_file(str(last.directory / e["path"])).items()}
+    assert saved["two"].keys() == saved["none"].keys()
+    assert all(torch.equal(saved["two"][k], saved["none"][k]) for k in saved["none"])
+
+
+def test_fine_tuning_fills_the_resident_layers_from_the_model_directory(tmp_path):
+    cfg = tiny_config(tmp_path / "source", precision=FLOAT64, train={"steps": 3,
+                                                                    "export_dir": str(tmp_path / "model")})
+    with Trainer(cfg) as trainer:
+        trainer.train()
+    runs = {}
+    for name, engine in (("none", {}), ("two", {"gpu_resident": 2})):
+        raw = tiny_raw(engine={"device": "cpu", "poison_buffers": True, **engine}, precision=FLOAT64,
+                       train={"steps": 4, "seed": 7, "log_every": 100, "output_dir": str(tmp_path / name / "run")})
+        raw["model"] = {"path": str(tmp_path / "model")}
+        raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", 96)
+        runs[name] = train(load_config(raw=raw))
+    assert_same_run(runs["two"], runs["none"], rel=1e-12)
+    assert runs["two"][1][0]["loss"] < 4.5  # it started from the trained weights, not a fresh initialisation
 
 
 def test_weights_written_by_the_driver_reach_the_resident_layers(tmp_path):

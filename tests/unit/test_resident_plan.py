@@ -101,3 +101,14 @@ def test_resident_layers_take_no_copies_and_no_cpu_update_in_the_speed_model(cli
         assert runs[16].step_seconds < runs[8].step_seconds < 0.85 * runs[0].step_seconds
     else:
         assert runs[16].step_seconds == pytest.approx(runs[0].step_seconds, rel=0.03)
+
+
+def test_resident_layers_take_no_host_memory():
+    """Their master, moments and streaming copy are never allocated (14 B/param with a bf16 copy); the plan's
+    host store and pinned memory shrink by exactly that."""
+    machine = Machine.from_preset("h100-512gb")
+    streamed, resident = plan_run(bench(), machine), plan_run(bench(gpu_resident=6), machine)
+    params = sum(s.numel for s in build_layout(streamed.cfg.model).resident_stages(6))
+    assert streamed.shm_total - resident.shm_total == 14 * params
+    assert streamed.pinned - resident.pinned == 2 * params
+    assert "no host copy" in format_plan(resident)
