@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,11 @@ from actors.base import ActorBase
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.engine.collective import Collectives, RankInfo
+from megatrain_ray.engine.resident import STATE_KINDS
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.hf_io import HFDirectory
-from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import CheckpointInfo, load_stage, write_stage
 from megatrain_ray.store.segments import HostStore, SegmentSpec, init_master, load_hf_master
@@ -130,8 +132,9 @@ class GPUWorker(ActorBase):
         stage lives); one stage at a time through CPU buffers."""
         tier = self.engine.resident
         source = HFDirectory(cfg.model.path) if tier.stages and restore is None and cfg.model.path else None
-        for stage in tier.layouts:
-            flats = tier.staging(stage)
+
+        def fill(stage: StageLayout) -> None:
+            flats = tier.staging(stage, STATE_KINDS if restore is not None else ("master",))
             if restore is not None:
                 load_stage(restore.directory, stage, flats, restore.entry_of(stage.index))
             elif source is not None:
@@ -139,6 +142,11 @@ class GPUWorker(ActorBase):
             else:
                 init_master(flats["master"], stage, cfg.train.seed, cfg.model.initializer_range)
             tier.put(stage, flats)
+        # A few stages at once, as the shards fill theirs (the seeded draws and file reads let go of the GIL);
+        # a few only: each holds a stage-sized CPU buffer per kind.
+        with ThreadPoolExecutor(max(1, min(4, len(tier.stages), os.cpu_count() or 1))) as pool:
+            for done in [pool.submit(fill, stage) for stage in tier.layouts]:
+                done.result()
 
     def save_resident(self, step: int, directory: str) -> list[dict]:
         """Write the resident stages' files of a checkpoint (after every ordered update); their manifest entries."""

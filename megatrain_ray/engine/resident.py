@@ -89,15 +89,19 @@ class ResidentTier:
 
     # ------------------------------------------------------------------ the state in and out (through the CPU)
 
-    def staging(self, stage: StageLayout) -> dict[str, torch.Tensor]:
-        """Zeroed CPU buffers of one stage's state (STATE_KINDS), for `put`: the moments of a fresh run are zero."""
-        return {kind: torch.zeros(stage.numel, dtype=self.master_dtype) for kind in STATE_KINDS}
+    def staging(self, stage: StageLayout, kinds: tuple[str, ...] = STATE_KINDS) -> dict[str, torch.Tensor]:
+        """Zeroed CPU buffers of one stage's state (of `kinds`), for `put`."""
+        return {kind: torch.zeros(stage.numel, dtype=self.master_dtype) for kind in kinds}
 
     def put(self, stage: StageLayout, flats: dict[str, torch.Tensor]) -> None:
-        """Set the stage's state from CPU buffers (staging's)."""
+        """Set the stage's state from CPU buffers (staging's); a kind not among them is zero (the moments of a
+        fresh run)."""
         resident = self.stages[stage.index]
         for kind in STATE_KINDS:
-            getattr(resident, kind).copy_(flats[kind])
+            if kind in flats:
+                getattr(resident, kind).copy_(flats[kind])
+            else:
+                getattr(resident, kind).zero_()
         self._refresh_compute(resident, 0, stage.numel)
 
     def take(self, stage: StageLayout) -> dict[str, torch.Tensor]:
