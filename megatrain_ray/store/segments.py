@@ -261,14 +261,12 @@ class HostStore:
     def pool(self) -> list[torch.Tensor]:
         return [t for (kind, _), t in sorted(self._tensors.items()) if kind == "gradpool"]
 
-    def register_pinned(self, kinds: tuple[SegmentKind, ...], skip: frozenset[int] = frozenset()) -> float:
-        """cudaHostRegister the segments the copy engines touch, but those of the stages in `skip` (GPU-resident:
-        never streamed); returns the GiB registered."""
+    def register_pinned(self, kinds: tuple[SegmentKind, ...]) -> float:
+        """cudaHostRegister the segments the copy engines touch; returns the GiB registered."""
         cudart = torch.cuda.cudart()
         total = 0
-        for (kind, stage), tensor in self._tensors.items():
-            resident = stage in skip and kind in ("master", "stream", "grad")  # a gradpool's `stage` is its slab
-            if kind not in kinds or resident or isinstance(tensor, DiskSegment) or tensor.numel() == 0:
+        for (kind, _), tensor in self._tensors.items():
+            if kind not in kinds or isinstance(tensor, DiskSegment) or tensor.numel() == 0:
                 continue
             nbytes = tensor.numel() * tensor.element_size()
             err = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
