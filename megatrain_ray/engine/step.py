@@ -293,8 +293,9 @@ class StreamEngine:
                                                           self._layer(x_in, documents))
             del x_in
             self._release(slot)
-            if slot is None:  # resident: the gradients stay on the device, counted in the norm where a streamed
-                grad_buf = self.resident.write(stage, weight_grads)  # stage's would be
+            # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
+            if slot is None:
+                grad_buf = self.resident.write(stage, weight_grads)
             else:
                 grad_slot = self.grads.layer_slot(i)
                 self.grads.write(stage, grad_slot, weight_grads)
