@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,11 +18,14 @@ from actors.base import ActorBase
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.engine.collective import Collectives, RankInfo
+from megatrain_ray.engine.resident import STATE_KINDS
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.messages import Batch, StepResult
-from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.model.hf_io import HFDirectory
+from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger, init_logger
-from megatrain_ray.store.segments import HostStore, SegmentSpec
+from megatrain_ray.store.checkpoint import CheckpointInfo, load_stage, write_stage
+from megatrain_ray.store.segments import HostStore, SegmentSpec, init_master, load_hf_master
 from megatrain_ray.system.topology import bind_process, format_cpus
 
 log = get_logger(__name__)
@@ -38,10 +43,11 @@ def resolve_device(device_type: str) -> torch.device:
 
 class GPUWorker(ActorBase):
     def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any],
-                 rank: RankInfo | None = None, cores: list[int] | None = None):
+                 rank: RankInfo | None = None, cores: list[int] | None = None, restore: CheckpointInfo | None = None):
         """`optimizers`: the node's optimizer workers, for the rank that orders the updates (the first of
         its node); `rank`: the place in a data-parallel run, None for the only worker; `cores`: the cores
-        the placement reserved for it (none in-process)."""
+        the placement reserved for it (none in-process); `restore`: the checkpoint the run resumes from, which
+        fills the GPU-resident stages (the shards fill the rest)."""
         self.rank = rank = rank or RankInfo()
         init_logger("gpu" if rank.world == 1 else f"gpu{rank.rank}")
         self.device = resolve_device(run.device_type)
@@ -62,18 +68,22 @@ class GPUWorker(ActorBase):
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
-        self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer.grad_clip, run, layout,
+        self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
                                    self.store, optimizers, self.device, rank)
+        self.layout = layout
+        self._fill_resident(cfg, restore)
         self.comm: Collectives | None = None
         log.info("layer stream on %s (%s): compute %s, streaming %s; layer inputs %s (engine.activation_offload=%s); "
-                 "layers %s (engine.compile=%s)%s",
+                 "layers %s (engine.compile=%s)%s%s",
                  self.device, binding, run.compute_dtype, run.stream_dtype,
                  "offloaded to pinned host memory" if run.activation_offload else "kept on the device",
                  cfg.engine.activation_offload,
                  "compiled by torch.compile on the first step" if run.layers_compiled else "eager",
                  cfg.engine.compile,
                  f"; rank {rank.rank} of {rank.world} (node {rank.node}, local rank {rank.local_rank})"
-                 if rank.world > 1 else "")
+                 if rank.world > 1 else "",
+                 f"; {run.resident_layers} layers resident on the device "
+                 f"({self.engine.resident.bytes / 2**30:.2f} GiB)" if run.resident_layers else "")
 
     def rendezvous(self) -> str:
         """(Rank 0, ranks on several hosts) Where the others meet it: tcp://<this node's address>:<a free port>.
@@ -113,6 +123,57 @@ class GPUWorker(ActorBase):
 
     def flush(self) -> float:
         return self.engine.flush()
+
+    # ------------------------------------------------------------------ the GPU-resident stages' state
+
+    def _fill_resident(self, cfg: Config, restore: CheckpointInfo | None) -> None:
+        """The resident stages' initial state, as the shards fill theirs: from the checkpoint resumed, the
+        Hugging Face directory fine-tuned, or the seeded random initialisation (the same values wherever a
+        stage lives); one stage at a time through CPU buffers."""
+        tier = self.engine.resident
+        source = HFDirectory(cfg.model.path) if tier.stages and restore is None and cfg.model.path else None
+
+        def fill(stage: StageLayout) -> None:
+            flats = tier.staging(stage, STATE_KINDS if restore is not None else ("master",))
+            if restore is not None:
+                load_stage(restore.directory, stage, flats, restore.entry_of(stage.index))
+            elif source is not None:
+                load_hf_master(flats["master"], stage, source)
+            else:
+                init_master(flats["master"], stage, cfg.train.seed, cfg.model.initializer_range)
+            tier.put(stage, flats)
+        # A few stages at once, as the shards fill theirs (the seeded draws and file reads let go of the GIL);
+        # a few only: each holds a stage-sized CPU buffer per kind.
+        with ThreadPoolExecutor(max(1, min(4, len(tier.stages), os.cpu_count() or 1))) as pool:
+            for done in [pool.submit(fill, stage) for stage in tier.layouts]:
+                done.result()
+
+    def save_resident(self, step: int, directory: str) -> list[dict]:
+        """Write the resident stages' files of a checkpoint (after every ordered update); their manifest entries."""
+        self.engine.flush()
+        tier = self.engine.resident
+        return [write_stage(Path(directory), stage, tier.take(stage), step) for stage in tier.layouts]
+
+    def resident_tensors(self, kind: str, stage: int | None = None) -> dict[str, torch.Tensor]:
+        """The resident stages' `kind` (master, exp_avg or exp_avg_sq) by Hugging Face name, copied to the CPU;
+        `stage`: that stage's only (export fetches one stage at a time)."""
+        self.engine.flush()
+        tier, out = self.engine.resident, {}
+        for stage in [s for s in tier.layouts if stage is None or s.index == stage]:
+            flat = tier.take(stage)[kind]
+            out.update({stage.hf_name(s): flat[s.offset:s.offset + s.numel].view(s.shape) for s in stage.slots})
+        return out
+
+    def write_resident(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite the resident stages' master weights named in `tensors` (the others are the shards')."""
+        self.engine.flush()
+        tier = self.engine.resident
+        for name, value in tensors.items():
+            stage, slot = self.layout.stage_of(name)
+            if tier.holds(stage):
+                if tuple(value.shape) != slot.shape:
+                    raise ValueError(f"tensor {name}: shape {tuple(value.shape)} != model's {slot.shape}")
+                tier.write_tensor(stage, slot.offset, value)
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"

@@ -62,6 +62,8 @@ class HostShard(ActorBase):
             self._create_segments()
             self.store = HostStore(self.specs)
             self.gate = self.store.gates()[0]
+            # The stages it holds: the GPU-resident ones (engine.gpu_resident) have no segments here.
+            self.held = [i for i in stages if self.store.has("master", i)]
             if restore is not None:
                 self._each_stage(f"loaded from {restore.directory}", lambda i: self._restore_stage(restore, i))
             elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
@@ -95,7 +97,7 @@ class HostShard(ActorBase):
     def _each_stage(self, what: str, fill: Callable[[int], None]) -> None:
         """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress."""
         t0 = time.perf_counter()
-        stages = self.stages
+        stages = self.held
         threads = max(1, min(len(stages), len(os.sched_getaffinity(0))))
         done = 0
         with ThreadPoolExecutor(threads, thread_name_prefix="fill") as pool:
@@ -120,7 +122,7 @@ class HostShard(ActorBase):
         """Hold this shard's stages and start writing them in the background (returns at once)."""
         if self._writer is not None:
             self._writer.wait()
-        self._writer = StageWriter([self.layout.stages[i] for i in self.stages], self._flats, self.gate,
+        self._writer = StageWriter([self.layout.stages[i] for i in self.held], self._flats, self.gate,
                                    Path(directory), step, die_after_first)
 
     def save_wait(self) -> list[dict]:

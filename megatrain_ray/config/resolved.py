@@ -13,11 +13,17 @@ from typing import Literal
 
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.exceptions import ConfigError
 
 GradHome = Literal["stream", "stage", "pool"]
 """Where a stage's gradients land on the host: in its streaming copy (free until its update), in a
 buffer of its own (clipping on: every stage's gradients wait for the global norm), or in a small pool
 of slabs reused as updates finish (clipping off). See store/segments.py."""
+
+
+RESIDENT_UPDATE_CHUNK_ELEMS = 1 << 24
+"""Elements per chunk of a resident stage's update on the device (engine/resident.py): its scratch, the
+gradient in the master dtype, stays this size (64 MiB in fp32) instead of a whole stage's."""
 
 
 def takes_compiled_layer(tokens: int, mlp_chunk_tokens: int, packed: bool) -> bool:
@@ -57,6 +63,9 @@ class RunSpec:
     """And this run's training rows take it (see takes_compiled_layer)."""
     activation_offload: bool
     """Kept layer inputs live in pinned host memory (engine.activation_offload with auto decided by the plan)."""
+    resident_layers: int = 0
+    """Decoder layers kept whole on the compute device (engine.gpu_resident; model.layout.resident_stages
+    says which)."""
 
     @property
     def world(self) -> int:
@@ -65,6 +74,18 @@ class RunSpec:
     def checkpoint_bytes(self, num_params: int) -> int:
         """A checkpoint's size: the master weights and both AdamW moments."""
         return num_params * (DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.moment_dtype])
+
+    def resident_stage_bytes(self, numel: int) -> int:
+        """Device bytes of one GPU-resident stage of `numel` elements (engine/resident.py): master and both
+        moments, the gradient buffer, and the compute copy unless the master is computed on directly."""
+        per_element = 3 * DTYPE_BYTES[self.master_dtype] + DTYPE_BYTES[self.grad_dtype]
+        if self.compute_dtype != self.master_dtype:
+            per_element += DTYPE_BYTES[self.compute_dtype]
+        return numel * per_element
+
+    def resident_scratch_bytes(self, largest_numel: int) -> int:
+        """The tier's one update scratch buffer (none without resident stages)."""
+        return min(largest_numel, RESIDENT_UPDATE_CHUNK_ELEMS) * DTYPE_BYTES[self.master_dtype]
 
     def runs_compiled(self, tokens: int, mlp_chunk_tokens: int, packed: bool) -> bool:
         """Whether a call of the layer over `tokens` tokens takes the compiled template (evaluation batches
@@ -96,4 +117,30 @@ class RunSpec:
                              and cfg.host.moments_tier == "ram"),
             compiles=compiles,
             layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
-            activation_offload=e.activation_offload is True)
+            activation_offload=e.activation_offload is True,
+            resident_layers=resident_layer_count(cfg, ranks * nodes))
+
+
+def resident_layer_count(cfg: Config, world: int) -> int:
+    """engine.gpu_resident as a number of layers, refused where the tier does not apply (yet). auto reads as
+    none here: planning.memory.resolve_run decides it from the GPU's memory."""
+    choice = cfg.engine.gpu_resident
+    count = 0 if choice in ("none", "auto") else int(choice)
+    if count == 0:
+        return 0
+    if count > cfg.model.num_layers:
+        raise ConfigError(f"engine.gpu_resident={count}: the model has {cfg.model.num_layers} layers")
+    why = resident_tier_refusal(cfg, world)
+    if why:
+        raise ConfigError(f"engine.gpu_resident={count} needs {why}")
+    return count
+
+
+def resident_tier_refusal(cfg: Config, world: int) -> str:
+    """What the GPU-resident tier needs and this config lacks ("" when it applies)."""
+    for refused, why in ((world > 1, "one GPU worker (parallel.gpus=1)"),
+                         (cfg.host.moments_tier != "ram", "host.moments_tier=ram"),
+                         (cfg.optimizer.moment_dtype != "float32", "optimizer.moment_dtype=float32")):
+        if refused:
+            return why
+    return ""

@@ -424,8 +424,23 @@ class EngineConfig:
     poison_buffers: bool = False
     """Fill device and gradient buffers with NaN before first use, so that a read of memory nothing
     wrote fails loudly (tests)."""
+    gpu_resident: int | Literal["none", "auto"] = "none"
+    """Decoder layers whose whole training state lives on the compute device (the GPU-resident tier):
+    their master weights, both AdamW moments and gradients stay there and they update there (torch's
+    fused AdamW, the same math, step order and exact global-norm clipping as the streamed stages), so
+    they cost no host->device or device->host copies and no CPU optimizer time. N: the first N layers
+    (their updates are the ones the next forward needs first, and their backward comes last, so the CPU
+    optimizer finishes the streamed layers' updates meanwhile). none: every stage streams. auto: as many
+    layers as fit the GPU memory the plan leaves after its peak, the reserve and a margin (`megatrain plan`
+    prints them and the expected tok/s); none on the CPU, or where the tier does not apply. About 16 bytes
+    of device memory per resident parameter (fp32 master and moments, the gradient and compute copy in
+    the streaming format), and no host memory: their segments are never allocated; the GPU worker fills
+    them (initialisation, fine-tuning, resume, restart), writes their checkpoint files and serves them to
+    export. One GPU worker, moments in RAM at the master's precision (not optimizer.moment_dtype=bfloat16)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:
+            _fail("engine.gpu_resident", self.gpu_resident, "must be none, auto or a number of layers >= 0")
         if self.loss_chunk_tokens < 1:
             _fail("engine.loss_chunk_tokens", self.loss_chunk_tokens, "must be >= 1")
         if self.grad_slabs < 2:

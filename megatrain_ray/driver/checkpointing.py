@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from megatrain_ray.config.sections import Config
 from megatrain_ray.data.batches import DocumentBatches, TokenBatches
 from megatrain_ray.driver.runtime import Handle
 from megatrain_ray.exceptions import CheckpointError
-from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, check_compatible, read_manifest, rng_state
 
@@ -65,6 +67,32 @@ def find_checkpoint(resume: str | None, checkpoints: CheckpointDir, layout: Mode
     return info
 
 
+class ResidentTensors(Mapping[str, torch.Tensor]):
+    """One kind of the GPU-resident stages' tensors by Hugging Face name, fetched from the GPU worker that holds
+    them one stage at a time (export reads tensors in layout order: each stage crosses once, and only one
+    stage's copy is in the driver at a time)."""
+
+    def __init__(self, gpu: Handle, stages: tuple[StageLayout, ...], kind: str = "master"):
+        self.gpu, self.kind = gpu, kind
+        self.stage_of = {stage.hf_name(s): stage.index for stage in stages for s in stage.slots}
+        self._fetched: tuple[int, dict[str, torch.Tensor]] = (-1, {})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        index = self.stage_of[name]
+        if self._fetched[0] != index:
+            self._fetched = (index, self.gpu.resident_tensors(self.kind, index).result())
+        return self._fetched[1][name]
+
+    def __contains__(self, name: object) -> bool:  # without fetching anything
+        return name in self.stage_of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stage_of)
+
+    def __len__(self) -> int:
+        return len(self.stage_of)
+
+
 @dataclass(frozen=True, slots=True)
 class SaveInFlight:
     """A save the shards are writing: the state after `step` steps, `updates` of them applied."""
@@ -73,6 +101,8 @@ class SaveInFlight:
     updates: int
     partial: Path
     started: float
+    resident_files: list[dict]
+    """The entries of the GPU-resident stages' files (engine.gpu_resident), written by the GPU worker."""
 
 
 class Checkpointer:
@@ -84,17 +114,23 @@ class Checkpointer:
         self.tracking: Callable[[], dict[str, Any]] = dict
         """The experiment trackers' run ids (observe/tracking.Tracking.state), kept in each manifest."""
 
-    def begin(self, shards: list[Handle], step: int, updates: int, partial: Path, die: bool) -> None:
-        """Every shard holds its stages and starts writing them; `die` arms the kill_during_checkpoint drill."""
+    def begin(self, shards: list[Handle], step: int, updates: int, partial: Path, die: bool,
+              resident: Handle | None = None) -> None:
+        """Every shard holds its stages and starts writing them; `die` arms the kill_during_checkpoint drill.
+        `resident`: the GPU worker holding GPU-resident stages, which writes their files before the next step
+        changes them (meanwhile the shards write theirs)."""
         for begun in [shard.save_begin(step, str(partial), die) for shard in shards]:
             begun.result()
-        self.in_flight = SaveInFlight(step, updates, partial, time.perf_counter())
+        started = time.perf_counter()
+        files = resident.save_resident(step, str(partial)).result() if resident is not None else []
+        self.in_flight = SaveInFlight(step, updates, partial, started, files)
 
     def finish(self, shards: list[Handle], run_id: str) -> Path:
         """Wait for the shards' files and commit the save in flight; its directory."""
         assert self.in_flight is not None
         save, self.in_flight = self.in_flight, None
-        files = [entry for shard in shards for entry in shard.save_wait().result()]
+        files = sorted([entry for shard in shards for entry in shard.save_wait().result()] + save.resident_files,
+                       key=lambda entry: entry["stage"])
         manifest = {"updates_applied": save.updates, "state_config": state_config(self.cfg),
                     "config": self.cfg.to_dict(), "rng": rng_state(),
                     "data": {"seed": self.cfg.data.seed, "epoch": self.data.epoch_of(save.step)},

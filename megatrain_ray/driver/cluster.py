@@ -138,7 +138,7 @@ class Cluster:
                                  ray_options=placement.options(f"optim{w}")) for w in range(workers)]
         node.gpus = [spawn(mode, GPUWorker, cfg, self.run, self.layout, node.specs,
                            node.optimizers if r == 0 else [],
-                           plan.rank(k, r), placement.gpu_cores(r), name=f"{name}{gpu_actor(r)}",
+                           plan.rank(k, r), placement.gpu_cores(r), restore=restore, name=f"{name}{gpu_actor(r)}",
                            num_gpus=1 if plan.use_gpu else 0, ray_options=placement.options(gpu_actor(r)))
                      for r in range(ranks)]
 

@@ -8,6 +8,8 @@ workers and reads back StepResults; bulk tensors stay in shared memory.
 from __future__ import annotations
 
 import time
+from collections import ChainMap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,13 @@ from megatrain_ray.config.load import config_to_yaml
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.data.batches import make_batches, make_eval_batches
-from megatrain_ray.driver.checkpointing import Checkpointer, find_checkpoint, truncate_metrics, write_atomic
+from megatrain_ray.driver.checkpointing import (
+    Checkpointer,
+    ResidentTensors,
+    find_checkpoint,
+    truncate_metrics,
+    write_atomic,
+)
 from megatrain_ray.driver.cluster import Cluster, NodeActors, new_run_id
 from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonfinite
 from megatrain_ray.driver.outputs import check_outputs, place_outputs
@@ -374,7 +382,7 @@ class Trainer:
         self.cluster.sync_moments()
         partial = self.checkpoints.partial(self.next_step, self.run_id)
         die = self.drills.due("kill_during_checkpoint", self.next_step) is not None
-        self.saver.begin(self.shards, self.next_step, self.updates_applied, partial, die)
+        self.saver.begin(self.shards, self.next_step, self.updates_applied, partial, die, self._resident_holder)
         return self._finish_save() if wait else None
 
     def _finish_save(self) -> Path:
@@ -399,13 +407,26 @@ class Trainer:
         """A copy of one AdamW moment (`exp_avg` or `exp_avg_sq`) by Hugging Face name, from RAM or disk."""
         self.flush()
         self.cluster.sync_moments()
-        return HostStore([s for s in self.specs if s.kind == kind]).read_tensors(self.layout, kind)  # type: ignore
+        host = HostStore([s for s in self.specs if s.kind == kind]).read_tensors(self.layout, kind)  # type: ignore
+        return self._with_resident(host, kind)
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the master weights by Hugging Face name (after the pending updates)."""
         self.flush()
         store = HostStore([s for s in self.specs if s.kind == "master"])
-        return store.read_tensors(self.layout)
+        return self._with_resident(store.read_tensors(self.layout), "master")
+
+    @property
+    def _resident_holder(self) -> Handle | None:
+        """The GPU worker that holds the GPU-resident stages (engine.gpu_resident; none on the host), if any."""
+        return self.gpu if self.run_spec.resident_layers else None
+
+    def _with_resident(self, host: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+        """`host` (the shards' tensors) with the GPU-resident stages' `kind`, in layout order."""
+        if self._resident_holder is None:
+            return host
+        both = {**host, **self._resident_holder.resident_tensors(kind).result()}
+        return {stage.hf_name(s): both[stage.hf_name(s)] for stage in self.layout.stages for s in stage.slots}
 
     def export(self, out_dir: str | Path, dtype: str = "auto", shard_bytes: int = 5 * 10**9) -> Path:
         """Write the master weights as a Hugging Face directory (see megatrain_ray/model/hf_io.py), one
@@ -415,8 +436,11 @@ class Trainer:
         if dtype == "auto":
             dtype = (source_dtype(source) if source else None) or "float32"
         store = HostStore([s for s in self.specs if s.kind == "master"])
-        return export_hf(StoreTensors(store, self.layout), self.cfg.model, out_dir, source_dir=source, dtype=dtype,
-                         shard_bytes=shard_bytes)
+        tensors: Mapping[str, torch.Tensor] = StoreTensors(store, self.layout)
+        if self._resident_holder is not None:  # the GPU-resident stages' weights come from the GPU worker
+            tensors = ChainMap(tensors, ResidentTensors(self._resident_holder,
+                                                        self.layout.resident_stages(self.run_spec.resident_layers)))
+        return export_hf(tensors, self.cfg.model, out_dir, source_dir=source, dtype=dtype, shard_bytes=shard_bytes)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], nodes: list[int] | None = None) -> None:
         """Overwrite master weights (and the streaming copy) by Hugging Face name, before training, on every
@@ -424,7 +448,9 @@ class Trainer:
         self.flush()
         for k in nodes if nodes is not None else range(len(self.nodes)):
             store = HostStore([s for s in self.nodes[k].specs if s.kind in ("master", "stream")])
-            store.write_tensors(self.layout, tensors)
+            store.write_tensors(self.layout, tensors)  # the stages with segments there
+        if self._resident_holder is not None:
+            self._resident_holder.write_resident(tensors).result()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.gpu is not None

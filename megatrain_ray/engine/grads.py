@@ -106,7 +106,7 @@ class GradientSink:
             start = timeline.start(s.compute)
             piece = self.comm.reduce(grad.buf, grad.out)[:end - first]
             timeline.stop("comm", s.compute, start)
-        self.sqnorm += torch.linalg.vector_norm(piece, dtype=self.acc_dtype).square()
+        self.count(piece)
         ready = s.record(s.compute)
         split = self.slab_numel and stage.numel > self.slab_numel
         for lo, hi in grad_pieces(stage.numel, self.slab_numel) if split else [(first, end)]:
@@ -121,6 +121,10 @@ class GradientSink:
             self.telemetry.stats["d2h_bytes"] += (hi - lo) * piece.element_size()
             self.updates.landed(LandedGrads(stage.index, grad.drained, copied, kind, index,
                                             (lo, hi) if split else None))
+
+    def count(self, piece: torch.Tensor) -> None:
+        """Add a stage's gradients (this rank's piece of their sum) to the step's squared norm."""
+        self.sqnorm += torch.linalg.vector_norm(piece, dtype=self.acc_dtype).square()
 
     def _host_grad(self, stage: StageLayout) -> tuple[torch.Tensor, str, int]:
         """Where the stage's gradients land on the host: (buffer, its segment kind, its index)."""

@@ -21,8 +21,10 @@ batch; a stage's gradients are summed over the ranks on the device before the D2
 its piece of the sum, and only the node's first rank orders updates. With one rank none of it runs.
 
 The parts: weights in (engine/weights.py), gradients out (engine/grads.py), updates ordered
-(engine/updates.py), the step's measurements (engine/telemetry.py). This class computes and
-wires them; the settings derived from the config are resolved here, once, and handed to them.
+(engine/updates.py), the stages kept whole on the device (engine/resident.py, engine.gpu_resident: no
+copies, their update on the device at the streamed stages' point of the step), the step's measurements
+(engine/telemetry.py). This class computes and wires them; the settings derived from the config are
+resolved here, once, and handed to them.
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ from typing import Any
 import torch
 
 from megatrain_ray.config.resolved import RunSpec
-from megatrain_ray.config.sections import EngineConfig, ModelConfig, ParallelConfig
+from megatrain_ray.config.sections import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals
 from megatrain_ray.engine.grads import GradientSink
+from megatrain_ray.engine.resident import ResidentTier
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.engine.telemetry import StepTelemetry, UpdateTrace
 from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
-from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
     DocumentBucket,
     HeadResult,
@@ -61,10 +64,11 @@ from megatrain_ray.store.segments import HostStore
 
 
 class StreamEngine:
-    def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, grad_clip: float,
+    def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
                  run: RunSpec, layout: ModelLayout, store: HostStore, optimizers: list[Any], device: torch.device,
                  rank: RankInfo | None = None):
-        """The config sections the layer stream reads (model, engine, parallel, optimizer.grad_clip), and `run`:
+        """The config sections the layer stream reads (model, engine, parallel, optimizer: its clipping, and AdamW
+        for the resident stages), and `run`:
         the settings the driver derived from the config and the machine; `optimizers`: the node's
         OptimizerWorker handles (only its first rank gets them); `rank`: this worker's place in a data-parallel
         run (None: the only one)."""
@@ -85,7 +89,7 @@ class StreamEngine:
         self.offload = run.activation_offload
         # Accumulation of the vocabulary-sized gradients and of norms: float32, or float64 when computing in it.
         self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
-        self.clip = grad_clip
+        self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
         self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
         poison = self.engine_cfg.poison_buffers
@@ -99,6 +103,9 @@ class StreamEngine:
                                     self.compute_dtype, poison, parallel.gather_weights)
         self.grads = GradientSink(layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype,
                                   self.acc_dtype, host_grad_home, self.engine_cfg.grad_slabs, slab_numel, poison)
+        # Filled by the GPU worker (the run's initial state, a checkpoint), which has no host segments for it.
+        self.resident = ResidentTier(layout, run.resident_layers, optimizer, device, TORCH_DTYPES[run.master_dtype],
+                                     stream_dtype, self.compute_dtype, host_grad_dtype, poison)
         v, h = self.model_cfg.vocab_size, self.model_cfg.hidden_size
         self.vocab_acc = torch.zeros((v, h), dtype=self.acc_dtype, device=device)
         self._comm: Collectives | None = None
@@ -223,19 +230,30 @@ class StreamEngine:
                         keep: ActivationStash | None) -> torch.Tensor:
         """Each layer in turn, the next one's weights loading meanwhile (the LM head's after the last); the
         layer inputs go to `keep` (training)."""
-        layers, weights, timeline = self.layout.layers, self.weights, self.telemetry.timeline
-        upcoming = weights.load(layers[0])
+        layers, timeline = self.layout.layers, self.telemetry.timeline
+        upcoming = self._load(layers[0])
         for i, stage in enumerate(layers):
             slot = upcoming
-            upcoming = weights.load(layers[i + 1] if i + 1 < len(layers) else self.layout.head)
+            upcoming = self._load(layers[i + 1] if i + 1 < len(layers) else self.layout.head)
             if keep is not None:
                 keep.put(i, x)
-            w = weights.bind(stage, slot)
+            w = self._bind(stage, slot)
             start = timeline.start(self.streams.compute)
             x = self._layer(x, documents)(x, w, rope, self.spec, documents, self.mlp_chunk)
             timeline.stop("compute", self.streams.compute, start)
-            weights.release(slot)
+            self._release(slot)
         return x
+
+    def _load(self, stage: StageLayout) -> WeightSlot | None:
+        """Start the stage's H2D copy; None for a resident stage (its weights are on the device)."""
+        return None if self.resident.holds(stage) else self.weights.load(stage)
+
+    def _bind(self, stage: StageLayout, slot: WeightSlot | None) -> dict[str, torch.Tensor]:
+        return self.resident.weights(stage) if slot is None else self.weights.bind(stage, slot)
+
+    def _release(self, slot: WeightSlot | None) -> None:
+        if slot is not None:
+            self.weights.release(slot)
 
     # ------------------------------------------------------------------ head and backward
 
@@ -266,29 +284,38 @@ class StreamEngine:
         # The head's own reference to its input gradient would hold a [tokens, hidden] tensor through the
         # whole backward (8 GiB at 512K tokens of an 8B model).
         grad_y, head.grad_x = head.grad_x, None
-        layers, acts, weights, timeline = self.layout.layers, self.activations, self.weights, self.telemetry.timeline
+        layers, acts, timeline = self.layout.layers, self.activations, self.telemetry.timeline
         compute = self.streams.compute
-        upcoming = weights.load(layers[-1])
+        upcoming = self._load(layers[-1])
         acts.prefetch(len(layers) - 1, self.device)
         for i in range(len(layers) - 1, -1, -1):
             stage, slot = layers[i], upcoming
             if i > 0:
-                upcoming = weights.load(layers[i - 1])
+                upcoming = self._load(layers[i - 1])
                 acts.prefetch(i - 1, self.device)
-            w = weights.bind(stage, slot)
+            w = self._bind(stage, slot)
             x_in = acts.take(i, self.device)
             start = timeline.start(compute)
             grad_x, weight_grads = decoder_layer_backward(x_in, w, rope, self.spec, documents, grad_y, self.mlp_chunk,
                                                           self._layer(x_in, documents))
             del x_in
-            weights.release(slot)
-            grad_slot = self.grads.layer_slot(i)
-            self.grads.write(stage, grad_slot, weight_grads)
+            self._release(slot)
+            # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
+            if slot is None:
+                grad_buf = self.resident.write(stage, weight_grads)
+            else:
+                grad_slot = self.grads.layer_slot(i)
+                self.grads.write(stage, grad_slot, weight_grads)
+                grad_buf = grad_slot.buf
             del weight_grads  # else the float32 MLP sums of this layer live through the next layer's backward
             if inject_nan and i == 0:
-                grad_slot.buf[:1].fill_(float("nan"))
+                grad_buf[:1].fill_(float("nan"))
             timeline.stop("compute", compute, start)
-            self.grads.emit(stage, grad_slot)
+            if slot is None:
+                self.grads.count(grad_buf[:stage.numel])
+                self.resident.ready(stage, self.clip > 0, self.updates.lr, self.updates.adam_step)
+            else:
+                self.grads.emit(stage, grad_slot)
             grad_y = grad_x
         return grad_y
 
@@ -318,13 +345,13 @@ class StreamEngine:
         if self.clip <= 0:
             return False
         skipped = not (torch.isfinite(torch.tensor(grad_norm)) and torch.isfinite(torch.tensor(loss)))
-        if skipped:
-            # Dropped step: weights stay as they are, but the streaming copies that hold gradients
-            # must be rewritten from the master weights before the next forward reads them.
-            self.updates.order_deferred(coef=1.0, apply=False)
-        else:
-            # Exact global clipping, as torch.nn.utils.clip_grad_norm_: scale = min(1, clip / (norm + 1e-6)).
-            self.updates.order_deferred(coef=min(1.0, self.clip / (grad_norm + 1e-6)), apply=True)
+        # Dropped step: weights stay as they are, but the streaming copies that hold gradients must be
+        # rewritten from the master weights before the next forward reads them. Else exact global clipping,
+        # as torch.nn.utils.clip_grad_norm_: scale = min(1, clip / (norm + 1e-6)).
+        coef = 1.0 if skipped else min(1.0, self.clip / (grad_norm + 1e-6))
+        self.updates.order_deferred(coef=coef, apply=not skipped)
+        # The resident stages' updates after the CPU's are ordered: the CPU starts first, the device's are short.
+        self.resident.apply_deferred(coef, not skipped, self.updates.lr, self.updates.adam_step)
         return skipped
 
     # ------------------------------------------------------------------ without gradients
@@ -372,6 +399,7 @@ class StreamEngine:
         # its run (a reference cycle, a caller's handle), and the next run in this process needs the memory.
         self.weights.close()
         self.grads.close()
+        self.resident.close()
         self.vocab_acc = None
         self._rope_cache.clear()
         self.activations.release()

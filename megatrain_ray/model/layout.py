@@ -134,6 +134,12 @@ class ModelLayout:
     def layers(self) -> tuple[StageLayout, ...]:
         return self.stages[1:-1]
 
+    def resident_stages(self, count: int) -> tuple[StageLayout, ...]:
+        """The decoder layers the GPU-resident tier keeps (engine.gpu_resident): the first `count`. The next
+        forward needs their updates first, and their backward comes last, so while they compute and update
+        on the device the CPU optimizer catches up with the streamed layers' updates."""
+        return self.layers[:count]
+
     @property
     def max_layer_numel(self) -> int:
         return max(s.numel for s in self.layers)

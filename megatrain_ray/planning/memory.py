@@ -30,13 +30,13 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.speed import estimate, speed_lines
+from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, estimate, speed_lines
 from megatrain_ray.store.disk_tier import disk_problems, staging_bytes
 from megatrain_ray.store.segments import plan_segments, shard_stages
 from megatrain_ray.system.topology import detect_topology, plan_placement
@@ -49,6 +49,10 @@ GPU_PROCESS_BYTES = int(1.0 * GiB)
 """Private host memory of the GPU worker: the above plus the CUDA context's host side."""
 GPU_RESERVE_BYTES = int(1.5 * GiB)
 """GPU memory outside torch's allocations: CUDA context, cuBLAS workspaces, allocator fragmentation."""
+RESIDENT_MARGIN_BYTES = 2 * GiB
+"""What engine.gpu_resident=auto leaves free beyond the plan's peak and GPU_RESERVE_BYTES: the activation
+terms are estimates (a few per cent off at the measured points), and the resident stages are allocated
+before the first step, so an overrun would end the run in its first backward."""
 
 
 @dataclass
@@ -124,7 +128,32 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
                                           * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + mlp_sums,
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b) + 2 * tokens * h * acc_b,
+        "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
     }
+
+
+def resident_bytes(run: RunSpec, stages) -> int:
+    """Device bytes of the GPU-resident tier holding `stages` (engine/resident.py), its scratch included."""
+    if not stages:
+        return 0
+    return sum(run.resident_stage_bytes(s.numel) for s in stages) + run.resident_scratch_bytes(
+        max(s.numel for s in stages))
+
+
+def resolve_gpu_resident(cfg: Config, run: RunSpec, gpu_memory: int | None) -> int:
+    """engine.gpu_resident=auto: the layers that fit the GPU memory left after the plan's peak (without
+    them), GPU_RESERVE_BYTES and RESIDENT_MARGIN_BYTES; none without a GPU or where the tier does not apply."""
+    if not gpu_memory or cfg.engine.device == "cpu" or run.device_type != "cuda" \
+            or resident_tier_refusal(cfg, run.world):
+        return 0
+    layout = build_layout(cfg.model)
+    base = dataclasses.replace(run, resident_layers=0)
+    free = gpu_memory - _peak(gpu_bytes(cfg, base, run.activation_offload)) - GPU_RESERVE_BYTES \
+        - RESIDENT_MARGIN_BYTES
+    count = 0
+    while count < len(layout.layers) and resident_bytes(run, layout.resident_stages(count + 1)) <= free:
+        count += 1
+    return count
 
 
 def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int) -> int:
@@ -195,7 +224,10 @@ def resolve_run(cfg: Config, gpu_memory: int | None, device_type: str = "cuda", 
     """The run's RunSpec on a machine whose GPU has `gpu_memory` bytes (None: none or unknown): the
     config's derived settings, with engine.activation_offload=auto decided by this plan."""
     run = RunSpec.resolve(cfg, device_type=device_type, ranks_per_node=ranks_per_node, nodes=nodes)
-    return dataclasses.replace(run, activation_offload=resolve_activation_offload(cfg, run, gpu_memory))
+    run = dataclasses.replace(run, activation_offload=resolve_activation_offload(cfg, run, gpu_memory))
+    if cfg.engine.gpu_resident == "auto":  # from what the plan leaves once the layer inputs' place is decided
+        run = dataclasses.replace(run, resident_layers=resolve_gpu_resident(cfg, run, gpu_memory))
+    return run
 
 
 COMPILED_WORKING_SET = 0.797
@@ -209,7 +241,7 @@ engine.mlp_chunk_tokens tokens (config/resolved.takes_compiled_layer), so no lon
 
 def _peak(g: dict[str, int]) -> int:
     return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
-            + max(g["layer backward working set"], g["loss head working set"]))
+            + g["GPU-resident layers"] + max(g["layer backward working set"], g["loss head working set"]))
 
 
 def store_bytes(cfg: Config, run: RunSpec, workers: int) -> tuple[dict[str, int], dict[str, int], int]:
@@ -300,7 +332,7 @@ def host_fixes(plan: Plan) -> list[str]:
                                    host, moments_tier="disk", disk_dir=host.disk_dir or "DISK_DIR"))))
     ram_now = plan.shm_total + plan.staging
     fixes = []
-    for text, other in candidates:
+    for text, other in [(text, without_refused_tier(other)) for text, other in candidates]:
         ram, _, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
         saved = ram_now - sum(ram.values()) - staging
         if saved >= GiB // 100:
@@ -360,14 +392,16 @@ def format_plan(plan: Plan) -> str:
               f"engine.activation_offload={str(cfg.engine.activation_offload).lower()}):"]
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
-    fixed = sum(plan.gpu[k] for k in ("weight buffers", "gradient buffers", "vocabulary accumulator"))
+    fixed = sum(plan.gpu[k] for k in ("weight buffers", "gradient buffers", "vocabulary accumulator",
+                                      "GPU-resident layers"))
     per_token = (plan.gpu_peak - fixed) / run.rank_tokens
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
               f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB",
               f"  {'activations per token (one GPU)':<38}{per_token / 1024:10.1f} KiB"
               + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
                  if plan.offload else ""), ""]
-    lines += speed_lines(cfg, machine.profile, plan.offload, gpu_visible=bool(machine.gpu_memory))
+    lines += resident_lines(plan)
+    lines += speed_lines(cfg, machine.profile, plan.offload, run.resident_layers, gpu_visible=bool(machine.gpu_memory))
     lines += stop_lines(plan, params)
     lines.append("(what each line means: docs/reading-the-plan.md)")
     if plan.fits:
@@ -389,12 +423,50 @@ def stop_lines(plan: Plan, params: int) -> list[str]:
     checkpoint = plan.run.checkpoint_bytes(params)
     write_s = checkpoint / (CHECKPOINT_WRITE_GBPS * 1e9)
     profile = plan.machine.profile if plan.cfg.engine.device != "cpu" else None
-    step_s = estimate(plan.cfg, profile, offload=plan.offload).step_seconds if profile else None
+    step_s = estimate(plan.cfg, profile, offload=plan.offload, resident=plan.run.resident_layers).step_seconds \
+        if profile else None
     wait_s = int(2 * (write_s + (step_s or 60.0))) + 30
     return [f"stop (SIGTERM, ray job stop): the step ends ({f'~{step_s:.1f} s' if step_s else 'its time: 60 s assumed'}), "
             f"then a "
             f"checkpoint of {checkpoint / 1e9:.1f} GB (~{write_s:.0f} s at {CHECKPOINT_WRITE_GBPS:g} GB/s, an assumption); "
             f"submit with RAY_JOB_STOP_WAIT_TIME_S={wait_s} in the job's runtime env", ""]
+
+
+def without_refused_tier(cfg: Config) -> Config:
+    """An alternative config the plan weighs (bfloat16 moments, the disk tier) without engine.gpu_resident when
+    the tier does not apply to it, so that it resolves instead of being refused."""
+    if cfg.engine.gpu_resident == "none" or not resident_tier_refusal(cfg, 1):
+        return cfg
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_resident="none"))
+
+
+def resident_lines(plan: Plan) -> list[str]:
+    """The GPU-resident tier (engine.gpu_resident other than none): which layers, their GPU memory, and the
+    expected tok/s with and without them (the speed model: no copies and no CPU update for them)."""
+    cfg, run, g = plan.cfg, plan.run, GiB
+    if cfg.engine.gpu_resident == "none":
+        return []
+    layout = build_layout(cfg.model)
+    stages = layout.resident_stages(run.resident_layers)
+    head = f"GPU-resident tier (engine.gpu_resident={cfg.engine.gpu_resident}): "
+    if not stages:
+        why = resident_tier_refusal(cfg, run.world) or ("no GPU" if not plan.machine.gpu_memory
+                                                        or cfg.engine.device == "cpu" else
+                                                        "no layer fits the GPU memory the plan leaves")
+        return [head + f"none ({why})", ""]
+    params = sum(s.numel for s in stages)
+    tier = plan.gpu["GPU-resident layers"]
+    first, last = stages[0].index - 1, stages[-1].index - 1
+    lines = [head + f"layers {first}-{last} ({len(stages)} of {len(layout.layers)}, {human_count(params)} "
+             f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); no host copy: the "
+             "GPU worker checkpoints and exports them"]
+    profile = plan.machine.profile if cfg.engine.device != "cpu" else None
+    if profile is not None:
+        with_tier = estimate(cfg, profile, offload=plan.offload, resident=len(stages)).tok_per_s
+        without = estimate(cfg, profile, offload=plan.offload, resident=0).tok_per_s
+        lines.append(f"  expected {with_tier:,.0f} tok/s with them, {without:,.0f} tok/s with every layer streamed "
+                     f"(their updates on the GPU at {GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)")
+    return [*lines, ""]
 
 
 def check_plan(cfg: Config) -> Plan:
@@ -418,7 +490,7 @@ def tier_lines(plan: Plan) -> list[str]:
              + (f" + {disk_now / 1e9:.1f} GB disk ({disk_now / params:.1f} B/param)" if disk_now else "")]
     profile = plan.machine.profile if cfg.engine.device != "cpu" else None
     if profile is not None:
-        lines[0] += f"; expected {estimate(cfg, profile, offload=plan.offload).tok_per_s:,.0f} tok/s"
+        lines[0] += f"; expected {estimate(cfg, profile, offload=plan.offload, resident=plan.run.resident_layers).tok_per_s:,.0f} tok/s"
     alternatives = []
     for dtype in ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",):
         for tier in ("ram", "disk"):
@@ -434,7 +506,7 @@ def tier_lines(plan: Plan) -> list[str]:
     if stream != cfg.precision.resolved_stream_dtype:
         alternatives.append((f"streaming copy {'none (master streamed)' if stream == cfg.precision.master_dtype else stream}",
                              dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, stream_dtype=stream))))
-    for label, other in alternatives:
+    for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
         ram, disk, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
         d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
         change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
@@ -30,6 +30,19 @@ from megatrain_ray.store.segments import (
 
 WAITS = ("CPU optimizer", "H2D", "D2H")
 """What the GPU can wait for in a step (the speed model's `bound`)."""
+
+GPU_ADAMW_GBPS = {"h100": 0.75 * 3350, "h200": 0.75 * 4800}
+"""HBM bytes per second a GPU-resident stage's update moves (engine.gpu_resident): 75 % of the data-sheet
+bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s). An assumption, not measured here; the update is a few
+milliseconds per layer either way, small beside the layer's compute."""
+
+
+def gpu_adamw_bytes(run: RunSpec) -> int:
+    """HBM bytes per element of a resident stage's update (engine/resident.py): the gradient read and cast into
+    the scratch (written and read), master and both moments read and written, the compute copy written."""
+    master = DTYPE_BYTES[run.master_dtype]
+    copy = DTYPE_BYTES[run.compute_dtype] if run.compute_dtype != run.master_dtype else 0
+    return DTYPE_BYTES[run.grad_dtype] + 2 * master + 6 * master + copy
 
 
 # ----------------------------------------------------------------------------- per-stage costs
@@ -48,10 +61,17 @@ class StageCost:
     d2h_bytes: int
     activation_bytes: int = 0
     """Layers, with activation offload: the layer input that goes to host memory and comes back."""
+    resident_update_seconds: float = 0.0
+    """A GPU-resident layer (no copies, no CPU update): its update on the GPU; 0 for a streamed stage."""
+
+    @property
+    def resident(self) -> bool:
+        return self.resident_update_seconds > 0
 
 
 def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelLayout,
                 offload: bool = False) -> list[StageCost]:
+    """Per stage; the run's GPU-resident layers (RunSpec.resident_layers) copy nothing and update on the GPU."""
     tokens = run.rank_tokens  # one GPU's rows: with data parallelism every GPU runs this schedule at once
     flops = stage_flops_per_token(cfg.model, layout, cfg.data.seq_len)
     stream_b = DTYPE_BYTES[run.stream_dtype]
@@ -59,12 +79,16 @@ def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelL
 
     rate = profile.gpu.tflops(run.layers_compiled) * 1e12
     activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[run.compute_dtype] if offload else 0
+    resident = {s.index for s in layout.resident_stages(run.resident_layers)}
+    update_rate = GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9 / gpu_adamw_bytes(run)
     costs = []
     for stage, f in zip(layout.stages, flops):
         seconds = f * tokens / rate
         fwd, bwd = (seconds / 4, 3 * seconds / 4) if stage.kind == "layer" else (seconds, 0.0)
-        costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, stage.numel * stream_b,
-                               stage.numel * grad_b, activation if stage.kind == "layer" else 0))
+        copies = 0 if stage.index in resident else 1
+        costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, copies * stage.numel * stream_b,
+                               copies * stage.numel * grad_b, activation if stage.kind == "layer" else 0,
+                               stage.numel / update_rate if stage.index in resident else 0.0))
     return costs
 
 
@@ -116,7 +140,7 @@ class _Replay:
 
     def load(self, c: StageCost) -> None:
         slot = self.slot(c)
-        if self.slot_holds.get(slot) == c.index:
+        if c.resident or self.slot_holds.get(slot) == c.index:
             return
         self.wait_update(c.index)
         start = max(self.issue, self.h2d, self.slot_free.get(slot, 0.0))
@@ -143,13 +167,13 @@ class _Replay:
     def run(self, c: StageCost, seconds: float, grad_slot: str | None = None, backward: bool = False) -> None:
         """Compute on the stage's weights (after their copy); a gradient write waits for its buffer's last D2H."""
         slot = self.slot(c)
-        ready = self.slot_ready.get(slot, 0.0)
+        ready = 0.0 if c.resident else self.slot_ready.get(slot, 0.0)
         if backward and c.index in self.stored:
             ready = max(ready, self.stored.pop(c.index))
         start = max(self.issue, self.compute, ready)
         # The issuing thread is late only where it waited for an update (or at the step's start: ~1 ms); a copy
         # issued late for that reason counts as waiting for the optimizer up to its issue, for the copy after.
-        blocked = min(start, max(self.issue, self.slot_issued.get(slot, 0.0)))
+        blocked = min(start, self.issue if c.resident else max(self.issue, self.slot_issued.get(slot, 0.0)))
         self.idle["CPU optimizer"] += max(0.0, blocked - self.compute)
         self.idle["H2D"] += start - max(self.compute, blocked)
         end = start + seconds
@@ -157,9 +181,22 @@ class _Replay:
             self.idle["D2H"] += self.grad_drained[grad_slot] - end
             end = self.grad_drained[grad_slot]
         self.busy["compute"] += seconds
-        self.compute = self.slot_free[slot] = end
+        self.compute = end
+        if not c.resident:
+            self.slot_free[slot] = end
+
+    def update_on_gpu(self, c: StageCost) -> None:
+        """A resident layer's update, on the compute stream."""
+        self.compute += c.resident_update_seconds
+        self.busy["compute"] += c.resident_update_seconds
 
     def emit(self, c: StageCost, grad_slot: str, deferred: list[tuple[int, float]]) -> None:
+        if c.resident:  # no D2H: the update at once, or after the backward with the others (clipping)
+            if self.clip:
+                deferred.append((c.index, self.compute))
+            else:
+                self.update_on_gpu(c)
+            return
         split = self.slab_numel and c.numel > self.slab_numel
         for lo, hi in grad_pieces(c.numel, self.slab_numel) if split else [(0, c.numel)]:
             if self.slab_turns is not None:
@@ -209,13 +246,18 @@ class _Replay:
             if i > 0:
                 self.load(layers[i - 1])
                 self.bring_back(layers[i - 1])
-            self.run(layers[i], layers[i].backward_seconds, grad_slot=f"grad{i % 2}", backward=True)
+            self.run(layers[i], layers[i].backward_seconds, grad_slot=None if layers[i].resident else f"grad{i % 2}",
+                     backward=True)
             self.emit(layers[i], f"grad{i % 2}", deferred)
         self.run(embed, embed.backward_seconds, grad_slot="embed")
         self.emit(embed, "embed", deferred)
         self.issue = max(self.issue, self.compute)  # the loss and the norm are read back
         for index, drained in sorted(deferred):
-            self.order(costs[index], drained)
+            if not costs[index].resident:
+                self.order(costs[index], drained)
+        for index, _ in sorted(deferred):  # the resident layers' updates once the CPU's are ordered
+            if costs[index].resident:
+                self.update_on_gpu(costs[index])
         self.slot_holds.clear()  # the weights change with the updates just ordered
         end = max(self.issue, self.compute, self.h2d, self.d2h)
         self.idle["D2H"] += end - self.compute  # the last gradients drain after the last compute
@@ -263,10 +305,14 @@ class SpeedEstimate:
         return max(self.gpu_waits, key=self.gpu_waits.__getitem__)
 
 
-def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool = False) -> SpeedEstimate:
+def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool = False,
+             resident: int | None = None) -> SpeedEstimate:
     """Replay `steps` steps of the engine's schedule with the profile's rates; the last one is the estimate.
-    `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it)."""
+    `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it);
+    `resident`: GPU-resident layers (engine.gpu_resident as the plan resolved it; None: as the config says)."""
     layout, run = build_layout(cfg.model), RunSpec.resolve(cfg)
+    if resident is not None:
+        run = replace(run, resident_layers=resident)
     costs = stage_costs(cfg, run, profile, layout, offload)
     pieces = run.vocab_in_pieces
     turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
@@ -307,11 +353,12 @@ def format_speed(est: SpeedEstimate) -> list[str]:
     ]
 
 
-def speed_lines(cfg: Config, profile: SpeedProfile | None, offload: bool = False, gpu_visible: bool = True) -> list[str]:
+def speed_lines(cfg: Config, profile: SpeedProfile | None, offload: bool = False, resident: int | None = None,
+                gpu_visible: bool = True) -> list[str]:
     """The speed part of `megatrain plan`: the estimate, or why there is none."""
     if cfg.engine.device == "cpu":
         return []
     if profile is None:
         return [f"expected speed: no measured rates for {'this GPU' if gpu_visible else 'a machine without a GPU'}; "
                 f"name a machine with --machine ({', '.join(PRESETS)})", ""]
-    return [*format_speed(estimate(cfg, profile, offload=offload)), ""]
+    return [*format_speed(estimate(cfg, profile, offload=offload, resident=resident)), ""]

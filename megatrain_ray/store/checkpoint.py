@@ -111,11 +111,7 @@ class StageWriter:
         t0 = time.perf_counter()
         try:
             for stage in self.stages:
-                entry = write_safetensors(self.directory / stage_file(stage),
-                                          stage_tensors(stage, self.flats(stage.index)),
-                                          {"format": FORMAT, "step": str(self.step), "stage": stage.name})
-                entry["stage"] = stage.index
-                self.entries.append(entry)
+                self.entries.append(write_stage(self.directory, stage, self.flats(stage.index), self.step))
                 self.gate[stage.index] = 0
                 if self.die_after_first:
                     log.warning("fault drill: this process dies in the middle of the checkpoint of step %d",
@@ -134,6 +130,15 @@ class StageWriter:
             raise CheckpointError(f"writing the checkpoint of step {self.step} into {self.directory} failed: "
                                   f"{self.error}") from self.error
         return sorted(self.entries, key=lambda e: e["stage"])
+
+
+def write_stage(directory: Path, stage: StageLayout, flats: dict[str, torch.Tensor], step: int) -> dict:
+    """One stage's file of a checkpoint from its flat buffers (`master`, `exp_avg`, `exp_avg_sq`); its manifest
+    entry. The shards write theirs with it, the GPU worker those of the GPU-resident stages."""
+    entry = write_safetensors(directory / stage_file(stage), stage_tensors(stage, flats),
+                              {"format": FORMAT, "step": str(step), "stage": stage.name})
+    entry["stage"] = stage.index
+    return entry
 
 
 def wait_for_gate(gates: list[torch.Tensor], stage: int) -> float:

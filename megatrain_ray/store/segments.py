@@ -15,6 +15,10 @@ Ray; the bytes never do. Kinds per stage:
   `stream` buffer, which is free between the layer's backward and its update, or, when the
   master is streamed and clipping is off, in a small pool of `gradpool` slabs (pool_slab_sizes).
 
+A stage of the GPU-resident tier (engine.gpu_resident, RunSpec.resident_layers) has none of these: its whole
+state lives on the compute device (engine/resident.py), and the GPU worker fills it, checkpoints it and
+serves its weights itself.
+
 Each shard also owns a `gate`: one int32 per stage of the model, set while a checkpoint still has
 to write that stage (megatrain_ray/store/checkpoint.py); optimizer workers wait on it. With several GPU
 workers on the node, shard 0 also owns `sync`: the per-stage counters through which they learn that
@@ -84,7 +88,10 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
     specs: list[SegmentSpec] = []
     home, ranks_per_node = run.grad_home, run.ranks_per_node
     moments, on_disk = run.moment_dtype, host.moments_tier == "disk"
+    resident = {s.index for s in layout.resident_stages(run.resident_layers)}
     for index in stages:
+        if index in resident:
+            continue
         stage = layout.stages[index]
         kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", moments), ("exp_avg_sq", moments)]
         if not run.stream_is_master:
@@ -323,6 +330,14 @@ def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> N
     The moments are fresh segments, zero-filled and allocated whole by create_segment: nothing to write.
     """
     master = store.get("master", stage.index)
+    init_master(master, stage, seed, std)
+    if store.has("stream", stage.index):
+        store.get("stream", stage.index).copy_(master)
+
+
+def init_master(master: torch.Tensor, stage: StageLayout, seed: int, std: float) -> None:
+    """init_stage's weights into one flat buffer (also the GPU-resident tier's, engine/resident.py): per tensor
+    seeds, so the values do not depend on where the stage lives."""
     for slot in stage.slots:
         view = master[slot.offset:slot.offset + slot.numel]
         if slot.init == "normal":
@@ -332,17 +347,20 @@ def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> N
             view.fill_(1.0)
         else:
             view.zero_()
-    if store.has("stream", stage.index):
-        store.get("stream", stage.index).copy_(master)
+
+
+def load_hf_master(master: torch.Tensor, stage: StageLayout, source: HFDirectory) -> None:
+    """load_hf_stage's weights into one flat buffer (also the GPU-resident tier's)."""
+    for slot in stage.slots:
+        tensor = source[stage.hf_name(slot)]
+        finite_or_refuse(tensor, stage.hf_name(slot), source.dir)
+        master[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
 
 
 def load_hf_stage(store: HostStore, stage: StageLayout, source: HFDirectory) -> None:
     """Copy one stage's tensors from the checkpoint into its master weights and refresh its streaming copy
     (the moments are fresh zero-filled segments). Extra RAM: one tensor at a time."""
     master = store.get("master", stage.index)
-    for slot in stage.slots:
-        tensor = source[stage.hf_name(slot)]
-        finite_or_refuse(tensor, stage.hf_name(slot), source.dir)
-        master[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
+    load_hf_master(master, stage, source)
     if store.has("stream", stage.index):
         store.get("stream", stage.index).copy_(master)
