@@ -198,6 +198,33 @@ def test_config_mapping_reads_families():
     assert [g2.layer_slides(i) for i in range(3)] == [True, False, True]
 
 
+@pytest.mark.parametrize("name", ["gemma3-local-global", "gemma2-softcap"])
+def test_gemma_packed_documents_equal_each_document_alone(tmp_path, name):
+    """Packed rows (RoPE positions restart, attention stops at each document): the loss of a row of
+    documents (19, 6, 7) and a row (32) equals transformers' on each document alone, through the local
+    and global layers (Gemma 3: both RoPE tables gathered by position; Gemma 2: soft-capped attention in
+    the document buckets); a document longer than the window (5) exercises it inside the buckets."""
+    from megatrain_ray.messages import Batch
+
+    model = hf_model(name)
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 32})
+    gen = torch.Generator().manual_seed(6)
+    rows = ((19, 6, 7), (32,))
+    docs = [[torch.randint(0, mcfg.vocab_size, (n + 1,), generator=gen) for n in lengths] for lengths in rows]
+    ids = torch.stack([torch.cat([d[:-1] for d in row]) for row in docs])
+    labels = torch.stack([torch.cat([d[1:] for d in row]) for row in docs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(d[None, :-1]).logits[0], d[1:], reduction="sum").item()
+                    for row in docs for d in row)
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        ours, count = trainer.gpu.eval_loss(Batch(ids, labels, positions, rows)).result()
+    assert count == 64
+    assert ours == pytest.approx(total / 64, rel=1e-6)
+
+
 def test_gemma3_config_json_in_transformers_4_spelling():
     """Gemma 3 27B's text_config as google/gemma-3-27b-it ships it, with Gemma3TextConfig's defaults of that
     time written out (transformers 4: rope_theta, rope_local_base_freq and rope_scaling at the top, the
