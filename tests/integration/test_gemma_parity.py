@@ -96,9 +96,10 @@ def test_gemma3_float32_without_clipping_matches_transformers(tmp_path):
 
 
 @pytest.mark.ray
-def test_gemma3_ray_float32_matches_transformers(tmp_path, ray_session):
+@pytest.mark.parametrize("name", ["gemma3-local-global", "gemma2-softcap"])
+def test_gemma_ray_float32_matches_transformers(tmp_path, ray_session, name):
     """The Ray path: host shards, GPU worker and 2 optimizer workers as actors."""
-    ours, ref, final, ref_state, initial = run_both(tmp_path, "gemma3-local-global", "float32",
+    ours, ref, final, ref_state, initial = run_both(tmp_path, name, "float32",
                                                     optimizer={"workers": 2}, runtime={"mode": "ray"})
     report(ours, ref, final, ref_state)
     assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
