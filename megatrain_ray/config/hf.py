@@ -234,7 +234,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             if long.attention_factor:
                 rope["attention_factor"] = long.attention_factor
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[cfg.family]], "model_type": HF_MODEL_TYPES[cfg.family], "vocab_size": cfg.vocab_size,
+        "architectures": [ARCHITECTURES[cfg.family]], "model_type": HF_MODEL_TYPES[cfg.family],
+        "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.resolved_head_dim,

@@ -101,8 +101,8 @@ def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
     if cfg.is_gemma:
         # Gemma: norms before and after attention and MLP, each scaled by (1 + weight): zeros are the identity
         # (as transformers initialises them); Gemma 3 adds the q/k norms (qk_norm below).
-        norms = [(f"{name}.weight", (h,), "zeros") for name in ("input_layernorm", "post_attention_layernorm",
-                                                                "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        norms = [(f"{name}.weight", (h,), "zeros") for name in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
         qk = [("self_attn.q_norm.weight", (hd,), "zeros"), ("self_attn.k_norm.weight", (hd,), "zeros")]
         return [
             ("self_attn.q_proj.weight", (q, h), "normal"),

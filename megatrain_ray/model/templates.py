@@ -9,8 +9,9 @@ partial rotary factor, optional sliding window; Gemma 2 and 3: RMSNorm scaling b
 norms before and after attention and MLP, GeLU-tanh MLP, embeddings scaled by sqrt(hidden),
 attention scaled by query_pre_attn_scalar ** -0.5, sliding and global layers by layer_types;
 Gemma 3: q/k norms and a local RoPE base in the sliding layers; Gemma 2: attention logit
-soft-capping through explicit attention, and the final logit soft-cap in the head) and the head (`head_logits`, or `head_loss_and_grads`, which computes the loss in
-token chunks so that full logits never exist).
+soft-capping through explicit attention, and the final logit soft-cap in the head) and the head
+(`head_logits`, or `head_loss_and_grads`, which computes the loss in token chunks so that full logits
+never exist).
 
 The math follows Hugging Face's modeling code operation by operation (norms in float32,
 RoPE tables in float32, the loss on float32 logits), so logits agree to rounding.
@@ -389,7 +390,8 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -
     if spec.gemma:  # norms before and after the GeLU-tanh MLP
         h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)
         m = F.gelu(F.linear(h, w["mlp.gate_proj.weight"]), approximate="tanh") * F.linear(h, w["mlp.up_proj.weight"])
-        return x + rms_norm(F.linear(m, w["mlp.down_proj.weight"]), w["post_feedforward_layernorm.weight"], spec.eps, True)
+        out = F.linear(m, w["mlp.down_proj.weight"])
+        return x + rms_norm(out, w["post_feedforward_layernorm.weight"], spec.eps, True)
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
     if "mlp.gate_up_proj.weight" in w:  # Phi-3: gate and up from one product, halves of its output
         gate, up = F.linear(h, w["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
@@ -480,7 +482,8 @@ class HeadSpec:
         return cls(cfg.rms_norm_eps, cfg.is_gemma, cfg.final_logit_softcapping)
 
 
-def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor, eps: float | HeadSpec) -> torch.Tensor:
+def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
+                eps: float | HeadSpec) -> torch.Tensor:
     """Full logits, for evaluation and tests on small inputs only (training uses the chunked loss).
     `eps`: a HeadSpec, or the final norm's epsilon alone (plain RMSNorm, no soft-cap)."""
     spec = eps if isinstance(eps, HeadSpec) else HeadSpec(eps)
