@@ -20,8 +20,15 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+               "gemma2": "gemma2", "gemma3_text": "gemma3"}
+HF_MODEL_TYPES = {family: model_type for model_type, family in MODEL_TYPES.items()}
+# Gemma3TextConfig's RoPE bases when config.json names none (global layers, sliding layers).
+GEMMA3_THETAS = (1_000_000.0, 10_000.0)
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", None)
 # Phi3Config's own default for original_max_position_embeddings (a top-level key of its config.json).
 PHI3_ORIGINAL_MAX_POSITIONS = 4096
 
@@ -58,6 +65,8 @@ def _rope(hf: dict[str, Any], family: str) -> tuple[float, RopeScalingConfig | N
             long_factor=[float(v) for v in scaling["long_factor"]])
     if family == "phi3":
         raise ConfigError(f"rope scaling type {kind!r} is not supported for phi3 (transformers' Phi3 takes longrope)")
+    if kind == "default":
+        return theta, None
     if kind == "llama3":
         return theta, RopeScalingConfig(
             rope_type="llama3", factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
@@ -75,6 +84,55 @@ def _rope(hf: dict[str, Any], family: str) -> tuple[float, RopeScalingConfig | N
         return theta, RopeScalingConfig(rope_type="linear", factor=float(scaling["factor"]))
     raise ConfigError(f"rope scaling type {kind!r} is not supported for {family} (supported: llama3, yarn, linear; "
                       "longrope for phi3)")
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None, float]:
+    """Gemma 3's two RoPEs: the global layers' base and scaling, and the sliding layers' base (transformers 5:
+    rope_parameters by layer type; 4.x: rope_theta, rope_scaling and rope_local_base_freq at the top)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:  # transformers 4 spelling (or nothing: Gemma3TextConfig's defaults)
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
+        local = {"rope_theta": hf.get("rope_local_base_freq")}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"gemma3: RoPE scaling of the sliding layers ({local.get('rope_type')!r}) is not supported; "
+                          "as in Gemma 3's checkpoints only the global layers may scale")
+    full.setdefault("rope_type", full.pop("type", "default"))
+    full["rope_theta"] = full.get("rope_theta") or GEMMA3_THETAS[0]
+    theta, scaling = _rope({"rope_parameters": full, "max_position_embeddings": hf.get("max_position_embeddings")},
+                           "gemma3")
+    return theta, scaling, float(local.get("rope_theta") or GEMMA3_THETAS[1])
+
+
+def _gemma(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
+    """The ModelConfig keys of a Gemma 2 or 3 config.json beyond the common ones."""
+    activation = hf.get("hidden_activation") or hf.get("hidden_act")
+    if activation not in GEMMA_ACTIVATIONS:
+        raise ConfigError(f"{where}: {family} with hidden_activation {excerpt(activation)} is not supported "
+                          "(the templates run gelu_pytorch_tanh, as Gemma's checkpoints)")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(f"{where}: {family} with use_bidirectional_attention=true is not supported (causal only)")
+    out: dict[str, Any] = {
+        "sliding_window": _count(hf, "sliding_window", where, default=0, minimum=0),
+        "query_pre_attn_scalar": _count(hf, "query_pre_attn_scalar", where, default=256),
+        # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it (Gemma 3's
+        # checkpoints have none): read as it computes. Its final soft-cap is applied.
+        "attn_logit_softcapping": float(hf.get("attn_logit_softcapping") or 0.0) if family == "gemma2" else 0.0,
+        "final_logit_softcapping": float(hf.get("final_logit_softcapping") or 0.0),
+    }
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        if not isinstance(layer_types, list) or any(t not in ("full_attention", "sliding_attention")
+                                                    for t in layer_types):
+            raise CheckpointError(f"{where}: layer_types = {excerpt(layer_types)} must list full_attention or "
+                                  "sliding_attention per layer")
+        out["layer_types"] = list(layer_types)
+    else:  # as Gemma2Config / Gemma3TextConfig derive them
+        out["sliding_window_pattern"] = _count(hf, "sliding_window_pattern", where,
+                                               default=6 if family == "gemma3" else 2)
+    return out
 
 
 def _count(hf: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
@@ -114,8 +172,12 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     head_dim = _count(hf, "head_dim", where, default=0, minimum=0)
     if head_dim == hidden // heads:
         head_dim = 0
+    gemma = _gemma(hf, family, where) if family in ("gemma2", "gemma3") else {}
     try:
-        theta, scaling = _rope(hf, family)
+        if family == "gemma3":
+            theta, scaling, gemma["rope_local_base_freq"] = _gemma3_rope(hf)
+        else:
+            theta, scaling = _rope(hf, family)
         partial = float((hf.get("rope_parameters") or {}).get("partial_rotary_factor")
                         or hf.get("partial_rotary_factor") or 1.0) if family == "phi3" else 1.0
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -126,6 +188,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     sliding = 0
     if family in ("mistral", "phi3"):
         sliding = _count(hf, "sliding_window", where, default=0, minimum=0)
+    elif gemma:
+        sliding = gemma.pop("sliding_window")
     elif hf.get("use_sliding_window"):
         raise ConfigError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
     return ModelConfig(
@@ -135,12 +199,13 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         rms_norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),  # Gemma ties by default
         # Qwen2 always has qkv bias; Phi-3's fused qkv_proj never has one, whatever config.json says.
         attention_bias={"qwen2": True, "phi3": False}.get(family, bool(hf.get("attention_bias") or False)),
-        qk_norm=family == "qwen3", sliding_window=sliding,
+        qk_norm=family in ("qwen3", "gemma3"), sliding_window=sliding,
         max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
         initializer_range=_number(hf, "initializer_range", where, 0.02),
+        **gemma,
     )
 
 
@@ -169,7 +234,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             if long.attention_factor:
                 rope["attention_factor"] = long.attention_factor
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+        "architectures": [ARCHITECTURES[cfg.family]], "model_type": HF_MODEL_TYPES[cfg.family],
+        "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.resolved_head_dim,
@@ -190,6 +256,20 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         # Top level, where Phi3Config reads it (it overrides the one in rope_parameters).
         out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings if longrope \
             else cfg.max_position_embeddings
+    if cfg.is_gemma:
+        del out["hidden_act"]
+        out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, use_bidirectional_attention=False,
+                   sliding_window=cfg.sliding_window or None,
+                   layer_types=["sliding_attention" if cfg.layer_slides(i) else "full_attention"
+                                for i in range(cfg.num_layers)],
+                   query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.resolved_head_dim,
+                   attn_logit_softcapping=cfg.attn_logit_softcapping or None,
+                   final_logit_softcapping=cfg.final_logit_softcapping or None)
+    if cfg.family == "gemma3":
+        local = cfg.rope_local_base_freq or cfg.rope_theta
+        out["rope_parameters"] = {"full_attention": rope,
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        out["rope_local_base_freq"] = local  # where transformers 4 reads it
     return out
 
 

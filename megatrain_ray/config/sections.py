@@ -119,14 +119,16 @@ class ModelConfig:
     the local directory it came to."""
     revision: str = ""
     """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3"] = "llama"
-    """Architecture family; decides the Hugging Face class on export and the checks on load."""
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"] = "llama"
+    """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
+    gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
+    norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size)."""
     vocab_size: int = 32000
     """Rows of the embedding and of the LM head."""
     hidden_size: int = 4096
     """Width of the residual stream."""
     intermediate_size: int = 11008
-    """Width of the SwiGLU MLP."""
+    """Width of the gated MLP (SwiGLU; GeLU-tanh for Gemma)."""
     num_layers: int = 32
     """Decoder layers; host memory grows with it, GPU memory does not (beyond kept activations)."""
     num_attention_heads: int = 32
@@ -134,11 +136,15 @@ class ModelConfig:
     num_key_value_heads: int = 32
     """Fewer than num_attention_heads means grouped-query attention."""
     head_dim: int = 0
-    """0 means hidden_size // num_attention_heads (Qwen3 sets it explicitly)."""
+    """0 means hidden_size // num_attention_heads (Qwen3 and Gemma set it explicitly)."""
     rope_theta: float = 10000.0
-    """RoPE base: wavelengths grow geometrically from 2 pi to about 2 pi * rope_theta."""
+    """RoPE base: wavelengths grow geometrically from 2 pi to about 2 pi * rope_theta (Gemma 3: of the
+    global layers)."""
     rope_scaling: RopeScalingConfig | None = None
-    """null for plain RoPE, or a mapping of model.rope_scaling keys (below)."""
+    """null for plain RoPE, or a mapping of model.rope_scaling keys (below); Gemma 3: of the global layers."""
+    rope_local_base_freq: float = 0.0
+    """Gemma 3 only: the RoPE base of its sliding-window layers, which take no rope_scaling (10000 in
+    Gemma 3's configs; 0: rope_theta). Other families: every layer uses rope_theta and rope_scaling."""
     partial_rotary_factor: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unrotated).
     Phi-3 only, as transformers: below 1 for other families is refused."""
@@ -151,7 +157,24 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over each head of q and k before RoPE (Qwen3)."""
     sliding_window: int = 0
-    """Tokens each query may look back over (Mistral, Phi-3); 0 means full causal attention."""
+    """Tokens each query may look back over (Mistral, Phi-3; Gemma: in its sliding layers only, see
+    layer_types); 0 means full causal attention."""
+    layer_types: list[Literal["full_attention", "sliding_attention"]] = field(default_factory=list)
+    """Gemma only: one entry per layer, sliding_attention (within sliding_window, Gemma 3: local RoPE)
+    or full_attention (global), as Hugging Face's config.json lists them. Empty: from
+    sliding_window_pattern."""
+    sliding_window_pattern: int = 0
+    """Gemma only, when layer_types is empty: every n-th layer (n, 2n, ...) is global, the others slide
+    (6 for Gemma 3: 5 local to 1 global; 2 for Gemma 2). 0 with layer_types empty: every layer slides
+    (when sliding_window is set), as for Mistral."""
+    query_pre_attn_scalar: int = 0
+    """Gemma only: attention scores are scaled by query_pre_attn_scalar ** -0.5. 0: head_dim ** -0.5."""
+    attn_logit_softcapping: float = 0.0
+    """Gemma 2 only (its checkpoints: 50): attention scores become cap * tanh(score / cap) before the softmax;
+    attention then runs through explicit matrix products, not SDPA. 0: off."""
+    final_logit_softcapping: float = 0.0
+    """Gemma only (Gemma 2: 30): logits become cap * tanh(logit / cap), in the loss and its gradient too.
+    0: off."""
     max_position_embeddings: int = 4096
     """Longest sequence the model is meant for; data.seq_len may not exceed it without rope_scaling."""
     initializer_range: float = 0.02
@@ -195,8 +218,58 @@ class ModelConfig:
             _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "must be > 0")
         if self.sliding_window < 0:
             _fail(f"{s}.sliding_window", self.sliding_window, "must be >= 0 (0 disables it)")
+        self._check_gemma()
         if self.initializer_range <= 0:
             _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
+
+    def _check_gemma(self) -> None:
+        s = self.SECTION
+        gemma_keys = {"layer_types": [], "sliding_window_pattern": 0, "query_pre_attn_scalar": 0.0,
+                      "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "rope_local_base_freq": 0.0}
+        for key in ("sliding_window_pattern", "query_pre_attn_scalar", "attn_logit_softcapping",
+                    "final_logit_softcapping", "rope_local_base_freq"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                _fail(f"{s}.{key}", value, "must be a finite number >= 0 (0: off)")
+        if not self.is_gemma:
+            for key, off in gemma_keys.items():
+                if getattr(self, key) != off:
+                    _fail(f"{s}.{key}", getattr(self, key),
+                          f"is read by the gemma2 and gemma3 families only (family is {self.family}); leave it unset")
+            return
+        if self.attn_logit_softcapping and self.family != "gemma2":
+            _fail(f"{s}.attn_logit_softcapping", self.attn_logit_softcapping,
+                  "is read by the gemma2 family only (transformers' Gemma 3 does not apply it); leave it at 0")
+        if self.rope_local_base_freq and self.family != "gemma3":
+            _fail(f"{s}.rope_local_base_freq", self.rope_local_base_freq,
+                  "is read by the gemma3 family only (Gemma 2 has one RoPE base); leave it at 0")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            _fail(f"{s}.layer_types", self.layer_types, f"needs one entry per layer ({self.num_layers}), "
+                  f"has {len(self.layer_types)}")
+        if self.qk_norm != (self.family == "gemma3"):
+            _fail(f"{s}.qk_norm", self.qk_norm, f"{self.family} {'has' if self.family == 'gemma3' else 'has no'} "
+                  f"q/k norms: set it {str(self.family == 'gemma3').lower()}")
+        if self.attention_bias:
+            _fail(f"{s}.attention_bias", True, "Gemma's templates have no projection biases (as Gemma's checkpoints)")
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2 and 3: (1 + w) norms, pre- and post-norms, GeLU-tanh MLP, embeddings scaled by sqrt(hidden)."""
+        return self.family in ("gemma2", "gemma3")
+
+    def layer_slides(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) attends within sliding_window (and, for Gemma 3 with
+        rope_local_base_freq, takes the local RoPE tables), as transformers' layer_types says."""
+        if self.layer_types:
+            return self.layer_types[layer] == "sliding_attention"
+        if self.sliding_window_pattern:
+            return bool((layer + 1) % self.sliding_window_pattern)
+        return True
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.resolved_head_dim) ** -0.5
 
     @property
     def resolved_head_dim(self) -> int:

@@ -50,13 +50,15 @@ from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import (
     DocumentBucket,
     HeadResult,
-    LayerSpec,
+    HeadSpec,
     decoder_layer,
     decoder_layer_backward,
     document_buckets,
     embed,
+    embed_scale,
     head_logits,
     head_loss_and_grads,
+    layer_specs,
     rope_tables,
     uses_long_factors,
 )
@@ -78,7 +80,9 @@ class StreamEngine:
         self.layout = layout
         self.device = device
         self.streams = DeviceStreams(device)
-        self.spec = LayerSpec.from_config(model)
+        # One spec per layer (Gemma's sliding and global layers differ), the head's, the embedding's scale.
+        self.specs = layer_specs(model)
+        self.head_spec = HeadSpec.from_config(model)
         # The run's derived settings (RunSpec), turned into what the parts take.
         self.compute_dtype = TORCH_DTYPES[run.compute_dtype]
         stream_dtype = TORCH_DTYPES[run.stream_dtype]
@@ -89,6 +93,7 @@ class StreamEngine:
         self.offload = run.activation_offload
         # Accumulation of the vocabulary-sized gradients and of norms: float32, or float64 when computing in it.
         self.acc_dtype = torch.promote_types(self.compute_dtype, torch.float32)
+        self.embed_scale = embed_scale(model, self.compute_dtype)
         self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
         self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
@@ -111,7 +116,7 @@ class StreamEngine:
         self._comm: Collectives | None = None
         self._nan_armed = False
         """Fault drill `nan_grad` armed for the next train_step (arm_nan_grad)."""
-        self._rope_cache: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[tuple[int, bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         # Pinned host buffers of offloaded layer inputs live as long as the engine: allocated once.
         self.activations = ActivationStash(self.streams, self.offload, len(layout.layers), self.telemetry.copied)
 
@@ -190,21 +195,26 @@ class StreamEngine:
 
     # ------------------------------------------------------------------ forward
 
-    def _rope(self, seq_len: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE tables for positions 0..seq_len-1, or gathered per row for packed documents. LongRoPE takes
-        its long factors when the longest position is past the original context (as transformers given
-        these position ids): for packed rows, by their longest document."""
+    def _rope(self, seq_len: int, positions: torch.Tensor | None) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """RoPE tables for positions 0..seq_len-1, or gathered per row for packed documents, by
+        LayerSpec.local_rope (Gemma 3's sliding layers have their own). LongRoPE takes its long factors when
+        the longest position is past the original context (as transformers given these position ids): for
+        packed rows, by their longest document."""
         context = seq_len
         if positions is not None and uses_long_factors(self.model_cfg, seq_len):
             context = int(positions.max()) + 1  # host positions of the batch: no device sync
-        key = (seq_len, uses_long_factors(self.model_cfg, context))
-        if key not in self._rope_cache:
-            self._rope_cache[key] = rope_tables(self.model_cfg, seq_len, self.device, self.compute_dtype, key[1])
-        cos, sin = self._rope_cache[key]
-        if positions is None:
-            return cos, sin
-        positions = positions.to(self.device, non_blocking=True)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        if positions is not None:
+            positions = positions.to(self.device, non_blocking=True)
+        tables = {}
+        for local in {spec.local_rope for spec in self.specs}:
+            key = (seq_len, uses_long_factors(self.model_cfg, context) and not local, local)
+            if key not in self._rope_cache:
+                self._rope_cache[key] = rope_tables(self.model_cfg, seq_len, self.device, self.compute_dtype, key[1],
+                                                    local)
+            cos, sin = self._rope_cache[key]
+            tables[local] = (cos, sin) if positions is None else (cos[positions].unsqueeze(1),
+                                                                  sin[positions].unsqueeze(1))
+        return tables
 
     def _layer(self, x: torch.Tensor, documents: Any) -> Any:
         """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
@@ -223,10 +233,10 @@ class StreamEngine:
         documents = document_buckets(batch.segments, self.device) if batch.segments is not None else None
         embed_slot = self.weights.load(self.layout.embed)
         embed_w = self.weights.bind(self.layout.embed, embed_slot)["embed_tokens.weight"]
-        x = self._forward_layers(embed(ids, embed_w), rope, documents, keep)
+        x = self._forward_layers(embed(ids, embed_w, self.embed_scale), rope, documents, keep)
         return x, embed_slot, embed_w, rope, documents
 
-    def _forward_layers(self, x: torch.Tensor, rope: tuple, documents: tuple[DocumentBucket, ...] | None,
+    def _forward_layers(self, x: torch.Tensor, rope: dict, documents: tuple[DocumentBucket, ...] | None,
                         keep: ActivationStash | None) -> torch.Tensor:
         """Each layer in turn, the next one's weights loading meanwhile (the LM head's after the last); the
         layer inputs go to `keep` (training)."""
@@ -239,7 +249,8 @@ class StreamEngine:
                 keep.put(i, x)
             w = self._bind(stage, slot)
             start = timeline.start(self.streams.compute)
-            x = self._layer(x, documents)(x, w, rope, self.spec, documents, self.mlp_chunk)
+            spec = self.specs[i]
+            x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk)
             timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -266,7 +277,7 @@ class StreamEngine:
         lm_w = head_w.get("lm_head.weight", embed_w)
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
-        head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.model_cfg.rms_norm_eps,
+        head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
                                    self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
         self.weights.release(head_slot)
         head_grads = {"model.norm.weight": head.grad_norm_weight}
@@ -277,7 +288,7 @@ class StreamEngine:
         self.grads.emit(layout.head, self.grads.head_slot)
         return head
 
-    def _backward(self, head: HeadResult, rope: tuple, documents: tuple[DocumentBucket, ...] | None,
+    def _backward(self, head: HeadResult, rope: dict, documents: tuple[DocumentBucket, ...] | None,
                   inject_nan: bool) -> torch.Tensor:
         """Recompute each layer from its kept input, in reverse, and send its weight gradients out; returns
         the gradient of the first layer's input. `inject_nan`: the nan_grad drill."""
@@ -296,8 +307,9 @@ class StreamEngine:
             w = self._bind(stage, slot)
             x_in = acts.take(i, self.device)
             start = timeline.start(compute)
-            grad_x, weight_grads = decoder_layer_backward(x_in, w, rope, self.spec, documents, grad_y, self.mlp_chunk,
-                                                          self._layer(x_in, documents))
+            spec = self.specs[i]
+            grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents, grad_y,
+                                                          self.mlp_chunk, self._layer(x_in, documents))
             del x_in
             self._release(slot)
             # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
@@ -325,7 +337,10 @@ class StreamEngine:
         start = self.telemetry.timeline.start(compute)
         if not layout.tied:
             self.vocab_acc.zero_()
-        self.vocab_acc.index_add_(0, ids.reshape(-1), grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype))
+        grad_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype)
+        if self.embed_scale is not None:  # Gemma: the rows were scaled by sqrt(hidden) (their gradient too)
+            grad_rows = grad_rows * self.embed_scale.to(self.acc_dtype)
+        self.vocab_acc.index_add_(0, ids.reshape(-1), grad_rows)
         self.weights.release(embed_slot)
         self.grads.write(layout.embed, self.grads.embed_slot, {"embed_tokens.weight": self.vocab_acc})
         self.telemetry.timeline.stop("compute", compute, start)
@@ -360,7 +375,7 @@ class StreamEngine:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Full logits of a small batch through the same layer stream (tests, small inputs)."""
         def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-            return head_logits(x, norm_w, lm_w, self.model_cfg.rms_norm_eps).float().cpu()
+            return head_logits(x, norm_w, lm_w, self.head_spec).float().cpu()
 
         return self._forward_only(Batch(ids, torch.full_like(ids, IGNORE_INDEX)), head)
 
@@ -371,7 +386,7 @@ class StreamEngine:
         labels = batch.labels.to(self.device, non_blocking=True)
 
         def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-            return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.model_cfg.rms_norm_eps,
+            return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec,
                                        self.engine_cfg.loss_chunk_tokens, grad_lm_acc=None).loss_sum
 
         return float(self._forward_only(batch, head)), batch.loss_tokens

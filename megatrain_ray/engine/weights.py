@@ -35,7 +35,8 @@ CHECKSUM_SAMPLES = 4096
 
 class _CompiledLayer:
     """A layer function (decoder_layer) through torch.compile. Shapes are fixed per run (the weights of
-    every layer are views at the same offsets), so one graph per sequence shape serves every layer. With
+    every layer are views at the same offsets), so one graph per sequence shape serves every layer (per
+    sequence shape and layer kind for Gemma, whose sliding and global layers differ in their LayerSpec). With
     engine.compile auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in
     BackendCompilerFailed) is logged once and the eager function runs from then on; with true it
     propagates. It surfaces at the call that compiles, before the layer computed anything, so the eager

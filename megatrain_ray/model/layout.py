@@ -98,6 +98,22 @@ def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
             ("input_layernorm.weight", (h,), "ones"),
             ("post_attention_layernorm.weight", (h,), "ones"),
         ]
+    if cfg.is_gemma:
+        # Gemma: norms before and after attention and MLP, each scaled by (1 + weight): zeros are the identity
+        # (as transformers initialises them); Gemma 3 adds the q/k norms (qk_norm below).
+        norms = [(f"{name}.weight", (h,), "zeros") for name in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        qk = [("self_attn.q_norm.weight", (hd,), "zeros"), ("self_attn.k_norm.weight", (hd,), "zeros")]
+        return [
+            ("self_attn.q_proj.weight", (q, h), "normal"),
+            ("self_attn.k_proj.weight", (kv, h), "normal"),
+            ("self_attn.v_proj.weight", (kv, h), "normal"),
+            ("self_attn.o_proj.weight", (h, q), "normal"),
+            ("mlp.gate_proj.weight", (f, h), "normal"),
+            ("mlp.up_proj.weight", (f, h), "normal"),
+            ("mlp.down_proj.weight", (h, f), "normal"),
+            *norms, *(qk if cfg.qk_norm else []),
+        ]
     tensors = [
         ("self_attn.q_proj.weight", (q, h), "normal"),
         ("self_attn.k_proj.weight", (kv, h), "normal"),
@@ -164,7 +180,7 @@ def build_layout(cfg: ModelConfig) -> ModelLayout:
     for i in range(cfg.num_layers):
         stages.append(_stage(i + 1, "layer", f"model.layers.{i}.", per_layer))
     # The head's prefix is empty: its tensors are `model.norm.weight` and `lm_head.weight`.
-    head = [("model.norm.weight", (h,), "ones")]
+    head = [("model.norm.weight", (h,), "zeros" if cfg.is_gemma else "ones")]  # Gemma: (1 + weight)
     if not cfg.tie_word_embeddings:
         head.append(("lm_head.weight", (v, h), "normal"))
     stages.append(_stage(cfg.num_layers + 1, "head", "", head))

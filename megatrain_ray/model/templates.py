@@ -5,8 +5,13 @@ flat device buffer it just streamed in (`bind`) and calls the template of that s
 `embed`, `decoder_layer` (the Llama family: GQA, RoPE with Llama 3.1 or YaRN scaling, RMSNorm, SwiGLU,
 optional qkv bias for Qwen2, optional q/k norm for Qwen3, optional sliding window for
 Mistral; Phi-3: fused qkv_proj and gate_up_proj split after their matrix product, LongRoPE,
-partial rotary factor, optional sliding window) and the head (`head_logits`, or `head_loss_and_grads`, which computes the loss in
-token chunks so that full logits never exist).
+partial rotary factor, optional sliding window; Gemma 2 and 3: RMSNorm scaling by (1 + weight),
+norms before and after attention and MLP, GeLU-tanh MLP, embeddings scaled by sqrt(hidden),
+attention scaled by query_pre_attn_scalar ** -0.5, sliding and global layers by layer_types;
+Gemma 3: q/k norms and a local RoPE base in the sliding layers; Gemma 2: attention logit
+soft-capping through explicit attention, and the final logit soft-cap in the head) and the head
+(`head_logits`, or `head_loss_and_grads`, which computes the loss in token chunks so that full logits
+never exist).
 
 The math follows Hugging Face's modeling code operation by operation (norms in float32,
 RoPE tables in float32, the loss on float32 logits), so logits agree to rounding.
@@ -37,11 +42,42 @@ class LayerSpec:
     qk_norm: bool
     attention_bias: bool
     sliding_window: int
+    """This layer's window (0: full causal attention)."""
+    gemma: bool = False
+    """Gemma's layer: (1 + weight) norms, post-attention and pre/post-feedforward norms, GeLU-tanh MLP."""
+    scale: float = 0.0
+    """The factor on q.k (0: head_dim ** -0.5)."""
+    softcap: float = 0.0
+    """Attention logit soft-cap, cap * tanh(score / cap) (0: off; on: explicit attention, not SDPA)."""
+    local_rope: bool = False
+    """The layer takes the local RoPE tables (Gemma 3's sliding layers)."""
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "LayerSpec":
+    def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
+        """The spec of decoder layer `layer` (from 0): Gemma's layers differ in window and RoPE by layer_types."""
+        slides = cfg.layer_slides(layer)
         return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.rms_norm_eps,
-                   cfg.qk_norm, cfg.attention_bias, cfg.sliding_window)
+                   cfg.qk_norm, cfg.attention_bias, cfg.sliding_window if slides else 0, gemma=cfg.is_gemma,
+                   scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping,
+                   local_rope=slides and uses_local_rope(cfg))
+
+
+def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    """One spec per decoder layer (equal objects where the layers are alike)."""
+    return tuple(LayerSpec.from_config(cfg, i) for i in range(cfg.num_layers))
+
+
+def uses_local_rope(cfg: ModelConfig) -> bool:
+    """Gemma 3: its sliding layers take their own RoPE tables (rope_local_base_freq, no scaling)."""
+    return cfg.family == "gemma3"
+
+
+def embed_scale(cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor | None:
+    """Gemma's factor on the input embeddings, sqrt(hidden_size): as transformers, a float32 scalar cast to
+    the model's dtype (so in bfloat16 it is rounded). None for the other families. Not on the tied LM head."""
+    if not cfg.is_gemma:
+        return None
+    return torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
 
 
 def bind(buffer: torch.Tensor, stage: StageLayout) -> dict[str, torch.Tensor]:
@@ -54,10 +90,12 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
     dtype = x.dtype
     x = x.to(_norm_dtype(dtype))
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:  # Gemma: the scale (1 + weight) applied before the cast back, as transformers does
+        return (x * (1.0 + weight.to(x.dtype))).to(dtype)
     return weight * x.to(dtype)
 
 
@@ -71,15 +109,19 @@ class _LeanRMSNorm(torch.autograd.Function):
     in bfloat16, 3 GiB per norm at 128K tokens of an 8B layer. The forward is the same operations."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
         upcast = x.to(_norm_dtype(x.dtype))
         scale = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, scale)
+        ctx.plus_one = plus_one
+        if plus_one:
+            return (upcast * scale * (1.0 + weight.to(scale.dtype))).to(x.dtype)
         return weight * (upcast * scale).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight, scale = ctx.saved_tensors
+        plus_one = ctx.plus_one
         width = x.shape[-1]
         rows, grads, scales = x.reshape(-1, width), grad.reshape(-1, width), scale.reshape(-1, 1)
         need_x, need_w = ctx.needs_input_grad[:2]
@@ -89,23 +131,27 @@ class _LeanRMSNorm(torch.autograd.Function):
             normed = rows[part].to(scale.dtype) * scales[part]
             g = grads[part]
             if need_w:
-                grad_w += (g * normed.to(x.dtype)).sum(0, dtype=scale.dtype)
+                if plus_one:  # Gemma: the product in float32, d/dw of n * (1 + w) is n
+                    grad_w += (g.to(scale.dtype) * normed).sum(0)
+                else:
+                    grad_w += (g * normed.to(x.dtype)).sum(0, dtype=scale.dtype)
             if need_x:
                 # d/dx of x * rsqrt(mean(x^2) + eps), through the cast: scale * (g' - n * mean(g' * n)).
-                g_up = (g * weight).to(scale.dtype)
+                g_up = g.to(scale.dtype) * (1.0 + weight.to(scale.dtype)) if plus_one else (g * weight).to(scale.dtype)
                 grad_x[part] = scales[part] * (g_up - normed * (g_up * normed).mean(-1, keepdim=True))
         return (grad_x.view_as(x) if need_x else None,
-                grad_w.to(weight.dtype).view_as(weight) if need_w else None, None)
+                grad_w.to(weight.dtype).view_as(weight) if need_w else None, None, None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x), in float32 as Hugging Face does. With autograd on and not under torch.compile,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """weight * x / rms(x), in float32 as Hugging Face does; `plus_one` (Gemma): (1 + weight) * x / rms(x),
+    the product in float32 before the cast, as Gemma's RMSNorm. With autograd on and not under torch.compile,
     through _LeanRMSNorm (same forward, a backward that keeps no [tokens, hidden] float32 tensor); the
     compiled layer gives Inductor the plain operations, whose partitioner already recomputes them."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling() and \
             (x.requires_grad or weight.requires_grad):
-        return _LeanRMSNorm.apply(x, weight, eps)
-    return _plain_rms_norm(x, weight, eps)
+        return _LeanRMSNorm.apply(x, weight, eps, plus_one)
+    return _plain_rms_norm(x, weight, eps, plus_one)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -118,10 +164,14 @@ def uses_long_factors(cfg: ModelConfig, context: int) -> bool:
     return scaling is not None and scaling.rope_type == "longrope" and context > scaling.original_max_position_embeddings
 
 
-def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32, long: bool = False) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32, long: bool = False,
+                  local: bool = False) -> torch.Tensor:
     """Inverse frequencies of the rotated dimensions (cfg.rotary_dim / 2 of them); `long`: LongRoPE's
-    long factors (see uses_long_factors)."""
+    long factors (see uses_long_factors); `local`: Gemma 3's sliding layers (rope_local_base_freq, unscaled)."""
     dim = cfg.rotary_dim
+    if local:
+        base = cfg.rope_local_base_freq or cfg.rope_theta
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim))
     scaling = cfg.rope_scaling
     if scaling is not None and scaling.rope_type == "longrope":
         # As transformers: each frequency divided by its factor, 1 / (factor * theta^(2i/dim)).
@@ -166,18 +216,19 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingConfig, dim: int,
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
-                long: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                long: bool | None = None, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [seq_len, rotary_dim] in `dtype`, computed in float32 (float64 for float64)
     and scaled by the YaRN or LongRoPE attention factor when it applies. `long`: LongRoPE's long factors
-    (None: when seq_len is past the original context, as transformers decides for positions 0..seq_len-1)."""
+    (None: when seq_len is past the original context, as transformers decides for positions 0..seq_len-1).
+    `local`: the tables of Gemma 3's sliding layers (see LayerSpec.local_rope)."""
     work = _norm_dtype(dtype)
     if long is None:
         long = uses_long_factors(cfg, seq_len)
-    inv_freq = rope_inv_freq(cfg, work, long).to(device)
+    inv_freq = rope_inv_freq(cfg, work, long, local).to(device)
     positions = torch.arange(seq_len, device=device, dtype=work)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    factor = cfg.rope_scaling.resolved_attention_factor if cfg.rope_scaling is not None else 1.0
+    factor = cfg.rope_scaling.resolved_attention_factor if cfg.rope_scaling is not None and not local else 1.0
     return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
@@ -267,18 +318,43 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: L
     # GQA inside the kernel: k and v are never repeated to q's heads, so autograd keeps them at their own
     # width (flash attention takes the groups as they are; tests/gpu/test_gpu.py forces it to show so).
     gqa = spec.num_kv_heads != spec.num_heads
-    scale = spec.head_dim ** -0.5
+    scale = spec.scale or spec.head_dim ** -0.5
+    if spec.softcap:
+        return _softcapped_attention(q, k, v, spec, scale)
     if spec.sliding_window and seq_len > spec.sliding_window:
         mask = _sliding_mask(seq_len, spec.sliding_window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,
+                          scale: float) -> torch.Tensor:
+    """Attention whose scores are soft-capped, cap * tanh(score / cap), before the mask and softmax (Gemma 2):
+    SDPA cannot do it, so explicit products over a [B, H, T, T] score tensor, as transformers' eager path
+    (k and v repeated to q's heads, the softmax in float32). Memory grows with T^2: for long sequences the
+    planner's attention estimate does not hold."""
+    groups = spec.num_heads // spec.num_kv_heads
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    seq_len = q.shape[2]
+    if spec.sliding_window and seq_len > spec.sliding_window:
+        allowed = _sliding_mask(seq_len, spec.sliding_window, q.device)
+    else:
+        allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 # ----------------------------------------------------------------------------- templates
 
 
-def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, weight)
+def embed(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of `ids`; times `scale` for Gemma (embed_scale: sqrt(hidden) in the weight's dtype)."""
+    out = F.embedding(ids, weight)
+    return out if scale is None else out * scale
 
 
 def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
@@ -286,7 +362,7 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     """The first half of a pre-norm decoder layer: x + attn(norm(x)). x: [B, T, hidden]."""
     batch, seq_len, _ = x.shape
     cos, sin = rope
-    h = rms_norm(x, w["input_layernorm.weight"], spec.eps)
+    h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.gemma)
     if "self_attn.qkv_proj.weight" in w:  # Phi-3: one product, split into views as transformers does
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         q, k, v = F.linear(h, w["self_attn.qkv_proj.weight"]).split((q_width, kv_width, kv_width), dim=-1)
@@ -298,16 +374,24 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     k = k.view(batch, seq_len, spec.num_kv_heads, spec.head_dim)
     v = v.view(batch, seq_len, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     if spec.qk_norm:
-        q = rms_norm(q, w["self_attn.q_norm.weight"], spec.eps)
-        k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps)
+        q = rms_norm(q, w["self_attn.q_norm.weight"], spec.eps, spec.gemma)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps, spec.gemma)
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
     a = attention(q, k, v, spec, documents).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
-    return x + F.linear(a, w["self_attn.o_proj.weight"])
+    out = F.linear(a, w["self_attn.o_proj.weight"])
+    if spec.gemma:  # Gemma: the attention's output normed before the residual add
+        out = rms_norm(out, w["post_attention_layernorm.weight"], spec.eps, True)
+    return x + out
 
 
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
     """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens)."""
+    if spec.gemma:  # norms before and after the GeLU-tanh MLP
+        h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)
+        m = F.gelu(F.linear(h, w["mlp.gate_proj.weight"]), approximate="tanh") * F.linear(h, w["mlp.up_proj.weight"])
+        out = F.linear(m, w["mlp.down_proj.weight"])
+        return x + rms_norm(out, w["post_feedforward_layernorm.weight"], spec.eps, True)
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
     if "mlp.gate_up_proj.weight" in w:  # Phi-3: gate and up from one product, halves of its output
         gate, up = F.linear(h, w["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
@@ -317,8 +401,12 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -
     return x + F.linear(m, w["mlp.down_proj.weight"])
 
 
-def is_mlp_weight(name: str) -> bool:
-    """The weights mlp_block reads (the second half of a layer), of every family."""
+def is_mlp_weight(name: str, spec: LayerSpec) -> bool:
+    """The weights mlp_block reads (the second half of a layer), of every family (Gemma's
+    post_attention_layernorm norms the attention's output: the first half)."""
+    if spec.gemma:
+        return name in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight") or \
+            name.startswith("mlp.")
     return name == "post_attention_layernorm.weight" or name.startswith("mlp.")
 
 
@@ -362,7 +450,7 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     mid_flat = mid.detach().view(-1, mid.shape[-1])
     grad_y_flat = grad_y.reshape(-1, grad_y.shape[-1])
     grad_mid = torch.empty_like(mid_flat)
-    mlp_params = {n: t for n, t in params.items() if is_mlp_weight(n)}
+    mlp_params = {n: t for n, t in params.items() if is_mlp_weight(n, spec)}
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     mlp_grads = {n: torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for n, t in mlp_params.items()}
     for part in chunks:
@@ -379,9 +467,30 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     return grads[0], {**dict(zip(attn_params, grads[1:])), **mlp_grads}
 
 
-def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Full logits, for evaluation and tests on small inputs only (training uses the chunked loss)."""
-    return F.linear(rms_norm(x, norm_weight, eps), lm_weight)
+@dataclass(frozen=True, slots=True)
+class HeadSpec:
+    """The static facts of the head: the final norm's epsilon and kind, the final logit soft-cap."""
+
+    eps: float
+    plus_one: bool = False
+    """Gemma's (1 + weight) final norm."""
+    softcap: float = 0.0
+    """Final logit soft-cap, cap * tanh(logit / cap) (Gemma 2); 0: off."""
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "HeadSpec":
+        return cls(cfg.rms_norm_eps, cfg.is_gemma, cfg.final_logit_softcapping)
+
+
+def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
+                eps: float | HeadSpec) -> torch.Tensor:
+    """Full logits, for evaluation and tests on small inputs only (training uses the chunked loss).
+    `eps`: a HeadSpec, or the final norm's epsilon alone (plain RMSNorm, no soft-cap)."""
+    spec = eps if isinstance(eps, HeadSpec) else HeadSpec(eps)
+    logits = F.linear(rms_norm(x, norm_weight, spec.eps, spec.plus_one), lm_weight)
+    if spec.softcap:  # in the model's dtype, as transformers
+        logits = torch.tanh(logits / spec.softcap) * spec.softcap
+    return logits
 
 
 @dataclass(slots=True)
@@ -394,21 +503,24 @@ class HeadResult:
 
 
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
-                        labels: torch.Tensor, n_valid: int, eps: float, chunk_tokens: int,
+                        labels: torch.Tensor, n_valid: int, eps: float | HeadSpec, chunk_tokens: int,
                         grad_lm_acc: torch.Tensor | None) -> HeadResult:
     """Mean cross-entropy over the valid labels and its gradients, in chunks of tokens.
 
     Logits exist for one chunk at a time (chunk_tokens x vocab, upcast to float32 as in Hugging
     Face's loss). The gradient of the LM head matrix is added into `grad_lm_acc` (float32 or
     float64), which with tied embeddings also collects the embedding's gradient later. With
-    `grad_lm_acc=None` only the loss is computed (evaluation).
+    `grad_lm_acc=None` only the loss is computed (evaluation). `eps`: a HeadSpec, or the final norm's
+    epsilon alone. A final soft-cap (Gemma 2) is applied to the upcast logits, and its derivative,
+    1 - tanh^2, to their gradient (one more chunk-sized float32 tensor while it is on).
     """
+    spec = eps if isinstance(eps, HeadSpec) else HeadSpec(eps)
     batch, seq_len, hidden = x.shape
     with_grads = grad_lm_acc is not None
     x = x.detach().requires_grad_(with_grads)
     norm_weight = norm_weight.detach().requires_grad_(with_grads)
     with torch.set_grad_enabled(with_grads):
-        normed = rms_norm(x, norm_weight, eps)
+        normed = rms_norm(x, norm_weight, spec.eps, spec.plus_one)
     flat = normed.detach().reshape(-1, hidden)
     flat_labels = labels.reshape(-1)
     grad_flat = torch.empty_like(flat)
@@ -418,6 +530,10 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
         h = flat[start:start + chunk_tokens]
         lab = flat_labels[start:start + chunk_tokens]
         logits = F.linear(h, lm_weight).to(loss_dtype)
+        capped = None
+        if spec.softcap:  # tanh kept (as `capped`) for the derivative; logits become cap * tanh
+            capped = logits.div_(spec.softcap).tanh_()
+            logits = capped * spec.softcap
         valid = lab != IGNORE_INDEX
         safe = torch.where(valid, lab, 0)
         lse = torch.logsumexp(logits, dim=-1)
@@ -429,6 +545,9 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
         grad_logits = logits.sub_(lse[:, None]).exp_()
         grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(lse[:, None]))
         grad_logits.mul_((valid.to(loss_dtype) / n_valid)[:, None])
+        if capped is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+            grad_logits.mul_(capped.square_().neg_().add_(1.0))
+            del capped
         grad_logits = grad_logits.to(h.dtype)
         grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
         grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
@@ -441,11 +560,11 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
 def model_logits(cfg: ModelConfig, stages: list[StageLayout], buffers: list[torch.Tensor],
                  ids: torch.Tensor) -> torch.Tensor:
     """Logits of the whole model from one flat buffer per stage (all resident): small models only."""
-    spec = LayerSpec.from_config(cfg)
     embed_w = bind(buffers[0], stages[0])["embed_tokens.weight"]
-    x = embed(ids, embed_w)
-    rope = rope_tables(cfg, ids.shape[1], x.device, x.dtype)
-    for stage, buffer in zip(stages[1:-1], buffers[1:-1]):
-        x = decoder_layer(x, bind(buffer, stage), rope, spec)
+    x = embed(ids, embed_w, embed_scale(cfg, embed_w.dtype))
+    ropes = {local: rope_tables(cfg, ids.shape[1], x.device, x.dtype, local=local)
+             for local in {spec.local_rope for spec in layer_specs(cfg)}}
+    for spec, stage, buffer in zip(layer_specs(cfg), stages[1:-1], buffers[1:-1]):
+        x = decoder_layer(x, bind(buffer, stage), ropes[spec.local_rope], spec)
     head = bind(buffers[-1], stages[-1])
-    return head_logits(x, head["model.norm.weight"], head.get("lm_head.weight", embed_w), cfg.rms_norm_eps)
+    return head_logits(x, head["model.norm.weight"], head.get("lm_head.weight", embed_w), HeadSpec.from_config(cfg))

@@ -127,7 +127,8 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
         "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
                                           * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + mlp_sums,
-        "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b) + 2 * tokens * h * acc_b,
+        "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
+        + 2 * tokens * h * acc_b,
         "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
     }
 
@@ -156,7 +157,7 @@ def resolve_gpu_resident(cfg: Config, run: RunSpec, gpu_memory: int | None) -> i
     return count
 
 
-def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int) -> int:
+def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int, softcap: bool = False) -> int:
     """The loss head's chunk tensors at their peak (templates.head_loss_and_grads), the larger of two phases:
     - the logsumexp over a chunk's float32 logits, which allocates a temporary of their size;
     - the LM head's gradient: the float32 logits (turned in place into their gradient) stay referenced
@@ -164,12 +165,13 @@ def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int) 
       [vocab, hidden] matrix in the compute dtype, upcast to the accumulator's dtype before it is added.
     Read from the measured peaks of the Qwen2.5-14B width (vocab 152064; qwen14b-x2 and largest-x2,
     20261123-20*), where the head, not a layer, leads: the old count (2 x chunk x vocab float32) was
-    2.7 GiB under them."""
+    2.7 GiB under them. With a final logit soft-cap (Gemma 2) the chunk's float32 tanh stays through both
+    phases, for its derivative: one more chunk x vocab float32 tensor (counted, not measured)."""
     logsumexp = 2 * chunk * vocab * 4
     grad_copy = compute_b if compute_b != 4 else 0  # .to(compute dtype) is the same tensor in float32
     upcast = acc_b if acc_b != compute_b else 0
     lm_grad = chunk * vocab * (4 + grad_copy) + vocab * h * (compute_b + upcast)
-    return max(logsumexp, lm_grad)
+    return max(logsumexp, lm_grad) + (chunk * vocab * 4 if softcap else 0)
 
 
 def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int) -> int:

@@ -42,7 +42,10 @@ def train_hf(model, cfg, state: dict[str, torch.Tensor], batches: list[torch.Ten
     configured (lr schedule, betas, eps, weight decay on matrices only, clipping)."""
     model = copy.deepcopy(model).to(dtype).train()
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # the embedding itself (Gemma)
+    assert set(missing) <= tied and not unexpected, (missing, unexpected)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
     o, s = cfg.optimizer, cfg.schedule
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]

@@ -22,7 +22,7 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))
 def test_every_required_config_ships():
     names = {os.path.basename(p) for p in CONFIGS}
     assert {"tiny.yaml", "llama-3.5b-bench.yaml", "llama3-8b.yaml", "qwen2.5-7b.yaml", "qwen2.5-32b.yaml",
-            "mistral-7b.yaml", "phi3-mini.yaml"} <= names
+            "mistral-7b.yaml", "phi3-mini.yaml", "gemma3-27b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -37,10 +37,24 @@ def test_shipped_config_loads(path):
     ("llama3-8b.yaml", 8.03), ("qwen2.5-7b.yaml", 7.62), ("qwen2.5-32b.yaml", 32.76), ("mistral-7b.yaml", 7.24),
     ("qwen2.5-14b.yaml", 14.77), ("llama-3.5b-bench.yaml", 3.5), ("llama3-70b.yaml", 70.55),
     ("qwen2.5-72b.yaml", 72.71), ("dense-120b.yaml", 119.82), ("phi3-mini.yaml", 3.82),
+    # Gemma 3 27B, text only: the Gemma 3 technical report (Table 1) gives 25,600 M non-embedding and 1,416 M
+    # embedding parameters (27.0 B; plus a 417 M vision encoder that Gemma3ForCausalLM does not have). The
+    # layout's exact count, 27,009,346,304, is asserted in test_the_gemma3_27b_shape_has_its_layout_count.
+    ("gemma3-27b.yaml", 27.02),
 ])
 def test_model_shapes_have_the_published_size(name, billions):
     layout = build_layout(load_config(os.path.join(REPO, "configs", "shapes", name)).model)
     assert math.isclose(layout.num_params / 1e9, billions, rel_tol=0.01)
+
+
+def test_the_gemma3_27b_shape_has_its_layout_count():
+    """62 layers of 412,898,560 (q, k, v, o 66,060,288; MLP 346,816,512; four norms of 5376 and the q/k norms
+    of 128) and the tied 262208 x 5376 embedding, and the final norm: the count its comment states."""
+    path = os.path.join(REPO, "configs", "shapes", "gemma3-27b.yaml")
+    model = load_config(path).model
+    assert build_layout(model).num_params == 27_009_346_304 == 62 * 412_898_560 + 262208 * 5376 + 5376
+    assert "27,009,346,304" in Path(path).read_text()
+    assert [model.layer_slides(i) for i in range(12)] == [True] * 5 + [False] + [True] * 5 + [False]
 
 
 def test_the_120b_shape_has_the_count_its_comment_derives():
@@ -59,6 +73,11 @@ def test_the_120b_shape_has_the_count_its_comment_derives():
     (["model.num_key_value_heads=3"], "model.num_key_value_heads"),
     (["model.hidden_size=0"], "model.hidden_size"),
     (["model.family=gpt2"], "model.family"),
+    (["model.final_logit_softcapping=30"], "model.final_logit_softcapping"),  # Gemma keys on a Llama
+    (["model.family=gemma3"], "model.qk_norm"),  # Gemma 3 has q/k norms
+    (["model.family=gemma3", "model.qk_norm=true", "model.attn_logit_softcapping=50"], "model.attn_logit_softcapping"),
+    (["model.family=gemma2", "model.rope_local_base_freq=10000"], "model.rope_local_base_freq"),
+    (["model.family=gemma2", "model.layer_types=[full_attention]"], "model.layer_types"),
     (["precision.compute_dtype=float64"], "precision.compute_dtype"),
     (["precision.stream_dtype=float64"], "precision.stream_dtype"),
     (["data.seq_len=100000"], "data.seq_len"),

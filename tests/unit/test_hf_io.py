@@ -26,7 +26,8 @@ from tests.unit.test_templates import hf_model
 
 # One model per family, each with the feature that family adds.
 FAMILY_MODELS = {"llama": "llama-gqa", "mistral": "mistral-sliding-window", "qwen2": "qwen2-bias-tied",
-                 "qwen3": "qwen3-qknorm-headdim", "phi3": "phi3-longrope-partial"}
+                 "qwen3": "qwen3-qknorm-headdim", "phi3": "phi3-longrope-partial", "gemma3": "gemma3-local-global",
+                 "gemma2": "gemma2-softcap"}
 
 
 def save_hf(name: str, directory: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Path:
@@ -69,9 +70,11 @@ def test_load_then_export_is_bit_identical(tmp_path, family, sharded):
     assert json.loads((out / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
 
 
-@pytest.mark.parametrize("name", ["qwen3-qknorm-headdim", "phi3-longrope-partial"])
+@pytest.mark.parametrize("name", ["qwen3-qknorm-headdim", "phi3-longrope-partial", "gemma3-local-global",
+                                  "gemma3-pattern-softcap", "gemma2-softcap"])
 def test_trained_export_loads_in_transformers_with_our_logits(tmp_path, name):
-    """Phi-3: trained on 16-token rows (LongRoPE's short factors), read back on 20 tokens (the long ones)."""
+    """Phi-3: trained on 16-token rows (LongRoPE's short factors), read back on 20 tokens (the long ones).
+    Gemma: rows longer than the sliding window; tied (no lm_head.weight on either side) and untied."""
     source = save_hf(name, tmp_path / "src")
     export_dir = tmp_path / "exported"
     cfg = finetune_config(tmp_path, source, train={"steps": 3, "export_dir": str(export_dir)},

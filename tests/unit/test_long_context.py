@@ -3,6 +3,8 @@ plan decides about offloading the layer inputs. (The 32K-token step on the GPU i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,16 +38,31 @@ def _fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"], ids=["llama", "phi3-fused-partial-rotary"])
+def _gemma(weights: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The same layer with Gemma's extra norms (post_attention_layernorm then norms the attention's output,
+    the first half; pre/post_feedforward_layernorm the second) and Gemma 3's q/k norms, all (1 + w)."""
+    out = {n: t - 1.0 if t.ndim == 1 else t for n, t in weights.items()}  # (1 + w): weights near 0
+    for name, width in (("pre_feedforward_layernorm", 32), ("post_feedforward_layernorm", 32),
+                        ("self_attn.q_norm", 8), ("self_attn.k_norm", 8)):
+        out[f"{name}.weight"] = torch.randn(width, generator=gen, dtype=torch.float64) * 0.3
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma"],
+                         ids=["llama", "phi3-fused-partial-rotary", "gemma-norms-softcap-window"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed-documents"])
 @pytest.mark.parametrize("chunk", [7, 16, 40], ids=["ragged", "even", "one-chunk-bigger"])
 def test_chunked_layer_backward_equals_plain_autograd(packed, chunk, family):
     """phi3: fused qkv_proj and gate_up_proj (the chunked MLP backward takes gate_up_proj's gradient in
-    pieces too), RoPE over half of each head's 8 dimensions."""
+    pieces too), RoPE over half of each head's 8 dimensions. gemma: Gemma's four (1 + w) norms and q/k
+    norms, its attention scale, a sliding window of 6 and soft-capped scores (the explicit attention)."""
     gen = torch.Generator().manual_seed(0)
     weights, spec = _layer(gen)
     if family == "phi3":
         weights = _fused(weights)
+    if family == "gemma":
+        weights = _gemma(weights, gen)
+        spec = dataclasses.replace(spec, qk_norm=True, gemma=True, scale=0.3, softcap=0.5, sliding_window=6)
     batch, seq = 2, 20
     x = torch.randn(batch, seq, 32, generator=gen, dtype=torch.float64)
     grad_y = torch.randn(batch, seq, 32, generator=gen, dtype=torch.float64)
@@ -74,19 +91,21 @@ def test_chunked_layer_backward_equals_plain_autograd(packed, chunk, family):
         assert (decoder_layer(x, weights, rope, spec, docs, mlp_chunk_tokens=chunk) - out).abs().max().item() < 1e-12
 
 
+@pytest.mark.parametrize("plus_one", [False, True], ids=["weight", "gemma-one-plus-weight"])
 @pytest.mark.parametrize("shape", [(2, 37, 24), (2, 9, 3, 16)], ids=["hidden", "per-head-qk-norm"])
-def test_lean_rms_norm_gradients_equal_plain_autograd(monkeypatch, shape):
+def test_lean_rms_norm_gradients_equal_plain_autograd(monkeypatch, shape, plus_one):
     """The norm's own backward (rows in ragged slices: 40 elements a slice) against autograd through the
-    plain operations, in float64; and in bfloat16 the same forward bit for bit, gradients to rounding."""
+    plain operations, in float64; and in bfloat16 the same forward bit for bit, gradients to rounding.
+    plus_one: Gemma's (1 + w) scaling, multiplied in float32 before the cast."""
     monkeypatch.setattr(templates, "NORM_BACKWARD_ELEMENTS", 40)
     gen = torch.Generator().manual_seed(1)
     for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2e-2)):
         x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype).requires_grad_(True)
         w = (torch.randn(shape[-1], generator=gen, dtype=torch.float64) + 1).to(dtype).requires_grad_(True)
         grad = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-        lean = templates.rms_norm(x, w, 1e-6)
+        lean = templates.rms_norm(x, w, 1e-6, plus_one)
         assert lean.grad_fn is not None and "LeanRMSNorm" in type(lean.grad_fn).__name__
-        plain = templates._plain_rms_norm(x, w, 1e-6)
+        plain = templates._plain_rms_norm(x, w, 1e-6, plus_one)
         assert torch.equal(lean, plain)
         got = torch.autograd.grad(lean, (x, w), grad)
         want = torch.autograd.grad(plain, (x, w), grad)

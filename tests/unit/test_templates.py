@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config.hf import hf_config_from_model, model_config_from_hf  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
+from megatrain_ray.exceptions import ConfigError  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.model.templates import model_logits  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
@@ -26,6 +27,11 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_la
 
 PHI3 = dict(hidden_size=80, intermediate_size=72, original_max_position_embeddings=16, pad_token_id=None,
             eos_token_id=2)
+
+# pad_token_id None as for PHI3: transformers' embedding drops the gradient of the pad token's row
+# (nn.Embedding's padding_idx), which megatrain does not (for any family); Gemma's configs default it to 0.
+GEMMA = dict(hidden_size=80, intermediate_size=72, head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
+             pad_token_id=None)
 
 FAMILIES = {
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -55,6 +61,24 @@ FAMILIES = {
     "phi3-longrope-partial": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "sliding_window": 9, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0], "long_factor": [1.0, 3.0, 7.0, 15.0, 31.0]}}),
+    # Gemma 3: (1 + w) norms around attention and MLP, q/k norms, GeLU-tanh, embeddings times sqrt(80), tied head;
+    # hidden 80 with head_dim 24 set apart from it, GQA 4/2, query_pre_attn_scalar 20 (not head_dim), local and
+    # global layers (window 5 in the local ones, shorter than the inputs), local RoPE base 300, the global one
+    # 5000 with linear scaling.
+    "gemma3-local-global": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**GEMMA, "num_hidden_layers": 4, "layer_types": [
+        "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"], "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}}}),
+    # The pattern as Gemma 3's hub configs give it (every 2nd layer global), one key/value head, an untied head
+    # and both soft-caps, small enough to bite: transformers' Gemma 3 applies the final one and ignores the
+    # attention one, and so must megatrain.
+    "gemma3-pattern-softcap": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **GEMMA, "num_hidden_layers": 4, "sliding_window_pattern": 2, "num_key_value_heads": 1,
+        "tie_word_embeddings": False, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    # Gemma 2: attention logit soft-capping (explicit attention), final logit soft-capping, every 2nd layer global.
+    # Caps this small bite the tiny model's scores (about 0.04) and logits (about 0.7).
+    "gemma2-softcap": ("Gemma2Config", "Gemma2ForCausalLM", {**GEMMA, "attn_logit_softcapping": 0.05,
+                                                             "final_logit_softcapping": 1.0}),
 }
 
 
@@ -99,7 +123,8 @@ def template_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["qwen2-bias-tied", "qwen3-qknorm-headdim", "mistral-sliding-window",
-                                  "phi3-longrope", "phi3-partial-sliding", "phi3-longrope-partial"])
+                                  "phi3-longrope", "phi3-partial-sliding", "phi3-longrope-partial",
+                                  "gemma3-local-global", "gemma3-pattern-softcap", "gemma2-softcap"])
 def test_streamed_engine_logits_match_transformers(tmp_path, name):
     model = hf_model(name)
     mcfg = model_config_from_hf(model.config.to_dict())
@@ -158,6 +183,71 @@ def test_config_mapping_reads_families():
     rotary = hf_model("phi3-longrope-partial").model.rotary_emb
     assert long.resolved_attention_factor == pytest.approx(rotary.attention_scaling)
     assert long.resolved_attention_factor == pytest.approx(math.sqrt(1 + math.log(8) / math.log(16)))
+    g3 = model_config_from_hf(hf_model("gemma3-local-global").config.to_dict())
+    assert g3.family == "gemma3" and g3.is_gemma and g3.qk_norm and g3.tie_word_embeddings and not g3.attention_bias
+    assert (g3.rope_theta, g3.rope_local_base_freq, g3.sliding_window, g3.query_pre_attn_scalar) == (5000, 300, 5, 20)
+    assert g3.rope_scaling is not None and (g3.rope_scaling.rope_type, g3.rope_scaling.factor) == ("linear", 4.0)
+    assert [g3.layer_slides(i) for i in range(4)] == [True, False, True, True]
+    softcap = model_config_from_hf(hf_model("gemma3-pattern-softcap").config.to_dict())
+    assert softcap.final_logit_softcapping == 3.0 and not softcap.tie_word_embeddings
+    assert softcap.attn_logit_softcapping == 0.0  # transformers' Gemma 3 never applies it
+    assert [softcap.layer_slides(i) for i in range(4)] == [True, False, True, False]
+    g2 = model_config_from_hf(hf_model("gemma2-softcap").config.to_dict())
+    assert g2.family == "gemma2" and not g2.qk_norm and g2.rope_local_base_freq == 0
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (0.05, 1.0)
+    assert [g2.layer_slides(i) for i in range(3)] == [True, False, True]
+
+
+@pytest.mark.parametrize("name", ["gemma3-local-global", "gemma2-softcap"])
+def test_gemma_packed_documents_equal_each_document_alone(tmp_path, name):
+    """Packed rows (RoPE positions restart, attention stops at each document): the loss of a row of
+    documents (19, 6, 7) and a row (32) equals transformers' on each document alone, through the local
+    and global layers (Gemma 3: both RoPE tables gathered by position; Gemma 2: soft-capped attention in
+    the document buckets); a document longer than the window (5) exercises it inside the buckets."""
+    from megatrain_ray.messages import Batch
+
+    model = hf_model(name)
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 32})
+    gen = torch.Generator().manual_seed(6)
+    rows = ((19, 6, 7), (32,))
+    docs = [[torch.randint(0, mcfg.vocab_size, (n + 1,), generator=gen) for n in lengths] for lengths in rows]
+    ids = torch.stack([torch.cat([d[:-1] for d in row]) for row in docs])
+    labels = torch.stack([torch.cat([d[1:] for d in row]) for row in docs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(d[None, :-1]).logits[0], d[1:], reduction="sum").item()
+                    for row in docs for d in row)
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        ours, count = trainer.gpu.eval_loss(Batch(ids, labels, positions, rows)).result()
+    assert count == 64
+    assert ours == pytest.approx(total / 64, rel=1e-6)
+
+
+def test_gemma3_config_json_in_transformers_4_spelling():
+    """Gemma 3 27B's text_config as google/gemma-3-27b-it ships it, with Gemma3TextConfig's defaults of that
+    time written out (transformers 4: rope_theta, rope_local_base_freq and rope_scaling at the top, the
+    layer pattern as sliding_window_pattern) reads as transformers 5 reads it, and has the layout's
+    27,009,346,304 parameters (configs/shapes/gemma3-27b.yaml)."""
+    hf = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 128, "hidden_size": 5376,
+          "intermediate_size": 21504, "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+          "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+          "sliding_window": 1024, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+          "sliding_window_pattern": 6, "vocab_size": 262208, "max_position_embeddings": 131072,
+          "rms_norm_eps": 1e-6, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+          "hidden_activation": "gelu_pytorch_tanh"}
+    cfg = model_config_from_hf(hf)
+    theirs = model_config_from_hf(transformers.Gemma3TextConfig(**hf).to_dict())
+    assert theirs.layer_types and not cfg.layer_types and cfg.sliding_window_pattern == 6
+    assert dataclasses.replace(cfg, layer_types=theirs.layer_types, sliding_window_pattern=0) == theirs
+    assert [cfg.layer_slides(i) for i in range(62)] == [t == "sliding_attention" for t in theirs.layer_types]
+    assert cfg.tie_word_embeddings and cfg.rope_local_base_freq == 10_000.0 and cfg.attention_scale == 168 ** -0.5
+    assert build_layout(cfg).num_params == 27_009_346_304
+    with pytest.raises(ConfigError, match="hidden_activation"):
+        model_config_from_hf({**hf, "hidden_activation": "gelu"})
+    with pytest.raises(ConfigError, match="sliding layers"):
+        model_config_from_hf({**hf, "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}})
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
