@@ -98,23 +98,7 @@ def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
             ("input_layernorm.weight", (h,), "ones"),
             ("post_attention_layernorm.weight", (h,), "ones"),
         ]
-    if cfg.is_gemma:
-        # Gemma: norms before and after attention and MLP, each scaled by (1 + weight): zeros are the identity
-        # (as transformers initialises them); Gemma 3 adds the q/k norms (qk_norm below).
-        norms = [(f"{name}.weight", (h,), "zeros") for name in (
-            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
-        qk = [("self_attn.q_norm.weight", (hd,), "zeros"), ("self_attn.k_norm.weight", (hd,), "zeros")]
-        return [
-            ("self_attn.q_proj.weight", (q, h), "normal"),
-            ("self_attn.k_proj.weight", (kv, h), "normal"),
-            ("self_attn.v_proj.weight", (kv, h), "normal"),
-            ("self_attn.o_proj.weight", (h, q), "normal"),
-            ("mlp.gate_proj.weight", (f, h), "normal"),
-            ("mlp.up_proj.weight", (f, h), "normal"),
-            ("mlp.down_proj.weight", (h, f), "normal"),
-            *norms, *(qk if cfg.qk_norm else []),
-        ]
-    tensors = [
+    projections = [
         ("self_attn.q_proj.weight", (q, h), "normal"),
         ("self_attn.k_proj.weight", (kv, h), "normal"),
         ("self_attn.v_proj.weight", (kv, h), "normal"),
@@ -122,9 +106,15 @@ def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
         ("mlp.gate_proj.weight", (f, h), "normal"),
         ("mlp.up_proj.weight", (f, h), "normal"),
         ("mlp.down_proj.weight", (h, f), "normal"),
-        ("input_layernorm.weight", (h,), "ones"),
-        ("post_attention_layernorm.weight", (h,), "ones"),
     ]
+    if cfg.is_gemma:
+        # Gemma: norms before and after attention and MLP, each scaled by (1 + weight): zeros are the identity
+        # (as transformers initialises them); Gemma 3 adds the q/k norms, zeros too.
+        norms = [(f"{name}.weight", (h,), "zeros") for name in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        qk = [("self_attn.q_norm.weight", (hd,), "zeros"), ("self_attn.k_norm.weight", (hd,), "zeros")]
+        return [*projections, *norms, *(qk if cfg.qk_norm else [])]
+    tensors = [*projections, ("input_layernorm.weight", (h,), "ones"), ("post_attention_layernorm.weight", (h,), "ones")]
     if cfg.attention_bias:
         tensors += [("self_attn.q_proj.bias", (q,), "zeros"), ("self_attn.k_proj.bias", (kv,), "zeros"),
                     ("self_attn.v_proj.bias", (kv,), "zeros")]

@@ -21,17 +21,13 @@ Measured over 20 steps (max over the tensors; losses within 2.2e-7 everywhere):
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
-from megatrain_ray.driver.trainer import Trainer  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
-from tests.integration.test_phi3_parity import report, train_hf  # noqa: E402
+from tests.integration.test_phi3_parity import report  # noqa: E402
+from tests.integration.test_phi3_parity import run_both as run_phi3_style  # noqa: E402
 from tests.integration.test_training_parity import assert_close_run  # noqa: E402
 from tests.unit.test_templates import hf_model  # noqa: E402
 
@@ -55,21 +51,8 @@ def float64_gemma_norms(monkeypatch):
 
 def run_both(tmp_path, name: str, dtype: str, **sections):
     model = hf_model(name)
-    mcfg = model_config_from_hf(model.config.to_dict())
-    precision = {"master_dtype": dtype, "compute_dtype": dtype}
-    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 24}, precision=precision,
-                      **sections)
-    assert cfg.data.seq_len > mcfg.sliding_window
-    with Trainer(cfg) as trainer:
-        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
-        initial = trainer.master_weights()
-        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
-        ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
-        final = trainer.master_weights()
-    tied = {"lm_head.weight"} if mcfg.tie_word_embeddings else set()
-    assert set(initial) == set(model.state_dict()) - tied  # HF's names; a tied head is the embedding itself
-    ref_losses, ref_state = train_hf(model, cfg, initial, batches, getattr(torch, dtype))
-    return ours, ref_losses, final, ref_state, initial
+    assert 24 > model.config.sliding_window  # the window is shorter than the sequence
+    return run_phi3_style(tmp_path, model, 24, dtype, **sections)
 
 
 @pytest.mark.parametrize("name", NAMES)
