@@ -160,7 +160,7 @@ class GPUWorker(ActorBase):
         self.engine.flush()
         tier, out = self.engine.resident, {}
         for stage in [s for s in tier.layouts if stage is None or s.index == stage]:
-            flat = tier.take(stage)[kind]
+            flat = tier.take(stage, (kind,))[kind]
             out.update({stage.hf_name(s): flat[s.offset:s.offset + s.numel].view(s.shape) for s in stage.slots})
         return out
 

@@ -120,12 +120,12 @@ class TensorBoardBackend(Backend):
     def _hparams(self, cfg: Config) -> None:
         from torch.utils.tensorboard.summary import hparams
 
-        exp, ssi, sei = hparams({k: _scalar(v) for k, v in flat_config(cfg).items()},
-                                {"loss": 0.0, "eval_loss": 0.0})
+        flat = flat_config(cfg)
+        exp, ssi, sei = hparams({k: _scalar(v) for k, v in flat.items()}, {"loss": 0.0, "eval_loss": 0.0})
         writer = self.writer._get_file_writer()
         for summary in (exp, ssi, sei):
             writer.add_summary(summary)
-        self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in flat_config(cfg).items()), 0)
+        self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in flat.items()), 0)
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():

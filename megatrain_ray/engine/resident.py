@@ -104,10 +104,10 @@ class ResidentTier:
                 getattr(resident, kind).zero_()
         self._refresh_compute(resident, 0, stage.numel)
 
-    def take(self, stage: StageLayout) -> dict[str, torch.Tensor]:
-        """CPU copies of the stage's state (STATE_KINDS)."""
+    def take(self, stage: StageLayout, kinds: tuple[str, ...] = STATE_KINDS) -> dict[str, torch.Tensor]:
+        """CPU copies of the stage's state (of `kinds`)."""
         resident = self.stages[stage.index]
-        return {kind: getattr(resident, kind).to("cpu", copy=True) for kind in STATE_KINDS}
+        return {kind: getattr(resident, kind).to("cpu", copy=True) for kind in kinds}
 
     def write_tensor(self, stage: StageLayout, offset: int, value: torch.Tensor) -> None:
         """Overwrite master weights from `offset` of the stage (the driver's load_weights)."""

@@ -27,6 +27,7 @@ peak, per token):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -36,7 +37,8 @@ from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, estimate, speed_lines
+from megatrain_ray.planning.profiles import SpeedProfile
+from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, SpeedEstimate, estimate, speed_lines
 from megatrain_ray.store.disk_tier import disk_problems, staging_bytes
 from megatrain_ray.store.segments import plan_segments, shard_stages
 from megatrain_ray.system.topology import detect_topology, plan_placement
@@ -95,6 +97,19 @@ class Plan:
     @property
     def fits(self) -> bool:
         return not self.problems
+
+    @property
+    def profile(self) -> SpeedProfile | None:
+        """The measured rates the speed model uses: none on the CPU device or for a GPU without them."""
+        return self.machine.profile if self.cfg.engine.device != "cpu" else None
+
+    @functools.cached_property
+    def expected(self) -> SpeedEstimate | None:
+        """The speed model's estimate of this run (offload and GPU-resident layers as resolved), computed once
+        for every part of the printout that quotes it."""
+        if self.profile is None:
+            return None
+        return estimate(self.cfg, self.profile, offload=self.offload, resident=self.run.resident_layers)
 
 
 
@@ -403,7 +418,7 @@ def format_plan(plan: Plan) -> str:
               + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
                  if plan.offload else ""), ""]
     lines += resident_lines(plan)
-    lines += speed_lines(cfg, machine.profile, plan.offload, run.resident_layers, gpu_visible=bool(machine.gpu_memory))
+    lines += speed_lines(cfg, plan.expected, gpu_visible=bool(machine.gpu_memory))
     lines += stop_lines(plan, params)
     lines.append("(what each line means: docs/reading-the-plan.md)")
     if plan.fits:
@@ -424,9 +439,7 @@ def stop_lines(plan: Plan, params: int) -> list[str]:
     """How long a stop takes (SIGTERM: finish the step, write a checkpoint), for RAY_JOB_STOP_WAIT_TIME_S."""
     checkpoint = plan.run.checkpoint_bytes(params)
     write_s = checkpoint / (CHECKPOINT_WRITE_GBPS * 1e9)
-    profile = plan.machine.profile if plan.cfg.engine.device != "cpu" else None
-    step_s = estimate(plan.cfg, profile, offload=plan.offload, resident=plan.run.resident_layers).step_seconds \
-        if profile else None
+    step_s = plan.expected.step_seconds if plan.expected else None
     wait_s = int(2 * (write_s + (step_s or 60.0))) + 30
     return [f"stop (SIGTERM, ray job stop): the step ends ({f'~{step_s:.1f} s' if step_s else 'its time: 60 s assumed'}), "
             f"then a "
@@ -462,9 +475,9 @@ def resident_lines(plan: Plan) -> list[str]:
     lines = [head + f"layers {first}-{last} ({len(stages)} of {len(layout.layers)}, {human_count(params)} "
              f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); no host copy: the "
              "GPU worker checkpoints and exports them"]
-    profile = plan.machine.profile if cfg.engine.device != "cpu" else None
+    profile = plan.profile
     if profile is not None:
-        with_tier = estimate(cfg, profile, offload=plan.offload, resident=len(stages)).tok_per_s
+        with_tier = plan.expected.tok_per_s
         without = estimate(cfg, profile, offload=plan.offload, resident=0).tok_per_s
         lines.append(f"  expected {with_tier:,.0f} tok/s with them, {without:,.0f} tok/s with every layer streamed "
                      f"(their updates on the GPU at {GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)")
@@ -490,9 +503,9 @@ def tier_lines(plan: Plan) -> list[str]:
     lines = [f"memory tiers (optimizer.moment_dtype={configured[0]}, host.moments_tier={configured[1]}): "
              f"store {ram_now / g:.2f} GiB RAM ({ram_now / params:.1f} B/param)"
              + (f" + {disk_now / 1e9:.1f} GB disk ({disk_now / params:.1f} B/param)" if disk_now else "")]
-    profile = plan.machine.profile if cfg.engine.device != "cpu" else None
+    profile = plan.profile
     if profile is not None:
-        lines[0] += f"; expected {estimate(cfg, profile, offload=plan.offload, resident=plan.run.resident_layers).tok_per_s:,.0f} tok/s"
+        lines[0] += f"; expected {plan.expected.tok_per_s:,.0f} tok/s"
     alternatives = []
     for dtype in ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",):
         for tier in ("ram", "disk"):

@@ -353,12 +353,11 @@ def format_speed(est: SpeedEstimate) -> list[str]:
     ]
 
 
-def speed_lines(cfg: Config, profile: SpeedProfile | None, offload: bool = False, resident: int | None = None,
-                gpu_visible: bool = True) -> list[str]:
-    """The speed part of `megatrain plan`: the estimate, or why there is none."""
+def speed_lines(cfg: Config, expected: SpeedEstimate | None, gpu_visible: bool = True) -> list[str]:
+    """The speed part of `megatrain plan`: the estimate (Plan.expected), or why there is none."""
     if cfg.engine.device == "cpu":
         return []
-    if profile is None:
+    if expected is None:
         return [f"expected speed: no measured rates for {'this GPU' if gpu_visible else 'a machine without a GPU'}; "
                 f"name a machine with --machine ({', '.join(PRESETS)})", ""]
-    return [*format_speed(estimate(cfg, profile, offload=offload, resident=resident)), ""]
+    return [*format_speed(expected), ""]
