@@ -22,6 +22,10 @@ Systems:
   over the faster of the two resident rows of the same point.
 - deepspeed: the same Hugging Face model under DeepSpeed ZeRO-3 with parameters and optimizer
   offloaded to pinned CPU memory (DeepSpeedCPUAdam), bf16, activation checkpointing.
+- LoRA (benchmarks/peft_baselines.py): megatrain-lora (finetune.method=lora) against peft-resident,
+  peft-resident-compile and peft-deepspeed, all with the config's finetune.lora; a LoRA row's vs_resident
+  and vs_deepspeed are over the LoRA baselines, and its roofline is max(GPU compute, H2D bytes / the
+  pinned H2D bandwidth probed after the run): the base streamed in is the step's only host traffic.
 
 Data parallel (--gpus 1,2): megatrain runs with parallel.gpus=N at the same batch per GPU (--batches
 counts sequences per GPU; the global batch is N times that), so the rows compare tok/s and host RAM
@@ -51,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 RESULT_TAG = "BENCH_RESULT "
 
 from benchmarks.common import (  # noqa: E402
+    LORA_RESIDENT_SYSTEMS,
     ONE_GPU_AS,
     RESIDENT_SYSTEMS,
     VARIANTS,
@@ -58,6 +63,12 @@ from benchmarks.common import (  # noqa: E402
     provenance,
     seq_len_overrides,
     write_result,
+)
+from benchmarks.peft_baselines import (  # noqa: E402
+    h2d_probe_gbps,
+    run_peft_deepspeed,
+    run_peft_resident,
+    run_peft_resident_compile,
 )
 from megatrain_ray.observe.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 from megatrain_ray.planning.machine import query_gpu  # noqa: E402
@@ -100,6 +111,7 @@ def run_megatrain(spec: dict) -> dict:
             by_kind[s.kind] = by_kind.get(s.kind, 0) + shm_bytes([s.path])
         private = host_bytes - sum(by_kind.values())
         device = trainer.device_name
+        lora = cfg.finetune.method == "lora"
         run = trainer.run_spec  # the settings the run resolved (compiled layers, gradient home, ...)
         workers = len(trainer.optimizers)
         # Which cores each optimizer worker ran its threads on (one thread per core; none: in-process).
@@ -135,7 +147,11 @@ def run_megatrain(spec: dict) -> dict:
         "losses": [r["loss"] for r in records],
         "activation_offload": plan.offload,
         "plan": {"host_gib": plan.host_total / 2**30, "gpu_peak_gib": plan.gpu_peak / 2**30},
+        "finetune": cfg.finetune.method,
+        "h2d_gb_per_step": mean("h2d_gbps") * wall / len(measured),
     })
+    if lora and device.startswith("cuda"):  # after the run: this process's CUDA context never weighed on it
+        row["h2d_probe_gbps"] = h2d_probe_gbps()
     return row
 
 
@@ -296,7 +312,10 @@ def _refuse_what_deepspeed_says_will_not_fit(cfg) -> None:
 
 
 SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "resident-compile": run_resident_compile,
-           "deepspeed": run_deepspeed}
+           "deepspeed": run_deepspeed,
+           "peft-resident": lambda spec: run_peft_resident(spec, _load, _hf_model, _timed_steps),
+           "peft-resident-compile": lambda spec: run_peft_resident_compile(spec, _load, _hf_model, _timed_steps),
+           "peft-deepspeed": lambda spec: run_peft_deepspeed(spec, _load, _hf_model, _timed_steps)}
 
 
 def child(system: str, spec: dict) -> None:
@@ -365,19 +384,28 @@ def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool =
     """Figures computed from the measured ones (also rerun on stored files by --rederive):
     - optimizer_hidden_fraction: megatrain_ray.observe.metrics.optimizer_hidden_fraction (GPU idle time bounds
       the exposed optimizer time).
-    - roofline_seconds = max(compute, DRAM bytes / DRAM bandwidth); roofline_fraction = that / step time.
+    - roofline_seconds = max(compute, DRAM bytes / DRAM bandwidth); roofline_fraction = that / step time. A LoRA
+      row (no host optimizer, the frozen base its only host traffic): max(compute, H2D bytes / probed H2D
+      bandwidth), roofline_bound "gpu" or "h2d".
     - vs_resident: tok/s over the fastest GPU-resident row (resident or resident-compile, named in
-      vs_resident_system) at the same depth, batch and sequence length (1 GPU).
+      vs_resident_system; peft-resident or peft-resident-compile for LoRA rows) at the same depth, batch and
+      sequence length (1 GPU); vs_deepspeed: over the deepspeed row (peft-deepspeed for LoRA rows).
     - vs_one_gpu: tok/s of an N-GPU row over the same system's 1-GPU row at the same depth and per-GPU batch
       (common.ONE_GPU_AS: a variant that differs only with several GPUs over the row of the one it equals).
     """
     for row in rows:
         if row["status"] != "ok":
             continue
+        lora = row.get("finetune") == "lora"
         if row["system"].startswith("megatrain"):
             row["optimizer_hidden_fraction"] = optimizer_hidden_fraction(
                 row["optimizer_seconds"], row["step_seconds"], row["compute_seconds"])
-        if row["system"].startswith("megatrain") and bandwidth_gbs:
+        if row["system"].startswith("megatrain") and lora and row.get("h2d_probe_gbps"):
+            h2d_seconds = row["h2d_gb_per_step"] / row["h2d_probe_gbps"]
+            row["roofline_seconds"] = max(row["compute_seconds"], h2d_seconds)
+            row["roofline_bound"] = "gpu" if row["compute_seconds"] >= h2d_seconds else "h2d"
+            row["roofline_fraction"] = row["roofline_seconds"] / row["step_seconds"]
+        elif row["system"].startswith("megatrain") and not lora and bandwidth_gbs:
             # With N GPUs the DRAM bytes are every rank's copies plus one optimizer pass: all share the host.
             dram_seconds = row["dram_bytes_per_param"] * row["params"] / (bandwidth_gbs * 1e9)
             row["roofline_seconds"] = max(row["compute_seconds"], dram_seconds)
@@ -387,13 +415,20 @@ def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool =
                 # A plain copy understates what the optimizer and the copy engines reach together: a
                 # DRAM-bound roofline from it means nothing (a compute-bound one stays exact).
                 row["roofline_seconds"] = row["roofline_fraction"] = None
+
+        def same_point(r: dict) -> bool:
+            return (r["layers"] == row["layers"] and r["batch"] == row["batch"] and r.get("seq_len") == row.get("seq_len")
+                    and r["status"] == "ok")
         # Against the strongest GPU-resident row of the same point (compiled layers where it ran).
-        same = [r for r in rows if r["layers"] == row["layers"] and r["batch"] == row["batch"]
-                and r.get("seq_len") == row.get("seq_len") and r["system"] in RESIDENT_SYSTEMS and r["status"] == "ok"]
+        residents = LORA_RESIDENT_SYSTEMS if lora else RESIDENT_SYSTEMS
+        same = [r for r in rows if same_point(r) and r["system"] in residents]
         if same and row.get("gpus", 1) == 1:
             best = max(same, key=lambda r: r["tok_per_s"])
             row["vs_resident"] = row["tok_per_s"] / best["tok_per_s"]
             row["vs_resident_system"] = best["system"]
+        offload = [r for r in rows if same_point(r) and r["system"] == ("peft-deepspeed" if lora else "deepspeed")]
+        if offload and row.get("gpus", 1) == 1 and row["system"] != offload[0]["system"]:
+            row["vs_deepspeed"] = row["tok_per_s"] / offload[0]["tok_per_s"]
         one_gpu = [r for r in rows if r["layers"] == row["layers"] and r["batch"] == row["batch"]
                    and r["system"] == ONE_GPU_AS.get(row["system"], row["system"]) and r.get("gpus", 1) == 1
                    and r["status"] == "ok"]
@@ -532,8 +567,13 @@ def summary_line(row: dict) -> str:
                     if row.get("optimizer_wait_seconds_by_rank") else "") + ") "
                  f"hidden {row['optimizer_hidden_fraction']:.2f} host {row['host_bytes_per_param']:.1f} B/param "
                  f"dram {row['dram_bytes_per_param']:.1f} B/param roofline {_fraction(row.get('roofline_fraction'))}")
+        if row.get("roofline_bound"):
+            text += f" ({row['roofline_bound']})"
         if "vs_one_gpu" in row:
             text += f" | x{row['vs_one_gpu']:.2f} of 1 GPU, host {row['host_gib']:.1f} GiB"
+    for key in ("vs_resident", "vs_deepspeed"):
+        if key in row:
+            text += f" | {key} {row[key]:.2f}"
     return text
 
 

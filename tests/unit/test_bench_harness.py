@@ -63,3 +63,23 @@ def test_vs_resident_is_over_the_fastest_resident_row_of_the_same_point():
     derive(rows, None)
     assert rows[2]["vs_resident"] == 15_000.0 / 21_700.0 and rows[2]["vs_resident_system"] == "resident-compile"
     assert rows[0]["vs_resident_system"] == "resident-compile"
+
+
+def test_a_lora_row_is_compared_with_the_lora_baselines_and_bounded_by_its_h2d_stream():
+    """A megatrain LoRA row: ratios over peft's rows of the same point (never the full fine-tuning ones), and a
+    roofline of max(GPU compute, H2D bytes / probed H2D bandwidth): 64 GB at 50 GB/s is 1.28 s > 1.0 s compute."""
+    def row(system, tok, finetune="full"):
+        return {"system": system, "status": "ok", "layers": 64, "batch": 1, "seq_len": 8192, "tok_per_s": tok,
+                "finetune": finetune}
+    rows = [row("resident-compile", 9_000.0), row("deepspeed", 500.0), row("peft-resident", 2_000.0, "lora"),
+            row("peft-resident-compile", 3_000.0, "lora"), row("peft-deepspeed", 1_000.0, "lora"),
+            row("megatrain-lora", 2_400.0, "lora")]
+    rows[-1].update(optimizer_seconds=0.0, step_seconds=1.6, compute_seconds=1.0, h2d_gb_per_step=64.0,
+                    h2d_probe_gbps=50.0)
+    derive(rows, 20.0)
+    ours = rows[-1]
+    assert ours["vs_resident"] == 2_400.0 / 3_000.0 and ours["vs_resident_system"] == "peft-resident-compile"
+    assert ours["vs_deepspeed"] == 2.4
+    assert ours["roofline_bound"] == "h2d" and abs(ours["roofline_seconds"] - 1.28) < 1e-12
+    assert abs(ours["roofline_fraction"] - 0.8) < 1e-12
+    assert rows[2]["vs_resident_system"] == "peft-resident-compile" and rows[1]["vs_resident_system"] == "resident-compile"
