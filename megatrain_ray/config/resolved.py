@@ -74,8 +74,11 @@ class RunSpec:
     def world(self) -> int:
         return self.ranks_per_node * self.nodes
 
-    def checkpoint_bytes(self, num_params: int) -> int:
-        """A checkpoint's size: the master weights and both AdamW moments."""
+    def checkpoint_bytes(self, num_params: int, adapter_params: int = 0) -> int:
+        """A checkpoint's size: the master weights and both AdamW moments (LoRA: the float32 adapters' and their
+        moments only; `adapter_params`: model/lora.adapter_numel)."""
+        if self.frozen_base:
+            return 3 * 4 * adapter_params
         return num_params * (DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.moment_dtype])
 
     def resident_stage_bytes(self, numel: int) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config.sections import LoraConfig, ModelConfig
+from megatrain_ray.config.sections import Config, LoraConfig, ModelConfig
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 _PEFT_PREFIX = "base_model.model."
@@ -45,6 +45,11 @@ def adapter_numel(model: ModelConfig, lora: LoraConfig) -> int:
     """Adapter parameters of the whole model: r * (in + out) per targeted projection and layer."""
     per_layer = sum(lora.r * (out + inp) for out, inp in adapter_shapes(model, lora).values())
     return per_layer * model.num_layers
+
+
+def lora_params(cfg: Config) -> int:
+    """The adapter parameters a run trains: adapter_numel with finetune.method=lora, else 0."""
+    return adapter_numel(cfg.model, cfg.finetune.lora) if cfg.finetune.method == "lora" else 0
 
 
 def lora_a(module: str) -> str:
@@ -119,3 +124,19 @@ def peft_adapter_config(model: ModelConfig, lora: LoraConfig, base: str) -> dict
         "init_lora_weights": True, "inference_mode": True, "use_dora": False, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
     }
+
+
+ADAPTER_STATE_BYTES = 16
+"""Device bytes per adapter parameter: float32 weight, gradient and AdamW's two moments."""
+
+
+def adapter_activation_bytes(model: ModelConfig, lora: LoraConfig, tokens: int, mlp_tokens: int,
+                             compute_bytes: int) -> int:
+    """What the adapters add to one layer's recompute-backward (project): per targeted projection, autograd
+    keeps the input cast to float32 (a copy unless the layer computes in float32) and the [tokens, r]
+    product with A. The MLP's projections see `mlp_tokens` at a time (engine.mlp_chunk_tokens)."""
+    total = 0
+    for module, (_, in_features) in adapter_shapes(model, lora).items():
+        n = mlp_tokens if module.startswith("mlp.") else tokens
+        total += n * ((in_features * 4 if compute_bytes != 4 else 0) + lora.r * 4)
+    return total
