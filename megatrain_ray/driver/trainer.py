@@ -440,7 +440,8 @@ class Trainer:
         store = HostStore([s for s in self.specs if s.kind == "master"])
         tensors: Mapping[str, torch.Tensor] = StoreTensors(store, self.layout)
         if self.run_spec.frozen_base:  # LoRA: the adapter in PEFT's format and the merged model
-            return export_lora(tensors, self.adapters(), self.cfg, out_dir, source, dtype, shard_bytes)
+            return export_lora(tensors, self.adapters(), self.cfg.model, self.cfg.finetune.lora, out_dir, source, dtype,
+                               shard_bytes)
         if self._resident_holder is not None:  # the GPU-resident stages' weights come from the GPU worker
             tensors = ChainMap(tensors, ResidentTensors(self._resident_holder,
                                                         self.layout.resident_stages(self.run_spec.resident_layers)))

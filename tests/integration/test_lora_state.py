@@ -174,3 +174,15 @@ def test_export_loads_in_peft_and_merged_in_transformers_with_the_same_logits(tm
     with torch.no_grad():
         merged_logits = merged(ids).logits
     assert (ours - merged_logits).abs().max() <= LOGIT_TOL * scale
+
+    # `megatrain export` of the run's last checkpoint: the same adapter and merged weights, from the
+    # adapters' file over the base the checkpoint records.
+    from safetensors.torch import load_file
+
+    from megatrain_ray.store.export import export_weights_dir
+
+    again = export_weights_dir(tmp_path / "run", tmp_path / "from-checkpoint", dtype="float32")
+    for part, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        ours_file, theirs_file = load_file(str(again / part / file)), load_file(str(tmp_path / "export" / part / file))
+        assert ours_file.keys() == theirs_file.keys()
+        assert all(torch.equal(ours_file[k], theirs_file[k]) for k in ours_file)
