@@ -17,7 +17,9 @@ import torch
 from actors.base import ActorBase
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
+from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.engine.collective import Collectives, RankInfo
+from megatrain_ray.engine.lora_engine import LoraStreamEngine
 from megatrain_ray.engine.resident import STATE_KINDS
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.messages import Batch, StepResult
@@ -68,8 +70,14 @@ class GPUWorker(ActorBase):
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
-        self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
-                                   self.store, optimizers, self.device, rank)
+        if run.frozen_base:  # LoRA: adapters on the device, a frozen streamed base
+            self.engine = LoraStreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
+                                           self.store, self.device, cfg.finetune.lora, cfg.train.seed)
+            if restore is not None:
+                self.engine.adapters.load(restore.directory, restore.entry_of(ADAPTER_STAGE))
+        else:
+            self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
+                                       self.store, optimizers, self.device, rank)
         self.layout = layout
         self._fill_resident(cfg, restore)
         self.comm: Collectives | None = None
@@ -152,7 +160,18 @@ class GPUWorker(ActorBase):
         """Write the resident stages' files of a checkpoint (after every ordered update); their manifest entries."""
         self.engine.flush()
         tier = self.engine.resident
-        return [write_stage(Path(directory), stage, tier.take(stage), step) for stage in tier.layouts]
+        entries = [write_stage(Path(directory), stage, tier.take(stage), step) for stage in tier.layouts]
+        if isinstance(self.engine, LoraStreamEngine):  # the adapters and their AdamW state
+            entries.append(self.engine.adapters.save(Path(directory), step))
+        return entries
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        """(LoRA) The adapters by PEFT name, on the CPU, after every step taken."""
+        return self.engine.adapters.named()
+
+    def set_adapters(self, tensors: dict[str, torch.Tensor]) -> None:
+        """(LoRA) Overwrite adapters by PEFT name (tests: the same start as a reference)."""
+        self.engine.adapters.put_named(tensors)
 
     def resident_tensors(self, kind: str, stage: int | None = None) -> dict[str, torch.Tensor]:
         """The resident stages' `kind` (master, exp_avg or exp_avg_sq) by Hugging Face name, copied to the CPU;

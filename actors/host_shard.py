@@ -64,7 +64,9 @@ class HostShard(ActorBase):
             self.gate = self.store.gates()[0]
             # The stages it holds: the GPU-resident ones (engine.gpu_resident) have no segments here.
             self.held = [i for i in stages if self.store.has("master", i)]
-            if restore is not None:
+            # A frozen base (LoRA) is not in its checkpoints (they hold the adapters): it is loaded as at the start.
+            self.saved = [] if run.frozen_base else self.held
+            if restore is not None and not run.frozen_base:
                 self._each_stage(f"loaded from {restore.directory}", lambda i: self._restore_stage(restore, i))
             elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
                 source = HFDirectory(cfg.model.path)
@@ -122,7 +124,7 @@ class HostShard(ActorBase):
         """Hold this shard's stages and start writing them in the background (returns at once)."""
         if self._writer is not None:
             self._writer.wait()
-        self._writer = StageWriter([self.layout.stages[i] for i in self.held], self._flats, self.gate,
+        self._writer = StageWriter([self.layout.stages[i] for i in self.saved], self._flats, self.gate,
                                    Path(directory), step, die_after_first)
 
     def save_wait(self) -> list[dict]:

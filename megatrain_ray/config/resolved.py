@@ -66,13 +66,19 @@ class RunSpec:
     resident_layers: int = 0
     """Decoder layers kept whole on the compute device (engine.gpu_resident; model.layout.resident_stages
     says which)."""
+    frozen_base: bool = False
+    """finetune.method=lora: the host holds the base once, in the streaming dtype (as its `master`, streamed
+    directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py)."""
 
     @property
     def world(self) -> int:
         return self.ranks_per_node * self.nodes
 
-    def checkpoint_bytes(self, num_params: int) -> int:
-        """A checkpoint's size: the master weights and both AdamW moments."""
+    def checkpoint_bytes(self, num_params: int, adapter_params: int = 0) -> int:
+        """A checkpoint's size: the master weights and both AdamW moments (LoRA: the float32 adapters' and their
+        moments only; `adapter_params`: model/lora.adapter_numel)."""
+        if self.frozen_base:
+            return 3 * 4 * adapter_params
         return num_params * (DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.moment_dtype])
 
     def resident_stage_bytes(self, numel: int) -> int:
@@ -107,6 +113,17 @@ class RunSpec:
         grad_home: GradHome = "stream" if not stream_is_master else ("stage" if o.grad_clip > 0 else "pool")
         rank_tokens = cfg.data.batch_size // (ranks * nodes) * cfg.data.seq_len
         compiles = e.compile is True or (e.compile == "auto" and device == "cuda")
+        if cfg.finetune.method == "lora":
+            if ranks * nodes > 1:
+                raise ConfigError(f"finetune.method=lora needs one GPU worker; parallel.gpus resolved to "
+                                  f"{ranks * nodes}: set parallel.gpus=1")
+            return cls(
+                device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
+                master_dtype=stream_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,
+                stream_is_master=True, grad_home="stream", grad_dtype=stream_dtype, moment_dtype=stream_dtype,
+                vocab_in_pieces=False, compiles=compiles,
+                layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
+                activation_offload=e.activation_offload is True, resident_layers=0, frozen_base=True)
         return cls(
             device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
             master_dtype=p.master_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,

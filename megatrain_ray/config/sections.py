@@ -754,6 +754,96 @@ def parse_drill(text: str) -> list[tuple[str, str, int]]:
     return drills
 
 
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear modules of a decoder layer by PEFT's short names (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
+PHI3_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """LoRA adapters, with PEFT's names and meanings (peft.LoraConfig)."""
+
+    SECTION: ClassVar[str] = "finetune.lora"
+    r: int = 8
+    """Rank of each adapter: A is [r, in_features], B is [out_features, r]."""
+    lora_alpha: float = 16
+    """The adapter's output is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input. Only 0 is supported: the layer stream recomputes each layer in the backward,
+    and a dropout mask would have to be drawn identically twice."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """The projections that get adapters: `all-linear` (every linear module of the decoder layers, not the LM head,
+    as PEFT's all-linear), or a list of PEFT short names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
+    bias: Literal["none"] = "none"
+    """PEFT's bias setting; only `none` (biases stay frozen)."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by lora_alpha / sqrt(r) instead of lora_alpha / r."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (PEFT's modules_to_save). Only the empty list is supported: the
+    embedding and LM head stay frozen."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if self.r < 1:
+            _fail(f"{s}.r", self.r, "must be >= 1")
+        if not self.lora_alpha > 0:
+            _fail(f"{s}.lora_alpha", self.lora_alpha, "must be > 0")
+        if self.lora_dropout != 0.0:
+            _fail(f"{s}.lora_dropout", self.lora_dropout, "only 0.0 is supported: each layer is recomputed in the "
+                  "backward and the two passes would draw different dropout masks; set it to 0")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            _fail(f"{s}.target_modules", self.target_modules, "is empty; name projections or use all-linear")
+        if self.modules_to_save:
+            _fail(f"{s}.modules_to_save", self.modules_to_save, "is not supported yet (the embedding and LM head "
+                  "stay frozen with LoRA); leave it empty")
+
+    @property
+    def scaling(self) -> float:
+        """The factor on the adapter's output, as PEFT computes it."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def targets(self, family: str) -> tuple[str, ...]:
+        """The targeted projections' short names for a model family, in the layer's order."""
+        known = PHI3_LORA_PROJECTIONS if family == "phi3" else LORA_PROJECTIONS
+        if self.target_modules == "all-linear":
+            return known
+        unknown = [name for name in self.target_modules if name not in known]
+        if unknown:
+            _fail(f"{self.SECTION}.target_modules", self.target_modules,
+                  f"{unknown[0]!r} is not a linear module of a {family} layer; choose from {', '.join(known)}")
+        return tuple(name for name in known if name in self.target_modules)
+
+
+@dataclass(kw_only=True, slots=True)
+class FinetuneConfig:
+    """What training changes: every weight (full), or low-rank adapters on a frozen base (lora)."""
+
+    SECTION: ClassVar[str] = "finetune"
+    method: Literal["full", "lora"] = "full"
+    """full: every weight trains (fp32 master and AdamW moments in host RAM, the CPU optimizer workers). lora: the
+    base is frozen and streamed from host RAM in precision.stream_dtype only (no master, moments or gradient
+    buffers); the adapters, their gradients and their AdamW state live on the compute device."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The adapters' settings (method lora)."""
+
+
+def check_finetune(cfg: "Config") -> None:
+    """finetune.method=lora against the rest of the config."""
+    if cfg.finetune.method != "lora":
+        return
+    cfg.finetune.lora.targets(cfg.model.family)
+    why = ""
+    if cfg.parallel.gpus not in (1, "auto") or cfg.parallel.nodes != 1:
+        why = "one GPU worker (parallel.gpus=1, parallel.nodes=1)"
+    elif cfg.engine.gpu_resident not in ("none", "auto", 0):
+        why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
+    elif cfg.host.moments_tier != "ram":
+        why = "host.moments_tier=ram (the adapters' moments live on the device, the host holds none)"
+    if why:
+        _fail("finetune.method", "lora", f"needs {why}")
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
     """The root of a run's configuration: one field per concern."""
@@ -770,6 +860,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def __post_init__(self) -> None:
         if self.schedule.warmup_steps > self.train.steps:
@@ -788,6 +879,7 @@ class Config:
         if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
             pass  # allowed (slow); tests of the bf16 path use it on purpose
         check_parallel(self)
+        check_finetune(self)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)

@@ -20,6 +20,7 @@ import torch
 from megatrain_ray.config.sections import Config
 from megatrain_ray.data.batches import DocumentBatches, TokenBatches
 from megatrain_ray.driver.runtime import Handle
+from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger
@@ -46,8 +47,9 @@ def truncate_metrics(path: Path, next_step: int) -> None:
 def state_config(cfg: Config) -> dict[str, dict[str, Any]]:
     """The config keys that decide what the saved state means: a checkpoint only loads where they agree.
     host.moments_tier is not one of them: the files are the same from either tier."""
+    finetune = cfg.to_dict()["finetune"] if cfg.finetune.method == "lora" else {"method": "full"}
     return {"model": cfg.to_dict()["model"], "precision": {"master_dtype": cfg.precision.master_dtype},
-            "optimizer": {"moment_dtype": cfg.optimizer.moment_dtype}}
+            "optimizer": {"moment_dtype": cfg.optimizer.moment_dtype}, "finetune": finetune}
 
 
 def find_checkpoint(resume: str | None, checkpoints: CheckpointDir, layout: ModelLayout,
@@ -60,7 +62,8 @@ def find_checkpoint(resume: str | None, checkpoints: CheckpointDir, layout: Mode
     if info is None:
         log.info("--resume auto: no complete checkpoint under %s, starting from step 0", checkpoints.root)
         return None
-    check_compatible(info, layout, state_config(cfg))
+    # A LoRA checkpoint holds the adapters' file only (its base is the model.path it records, loaded again).
+    check_compatible(info, layout, state_config(cfg), {ADAPTER_STAGE} if cfg.finetune.method == "lora" else None)
     if info.step > cfg.train.steps:
         raise CheckpointError(f"checkpoint {info.directory} is at step {info.step}, beyond "
                               f"train.steps={cfg.train.steps}; raise train.steps to continue training")

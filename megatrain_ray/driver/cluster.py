@@ -132,7 +132,7 @@ class Cluster:
                        for s, stages in enumerate(stage_groups)]
         for shard in node.shards:
             node.specs.extend(shard.segments().result())
-        workers = placement.num_workers
+        workers = 0 if self.run.frozen_base else placement.num_workers  # LoRA: no CPU optimizer work
         node.optimizers = [spawn(mode, OptimizerWorker, cfg, self.run, self.layout, node.specs, w, workers,
                                  placement.worker_cores(w), name=f"{name}optim{w}",
                                  ray_options=placement.options(f"optim{w}")) for w in range(workers)]

@@ -16,6 +16,7 @@ from pathlib import Path
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.model.lora import lora_params
 from megatrain_ray.system.files import check_output_dir
 
 HOME_STORAGE = "~/megatrain"
@@ -67,7 +68,7 @@ def check_outputs(cfg: Config, run_dir: Path, checkpoint_dir: Path, num_params: 
     anything starts: a run never fails at its first checkpoint or after hours at its export."""
     check_output_dir(run_dir, "train.output_dir", ConfigError)
     saves = cfg.checkpoint.every or cfg.checkpoint.at_end
-    check_output_dir(checkpoint_dir, "checkpoint.dir", ConfigError, run.checkpoint_bytes(num_params) if saves else 0)
+    check_output_dir(checkpoint_dir, "checkpoint.dir", ConfigError, run.checkpoint_bytes(num_params, lora_params(cfg)) if saves else 0)
     if cfg.train.export_dir:
         export_bytes = num_params * (2 if cfg.train.export_dtype == "bfloat16" else 4)
         check_output_dir(Path(cfg.train.export_dir), "train.export_dir", ConfigError, export_bytes)

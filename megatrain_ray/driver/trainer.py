@@ -45,6 +45,7 @@ from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.memory import check_plan, resolve_run
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
 from megatrain_ray.store.liveness import sweep_stale_segments
+from megatrain_ray.store.lora_export import export_lora
 from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages
 from megatrain_ray.system.files import refuse_existing
 from megatrain_ray.system.guardian import Guardian
@@ -382,7 +383,8 @@ class Trainer:
         self.cluster.sync_moments()
         partial = self.checkpoints.partial(self.next_step, self.run_id)
         die = self.drills.due("kill_during_checkpoint", self.next_step) is not None
-        self.saver.begin(self.shards, self.next_step, self.updates_applied, partial, die, self._resident_holder)
+        holder = self.gpu if self.run_spec.frozen_base else self._resident_holder  # LoRA: the adapters' file
+        self.saver.begin(self.shards, self.next_step, self.updates_applied, partial, die, holder)
         return self._finish_save() if wait else None
 
     def _finish_save(self) -> Path:
@@ -437,6 +439,9 @@ class Trainer:
             dtype = (source_dtype(source) if source else None) or "float32"
         store = HostStore([s for s in self.specs if s.kind == "master"])
         tensors: Mapping[str, torch.Tensor] = StoreTensors(store, self.layout)
+        if self.run_spec.frozen_base:  # LoRA: the adapter in PEFT's format and the merged model
+            return export_lora(tensors, self.adapters(), self.cfg.model, self.cfg.finetune.lora, out_dir, source, dtype,
+                               shard_bytes)
         if self._resident_holder is not None:  # the GPU-resident stages' weights come from the GPU worker
             tensors = ChainMap(tensors, ResidentTensors(self._resident_holder,
                                                         self.layout.resident_stages(self.run_spec.resident_layers)))
@@ -451,6 +456,16 @@ class Trainer:
             store.write_tensors(self.layout, tensors)  # the stages with segments there
         if self._resident_holder is not None:
             self._resident_holder.write_resident(tensors).result()
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        """(finetune.method=lora) The adapters by PEFT name, after the steps run so far."""
+        assert self.gpu is not None
+        return self.gpu.adapters().result()
+
+    def set_adapters(self, tensors: dict[str, torch.Tensor]) -> None:
+        """(finetune.method=lora) Overwrite adapters by PEFT name, before training (tests)."""
+        assert self.gpu is not None
+        self.gpu.set_adapters(tensors).result()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.gpu is not None

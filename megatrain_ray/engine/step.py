@@ -106,13 +106,17 @@ class StreamEngine:
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0)
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
                                     self.compute_dtype, poison, parallel.gather_weights)
-        self.grads = GradientSink(layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype,
-                                  self.acc_dtype, host_grad_home, self.engine_cfg.grad_slabs, slab_numel, poison)
+        # A frozen base (LoRA, engine/lora_engine.py) sends no gradients to the host: no sink, no vocabulary sums.
+        self.grads = None if run.frozen_base else GradientSink(
+            layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype, self.acc_dtype,
+            host_grad_home, self.engine_cfg.grad_slabs, slab_numel, poison)
         # Filled by the GPU worker (the run's initial state, a checkpoint), which has no host segments for it.
         self.resident = ResidentTier(layout, run.resident_layers, optimizer, device, TORCH_DTYPES[run.master_dtype],
                                      stream_dtype, self.compute_dtype, host_grad_dtype, poison)
         v, h = self.model_cfg.vocab_size, self.model_cfg.hidden_size
-        self.vocab_acc = torch.zeros((v, h), dtype=self.acc_dtype, device=device)
+        self.vocab_acc = None if run.frozen_base else torch.zeros((v, h), dtype=self.acc_dtype, device=device)
+        self.trainable: Any = None
+        """Which of a layer's bound tensors get gradients in the backward (None: all of them)."""
         self._comm: Collectives | None = None
         self._nan_armed = False
         """Fault drill `nan_grad` armed for the next train_step (arm_nan_grad)."""
@@ -295,7 +299,7 @@ class StreamEngine:
         # The head's own reference to its input gradient would hold a [tokens, hidden] tensor through the
         # whole backward (8 GiB at 512K tokens of an 8B model).
         grad_y, head.grad_x = head.grad_x, None
-        layers, acts, timeline = self.layout.layers, self.activations, self.telemetry.timeline
+        layers, acts = self.layout.layers, self.activations
         compute = self.streams.compute
         upcoming = self._load(layers[-1])
         acts.prefetch(len(layers) - 1, self.device)
@@ -306,30 +310,37 @@ class StreamEngine:
                 acts.prefetch(i - 1, self.device)
             w = self._bind(stage, slot)
             x_in = acts.take(i, self.device)
-            start = timeline.start(compute)
+            start = self.telemetry.timeline.start(compute)
             spec = self.specs[i]
             grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents, grad_y,
-                                                          self.mlp_chunk, self._layer(x_in, documents))
+                                                          self.mlp_chunk, self._layer(x_in, documents), self.trainable)
             del x_in
             self._release(slot)
-            # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
-            if slot is None:
-                grad_buf = self.resident.write(stage, weight_grads)
-            else:
-                grad_slot = self.grads.layer_slot(i)
-                self.grads.write(stage, grad_slot, weight_grads)
-                grad_buf = grad_slot.buf
+            self._layer_grads_out(i, stage, slot, weight_grads, inject_nan and i == 0, start)
             del weight_grads  # else the float32 MLP sums of this layer live through the next layer's backward
-            if inject_nan and i == 0:
-                grad_buf[:1].fill_(float("nan"))
-            timeline.stop("compute", compute, start)
-            if slot is None:
-                self.grads.count(grad_buf[:stage.numel])
-                self.resident.ready(stage, self.clip > 0, self.updates.lr, self.updates.adam_step)
-            else:
-                self.grads.emit(stage, grad_slot)
             grad_y = grad_x
         return grad_y
+
+    def _layer_grads_out(self, i: int, stage: StageLayout, slot: WeightSlot | None,
+                         weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any) -> None:
+        """Layer i's weight gradients to their home: the host (its update ordered), or the resident tier. `start`:
+        the timing of the layer's backward, stopped here once its gradients are written."""
+        compute, timeline = self.streams.compute, self.telemetry.timeline
+        # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
+        if slot is None:
+            grad_buf = self.resident.write(stage, weight_grads)
+        else:
+            grad_slot = self.grads.layer_slot(i)
+            self.grads.write(stage, grad_slot, weight_grads)
+            grad_buf = grad_slot.buf
+        if inject_nan:
+            grad_buf[:1].fill_(float("nan"))
+        timeline.stop("compute", compute, start)
+        if slot is None:
+            self.grads.count(grad_buf[:stage.numel])
+            self.resident.ready(stage, self.clip > 0, self.updates.lr, self.updates.adam_step)
+        else:
+            self.grads.emit(stage, grad_slot)
 
     def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: WeightSlot) -> None:
         """The embedding's gradients: a scatter-add of the input gradients (onto the LM head's part when tied)."""
@@ -413,7 +424,8 @@ class StreamEngine:
         # Let go of every device buffer and pinned activation buffer now: a closed engine can outlive
         # its run (a reference cycle, a caller's handle), and the next run in this process needs the memory.
         self.weights.close()
-        self.grads.close()
+        if self.grads is not None:
+            self.grads.close()
         self.resident.close()
         self.vocab_acc = None
         self._rope_cache.clear()

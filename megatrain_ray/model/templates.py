@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout, token_chunks
+from megatrain_ray.model.lora import project
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,8 @@ class LayerSpec:
     """Attention logit soft-cap, cap * tanh(score / cap) (0: off; on: explicit attention, not SDPA)."""
     local_rope: bool = False
     """The layer takes the local RoPE tables (Gemma 3's sliding layers)."""
+    lora_scaling: float = 0.0
+    """The factor on the LoRA adapters' output where adapters are bound (model/lora.py project)."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
@@ -365,11 +368,11 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.gemma)
     if "self_attn.qkv_proj.weight" in w:  # Phi-3: one product, split into views as transformers does
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = F.linear(h, w["self_attn.qkv_proj.weight"]).split((q_width, kv_width, kv_width), dim=-1)
+        q, k, v = project(h, w, "self_attn.qkv_proj", spec.lora_scaling).split((q_width, kv_width, kv_width), dim=-1)
     else:
-        q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
-        k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
-        v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+        q = project(h, w, "self_attn.q_proj", spec.lora_scaling)
+        k = project(h, w, "self_attn.k_proj", spec.lora_scaling)
+        v = project(h, w, "self_attn.v_proj", spec.lora_scaling)
     q = q.view(batch, seq_len, spec.num_heads, spec.head_dim)
     k = k.view(batch, seq_len, spec.num_kv_heads, spec.head_dim)
     v = v.view(batch, seq_len, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
@@ -379,7 +382,7 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
     a = attention(q, k, v, spec, documents).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
-    out = F.linear(a, w["self_attn.o_proj.weight"])
+    out = project(a, w, "self_attn.o_proj", spec.lora_scaling)
     if spec.gemma:  # Gemma: the attention's output normed before the residual add
         out = rms_norm(out, w["post_attention_layernorm.weight"], spec.eps, True)
     return x + out
@@ -387,18 +390,19 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
 
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
     """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens)."""
+    s = spec.lora_scaling
     if spec.gemma:  # norms before and after the GeLU-tanh MLP
         h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)
-        m = F.gelu(F.linear(h, w["mlp.gate_proj.weight"]), approximate="tanh") * F.linear(h, w["mlp.up_proj.weight"])
-        out = F.linear(m, w["mlp.down_proj.weight"])
+        m = F.gelu(project(h, w, "mlp.gate_proj", s), approximate="tanh") * project(h, w, "mlp.up_proj", s)
+        out = project(m, w, "mlp.down_proj", s)
         return x + rms_norm(out, w["post_feedforward_layernorm.weight"], spec.eps, True)
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
     if "mlp.gate_up_proj.weight" in w:  # Phi-3: gate and up from one product, halves of its output
-        gate, up = F.linear(h, w["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+        gate, up = project(h, w, "mlp.gate_up_proj", s).chunk(2, dim=-1)
         m = up * F.silu(gate)
     else:
-        m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
-    return x + F.linear(m, w["mlp.down_proj.weight"])
+        m = F.silu(project(h, w, "mlp.gate_proj", s)) * project(h, w, "mlp.up_proj", s)
+    return x + project(m, w, "mlp.down_proj", s)
 
 
 def is_mlp_weight(name: str, spec: LayerSpec) -> bool:
@@ -430,8 +434,12 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
 
 def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                            spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None, grad_y: torch.Tensor,
-                           mlp_chunk_tokens: int = 0, layer=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           mlp_chunk_tokens: int = 0, layer=None,
+                           trainable=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Recompute the layer from its input and return (grad of x, grads of the weights by name).
+
+    `trainable(name)` picks the weights whose gradients are computed (None: all); the others are bound
+    without requires_grad, so autograd computes no gradient for them (LoRA's frozen base).
 
     In one piece when the tokens fit one MLP chunk. Otherwise the attention half is recomputed once, the
     MLP half chunk by chunk (recompute, backward, add its weight gradients into float32 sums), and the
@@ -439,30 +447,32 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     then exist for one chunk at a time. `layer` replaces decoder_layer in the one-piece case (a compiled
     version of it)."""
     x = x.detach().requires_grad_(True)
-    params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
+    params = {n: t.detach().requires_grad_(trainable is None or trainable(n)) for n, t in w.items()}
+    wanted = [n for n, t in params.items() if t.requires_grad]
     chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
     with torch.enable_grad():
         if len(chunks) == 1:
             y = (layer or decoder_layer)(x, params, rope, spec, documents)
-            grads = torch.autograd.grad(y, [x, *params.values()], grad_y)
-            return grads[0], dict(zip(params, grads[1:]))
+            grads = torch.autograd.grad(y, [x, *(params[n] for n in wanted)], grad_y)
+            return grads[0], dict(zip(wanted, grads[1:]))
         mid = attention_block(x, params, rope, spec, documents)
     mid_flat = mid.detach().view(-1, mid.shape[-1])
     grad_y_flat = grad_y.reshape(-1, grad_y.shape[-1])
     grad_mid = torch.empty_like(mid_flat)
     mlp_params = {n: t for n, t in params.items() if is_mlp_weight(n, spec)}
+    mlp_wanted = [n for n in wanted if n in mlp_params]
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    mlp_grads = {n: torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for n, t in mlp_params.items()}
+    mlp_grads = {n: torch.zeros(mlp_params[n].shape, dtype=acc_dtype, device=x.device) for n in mlp_wanted}
     for part in chunks:
         with torch.enable_grad():
             piece = mid_flat[part].requires_grad_(True)
             out = mlp_block(piece, mlp_params, spec)
-            grads = torch.autograd.grad(out, [piece, *mlp_params.values()], grad_y_flat[part])
+            grads = torch.autograd.grad(out, [piece, *(mlp_params[n] for n in mlp_wanted)], grad_y_flat[part])
         grad_mid[part] = grads[0]
-        for name, g in zip(mlp_params, grads[1:]):
+        for name, g in zip(mlp_wanted, grads[1:]):
             mlp_grads[name] += g
         del out, grads  # else this piece's output and gradients live through the next piece's backward
-    attn_params = [n for n in params if n not in mlp_params]
+    attn_params = [n for n in wanted if n not in mlp_params]
     grads = torch.autograd.grad(mid, [x, *(params[n] for n in attn_params)], grad_mid.view_as(mid))
     return grads[0], {**dict(zip(attn_params, grads[1:])), **mlp_grads}
 
@@ -504,7 +514,7 @@ class HeadResult:
 
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
                         labels: torch.Tensor, n_valid: int, eps: float | HeadSpec, chunk_tokens: int,
-                        grad_lm_acc: torch.Tensor | None) -> HeadResult:
+                        grad_lm_acc: torch.Tensor | None, input_grad_only: bool = False) -> HeadResult:
     """Mean cross-entropy over the valid labels and its gradients, in chunks of tokens.
 
     Logits exist for one chunk at a time (chunk_tokens x vocab, upcast to float32 as in Hugging
@@ -512,13 +522,14 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
     float64), which with tied embeddings also collects the embedding's gradient later. With
     `grad_lm_acc=None` only the loss is computed (evaluation). `eps`: a HeadSpec, or the final norm's
     epsilon alone. A final soft-cap (Gemma 2) is applied to the upcast logits, and its derivative,
-    1 - tanh^2, to their gradient (one more chunk-sized float32 tensor while it is on).
+    1 - tanh^2, to their gradient (one more chunk-sized float32 tensor while it is on). `input_grad_only`
+    (a frozen head, LoRA): only the gradient of x, none of the weights (grad_lm_acc unused).
     """
     spec = eps if isinstance(eps, HeadSpec) else HeadSpec(eps)
     batch, seq_len, hidden = x.shape
-    with_grads = grad_lm_acc is not None
+    with_grads = grad_lm_acc is not None or input_grad_only
     x = x.detach().requires_grad_(with_grads)
-    norm_weight = norm_weight.detach().requires_grad_(with_grads)
+    norm_weight = norm_weight.detach().requires_grad_(with_grads and not input_grad_only)
     with torch.set_grad_enabled(with_grads):
         normed = rms_norm(x, norm_weight, spec.eps, spec.plus_one)
     flat = normed.detach().reshape(-1, hidden)
@@ -550,9 +561,13 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
             del capped
         grad_logits = grad_logits.to(h.dtype)
         grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
-        grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
+        if not input_grad_only:
+            grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
     if not with_grads:
         return HeadResult(loss, None, None)
+    if input_grad_only:
+        (grad_x,) = torch.autograd.grad(normed, (x,), grad_flat.view(batch, seq_len, hidden))
+        return HeadResult(loss, grad_x, None)
     grad_x, grad_norm = torch.autograd.grad(normed, (x, norm_weight), grad_flat.view(batch, seq_len, hidden))
     return HeadResult(loss, grad_x, grad_norm)
 

@@ -36,6 +36,8 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.lora import lora_params
+from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, lora_tier_lines
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.profiles import SpeedProfile
 from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, SpeedEstimate, estimate, speed_lines
@@ -134,14 +136,17 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
     grad_elems = 2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel
     ranks = run.ranks_per_node
     grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
+    backward = int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
+                   * (COMPILED_WORKING_SET if run.layers_compiled else 1))
+    if run.frozen_base:  # LoRA: no gradient leaves the device, the vocabulary-sized sums do not exist
+        return lora_gpu_bytes(cfg, run, offload, per_slot, mlp_tokens, backward)
     return {
         "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
         "gradient buffers": grad_elems * grad_b,
         "vocabulary accumulator": v * h * acc_b,
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
-        "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
-                                          * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + mlp_sums,
+        "layer backward working set": backward + mlp_sums,
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
         + 2 * tokens * h * acc_b,
         "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
@@ -258,7 +263,8 @@ engine.mlp_chunk_tokens tokens (config/resolved.takes_compiled_layer), so no lon
 
 def _peak(g: dict[str, int]) -> int:
     return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
-            + g["GPU-resident layers"] + max(g["layer backward working set"], g["loss head working set"]))
+            + g["GPU-resident layers"] + g.get(LORA_ADAPTERS, 0)
+            + max(g["layer backward working set"], g["loss head working set"]))
 
 
 def store_bytes(cfg: Config, run: RunSpec, workers: int) -> tuple[dict[str, int], dict[str, int], int]:
@@ -280,7 +286,7 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan.run = run = resolve_run(cfg, machine.gpu_memory)
     workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
                                  gpu_ranks=run.ranks_per_node).workers)
-    plan.workers = workers
+    plan.workers = workers = 0 if run.frozen_base else workers  # LoRA: no CPU optimizer workers
     plan.host, plan.disk, plan.staging = store_bytes(cfg, run, workers)
     pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if run.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
@@ -331,6 +337,8 @@ def host_fixes(plan: Plan) -> list[str]:
     cfg, g = plan.cfg, GiB
     precision, optimizer, host = cfg.precision, cfg.optimizer, cfg.host
     candidates = []
+    if plan.run.frozen_base:  # LoRA: the store is the base in the streaming dtype, nothing else to drop
+        return ["train a smaller model, or use a machine with more RAM"]
     if not precision.stream_is_master:
         candidates.append((f"precision.stream_dtype={precision.master_dtype} (stream the master weights: no separate "
                            "streaming copy, twice the PCIe bytes per step)",
@@ -388,7 +396,8 @@ def format_plan(plan: Plan) -> str:
               "stream": run.stream_dtype}
     for kind, nbytes in plan.host.items():
         if nbytes >= 2**20:
-            lines.append(f"  {_LABELS[kind]:<28}{dtypes.get(kind, run.grad_dtype):>9} {nbytes / g:10.2f} GiB")
+            label = "frozen base (streamed)" if run.frozen_base and kind == "master" else _LABELS[kind]
+            lines.append(f"  {label:<28}{dtypes.get(kind, run.grad_dtype):>9} {nbytes / g:10.2f} GiB")
     params = layout.num_params
     lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)"]
     if plan.disk:
@@ -396,7 +405,7 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
               *([f"  {'offloaded layer inputs (pinned)':<38}{plan.offloaded / g:10.2f} GiB"] if plan.offload else []),
               f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
-              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  ({GRAD_HOMES[run.grad_home]})",
+              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  ({'the frozen base, streamed as it is' if run.frozen_base else GRAD_HOMES[run.grad_home]})",
               ""]
     if plan.disk:
         lines.append(f"disk (host.disk_dir={cfg.host.disk_dir}):")
@@ -409,8 +418,8 @@ def format_plan(plan: Plan) -> str:
               f"engine.activation_offload={str(cfg.engine.activation_offload).lower()}):"]
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
-    fixed = sum(plan.gpu[k] for k in ("weight buffers", "gradient buffers", "vocabulary accumulator",
-                                      "GPU-resident layers"))
+    fixed = sum(plan.gpu.get(k, 0) for k in ("weight buffers", "gradient buffers", "vocabulary accumulator",
+                                             "GPU-resident layers", LORA_ADAPTERS))
     per_token = (plan.gpu_peak - fixed) / run.rank_tokens
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
               f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB",
@@ -437,7 +446,7 @@ CHECKPOINT_WRITE_GBPS = 1.0
 
 def stop_lines(plan: Plan, params: int) -> list[str]:
     """How long a stop takes (SIGTERM: finish the step, write a checkpoint), for RAY_JOB_STOP_WAIT_TIME_S."""
-    checkpoint = plan.run.checkpoint_bytes(params)
+    checkpoint = plan.run.checkpoint_bytes(params, lora_params(plan.cfg))
     write_s = checkpoint / (CHECKPOINT_WRITE_GBPS * 1e9)
     step_s = plan.expected.step_seconds if plan.expected else None
     wait_s = int(2 * (write_s + (step_s or 60.0))) + 30
@@ -497,6 +506,8 @@ def tier_lines(plan: Plan) -> list[str]:
     would change (same shape, precision and workers): what `plan` prints for users to pick from."""
     cfg, g = plan.cfg, GiB
     params = build_layout(cfg.model).num_params
+    if plan.run.frozen_base:
+        return lora_tier_lines(plan, params)
     configured = (cfg.optimizer.moment_dtype, cfg.host.moments_tier)
     ram_now = plan.shm_total + plan.staging
     disk_now = sum(plan.disk.values())

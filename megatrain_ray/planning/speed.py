@@ -21,6 +21,8 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.flops import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
+from megatrain_ray.model.lora import lora_params
+from megatrain_ray.planning.lora import ADAPTER_UPDATE_BYTES, lora_stage_seconds
 from megatrain_ray.planning.profiles import PRESETS, REFERENCE_OPTIMIZER_BYTES, HostProfile, SpeedProfile, adamw_gparams
 from megatrain_ray.store.segments import (
     SlabTurns,
@@ -85,6 +87,11 @@ def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelL
     for stage, f in zip(layout.stages, flops):
         seconds = f * tokens / rate
         fwd, bwd = (seconds / 4, 3 * seconds / 4) if stage.kind == "layer" else (seconds, 0.0)
+        if run.frozen_base:  # LoRA: no weight gradients (planning/lora.py); nothing goes back to the host
+            fwd, bwd = lora_stage_seconds(cfg, stage, fwd, bwd, tokens, rate)
+            costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, stage.numel * stream_b, 0,
+                                   activation if stage.kind == "layer" else 0))
+            continue
         copies = 0 if stage.index in resident else 1
         costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, copies * stage.numel * stream_b,
                                copies * stage.numel * grad_b, activation if stage.kind == "layer" else 0,
@@ -126,6 +133,10 @@ class _Replay:
     """The gradient slabs' turns (host.SlabTurns), as the engine takes them; None without the pool."""
     slab_numel: int = 0
     """Stages larger than this go through the slabs in pieces (0: none do)."""
+    frozen: bool = False
+    """LoRA (RunSpec.frozen_base): no gradient leaves the device, no CPU update is ordered."""
+    device_update_seconds: float = 0.0
+    """LoRA: the adapters' AdamW step on the device, after the backward."""
 
     def _optimizer_busy(self, t: float) -> bool:
         k = bisect.bisect_right(self.optimizer_spans, (t, math.inf)) - 1  # the spans are disjoint and sorted
@@ -191,6 +202,8 @@ class _Replay:
         self.busy["compute"] += c.resident_update_seconds
 
     def emit(self, c: StageCost, grad_slot: str, deferred: list[tuple[int, float]]) -> None:
+        if self.frozen:
+            return
         if c.resident:  # no D2H: the update at once, or after the backward with the others (clipping)
             if self.clip:
                 deferred.append((c.index, self.compute))
@@ -258,6 +271,8 @@ class _Replay:
         for index, _ in sorted(deferred):  # the resident layers' updates once the CPU's are ordered
             if costs[index].resident:
                 self.update_on_gpu(costs[index])
+        self.compute += self.device_update_seconds
+        self.busy["compute"] += self.device_update_seconds
         self.slot_holds.clear()  # the weights change with the updates just ordered
         end = max(self.issue, self.compute, self.h2d, self.d2h)
         self.idle["D2H"] += end - self.compute  # the last gradients drain after the last compute
@@ -318,7 +333,9 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
         if run.grad_home == "pool" else None
     replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, adamw_gparams(cfg, profile.host),
-                     slab_turns=turns, slab_numel=layout.max_layer_numel if pieces else 0)
+                     slab_turns=turns, slab_numel=layout.max_layer_numel if pieces else 0, frozen=run.frozen_base,
+                     device_update_seconds=lora_params(cfg) * ADAPTER_UPDATE_BYTES
+                     / (GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9))
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call

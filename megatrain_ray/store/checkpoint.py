@@ -289,11 +289,13 @@ def read_manifest(directory: str | Path) -> CheckpointInfo:
 
 
 # State-defining keys added after checkpoints already existed: what those checkpoints hold.
-_STATE_KEYS_BEFORE = {("optimizer", "moment_dtype"): "float32"}
+_STATE_KEYS_BEFORE = {("optimizer", "moment_dtype"): "float32", ("finetune", "method"): "full"}
 
 
-def check_compatible(info: CheckpointInfo, layout: ModelLayout, state_config: dict) -> None:
-    """Refuse a checkpoint of another model shape or precision, naming the first key that differs."""
+def check_compatible(info: CheckpointInfo, layout: ModelLayout, state_config: dict,
+                     stages: set[int] | None = None) -> None:
+    """Refuse a checkpoint of another model shape or precision, naming the first key that differs. `stages`: the
+    file entries a checkpoint of this run holds (None: one per stage of the model)."""
     saved = info.manifest.get("state_config", {})
     for section, values in state_config.items():
         for key, value in values.items():
@@ -301,10 +303,11 @@ def check_compatible(info: CheckpointInfo, layout: ModelLayout, state_config: di
             if old != value:
                 raise CheckpointError(f"checkpoint {info.directory} was written with {section}.{key}={old!r}, "
                                       f"this config has {value!r}: resume with the config of that run")
-    stages = {e["stage"] for e in info.manifest.get("files", [])}
-    if stages != {s.index for s in layout.stages}:
-        raise CheckpointError(f"checkpoint {info.directory} holds {len(stages)} stages, the model has "
-                              f"{len(layout.stages)}")
+    held = {e["stage"] for e in info.manifest.get("files", [])}
+    expected = stages if stages is not None else {s.index for s in layout.stages}
+    if held != expected:
+        raise CheckpointError(f"checkpoint {info.directory} holds {len(held)} stage files, this run expects "
+                              f"{len(expected)}")
 
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):

@@ -12,6 +12,7 @@ from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointDir, CheckpointWeights, model_config_of, read_manifest
+from megatrain_ray.store.lora_export import export_lora_checkpoint, is_lora_checkpoint
 from megatrain_ray.system.files import read_text_file
 
 log = get_logger(__name__)
@@ -48,6 +49,8 @@ def export_weights_dir(source: str | Path, out_dir: str | Path, dtype: str | Non
         source = run_source(Path(source))
     if (Path(source) / MANIFEST).is_file():
         info = read_manifest(source)
+        if is_lora_checkpoint(info):  # adapter/ and merged/ over the base the checkpoint records
+            return export_lora_checkpoint(info, out_dir, dtype, shard_bytes)
         model_cfg = model_config_of(info)
         origin = model_cfg.path if model_cfg.path and Path(model_cfg.path).is_dir() else None
         return export_hf(CheckpointWeights(info), model_cfg, out_dir, source_dir=origin,

@@ -15,6 +15,9 @@ Ray; the bytes never do. Kinds per stage:
   `stream` buffer, which is free between the layer's backward and its update, or, when the
   master is streamed and clipping is off, in a small pool of `gradpool` slabs (pool_slab_sizes).
 
+With a frozen base (finetune.method=lora, RunSpec.frozen_base) a stage has its `master` only, in the
+streaming dtype: the weights the device reads, never updated.
+
 A stage of the GPU-resident tier (engine.gpu_resident, RunSpec.resident_layers) has none of these: its whole
 state lives on the compute device (engine/resident.py), and the GPU worker fills it, checkpoints it and
 serves its weights itself.
@@ -94,6 +97,8 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
             continue
         stage = layout.stages[index]
         kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", moments), ("exp_avg_sq", moments)]
+        if run.frozen_base:  # LoRA: the base once, in the streaming dtype (RunSpec's master), streamed directly
+            kinds = [("master", master)]
         if not run.stream_is_master:
             kinds.append(("stream", run.stream_dtype))
         if home == "stage":

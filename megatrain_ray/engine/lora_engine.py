@@ -1,0 +1,89 @@
+"""The layer stream with a frozen base and LoRA adapters (finetune.method=lora).
+
+The same forward, head and recompute-backward as StreamEngine, with three differences:
+
+- each decoder layer's adapters (engine/adapters.py, on the device) are bound beside its streamed weights,
+  and the templates' projections add them (model/lora.py project);
+- the backward binds the base weights without requires_grad: autograd computes the input gradients and the
+  adapters' gradients only. The head computes only its input gradient, the embedding none. No gradient
+  leaves the device, no update is ordered from the CPU optimizer workers (a LoRA run has none);
+- after the backward the adapters take their AdamW step on the device, clipped by the exact global norm of
+  their gradients (a non-finite norm or loss drops the step, whatever optimizer.grad_clip is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.config.sections import EngineConfig, LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from megatrain_ray.engine.adapters import AdapterTier
+from megatrain_ray.engine.step import StreamEngine
+from megatrain_ray.engine.weights import WeightSlot
+from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.lora import is_adapter
+from megatrain_ray.model.templates import HeadResult, head_loss_and_grads
+from megatrain_ray.store.segments import HostStore
+
+
+class LoraStreamEngine(StreamEngine):
+    def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
+                 run: RunSpec, layout: ModelLayout, store: HostStore, device: torch.device, lora: LoraConfig,
+                 seed: int):
+        """StreamEngine's arguments (a RunSpec with frozen_base; no optimizer workers, one rank), the adapters'
+        settings and the run seed that draws their initial values."""
+        super().__init__(model, engine, parallel, optimizer, run, layout, store, [], device)
+        self.adapters = AdapterTier(model, lora, optimizer, seed, device)
+        self.specs = tuple(replace(spec, lora_scaling=self.adapters.scaling) for spec in self.specs)
+        self.trainable = is_adapter
+
+    def _begin(self, training: bool) -> None:
+        self.telemetry.new_step()
+        self.weights.begin_step(training)
+        self.adapters.begin_step()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _bind(self, stage: StageLayout, slot: WeightSlot | None) -> dict[str, torch.Tensor]:
+        return {**super()._bind(stage, slot), **self.adapters.layer(stage.index - 1)}
+
+    def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int) -> HeadResult:
+        """The loss and the gradient of the last hidden state only (a frozen head)."""
+        layout, compute = self.layout, self.streams.compute
+        head_slot = self.weights.slot_for(layout.head)
+        head_w = self.weights.bind(layout.head, head_slot)
+        start = self.telemetry.timeline.start(compute)
+        head = head_loss_and_grads(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w), labels,
+                                   n_valid, self.head_spec, self.engine_cfg.loss_chunk_tokens, None,
+                                   input_grad_only=True)
+        self.weights.release(head_slot)
+        self.telemetry.timeline.stop("compute", compute, start)
+        return head
+
+    def _layer_grads_out(self, i: int, stage: StageLayout, slot: WeightSlot | None,
+                         weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any) -> None:
+        """Layer i's adapter gradients into their device buffers (the global norm counts them)."""
+        if inject_nan:
+            next(iter(weight_grads.values())).view(-1)[:1].fill_(float("nan"))
+        self.adapters.set_grads(i, weight_grads)
+        self.telemetry.timeline.stop("compute", self.streams.compute, start)
+
+    def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: WeightSlot) -> None:
+        """A frozen embedding: no gradient."""
+        self.weights.release(embed_slot)
+
+    def _totals(self, loss_sum: torch.Tensor, step: int) -> tuple[float, float]:
+        return float(loss_sum), float(self.adapters.sqnorm.sqrt())
+
+    def _order_deferred_updates(self, loss: float, grad_norm: float) -> bool:
+        """The adapters' clipped AdamW step; returns whether the step is dropped (a non-finite norm or loss)."""
+        skipped = not (torch.isfinite(torch.tensor(grad_norm)) and torch.isfinite(torch.tensor(loss)))
+        self.adapters.step(self.updates.lr, self.clip, grad_norm, apply=not skipped)
+        return skipped
+
+    def close(self) -> None:
+        super().close()
+        self.adapters.close()

@@ -1,0 +1,142 @@
+"""LoRA's math: which projections get adapters, their shapes and initial values, the adapted projection,
+PEFT's names, and the merge into the base weights.
+
+An adapter on projection W [out, in] is a pair A [r, in], B [out, r]; the projection becomes
+W x + b + scaling * B A x, with scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as
+peft.tuners.lora.Linear computes it: the adapter's input cast to the adapters' dtype (float32) and the
+sum cast back to the base's dtype. A is drawn as PEFT draws it (kaiming_uniform_ with a = sqrt(5):
+uniform in +-1/sqrt(in)), here from a generator seeded by the run seed, the layer and the projection (the
+same values on any device and in any order); B starts at zero, so the adapted model starts as the base.
+
+The templates bind adapters beside a stage's weights under `<module>.lora_A.weight` and
+`<module>.lora_B.weight` (the names PEFT gives them inside a layer), and every projection goes through
+`project`; a layer without them computes the plain projection.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from megatrain_ray.config.sections import Config, LoraConfig, ModelConfig
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+_PEFT_PREFIX = "base_model.model."
+
+
+def module_name(short: str) -> str:
+    """`q_proj` -> `self_attn.q_proj`, `gate_proj` -> `mlp.gate_proj`: the module inside a decoder layer."""
+    return f"{'self_attn' if short in _ATTENTION else 'mlp'}.{short}"
+
+
+def adapter_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each targeted projection of a layer, by module name, in the layer's order."""
+    h, f, hd = model.hidden_size, model.intermediate_size, model.resolved_head_dim
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "qkv_proj": (q + 2 * kv, h),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f), "gate_up_proj": (2 * f, h)}
+    return {module_name(short): dims[short] for short in lora.targets(model.family)}
+
+
+def adapter_numel(model: ModelConfig, lora: LoraConfig) -> int:
+    """Adapter parameters of the whole model: r * (in + out) per targeted projection and layer."""
+    per_layer = sum(lora.r * (out + inp) for out, inp in adapter_shapes(model, lora).values())
+    return per_layer * model.num_layers
+
+
+def lora_params(cfg: Config) -> int:
+    """The adapter parameters a run trains: adapter_numel with finetune.method=lora, else 0."""
+    return adapter_numel(cfg.model, cfg.finetune.lora) if cfg.finetune.method == "lora" else 0
+
+
+def lora_a(module: str) -> str:
+    return f"{module}.lora_A.weight"
+
+
+def lora_b(module: str) -> str:
+    return f"{module}.lora_B.weight"
+
+
+def _seed(run_seed: int, layer: int, module: str) -> int:
+    """A generator seed per (run, layer, projection): independent of the order the adapters are made in."""
+    return (run_seed * 1_000_003 + layer * 1_009 + sum(ord(c) * 31 ** i for i, c in enumerate(module))) % 2**63
+
+
+def initial_adapters(model: ModelConfig, lora: LoraConfig, seed: int, layer: int,
+                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One layer's adapters at step 0 (CPU): A kaiming-uniform (a = sqrt(5)) as PEFT, B zeros."""
+    out: dict[str, torch.Tensor] = {}
+    for module, (out_features, in_features) in adapter_shapes(model, lora).items():
+        gen = torch.Generator().manual_seed(_seed(seed, layer, module))
+        a = torch.empty(lora.r, in_features, dtype=dtype)
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        out[lora_a(module)] = a
+        out[lora_b(module)] = torch.zeros(out_features, lora.r, dtype=dtype)
+    return out
+
+
+def project(h: torch.Tensor, w: Mapping[str, torch.Tensor], module: str, scaling: float) -> torch.Tensor:
+    """The projection `module` of the layer whose tensors are `w`, with its adapter when one is bound."""
+    out = F.linear(h, w[f"{module}.weight"], w.get(f"{module}.bias"))
+    a = w.get(lora_a(module))
+    if a is None:
+        return out
+    delta = F.linear(F.linear(h.to(a.dtype), a), w[lora_b(module)]) * scaling
+    return (out + delta).to(out.dtype)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a tensor name inside a layer is an adapter's."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def peft_name(layer: int, name: str) -> str:
+    """PEFT's name of a layer's adapter tensor in adapter_model.safetensors (e.g.
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight)."""
+    return f"{_PEFT_PREFIX}model.layers.{layer}.{name}"
+
+
+def from_peft_name(key: str) -> tuple[int, str]:
+    """(layer, name inside the layer) of a PEFT adapter key; the inverse of peft_name."""
+    prefix = f"{_PEFT_PREFIX}model.layers."
+    if not key.startswith(prefix):
+        raise KeyError(f"{key!r} is not a decoder layer's adapter")
+    layer, _, name = key[len(prefix):].partition(".")
+    return int(layer), name
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B A, in float32 (or wider), as PEFT's merge computes the delta; the caller casts."""
+    work = torch.promote_types(weight.dtype, torch.float32)
+    return weight.to(work) + (b.to(work) @ a.to(work)) * scaling
+
+
+def peft_adapter_config(model: ModelConfig, lora: LoraConfig, base: str) -> dict:
+    """adapter_config.json as peft.LoraConfig.save_pretrained writes the keys that matter for loading."""
+    alpha = int(lora.lora_alpha) if float(lora.lora_alpha).is_integer() else lora.lora_alpha
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.r,
+        "lora_alpha": alpha, "lora_dropout": lora.lora_dropout, "bias": lora.bias, "use_rslora": lora.use_rslora,
+        "target_modules": sorted(lora.targets(model.family)), "modules_to_save": None, "fan_in_fan_out": False,
+        "init_lora_weights": True, "inference_mode": True, "use_dora": False, "layers_to_transform": None,
+        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
+    }
+
+
+ADAPTER_STATE_BYTES = 16
+"""Device bytes per adapter parameter: float32 weight, gradient and AdamW's two moments."""
+
+
+def adapter_activation_bytes(model: ModelConfig, lora: LoraConfig, tokens: int, mlp_tokens: int,
+                             compute_bytes: int) -> int:
+    """What the adapters add to one layer's recompute-backward (project): per targeted projection, autograd
+    keeps the input cast to float32 (a copy unless the layer computes in float32) and the [tokens, r]
+    product with A. The MLP's projections see `mlp_tokens` at a time (engine.mlp_chunk_tokens)."""
+    total = 0
+    for module, (_, in_features) in adapter_shapes(model, lora).items():
+        n = mlp_tokens if module.startswith("mlp.") else tokens
+        total += n * ((in_features * 4 if compute_bytes != 4 else 0) + lora.r * 4)
+    return total

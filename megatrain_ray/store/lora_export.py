@@ -1,0 +1,108 @@
+"""Export of a LoRA run (finetune.method=lora): the adapter as PEFT saves it, and the merged model.
+
+    <export_dir>/adapter/   adapter_config.json + adapter_model.safetensors (PEFT's key names): what
+                            peft.PeftModel.from_pretrained(base, "<export_dir>/adapter") loads on the base
+    <export_dir>/merged/    a Hugging Face model directory with W + scaling * B A in every adapted projection
+                            (transformers' AutoModelForCausalLM loads it without peft)
+
+The merged weights are computed one tensor at a time (in float32, then cast to the export dtype), from the
+base as the host store holds it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatrain_ray.config.load import _build
+from megatrain_ray.config.sections import LoraConfig, ModelConfig
+from megatrain_ray.engine.adapters import ADAPTER_STAGE
+from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
+from megatrain_ray.model.lora import from_peft_name, merged_weight, peft_adapter_config
+from megatrain_ray.store.checkpoint import MANIFEST, CheckpointInfo, model_config_of
+from megatrain_ray.system.files import atomic_directory, refuse_existing
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class MergedWeights(Mapping[str, torch.Tensor]):
+    """The base's tensors by Hugging Face name, with each adapted projection's weight merged on lookup."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scaling: float):
+        self.base, self.scaling = base, scaling
+        self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, value in adapters.items():
+            layer, name = from_peft_name(key)
+            module, _, which = name.rpartition(".lora_")
+            target = f"model.layers.{layer}.{module}.weight"
+            a, b = self.pairs.get(target, (None, None))
+            self.pairs[target] = (value, b) if which.startswith("A") else (a, value)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        weight = self.base[name]
+        if name not in self.pairs:
+            return weight
+        a, b = self.pairs[name]
+        return merged_weight(weight, a, b, self.scaling)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+def write_peft_adapter(adapters: Mapping[str, torch.Tensor], model: ModelConfig, lora: LoraConfig, out_dir: Path,
+                       base: str) -> Path:
+    """adapter_config.json and adapter_model.safetensors (float32, PEFT's names) into `out_dir`, atomically."""
+    with atomic_directory(out_dir, CheckpointError, "adapter export directory") as tmp:
+        config = peft_adapter_config(model, lora, base)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapters.items()},
+                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return out_dir
+
+
+def export_lora(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], model: ModelConfig,
+                lora: LoraConfig, out_dir: str | Path, source_dir: str | None, dtype: str, shard_bytes: int) -> Path:
+    """`out_dir`/adapter (PEFT) and `out_dir`/merged (Hugging Face); returns `out_dir`."""
+    out = Path(out_dir)
+    refuse_existing(out, CheckpointError, "export directory")
+    out.mkdir(parents=True)
+    write_peft_adapter(adapters, model, lora, out / "adapter", model.path or "")
+    export_hf(MergedWeights(base, adapters, lora.scaling), model, out / "merged", source_dir=source_dir, dtype=dtype,
+              shard_bytes=shard_bytes)
+    return out
+
+
+def is_lora_checkpoint(info: CheckpointInfo) -> bool:
+    return info.manifest.get("state_config", {}).get("finetune", {}).get("method") == "lora"
+
+
+def export_lora_checkpoint(info: CheckpointInfo, out_dir: str | Path, dtype: str | None, shard_bytes: int) -> Path:
+    """`megatrain export` of a LoRA checkpoint: its adapters (adapters.safetensors) over the base it records
+    (model.path, which must still be a model directory: the checkpoint does not hold the base)."""
+    model = model_config_of(info)
+    saved = info.manifest.get("config", {}).get("finetune", {}).get("lora")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {info.directory}: {MANIFEST} holds no finetune.lora settings; it is corrupt")
+    lora = _build(LoraConfig, dict(saved), "finetune.lora")
+    if not model.path or not Path(model.path).is_dir():
+        raise CheckpointError(f"checkpoint {info.directory} holds LoRA adapters over the base model.path="
+                              f"{model.path or '(random init)'!r}, which is not a model directory here; a LoRA "
+                              "checkpoint exports only with its base (export train.export_dir at the end of the run)")
+    path = info.directory / info.entry_of(ADAPTER_STAGE)["path"]
+    with safe_open(str(path), framework="pt") as f:
+        adapters = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("optimizer.")}  # noqa: SIM118
+    return export_lora(HFDirectory(model.path), adapters, model, lora, out_dir, model.path,
+                       dtype or source_dtype(model.path) or "float32", shard_bytes)

@@ -1,0 +1,188 @@
+"""A LoRA run's state (finetune.method=lora): what the host holds, checkpoints, resume, faults and export.
+
+References: the host segments against the config (the base once, nothing else); checkpoints against the
+adapters and AdamW state the run holds; resume and a fault restart against an uninterrupted run, bit for
+bit; the export against peft (PeftModel.from_pretrained on the Hugging Face base, no missing or unexpected
+keys, logits within 1e-5 of megatrain's) and transformers (the merged directory, the same logits).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from megatrain_ray.driver.trainer import Trainer
+from megatrain_ray.engine.adapters import ADAPTER_FILE, ADAPTER_STAGE
+from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.store.checkpoint import CheckpointDir
+from tests.integration.test_lora_parity import lora_config, make_base
+
+LOGIT_TOL = 1e-5
+"""Relative to the largest logit, float32: the same math in another order (measured: about 1e-7)."""
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return make_base(tmp_path_factory.mktemp("lora") / "base", "qwen2")
+
+
+def test_the_host_holds_the_base_once_in_the_streaming_dtype_and_nothing_else(tmp_path, base):
+    cfg = lora_config(tmp_path, base, steps=2, precision={"master_dtype": "float32", "compute_dtype": "bfloat16"})
+    with Trainer(cfg) as trainer:
+        kinds = {(s.kind, s.dtype) for s in trainer.specs}
+        assert kinds == {("master", "bfloat16"), ("gate", "int32")}
+        assert sum(s.numel for s in trainer.specs if s.kind == "master") == \
+            sum(stage.numel for stage in trainer.layout.stages)
+        assert trainer.optimizers == []  # no CPU optimizer workers
+        before = trainer.master_weights()
+        trainer.step(0)
+        trainer.step(1)
+        after = trainer.master_weights()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # the frozen base never changes
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+        assert all(torch.equal(after[k], hf[k].to(torch.bfloat16)) for k in after)
+
+
+def test_checkpoints_hold_the_adapters_and_their_adamw_state(tmp_path, base):
+    cfg = lora_config(tmp_path, base, steps=4, checkpoint={"every": 2})
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        adapters = trainer.adapters()
+        engine = trainer.gpu.instance.engine  # runtime.mode=local: the worker object itself
+        state = {name: engine.adapters.optimizer.state[t] for name, t in
+                 zip(adapters, engine.adapters.params)}
+    last = CheckpointDir(tmp_path / "run" / "checkpoints").latest()
+    assert last.step == 4 and [e["stage"] for e in last.manifest["files"]] == [ADAPTER_STAGE]
+    assert last.manifest["state_config"]["finetune"]["method"] == "lora"
+    assert last.manifest["state_config"]["model"]["path"] == str(base)  # the base it belongs to
+    entry = last.manifest["files"][0]
+    path = last.directory / entry["path"]
+    assert path.name == ADAPTER_FILE and zlib.crc32(path.read_bytes()) == entry["crc32"]
+    with safe_open(str(path), framework="pt") as f:
+        assert int(f.metadata()["adam_step"]) == 4
+        names = set(f.keys())  # noqa: SIM118 (safe_open is not a dict)
+        assert names == set(adapters) | {f"optimizer.{k}.{n}" for k in ("exp_avg", "exp_avg_sq") for n in adapters}
+        for name, value in adapters.items():
+            assert torch.equal(f.get_tensor(name), value)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(f.get_tensor(f"optimizer.{kind}.{name}"), state[name][kind].cpu())
+
+
+def test_resume_continues_bit_identically(tmp_path, base):
+    reference = lora_config(tmp_path / "ref", base, steps=8)
+    with Trainer(reference) as trainer:
+        trainer.train()
+        final = trainer.adapters()
+    cfg = lora_config(tmp_path / "cut", base, steps=8, checkpoint={"every": 3})
+    with Trainer(cfg) as trainer:  # stops after 5 steps: the last checkpoint is step 3
+        for step in range(5):
+            trainer.step(step)
+            trainer.next_step = step + 1
+            if trainer.next_step % 3 == 0:
+                trainer.save(wait=True)
+    with Trainer(cfg, resume="auto") as trainer:
+        assert trainer.next_step == 3
+        trainer.train()
+        resumed = trainer.adapters()
+    assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
+
+
+def test_a_full_checkpoint_does_not_resume_a_lora_run(tmp_path, base):
+    full = lora_config(tmp_path, base, steps=2, finetune={"method": "full"})
+    with Trainer(full) as trainer:
+        trainer.train()
+    lora = lora_config(tmp_path, base, steps=2)
+    with pytest.raises(CheckpointError, match="finetune.method='full', this config has 'lora'"):
+        Trainer(lora, resume="auto")
+
+
+def test_nan_gradient_drops_the_step_and_leaves_the_adapters(tmp_path, base):
+    cfg = lora_config(tmp_path, base, steps=4, fault={"drill": "nan_grad@2"})
+    with Trainer(cfg) as trainer:
+        for step in range(2):
+            trainer.step(step)
+        before = trainer.adapters()
+        record = trainer.step(2)
+        assert record["skipped"]
+        after = trainer.adapters()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert not trainer.step(3)["skipped"]
+
+
+@pytest.mark.ray
+def test_a_killed_gpu_worker_restarts_from_the_adapters_checkpoint(tmp_path, base, ray_session):
+    common = {"runtime": {"mode": "ray"}, "checkpoint": {"every": 3}, "host": {"num_shards": 2}}
+    with Trainer(lora_config(tmp_path / "ref", base, steps=8, **common)) as trainer:
+        trainer.train()
+        reference = trainer.adapters()
+    cfg = lora_config(tmp_path / "cut", base, steps=8, fault={"max_restarts": 1, "drill": "kill:gpu@4"}, **common)
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        assert trainer.restarts == 1
+        adapters = trainer.adapters()
+    assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
+    assert all(torch.equal(adapters[k], reference[k]) for k in reference)
+
+
+def test_export_loads_in_peft_and_merged_in_transformers_with_the_same_logits(tmp_path, base):
+    cfg = lora_config(tmp_path, base, steps=6, optimizer={"lr": 1e-2},
+                      train={"export_dir": str(tmp_path / "export")})
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        ours = trainer.logits(ids)
+        adapters = trainer.adapters()
+    assert all(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)  # the adapters matter
+    adapter_dir, merged_dir = tmp_path / "export" / "adapter", tmp_path / "export" / "merged"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == \
+        ("LORA", 4, 8, str(base))
+
+    # The saved keys are exactly those peft's own model has, and it loads them all.
+    fresh = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                peft.PeftConfig.from_pretrained(adapter_dir))
+    result = peft.set_peft_model_state_dict(fresh, peft.utils.load_peft_weights(str(adapter_dir)))
+    assert not result.unexpected_keys and not [k for k in result.missing_keys if "lora_" in k], result
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter_dir).eval()
+    assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
+    with torch.no_grad():
+        theirs = model(ids).logits
+        with model.disable_adapter():
+            plain = model(ids).logits
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() <= LOGIT_TOL * scale
+    assert (ours - plain).abs().max() > 100 * LOGIT_TOL * scale  # the adapters change the logits
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged_logits = merged(ids).logits
+    assert (ours - merged_logits).abs().max() <= LOGIT_TOL * scale
+
+    # `megatrain export` of the run's last checkpoint: the same adapter and merged weights, from the
+    # adapters' file over the base the checkpoint records.
+    from safetensors.torch import load_file
+
+    from megatrain_ray.store.export import export_weights_dir
+
+    again = export_weights_dir(tmp_path / "run", tmp_path / "from-checkpoint", dtype="float32")
+    for part, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        ours_file, theirs_file = load_file(str(again / part / file)), load_file(str(tmp_path / "export" / part / file))
+        assert ours_file.keys() == theirs_file.keys()
+        assert all(torch.equal(ours_file[k], theirs_file[k]) for k in ours_file)
