@@ -45,7 +45,8 @@ def _adapter_step(model, parameters, cfg, optimizer_step):
     def train_step(ids):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, cfg.optimizer.grad_clip)
+        if cfg.optimizer.grad_clip > 0:  # 0 is "off" in the config; clip_grad_norm_ would zero every gradient
+            torch.nn.utils.clip_grad_norm_(parameters, cfg.optimizer.grad_clip)
         optimizer_step()
         return loss
 

@@ -106,8 +106,9 @@ HOSTS = {kind: HostProfile(h["name"], h2d_gbps=h["h2d_gbps"], h2d_loaded_gbps=h[
                            control_seconds=MACHINES["control_seconds"], source=" ".join(h["source"].split()),
                            disk_gbps=MACHINES["disk_gbps"]) for kind, h in MACHINES["hosts"].items()}
 H100, H200, H100_BOX, H200_BOX = GPUS["h100"], GPUS["h200"], HOSTS["h100"], HOSTS["h200"]
-HOST_RAM = {"512gb": 512 * GiB, "1tb": 1024 * GiB, "1.5tb": 1536 * GiB}
-"""Installed RAM of the presets (DIMM sizes are binary: 16 x 32 GB = 512 GiB)."""
+HOST_RAM = {"128gb": 128 * GiB, "512gb": 512 * GiB, "1tb": 1024 * GiB, "1.5tb": 1536 * GiB}
+"""Installed RAM of the presets (DIMM sizes are binary: 16 x 32 GB = 512 GiB); 128gb: the single-GPU boxes the
+measurements came from (nvidia-h100-x1, nvidia-h200)."""
 MEMTOTAL_FRACTION = MACHINES["memtotal_fraction"]
 """Share of the installed RAM the kernel reports as MemTotal (125 of 128 GiB on the H100 box)."""
 
@@ -129,7 +130,7 @@ class MachinePreset:
 
 
 PRESETS = {f"{g}-{r}": MachinePreset(f"{g}-{r}", gpu, ram) for g, gpu in GPUS.items() for r, ram in HOST_RAM.items()}
-"""`--machine` names: h100-512gb, h100-1tb, h100-1.5tb, h200-512gb, h200-1tb, h200-1.5tb."""
+"""`--machine` names: h100-128gb, h100-512gb, h100-1tb, h100-1.5tb, and the same for h200."""
 
 
 def preset(name: str) -> MachinePreset:

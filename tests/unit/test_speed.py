@@ -203,7 +203,7 @@ def test_a_slow_optimizer_bounds_the_step_and_clipping_off_hides_more_of_it():
 
 
 def test_presets_describe_the_gpu_and_host_ram():
-    assert set(PRESETS) == {f"{g}-{r}" for g in ("h100", "h200") for r in ("512gb", "1tb", "1.5tb")}
+    assert set(PRESETS) == {f"{g}-{r}" for g in ("h100", "h200") for r in ("128gb", "512gb", "1tb", "1.5tb")}
     m = Machine.from_preset("H200-1TB")
     assert m.described and m.gpu_memory == 143771 * 2**20 and m.host_memory == 1000 * 2**30
     assert m.shm_free == m.host_memory and m.profile.gpu.kind == "h200"
