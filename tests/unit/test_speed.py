@@ -237,7 +237,7 @@ def test_plan_prints_expected_tok_per_s_for_a_preset(capsys):
 def test_plan_names_the_presets_when_no_rates_were_measured_for_the_gpu(capsys):
     cfg = load_config(os.path.join(REPO, "configs", "shapes", "llama3-8b.yaml"))
     machine = Machine(2**40, 2**40, 2**40, None, 24 * 2**30, "Tesla T4", described=True)
-    assert "no measured rates for this GPU; name a machine with --machine (h100-512gb" in \
+    assert "no measured rates for this GPU; name a machine with --machine (h100-128gb" in \
         format_plan(plan_run(cfg, machine))
     assert main(["plan", os.path.join(REPO, "configs", "tiny.yaml"), "--machine", "h300-1tb"]) == 2
     assert "--machine 'h300-1tb' is not a known machine" in capsys.readouterr().err
