@@ -7,8 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from benchmarks.plan_table import CONFIGS, FIXTURE, RESULTS, fixture, markdown, row, validation_rows
-from megatrain_ray.planning.profiles import PRESETS
+from benchmarks.plan_table import CONFIGS, FIXTURE, MACHINES, RESULTS, fixture, markdown, row, validation_rows
 from tests.conftest import REPO
 
 
@@ -30,7 +29,7 @@ def test_the_large_model_table_plans_every_config_on_every_preset(tmp_path):
 def test_the_committed_large_model_doc_has_every_row():
     text = Path(REPO, "docs", "plan-large-models.md").read_text()
     for c in CONFIGS:
-        for m in PRESETS:
+        for m in MACHINES:
             assert f"| {Path(c).stem} |" in text and f"| {m} |" in text
     assert "tok/s is a prediction" in text
 
