@@ -150,7 +150,9 @@ def run_megatrain(spec: dict) -> dict:
         "finetune": cfg.finetune.method,
         "h2d_gb_per_step": mean("h2d_gbps") * wall / len(measured),
     })
-    if lora and device.startswith("cuda"):  # after the run: this process's CUDA context never weighed on it
+    import torch
+
+    if lora and torch.cuda.is_available():  # after the run: this process's CUDA context never weighed on it
         row["h2d_probe_gbps"] = h2d_probe_gbps()
     return row
 
