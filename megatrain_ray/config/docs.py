@@ -22,6 +22,7 @@ SECTIONS = {
     "parallel": config_module.ParallelConfig, "train": config_module.TrainConfig,
     "checkpoint": config_module.CheckpointConfig,
     "fault": config_module.FaultConfig,
+    "finetune": config_module.FinetuneConfig, "finetune.dpo": config_module.DPOConfig,
 }
 
 

@@ -755,6 +755,42 @@ def parse_drill(text: str) -> list[tuple[str, str, int]]:
 
 
 @dataclass(kw_only=True, slots=True)
+class DPOConfig:
+    """Direct preference optimization (finetune.objective=dpo; docs/fine-tuning.md, megatrain_ray/model/preference.py)."""
+
+    SECTION: ClassVar[str] = "finetune.dpo"
+    beta: float = 0.1
+    """How far the model may move from the reference (the initial model): the DPO loss is a function of
+    beta * ((logp_chosen - logp_rejected) - (ref_chosen - ref_rejected)), log-probabilities summed over
+    the completion tokens, as TRL's DPOTrainer."""
+    label_smoothing: float = 0.0
+    """The probability that a preference label is flipped. sigmoid: -(1 - e) logsigmoid(beta z) - e logsigmoid(-beta z)
+    (conservative DPO; TRL 1.16's sigmoid has no label smoothing, so it equals it at 0 only); robust: TRL's robust DPO."""
+    loss_type: Literal["sigmoid", "robust"] = "sigmoid"
+    """sigmoid: DPO (with label_smoothing, conservative DPO); robust: robust DPO (unbiased under flipped labels)."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if not self.beta > 0:
+            _fail(f"{s}.beta", self.beta, "must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            _fail(f"{s}.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
+
+
+@dataclass(kw_only=True, slots=True)
+class FinetuneConfig:
+    """What the training steps optimize."""
+
+    SECTION: ClassVar[str] = "finetune"
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: cross-entropy on the loss-mask tokens (pre-training, supervised fine-tuning). dpo: direct preference
+    optimization on preference pairs from `megatrain prepare --format preference`; the reference log-probabilities
+    come from one forward pass of the initial model before the first step (see finetune.dpo)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """The DPO loss's settings (finetune.objective=dpo; read only then)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     """The root of a run's configuration: one field per concern."""
 
@@ -770,6 +806,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def __post_init__(self) -> None:
         if self.schedule.warmup_steps > self.train.steps:
@@ -788,6 +825,7 @@ class Config:
         if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
             pass  # allowed (slow); tests of the bf16 path use it on purpose
         check_parallel(self)
+        check_objective(self)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
@@ -809,10 +847,31 @@ def check_parallel(cfg: Config, ranks: int | None = None) -> None:
         _fail("parallel.gpus", p.gpus if p.gpus != "auto" else f"auto ({ranks} GPUs)",
               f"data.batch_size={cfg.data.batch_size} is not divisible by {ranks} ranks: each GPU takes an equal "
               f"slice of the global batch; set data.batch_size to a multiple of {ranks}")
+    check_objective(cfg, ranks)
     if p.backend == "nccl" and cfg.engine.device == "cpu":
         _fail("parallel.backend", p.backend, "needs GPUs, but engine.device=cpu; use gloo or auto")
     if p.backend == "gloo" and cfg.engine.device == "cuda":
         _fail("parallel.backend", p.backend, "sums CPU tensors (tests); with engine.device=cuda use nccl or auto")
+
+
+def check_objective(cfg: Config, ranks: int | None = None) -> None:
+    """finetune.objective=dpo against the data and parallel sections (`ranks`: parallel.gpus once resolved)."""
+    if cfg.finetune.objective != "dpo":
+        return
+    if cfg.data.packing:
+        _fail("data.packing", True, "finetune.objective=dpo keeps one sequence per row (a pair's rows are scored "
+              "whole); set data.packing=false")
+    if cfg.data.batch_size % 2:
+        _fail("data.batch_size", cfg.data.batch_size, "finetune.objective=dpo counts rows, two per preference pair "
+              "(chosen and rejected): set an even data.batch_size")
+    if ranks is None and cfg.parallel.gpus != "auto":
+        ranks = cfg.parallel.gpus
+    if (ranks is not None and ranks > 1) or cfg.parallel.nodes > 1:
+        _fail("parallel.gpus", cfg.parallel.gpus, "finetune.objective=dpo runs on one GPU worker (the ranks would "
+              "split the batch's pairs); set parallel.gpus=1 and parallel.nodes=1")
+    if cfg.train.eval_every:
+        _fail("train.eval_every", cfg.train.eval_every, "evaluation of a DPO run is not supported yet; set "
+              "train.eval_every=0")
 
 
 def _to_plain(obj: Any) -> Any:
