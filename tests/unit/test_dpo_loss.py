@@ -7,9 +7,6 @@ two-pass gradient differs from autograd's only in summation order.
 
 from __future__ import annotations
 
-import types
-from collections import defaultdict
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,38 +14,9 @@ import torch.nn.functional as F
 from megatrain_ray.messages import IGNORE_INDEX, PreferenceRows
 from megatrain_ray.model.preference import dpo_loss_and_row_grads, preference_logps, preference_loss_and_grads
 from megatrain_ray.model.templates import HeadSpec, rms_norm
+from tests.reference_dpo import trl_loss
 
-trl = pytest.importorskip("trl")
-
-
-def trl_loss(per_token_logps: torch.Tensor, completion_mask: torch.Tensor, ref: torch.Tensor, beta: float,
-             label_smoothing: float, loss_type: str) -> tuple[torch.Tensor, dict[str, float]]:
-    """TRL's DPOTrainer._compute_loss, called unbound on an object holding only what it reads, with a model
-    whose output's `log_probs` are the given per-token log-probabilities (already zero off the completion, as
-    TRL's fused head returns them for labels of -100)."""
-    rows, seq_len = completion_mask.shape
-
-    class Model:
-        training = True
-
-        def __call__(self, **kwargs):
-            return types.SimpleNamespace(
-                log_probs=per_token_logps * completion_mask[:, 1:], entropy=torch.zeros(rows, seq_len - 1),
-                mean_logits=torch.zeros(rows, seq_len - 1),
-                is_top1=torch.zeros(rows, seq_len - 1, dtype=torch.bool))
-
-    accelerator = types.SimpleNamespace(device="cpu", gather=lambda t: t, gather_for_metrics=lambda t: t)
-    trainer = types.SimpleNamespace(
-        model=Model(), accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
-        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
-        label_smoothing=label_smoothing, use_weighting=False, _metrics={"train": defaultdict(list)},
-        _total_train_tokens=0, _tp_size=1)
-    pairs = rows // 2
-    inputs = {"input_ids": torch.zeros(rows, seq_len, dtype=torch.long),
-              "attention_mask": torch.ones(rows, seq_len, dtype=torch.long), "completion_mask": completion_mask,
-              "ref_chosen_logps": ref[:pairs], "ref_rejected_logps": ref[pairs:]}
-    loss = trl.DPOTrainer._compute_loss(trainer, trainer.model, inputs, False)
-    return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+pytest.importorskip("trl")
 
 
 @pytest.mark.parametrize("loss_type,label_smoothing", [("sigmoid", 0.0), ("robust", 0.0), ("robust", 0.2)])

@@ -1,0 +1,246 @@
+"""DPO end to end on a tiny Llama: `megatrain prepare --format preference` against TRL's own preprocessing,
+the reference log-probabilities against a plain transformers forward, and 10 DPO steps through the Trainer
+(local, and Ray with 2 optimizer workers) against a reference loop: the transformers model from the same
+directory, the same batches, TRL 1.16's loss (DPOTrainer._compute_loss) on its log-probabilities,
+torch.optim.AdamW and clip_grad_norm_.
+
+Tolerances: float32 at lr 1e-3, per-step loss within 1e-5 relative and final weights within 1e-5 relative
+(norm of the difference over the norm), as tests/integration/test_training_parity.py argues for the
+cross-entropy; the reference log-probabilities within 1e-5 relative (float32 sums of about 10-30 token
+log-probabilities, in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+from megatrain_ray.config.load import load_config
+from megatrain_ray.data.prepare import PrepareOptions, prepare
+from megatrain_ray.driver.reference import reference_key, reference_path
+from megatrain_ray.driver.trainer import Trainer
+from megatrain_ray.exceptions import DataError
+from tests.conftest import REPO
+from tests.reference_dpo import hf_token_logps, trl_loss
+
+sys.path.insert(0, str(Path(REPO) / "examples" / "finetune_qwen2"))
+from make_tiny_qwen2 import alpaca_texts, build_tokenizer
+
+QUESTIONS = [("add 2 and 3", "5", "six"), ("the capital of Peru", "Lima", "Peru is a capital"),
+             ("spell olleh backwards", "hello", "olleh"), ("add two numbers", "2 + 3 = 5", "2 + 3 = 7"),
+             ("the capital of Peru is", "Lima.", "Lima, Peru, the capital"), ("add 1 and 1", "2", "11")]
+STEPS = 10
+
+
+def make_tiny_llama(out: Path) -> Path:
+    tok = build_tokenizer(alpaca_texts())
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def layout(name: str, prompt: str, chosen: str, rejected: str) -> dict:
+    """One preference example in one of the accepted layouts."""
+    user, good, bad = ({"role": "user", "content": prompt}, {"role": "assistant", "content": chosen},
+                       {"role": "assistant", "content": rejected})
+    return {
+        "trl": {"prompt": [user], "chosen": [good], "rejected": [bad]},
+        "trl_implicit": {"chosen": [user, good], "rejected": [user, bad]},
+        "sharegpt": {"conversations": [{"from": "human", "value": prompt}], "chosen": {"from": "gpt", "value": chosen},
+                     "rejected": {"from": "gpt", "value": rejected}},
+        "alpaca": {"instruction": prompt, "input": "", "chosen": chosen, "rejected": rejected},
+        "trl_text": {"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected},
+        "trl_text_implicit": {"chosen": f"{prompt} {chosen}", "rejected": f"{prompt} {rejected}"},
+    }[name]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def prepared_pairs(directory: Path) -> list[tuple]:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    rows = [r for f in manifest["splits"]["train"]["files"] for r in pq.read_table(directory / f).to_pylist()]
+    assert [r["pair_role"] for r in rows] == [0, 1] * (len(rows) // 2)
+    return [(tuple(c["input_ids"]), tuple(c["loss_mask"]), tuple(r["input_ids"]), tuple(r["loss_mask"]))
+            for c, r in zip(rows[0::2], rows[1::2])]
+
+
+def trl_pairs(model_dir: Path, records: list[dict], max_length: int | None = None) -> list[tuple]:
+    """TRL's own preprocessing (DPOTrainer._prepare_dataset, unbound: it drops a pair whose prompt fills
+    max_length) and its collator's truncation (keep_start): each pair's sequences and completion masks."""
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    args = types.SimpleNamespace(dataset_num_proc=None, max_length=max_length, truncation_mode="keep_start")
+    out = DPOTrainer._prepare_dataset(types.SimpleNamespace(_tokenizer=tok), Dataset.from_list(records), tok, args,
+                                      "train")
+    cut = slice(None, max_length)
+    return [(tuple(e["prompt_ids"] + e["chosen_ids"])[cut],
+             ((0,) * len(e["prompt_ids"]) + (1,) * len(e["chosen_ids"]))[cut],
+             tuple(e["prompt_ids"] + e["rejected_ids"])[cut],
+             ((0,) * len(e["prompt_ids"]) + (1,) * len(e["rejected_ids"]))[cut]) for e in out]
+
+
+def run_prepare(model_dir: Path, inputs: list[Path], out: Path, **options) -> dict:
+    return prepare(PrepareOptions(tokenizer_dir=str(model_dir), format="preference", inputs=[str(p) for p in inputs],
+                                  output_dir=str(out), workers=1, **options))
+
+
+@pytest.mark.parametrize("name", ["trl", "trl_implicit", "sharegpt", "alpaca", "trl_text", "trl_text_implicit"])
+def test_every_layout_gives_trls_tokens(tmp_path, model_dir, name):
+    """TRL's layouts against TRL's preprocessing of the same records; LLaMA-Factory's against TRL's of the same
+    conversations (the implicit layouts are their own reference: a text prompt ends where the texts differ)."""
+    expected = trl_pairs(model_dir, [layout(name if name.startswith("trl") else "trl", *q) for q in QUESTIONS])
+    if name == "trl_implicit":
+        assert expected == trl_pairs(model_dir, [layout("trl", *q) for q in QUESTIONS])
+    path = write_jsonl(tmp_path / f"{name}.jsonl", [layout(name, *q) for q in QUESTIONS])
+    manifest = run_prepare(model_dir, [path], tmp_path / "out")
+    assert manifest["preference_pairs"] and manifest["documents"] == 2 * len(QUESTIONS)
+    assert sorted(prepared_pairs(tmp_path / "out")) == sorted(expected)
+
+
+def test_a_bad_record_gives_one_error_naming_it_and_the_field(tmp_path, model_dir):
+    records = [layout("trl", *QUESTIONS[0]), {"prompt": "add", "chosen": " 5"}]
+    path = write_jsonl(tmp_path / "bad.jsonl", records)
+    with pytest.raises(DataError, match=r"bad\.jsonl record 1: a preference record needs the field 'rejected'"):
+        run_prepare(model_dir, [path], tmp_path / "out", on_bad_record="fail")
+    manifest = run_prepare(model_dir, [path], tmp_path / "skipped")
+    assert manifest["skipped"] == {"missing 'rejected'": 1} and manifest["documents"] == 2
+
+
+def test_seq_len_keeps_the_start_and_drops_a_pair_whose_prompt_fills_it(tmp_path, model_dir):
+    """--seq-len as TRL's max_length with keep_start truncation."""
+    records = [layout("trl", *q) for q in QUESTIONS]
+    records[0]["prompt"][0]["content"] = "add 2 and 3 " * 6  # a prompt longer than the limit
+    limit = 24  # the other prompts are 20-22 tokens, so some completions are cut
+    expected = trl_pairs(model_dir, records, max_length=limit)
+    manifest = run_prepare(model_dir, [write_jsonl(tmp_path / "pairs.jsonl", records)], tmp_path / "out", seq_len=limit)
+    assert sorted(prepared_pairs(tmp_path / "out")) == sorted(expected)
+    assert len(expected) < len(records) and manifest["truncated"] >= 1
+    assert sum(manifest["dropped"].values()) == len(records) - len(expected)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def dpo_config(tmp_path: Path, model_dir: Path, data: Path, **sections):
+    raw = {"model": {"path": str(model_dir)},
+           "data": {"path": str(data), "seq_len": 40, "batch_size": 4, "seed": 1},
+           "optimizer": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
+                         "workers": 2, "chunk_elems": 1024},
+           "schedule": {"kind": "constant", "warmup_steps": 0},
+           "precision": {"master_dtype": "float32", "compute_dtype": "float32"},
+           "engine": {"device": "cpu", "poison_buffers": True, "loss_chunk_tokens": 24},
+           "runtime": {"mode": "local", "dashboard": False},
+           "train": {"steps": STEPS, "log_every": 100, "output_dir": str(tmp_path / "run")},
+           "checkpoint": {"at_end": False},
+           "finetune": {"objective": "dpo", "dpo": {"beta": 0.5}}}
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return load_config(raw=raw)
+
+
+@pytest.fixture
+def pairs_dir(tmp_path, model_dir) -> Path:
+    """Every layout at once: 6 questions x 5 layouts = 30 pairs (12 steps of 2 pairs each make 10 steps a bit
+    less than an epoch)."""
+    records = [layout(name, *q) for name in ("trl", "trl_implicit", "sharegpt", "alpaca", "trl_text") for q in QUESTIONS]
+    run_prepare(model_dir, [write_jsonl(tmp_path / "pairs.jsonl", records)], tmp_path / "prepared")
+    return tmp_path / "prepared"
+
+
+def reference_loop(cfg, model_dir: Path, batches: list) -> tuple[list[float], list[dict], dict]:
+    """The plain transformers model from the same directory, TRL's loss on its log-probabilities, AdamW (decay on
+    matrices only, as megatrain) and clip_grad_norm_."""
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.train()
+    o, dpo = cfg.optimizer, cfg.finetune.dpo
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    losses, metrics = [], []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        per_token = hf_token_logps(model, batch.input_ids, batch.labels)
+        completion = torch.cat([torch.zeros_like(batch.labels[:, :1]), (batch.labels != -100).long()], 1)
+        loss, logged = trl_loss(per_token, completion, batch.preference.reference_logps.float(), dpo.beta,
+                                dpo.label_smoothing, dpo.loss_type)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        metrics.append(logged)
+    return losses, metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_dpo(tmp_path, model_dir, pairs_dir, **sections) -> None:
+    cfg = dpo_config(tmp_path, model_dir, pairs_dir, **sections)
+    with Trainer(cfg) as trainer:
+        initial = trainer.master_weights()
+        batches = [trainer.data.batch(s) for s in range(STEPS)]
+        records = trainer.train()
+        final = trainer.master_weights()
+    losses, metrics, ref_state = reference_loop(cfg, model_dir, batches)
+    for step, (ours, ref, theirs) in enumerate(zip(records, losses, metrics)):
+        assert abs(ours["loss"] - ref) <= 1e-5 * abs(ref), f"step {step}: loss {ours['loss']} vs reference {ref}"
+        # At step 0 the policy is the reference: the rewards are rounding noise, their comparison a coin toss.
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins") + (("rewards/accuracies",) if step else ()):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (step, key)
+    assert records[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6), "the policy starts as the reference"
+    assert records[-1]["loss"] < records[0]["loss"] - 0.05, "the DPO loss should fall over 10 steps"
+    for name, value in final.items():
+        err = (value - ref_state[name]).norm() / ref_state[name].norm()
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+        assert (value - initial[name]).norm() / initial[name].norm() > 1e-3, f"{name} barely moved"
+
+
+def test_reference_logps_equal_a_plain_transformers_forward(tmp_path, model_dir, pairs_dir):
+    cfg = dpo_config(tmp_path, model_dir, pairs_dir, train={"steps": 1})
+    with Trainer(cfg) as trainer:
+        ours = trainer.data.reference
+        rows = list(trainer.data.reference_batches())
+        path = reference_path(cfg, reference_key(cfg, trainer.run_spec.compute_dtype))
+        assert path.is_file()
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for documents, batch in rows:
+            expected = hf_token_logps(model, batch.input_ids, batch.labels).double().sum(1)
+            torch.testing.assert_close(ours[documents], expected, rtol=1e-5, atol=0)
+    # A second run (or a resume) reads them back instead of computing them again.
+    mtime = path.stat().st_mtime_ns
+    cfg2 = dpo_config(tmp_path / "again", model_dir, pairs_dir, train={"steps": 1})
+    with Trainer(cfg2) as trainer:
+        torch.testing.assert_close(trainer.data.reference, ours, rtol=0, atol=0)
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_local_ten_steps_match_trl_loss_reference_loop(tmp_path, model_dir, pairs_dir):
+    run_dpo(tmp_path, model_dir, pairs_dir)
+
+
+@pytest.mark.ray
+def test_ray_ten_steps_match_trl_loss_reference_loop(tmp_path, ray_session, model_dir, pairs_dir):
+    run_dpo(tmp_path, model_dir, pairs_dir, runtime={"mode": "ray"})
