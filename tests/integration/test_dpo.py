@@ -28,7 +28,7 @@ from megatrain_ray.config.load import load_config
 from megatrain_ray.data.prepare import PrepareOptions, prepare
 from megatrain_ray.driver.reference import reference_key, reference_path
 from megatrain_ray.driver.trainer import Trainer
-from megatrain_ray.exceptions import DataError
+from megatrain_ray.exceptions import ConfigError, DataError
 from tests.conftest import REPO
 from tests.reference_dpo import hf_token_logps, trl_loss
 
@@ -244,3 +244,55 @@ def test_local_ten_steps_match_trl_loss_reference_loop(tmp_path, model_dir, pair
 @pytest.mark.ray
 def test_ray_ten_steps_match_trl_loss_reference_loop(tmp_path, ray_session, model_dir, pairs_dir):
     run_dpo(tmp_path, model_dir, pairs_dir, runtime={"mode": "ray"})
+
+
+def test_resume_reuses_the_reference_and_continues_the_same_run(tmp_path, model_dir, pairs_dir):
+    with Trainer(dpo_config(tmp_path / "whole", model_dir, pairs_dir, train={"steps": 6})) as trainer:
+        whole = [r["loss"] for r in trainer.train()]
+    cfg = dpo_config(tmp_path / "parts", model_dir, pairs_dir, train={"steps": 3}, checkpoint={"at_end": True})
+    with Trainer(cfg) as trainer:
+        first = [r["loss"] for r in trainer.train()]
+        path = reference_path(cfg, reference_key(cfg, trainer.run_spec.compute_dtype))
+    cfg = dpo_config(tmp_path / "parts", model_dir, pairs_dir, train={"steps": 6})
+    with Trainer(cfg, resume="auto") as trainer:
+        rest = [r["loss"] for r in trainer.train()]
+    assert first + rest == whole
+    path.unlink()  # a resume cannot recompute them: its weights are no longer the initial ones
+    cfg = dpo_config(tmp_path / "parts", model_dir, pairs_dir, train={"steps": 8})
+    with pytest.raises(ConfigError, match="resuming a DPO run needs the reference log-probabilities"):
+        with Trainer(cfg, resume="auto"):
+            pass
+
+
+def test_sft_on_preference_pairs_is_refused(tmp_path, model_dir, pairs_dir):
+    cfg = dpo_config(tmp_path, model_dir, pairs_dir, finetune={"objective": "sft"})
+    with pytest.raises(DataError, match="holds preference pairs .* set finetune.objective=dpo"):
+        Trainer(cfg)
+
+
+def test_example_as_a_user_types_it(tmp_path):
+    """examples/dpo_tiny: make the model, prepare, train through the CLI (30 steps: 3 epochs of 10 steps of 4 pairs);
+    the loss starts at ln 2 and the last epoch's is lower than the first's (a step's loss, of 4 pairs, is noisy)."""
+    import subprocess
+
+    from tests.integration.test_cli import megatrain
+
+    example = Path(REPO) / "examples" / "dpo_tiny"
+    model, data, run = tmp_path / "tiny-qwen2", tmp_path / "dpo-tiny", tmp_path / "run"
+    made = subprocess.run([sys.executable, f"{REPO}/examples/finetune_qwen2/make_tiny_qwen2.py", str(model)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert made.returncode == 0, made.stderr
+    proc = megatrain("prepare", "--tokenizer", str(model), "--format", "preference", "--input",
+                     str(example / "pairs.jsonl"), "--output", str(data))
+    assert proc.returncode == 0, proc.stderr
+    assert "40 records -> train: 80 documents" in proc.stderr
+    proc = megatrain("train", str(example / "config.yaml"), "--local", "--set", f"model.path={model}",
+                     "--set", f"data.path={data}", "--set", f"train.output_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    assert "reward_acc" in proc.stderr
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)
+    losses = [r["loss"] for r in lines]
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.03, losses
+    assert sum(r["rewards/margins"] for r in lines[-10:]) > 0
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected"} <= set(lines[-1])
