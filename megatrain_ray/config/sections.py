@@ -869,9 +869,6 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
     if (ranks is not None and ranks > 1) or cfg.parallel.nodes > 1:
         _fail("parallel.gpus", cfg.parallel.gpus, "finetune.objective=dpo runs on one GPU worker (the ranks would "
               "split the batch's pairs); set parallel.gpus=1 and parallel.nodes=1")
-    if cfg.train.eval_every:
-        _fail("train.eval_every", cfg.train.eval_every, "evaluation of a DPO run is not supported yet; set "
-              "train.eval_every=0")
 
 
 def _to_plain(obj: Any) -> Any:

@@ -17,28 +17,33 @@ import numpy as np
 import torch
 
 from megatrain_ray.config.sections import Config
-from megatrain_ray.data.batches import DocumentBatches, TokenBatches, is_prepared, make_batches
+from megatrain_ray.data.batches import DocumentBatches, TokenBatches, is_prepared, make_batches, make_eval_batches
 from megatrain_ray.data.prepare.shards import PAIR_ROLE
-from megatrain_ray.exceptions import DataError
+from megatrain_ray.exceptions import ConfigError, DataError
 from megatrain_ray.messages import Batch, PreferenceRows
 from megatrain_ray.system.files import contained
 
 
 class PreferenceBatches(DocumentBatches):
-    def __init__(self, cfg: Config, split: str = "train"):
+    """The pairs of one split of a prepared directory: training batches (`batch`), or, with `evaluation`, the
+    first `eval_batches` batches of its pairs in order, the same every time (iterating over it)."""
+
+    def __init__(self, cfg: Config, directory: str, split: str = "train", key: str = "data.path",
+                 eval_batches: int = 0):
         data = cfg.data
-        if not is_prepared(data.path):
-            raise DataError(f"data.path={data.path!r}: finetune.objective=dpo needs preference pairs, a directory "
+        if not is_prepared(directory):
+            raise DataError(f"{key}={directory!r}: finetune.objective=dpo needs preference pairs, a directory "
                             "written by `megatrain prepare --format preference`")
-        super().__init__(data, cfg.model, data.path, split)
+        super().__init__(data, cfg.model, directory, split, key, evaluation=bool(eval_batches))
+        self.directory, self.split, self.eval_batches = directory, split, eval_batches
         if not self.docs.manifest.get("preference_pairs"):
-            raise DataError(f"data.path={data.path!r} holds documents, not preference pairs: prepare it with "
+            raise DataError(f"{key}={directory!r} holds documents, not preference pairs: prepare it with "
                             "`megatrain prepare --format preference`, or set finetune.objective=sft")
         self._check_pairs(split)
         self.dpo = cfg.finetune.dpo
         self.pairs = len(self.docs) // 2
         self.pairs_per_step = data.batch_size // 2
-        if self.pairs < self.pairs_per_step:
+        if self.pairs < self.pairs_per_step and not eval_batches:
             raise DataError(f"{self.docs.where} holds {self.pairs} preference pairs, fewer than data.batch_size / 2 = "
                             f"{self.pairs_per_step} (data.batch_size counts rows, two per pair); lower "
                             "data.batch_size or add data")
@@ -51,7 +56,7 @@ class PreferenceBatches(DocumentBatches):
 
         roles = []
         for name in self.docs.manifest["splits"][split]["files"]:
-            path = contained(Path(self.cfg.path), name, self.docs.where, DataError)
+            path = contained(Path(self.directory), name, self.docs.where, DataError)
             table = pq.read_table(path, columns=[PAIR_ROLE]) if PAIR_ROLE in pq.read_schema(path).names else None
             if table is None:
                 raise DataError(f"{self.docs.where}: shard {name} has no {PAIR_ROLE!r} column; prepare the data "
@@ -83,9 +88,18 @@ class PreferenceBatches(DocumentBatches):
         return [2 * p for p in pairs] + [2 * p + 1 for p in pairs]
 
     def batch(self, step: int) -> Batch:
+        return self.pairs_batch(self.step_documents(step))
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Evaluation: the first eval_batches batches of pairs, in order (the last one may be short)."""
+        for start in range(0, min(self.pairs, self.eval_batches * self.pairs_per_step), self.pairs_per_step):
+            pairs = range(start, min(start + self.pairs_per_step, self.pairs))
+            yield self.pairs_batch([2 * p for p in pairs] + [2 * p + 1 for p in pairs])
+
+    def pairs_batch(self, documents: list[int]) -> Batch:
+        """The rows of these documents (chosen ones first) with their reference log-probabilities."""
         if self.reference is None:
             raise RuntimeError("the reference log-probabilities are not attached (driver/reference.py)")
-        documents = self.step_documents(step)
         rows = self.rows_batch([[d] for d in documents])
         return Batch(rows.input_ids, rows.labels, preference=PreferenceRows(
             self.reference[documents], self.dpo.beta, self.dpo.label_smoothing, self.dpo.loss_type))
@@ -105,9 +119,23 @@ def make_training_batches(cfg: Config) -> TokenBatches | DocumentBatches:
     """The training batches of finetune.objective: preference pairs (dpo), or data.path's batches (sft), which must
     not be preference pairs (cross-entropy would learn the rejected answers too)."""
     if cfg.finetune.objective == "dpo":
-        return PreferenceBatches(cfg)
+        return PreferenceBatches(cfg, cfg.data.path)
     batches = make_batches(cfg.data, cfg.model)
     if isinstance(batches, DocumentBatches) and batches.docs.manifest.get("preference_pairs"):
         raise DataError(f"data.path={cfg.data.path!r} holds preference pairs (chosen and rejected answers): set "
                         "finetune.objective=dpo, or prepare SFT data without --format preference")
     return batches
+
+
+def make_evaluation_batches(cfg: Config) -> list[Batch] | PreferenceBatches:
+    """train.eval_every's fixed batches: DPO pairs (data.eval_path's, else the eval split of data.path; iterable
+    once their reference log-probabilities are attached), or make_eval_batches' documents."""
+    if cfg.finetune.objective != "dpo":
+        return make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches)
+    count = cfg.train.eval_batches
+    if cfg.data.eval_path:
+        return PreferenceBatches(cfg, cfg.data.eval_path, "train", "data.eval_path", eval_batches=count)
+    if not is_prepared(cfg.data.path):
+        raise ConfigError("train.eval_every needs evaluation pairs: set data.eval_path, or prepare data.path with "
+                          "--eval-fraction")
+    return PreferenceBatches(cfg, cfg.data.path, "eval", eval_batches=count)

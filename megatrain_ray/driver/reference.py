@@ -1,8 +1,8 @@
 """DPO's reference log-probabilities: one forward-only pass of the initial model before the first step.
 
-Every sequence of the training split goes once through the same layer stream as training (GPU worker
+Every sequence of the training split (and of the evaluation pairs) goes once through the same layer stream as training (GPU worker
 `sequence_logps`, forward only, data.batch_size rows at a time), and each one's completion log-probability
-is stored beside the prepared data, in `<data.path>/reference/train-<key>.safetensors` (float64, by
+is stored beside the prepared data, in `<directory>/reference/<split>-<key>.safetensors` (float64, by
 document index), so the reference model is never held beside the trained one. The key hashes what the
 values depend on: the model (architecture; its weight files' names, sizes and modification times, or
 the seed of a random initialisation), the compute dtype and the prepared data (manifest and shard sizes).
@@ -34,7 +34,7 @@ PROGRESS_SECONDS = 5.0
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
-def reference_key(cfg: Config, compute_dtype: str) -> str:
+def reference_key(cfg: Config, compute_dtype: str, directory: str) -> str:
     """What the reference log-probabilities depend on, hashed (see the module docstring)."""
     digest = hashlib.sha256()
     model: dict[str, Any] = {"config": dataclasses.asdict(cfg.model), "compute_dtype": compute_dtype}
@@ -44,24 +44,24 @@ def reference_key(cfg: Config, compute_dtype: str) -> str:
     elif not cfg.model.path:
         model["init_seed"] = cfg.train.seed
     digest.update(json.dumps(model, sort_keys=True, default=str).encode())
-    root = Path(cfg.data.path)
+    root = Path(directory)
     digest.update((root / "manifest.json").read_bytes())
     for shard in sorted(root.glob("*.parquet")):
         digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
     return digest.hexdigest()[:20]
 
 
-def reference_path(cfg: Config, key: str, split: str = "train") -> Path:
-    return Path(cfg.data.path) / "reference" / f"{split}-{key}.safetensors"
+def reference_path(data: PreferenceBatches, key: str) -> Path:
+    return Path(data.directory) / "reference" / f"{data.split}-{key}.safetensors"
 
 
 def load_or_compute(cfg: Config, data: PreferenceBatches, gpu: Any, compute_dtype: str, resuming: bool) -> torch.Tensor:
-    """The training split's reference log-probabilities: from their file, or computed now by `gpu` (which must hold
-    the initial weights) and written there."""
+    """The reference log-probabilities of `data`'s sequences: from their file, or computed now by `gpu` (which must
+    hold the initial weights) and written there."""
     from safetensors.torch import load_file, save_file
 
-    key = reference_key(cfg, compute_dtype)
-    path = reference_path(cfg, key)
+    key = reference_key(cfg, compute_dtype, data.directory)
+    path = reference_path(data, key)
     if path.is_file():
         logps = load_file(path)["logps"]
         if logps.shape == (len(data.docs),):
@@ -75,7 +75,7 @@ def load_or_compute(cfg: Config, data: PreferenceBatches, gpu: Any, compute_dtyp
     try:
         path.parent.mkdir(exist_ok=True)
     except OSError as exc:
-        raise DataError(f"data.path={cfg.data.path!r}: cannot create {path.parent} for the DPO reference "
+        raise DataError(f"{data.docs.where}: cannot create {path.parent} for the DPO reference "
                         f"log-probabilities ({exc}); copy the prepared directory somewhere writable") from None
     logps = torch.empty(len(data.docs), dtype=torch.float64)
     t0 = last = time.perf_counter()

@@ -18,8 +18,7 @@ import torch
 from megatrain_ray.config.load import config_to_yaml
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
-from megatrain_ray.data.batches import make_eval_batches
-from megatrain_ray.data.preference import PreferenceBatches, make_training_batches
+from megatrain_ray.data.preference import PreferenceBatches, make_evaluation_batches, make_training_batches
 from megatrain_ray.driver.checkpointing import (
     Checkpointer,
     ResidentTensors,
@@ -88,7 +87,7 @@ class Trainer:
                               "continue it with --resume auto, or choose another train.output_dir")
         # Bad data fails before any allocation.
         self.data = make_training_batches(cfg)
-        self.eval_data = make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches) if cfg.train.eval_every else []
+        self.eval_data = make_evaluation_batches(cfg) if cfg.train.eval_every else []
         self.stage_groups = shard_stages(self.layout, cfg.host.num_shards)
         self.checkpoints = CheckpointDir(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self.resume = resume
@@ -189,8 +188,9 @@ class Trainer:
         self._spawn_actors()  # a checkpoint that fails its checks stops here, before the run directory changes
         if self.restore is not None:
             restore_rng(self.restore.manifest["rng"])
-        if isinstance(self.data, PreferenceBatches) and self.data.reference is None:  # DPO: before the first step
-            self.data.attach_reference(load_or_compute(cfg, self.data, self.gpu, self.run_spec.compute_dtype,
+        for pairs in (self.data, self.eval_data):  # DPO: the reference log-probabilities, before the first step
+            if isinstance(pairs, PreferenceBatches) and pairs.reference is None:
+                pairs.attach_reference(load_or_compute(cfg, pairs, self.gpu, self.run_spec.compute_dtype,
                                                        resuming=self.restore is not None))
         for private in (self.run_dir, self.checkpoints.root):  # metrics and weights are the user's alone
             private.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.model.preference import preference_logps, preference_loss_and_grads
+from megatrain_ray.model.preference import preference_eval_loss, preference_logps, preference_loss_and_grads
 from megatrain_ray.model.templates import (
     DocumentBucket,
     HeadResult,
@@ -388,9 +388,16 @@ class StreamEngine:
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
-        """Mean loss over the batch's loss tokens, and their number, without gradients or updates."""
+        """Mean loss over the batch's loss tokens, and their number, without gradients or updates (DPO: the mean
+        loss over the batch's pairs, and their number)."""
         n_valid = max(1, batch.loss_tokens)
         labels = batch.labels.to(self.device, non_blocking=True)
+        if batch.preference is not None:
+            def dpo(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
+                return preference_eval_loss(x, norm_w, lm_w, labels, batch.preference, self.head_spec,
+                                            self.engine_cfg.loss_chunk_tokens)
+
+            return float(self._forward_only(batch, dpo)), batch.input_ids.shape[0] // 2
 
         def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
             return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec,

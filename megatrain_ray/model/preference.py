@@ -108,6 +108,13 @@ def preference_logps(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torc
     return sequence_logps(rms_norm(x, norm_weight, spec.eps, spec.plus_one), lm_weight, labels, spec, chunk_tokens)
 
 
+def preference_eval_loss(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor,
+                         pref: PreferenceRows, spec: HeadSpec, chunk_tokens: int) -> torch.Tensor:
+    """The DPO loss of the batch's pairs, forward only (evaluation)."""
+    logps = preference_logps(x, norm_weight, lm_weight, labels, spec, chunk_tokens)
+    return dpo_loss_and_row_grads(logps, pref)[0]
+
+
 def preference_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
                               labels: torch.Tensor, pref: PreferenceRows, spec: HeadSpec, chunk_tokens: int,
                               grad_lm_acc: torch.Tensor) -> PreferenceHeadResult:

@@ -222,7 +222,7 @@ def test_reference_logps_equal_a_plain_transformers_forward(tmp_path, model_dir,
     with Trainer(cfg) as trainer:
         ours = trainer.data.reference
         rows = list(trainer.data.reference_batches())
-        path = reference_path(cfg, reference_key(cfg, trainer.run_spec.compute_dtype))
+        path = reference_path(trainer.data, reference_key(cfg, trainer.run_spec.compute_dtype, str(pairs_dir)))
         assert path.is_file()
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -252,7 +252,7 @@ def test_resume_reuses_the_reference_and_continues_the_same_run(tmp_path, model_
     cfg = dpo_config(tmp_path / "parts", model_dir, pairs_dir, train={"steps": 3}, checkpoint={"at_end": True})
     with Trainer(cfg) as trainer:
         first = [r["loss"] for r in trainer.train()]
-        path = reference_path(cfg, reference_key(cfg, trainer.run_spec.compute_dtype))
+        path = reference_path(trainer.data, reference_key(cfg, trainer.run_spec.compute_dtype, str(pairs_dir)))
     cfg = dpo_config(tmp_path / "parts", model_dir, pairs_dir, train={"steps": 6})
     with Trainer(cfg, resume="auto") as trainer:
         rest = [r["loss"] for r in trainer.train()]
@@ -336,3 +336,33 @@ def test_ten_steps_match_trls_dpotrainer_itself(tmp_path, model_dir):
     assert len(theirs) == STEPS
     for step, (a, b) in enumerate(zip(ours, theirs)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs TRL's DPOTrainer {b}"
+
+
+def test_evaluation_is_the_dpo_loss_of_the_eval_pairs(tmp_path, model_dir):
+    """train.eval_every with DPO: the eval split's pairs get their own reference log-probabilities (a plain
+    transformers forward of the initial model), and eval_loss is the mean over those pairs of TRL's loss on the
+    trained model's log-probabilities (within 1e-5 relative)."""
+    records = [layout(name, *q) for name in ("trl", "sharegpt", "alpaca", "trl_text") for q in QUESTIONS]
+    run_prepare(model_dir, [write_jsonl(tmp_path / "pairs.jsonl", records)], tmp_path / "prepared", eval_fraction=0.25)
+    cfg = dpo_config(tmp_path, model_dir, tmp_path / "prepared", train={"steps": 4, "eval_every": 4, "eval_batches": 2})
+    with Trainer(cfg) as trainer:
+        records = trainer.train()
+        batches = list(trainer.eval_data)
+        final = trainer.master_weights()
+    assert len(batches) == 2 and all(b.input_ids.shape[0] == 4 for b in batches)
+    initial = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    trained = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    trained.load_state_dict(final)
+    total = pairs = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            ref = hf_token_logps(initial, batch.input_ids, batch.labels).double().sum(1)
+            torch.testing.assert_close(batch.preference.reference_logps, ref, rtol=1e-5, atol=0)
+            per_token = hf_token_logps(trained, batch.input_ids, batch.labels)
+            completion = torch.cat([torch.zeros_like(batch.labels[:, :1]), (batch.labels != -100).long()], 1)
+            loss, _ = trl_loss(per_token, completion, batch.preference.reference_logps.float(), cfg.finetune.dpo.beta,
+                               0.0, "sigmoid")
+            total += loss.item() * (batch.input_ids.shape[0] // 2)
+            pairs += batch.input_ids.shape[0] // 2
+    assert records[-1]["eval_loss"] == pytest.approx(total / pairs, rel=1e-5)
+    assert records[-1]["eval_loss"] != pytest.approx(0.6931471805599453, rel=1e-3), "the model moved"

@@ -25,7 +25,6 @@ def test_defaults_are_trls():
     ({"data": {"batch_size": 3}}, "data.batch_size"),
     ({"data": {"packing": True}}, "data.packing"),
     ({"parallel": {"gpus": 2}, "runtime": {"mode": "ray"}}, "parallel.gpus"),
-    ({"train": {"eval_every": 5}}, "train.eval_every"),
     ({"finetune": {"dpo": {"beta": 0.0}}}, "finetune.dpo.beta"),
     ({"finetune": {"dpo": {"label_smoothing": 0.5}}}, "finetune.dpo.label_smoothing"),
     ({"finetune": {"dpo": {"loss_type": "ipo"}}}, "finetune.dpo.loss_type"),
