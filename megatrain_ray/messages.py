@@ -103,6 +103,9 @@ class PreferenceRows:
     beta: float
     label_smoothing: float
     loss_type: str
+    total_pairs: int = 0
+    """Pairs in the whole step's batch when the ranks of a data-parallel run share it (each divides by it, so
+    the ranks' sums add up to the mean over all pairs); 0: this batch's own pairs."""
 
 
 @dataclass(frozen=True, slots=True)

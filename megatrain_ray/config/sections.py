@@ -866,9 +866,9 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
               "(chosen and rejected): set an even data.batch_size")
     if ranks is None and cfg.parallel.gpus != "auto":
         ranks = cfg.parallel.gpus
-    if (ranks is not None and ranks > 1) or cfg.parallel.nodes > 1:
-        _fail("parallel.gpus", cfg.parallel.gpus, "finetune.objective=dpo runs on one GPU worker (the ranks would "
-              "split the batch's pairs); set parallel.gpus=1 and parallel.nodes=1")
+    if ranks is not None and (cfg.data.batch_size // 2) % ranks:
+        _fail("data.batch_size", cfg.data.batch_size, f"finetune.objective=dpo gives each of the {ranks} ranks "
+              f"whole pairs, the same number each: set data.batch_size to a multiple of {2 * ranks}")
 
 
 def _to_plain(obj: Any) -> Any:

@@ -3,7 +3,8 @@
 Documents 2k and 2k + 1 of a split are pair k's chosen and rejected sequences (the shards' `pair_role`
 column says which, and is checked). data.batch_size counts rows, two per pair, so a step takes
 batch_size / 2 pairs: the chosen rows first, then the rejected rows in the same pair order (TRL's layout,
-what model/preference.py expects). One sequence per row, padded (no packing). Epoch e visits the pairs in
+what model/preference.py expects). One sequence per row, padded (no packing). With several ranks each takes
+whole pairs (split_pairs). Epoch e visits the pairs in
 a permutation seeded by (data.seed, e), so a step's batch is a pure function of (data.seed, step), as for
 every other data source. Each row carries its reference log-probability (driver/reference.py).
 """
@@ -113,6 +114,22 @@ class PreferenceBatches(DocumentBatches):
 
     def epoch_of(self, step: int) -> float:
         return step * self.pairs_per_step / self.pairs
+
+
+def split_pairs(batch: Batch, ranks: int) -> list[Batch]:
+    """Each rank's share of a DPO batch: whole pairs (pair p's chosen row p and rejected row P + p stay together),
+    each part laid out as a batch of its own, every rank dividing by the pairs of the whole batch."""
+    pref = batch.preference
+    assert pref is not None
+    pairs = batch.input_ids.shape[0] // 2
+    per_rank = pairs // ranks
+    parts = []
+    for r in range(ranks):
+        rows = [*range(r * per_rank, (r + 1) * per_rank), *range(pairs + r * per_rank, pairs + (r + 1) * per_rank)]
+        parts.append(Batch(batch.input_ids[rows].contiguous(), batch.labels[rows].contiguous(),
+                           preference=PreferenceRows(pref.reference_logps[rows], pref.beta, pref.label_smoothing,
+                                                     pref.loss_type, total_pairs=pairs)))
+    return parts
 
 
 def make_training_batches(cfg: Config) -> TokenBatches | DocumentBatches:

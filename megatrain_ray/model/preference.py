@@ -44,22 +44,24 @@ def dpo_loss_and_row_grads(logps: torch.Tensor, pref: PreferenceRows) -> tuple[t
                                                                               dict[str, torch.Tensor]]:
     """(mean loss over the pairs, d loss / d logps of every row, TRL's logged metrics) from the 2P rows'
     log-probabilities (chosen rows first). Autograd over P numbers: exact, and never a hand-derived formula
-    to keep in step with `dpo_losses`."""
+    to keep in step with `dpo_losses`. Loss and metrics are sums over the pairs divided by pref.total_pairs
+    (when the ranks of a data-parallel run share a batch, their results add up to the means)."""
     ref = pref.reference_logps.to(device=logps.device, dtype=logps.dtype)
     pairs = logps.shape[0] // 2
+    total = pref.total_pairs or pairs
     logps = logps.detach().requires_grad_(True)
     with torch.enable_grad():
         chosen, rejected = logps[:pairs], logps[pairs:]
         loss = dpo_losses(chosen, rejected, ref[:pairs], ref[pairs:], pref.beta, pref.label_smoothing,
-                          pref.loss_type).mean()
+                          pref.loss_type).sum() / total
         (grad,) = torch.autograd.grad(loss, logps)
     with torch.no_grad():
         chosen_rewards = pref.beta * (chosen - ref[:pairs])
         rejected_rewards = pref.beta * (rejected - ref[pairs:])
-        metrics = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-                   "rewards/accuracies": (chosen_rewards > rejected_rewards).to(logps.dtype).mean(),
-                   "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                   "logps/chosen": chosen.mean(), "logps/rejected": rejected.mean()}
+        metrics = {"rewards/chosen": chosen_rewards.sum() / total, "rewards/rejected": rejected_rewards.sum() / total,
+                   "rewards/accuracies": (chosen_rewards > rejected_rewards).to(logps.dtype).sum() / total,
+                   "rewards/margins": (chosen_rewards - rejected_rewards).sum() / total,
+                   "logps/chosen": chosen.sum() / total, "logps/rejected": rejected.sum() / total}
     return loss.detach(), grad, metrics
 
 

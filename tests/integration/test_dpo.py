@@ -145,9 +145,9 @@ def test_seq_len_keeps_the_start_and_drops_a_pair_whose_prompt_fills_it(tmp_path
 # ----------------------------------------------------------------------------- training
 
 
-def dpo_config(tmp_path: Path, model_dir: Path, data: Path, **sections):
+def dpo_config(tmp_path: Path, model_dir: Path, prepared: Path, **sections):
     raw = {"model": {"path": str(model_dir)},
-           "data": {"path": str(data), "seq_len": 40, "batch_size": 4, "seed": 1},
+           "data": {"path": str(prepared), "seq_len": 40, "batch_size": 4, "seed": 1},
            "optimizer": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
                          "workers": 2, "chunk_elems": 1024},
            "schedule": {"kind": "constant", "warmup_steps": 0},
@@ -366,3 +366,25 @@ def test_evaluation_is_the_dpo_loss_of_the_eval_pairs(tmp_path, model_dir):
             pairs += batch.input_ids.shape[0] // 2
     assert records[-1]["eval_loss"] == pytest.approx(total / pairs, rel=1e-5)
     assert records[-1]["eval_loss"] != pytest.approx(0.6931471805599453, rel=1e-3), "the model moved"
+
+
+@pytest.mark.ray
+def test_two_gpu_workers_give_the_run_of_one(tmp_path, ray_session, model_dir, pairs_dir):
+    """Data parallel: each rank takes whole pairs and divides by the pairs of the whole batch, the ranks' gradients
+    are summed: the one-rank run up to summation order (1e-6 relative, as tests/integration/test_data_parallel.py),
+    metrics included."""
+    sections = {"data": {"batch_size": 8}, "runtime": {"mode": "ray"}, "train": {"steps": 5}}
+    with Trainer(dpo_config(tmp_path / "one", model_dir, pairs_dir, **sections)) as trainer:
+        initial = trainer.master_weights()
+        one = trainer.train()
+        one_final = trainer.master_weights()
+    sections["parallel"] = {"gpus": 2, "backend": "gloo"}
+    with Trainer(dpo_config(tmp_path / "two", model_dir, pairs_dir, **sections)) as trainer:
+        two = trainer.train()
+        two_final = trainer.master_weights()
+    for a, b in zip(two, one):
+        for key in ("loss", "rewards/chosen", "rewards/margins", "logps/rejected"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+    for name, ref in one_final.items():
+        assert ((two_final[name] - ref).norm() / ref.norm()).item() <= 1e-6, name
+        assert ((ref - initial[name]).norm() / initial[name].norm()).item() > 1e-4, name

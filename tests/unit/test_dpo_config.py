@@ -24,7 +24,7 @@ def test_defaults_are_trls():
 @pytest.mark.parametrize("sections,key", [
     ({"data": {"batch_size": 3}}, "data.batch_size"),
     ({"data": {"packing": True}}, "data.packing"),
-    ({"parallel": {"gpus": 2}, "runtime": {"mode": "ray"}}, "parallel.gpus"),
+    ({"data": {"batch_size": 6}, "parallel": {"gpus": 2}, "runtime": {"mode": "ray"}}, "data.batch_size"),
     ({"finetune": {"dpo": {"beta": 0.0}}}, "finetune.dpo.beta"),
     ({"finetune": {"dpo": {"label_smoothing": 0.5}}}, "finetune.dpo.label_smoothing"),
     ({"finetune": {"dpo": {"loss_type": "ipo"}}}, "finetune.dpo.loss_type"),
