@@ -13,6 +13,7 @@ log-probabilities, in another order).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -67,6 +68,7 @@ def layout(name: str, prompt: str, chosen: str, rejected: str) -> dict:
         "trl_implicit": {"chosen": [user, good], "rejected": [user, bad]},
         "sharegpt": {"conversations": [{"from": "human", "value": prompt}], "chosen": {"from": "gpt", "value": chosen},
                      "rejected": {"from": "gpt", "value": rejected}},
+        "sharegpt_openai": {"messages": [user], "chosen": good, "rejected": bad},
         "alpaca": {"instruction": prompt, "input": "", "chosen": chosen, "rejected": rejected},
         "trl_text": {"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected},
         "trl_text_implicit": {"chosen": f"{prompt} {chosen}", "rejected": f"{prompt} {rejected}"},
@@ -108,7 +110,8 @@ def run_prepare(model_dir: Path, inputs: list[Path], out: Path, **options) -> di
                                   output_dir=str(out), workers=1, **options))
 
 
-@pytest.mark.parametrize("name", ["trl", "trl_implicit", "sharegpt", "alpaca", "trl_text", "trl_text_implicit"])
+@pytest.mark.parametrize("name", ["trl", "trl_implicit", "sharegpt", "sharegpt_openai", "alpaca", "trl_text",
+                                  "trl_text_implicit"])
 def test_every_layout_gives_trls_tokens(tmp_path, model_dir, name):
     """TRL's layouts against TRL's preprocessing of the same records; LLaMA-Factory's against TRL's of the same
     conversations (the implicit layouts are their own reference: a text prompt ends where the texts differ)."""
@@ -119,6 +122,18 @@ def test_every_layout_gives_trls_tokens(tmp_path, model_dir, name):
     manifest = run_prepare(model_dir, [path], tmp_path / "out")
     assert manifest["preference_pairs"] and manifest["documents"] == 2 * len(QUESTIONS)
     assert sorted(prepared_pairs(tmp_path / "out")) == sorted(expected)
+
+
+def test_a_llama_factory_registry_entry_marked_ranking_is_preference_data(tmp_path, model_dir):
+    write_jsonl(tmp_path / "pairs.jsonl", [layout("sharegpt", *q) for q in QUESTIONS])
+    (tmp_path / "dataset_info.json").write_text(json.dumps(
+        {"prefs": {"file_name": "pairs.jsonl", "ranking": True, "formatting": "sharegpt"}}))
+    manifest = prepare(PrepareOptions(tokenizer_dir=str(model_dir), format=None, inputs=[], workers=1,
+                                      output_dir=str(tmp_path / "out"), registry=str(tmp_path / "dataset_info.json"),
+                                      dataset="prefs"))
+    assert manifest["format"] == "preference"
+    assert sorted(prepared_pairs(tmp_path / "out")) == sorted(trl_pairs(model_dir, [layout("trl", *q)
+                                                                                    for q in QUESTIONS]))
 
 
 def test_a_bad_record_gives_one_error_naming_it_and_the_field(tmp_path, model_dir):
@@ -234,7 +249,13 @@ def test_reference_logps_equal_a_plain_transformers_forward(tmp_path, model_dir,
     cfg2 = dpo_config(tmp_path / "again", model_dir, pairs_dir, train={"steps": 1})
     with Trainer(cfg2) as trainer:
         torch.testing.assert_close(trainer.data.reference, ours, rtol=0, atol=0)
+        key = reference_key(cfg2, trainer.run_spec.compute_dtype, str(pairs_dir))
     assert path.stat().st_mtime_ns == mtime
+    # Other weights (rewritten model files) or another compute dtype: another key, so the file is not reused.
+    weights = model_dir / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    assert reference_key(cfg2, "float32", str(pairs_dir)) != key
+    assert reference_key(cfg2, "bfloat16", str(pairs_dir)) != reference_key(cfg2, "float32", str(pairs_dir))
 
 
 def test_local_ten_steps_match_trl_loss_reference_loop(tmp_path, model_dir, pairs_dir):

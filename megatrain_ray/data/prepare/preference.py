@@ -23,7 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from megatrain_ray.data.prepare.records import SHAREGPT_ROLES, BadRecord, Columns, _field, parse_item, to_messages
+from megatrain_ray.data.prepare.records import (
+    MESSAGE_ROLES,
+    SHAREGPT_ROLES,
+    BadRecord,
+    Columns,
+    _field,
+    parse_item,
+    to_messages,
+)
 
 Completion = str | list[dict[str, Any]]
 
@@ -60,16 +68,15 @@ def _implicit_prompt_length(chosen: Any, rejected: Any) -> int:
     return n
 
 
-def _turn(value: Any, where: str, name: str) -> dict[str, Any]:
-    """A LLaMA-Factory chosen/rejected turn ({"from", "value"} or {"role", "content"}) as an assistant message."""
+def _turn(value: Any, where: str, name: str, role_tag: str, content_tag: str, roles: dict[str, str]) -> dict:
+    """A LLaMA-Factory chosen/rejected turn ({role_tag: speaker, content_tag: text}) as an assistant message."""
     if not isinstance(value, dict):
-        raise BadRecord(f"bad {name!r}", f"{where}: {name!r} must be one turn, a JSON object with from/value (or "
-                        f"role/content), got {type(value).__name__}")
-    speaker = value.get("from", value.get("role"))
-    content = value.get("value", value.get("content"))
-    if SHAREGPT_ROLES.get(speaker) != "assistant" or content is None:
-        raise BadRecord(f"bad {name!r}", f"{where}: {name!r} must be an assistant turn with its text in value (or "
-                        f"content); got from/role {speaker!r}")
+        raise BadRecord(f"bad {name!r}", f"{where}: {name!r} must be one turn, a JSON object with {role_tag!r} and "
+                        f"{content_tag!r}, got {type(value).__name__}")
+    speaker, content = value.get(role_tag), value.get(content_tag)
+    if roles.get(speaker) != "assistant" or content is None:
+        raise BadRecord(f"bad {name!r}", f"{where}: {name!r} must be an assistant turn with its text in "
+                        f"{content_tag!r}; got {role_tag} {speaker!r}")
     return {"role": "assistant", "content": str(content)}
 
 
@@ -84,14 +91,20 @@ def to_preference(record: Any, cols: Columns, where: str) -> PreferenceRecord:
     chosen, rejected = record["chosen"], record["rejected"]
     conversation = cols.messages or "conversations"
     if conversation in record or (isinstance(chosen, dict) and "messages" in record):
-        fmt = "sharegpt" if conversation in record else "messages"
-        # The prompt turns as the sft layout reads them; to_messages wants an assistant turn, so one is added.
-        messages, tools = to_messages({**record, (conversation if fmt == "sharegpt" else "messages"):
-                                       [*record[conversation if fmt == "sharegpt" else "messages"],
-                                        {"from": "gpt", "value": "", "role": "assistant", "content": ""}]},
-                                      fmt, cols, where)
-        return PreferenceRecord(messages[:-1], [_turn(chosen, where, "chosen")], [_turn(rejected, where, "rejected")],
-                                tools, True)
+        # LLaMA-Factory's sharegpt layout (or its OpenAI spelling): the prompt turns read as its sft layout reads
+        # them, through to_messages, which wants an assistant turn: a placeholder one is added, then dropped.
+        fmt, turns = ("sharegpt", conversation) if conversation in record else ("messages", "messages")
+        role_tag = cols.role_tag or ("from" if fmt == "sharegpt" else "role")
+        content_tag = cols.content_tag or ("value" if fmt == "sharegpt" else "content")
+        roles = cols.roles or (SHAREGPT_ROLES if fmt == "sharegpt" else MESSAGE_ROLES)
+        assistant = next(speaker for speaker, role in roles.items() if role == "assistant")
+        if not isinstance(record[turns], list):
+            raise BadRecord("turns not a list", f"{where}: {turns!r} must be a list of turns, got "
+                            f"{type(record[turns]).__name__}")
+        placeholder = {role_tag: assistant, content_tag: ""}
+        messages, tools = to_messages({**record, turns: [*record[turns], placeholder]}, fmt, cols, where)
+        return PreferenceRecord(messages[:-1], [_turn(chosen, where, "chosen", role_tag, content_tag, roles)],
+                                [_turn(rejected, where, "rejected", role_tag, content_tag, roles)], tools, True)
     if cols.prompt in record and "prompt" not in record:  # LLaMA-Factory alpaca
         messages, _ = to_messages({**record, cols.response: "-"}, "alpaca", cols, where)
         for name, value in (("chosen", chosen), ("rejected", rejected)):
