@@ -9,6 +9,7 @@
     megatrain cluster start|stop|env                    # a one-box Ray head for `ray job submit` (127.0.0.1, token)
     megatrain export SOURCE OUT_DIR [--dtype bfloat16|float32] [--shard-size 5GB]  # SOURCE: model, run or checkpoint dir
     megatrain prepare --tokenizer MODEL_DIR --format alpaca --input data.json --output prepared/
+    megatrain prepare --tokenizer MODEL_DIR --format preference --input pairs.jsonl --output prefs/  # DPO pairs
 
 Exit codes: 0 done; 2 bad input or a failure with its message; 130/143 stopped by SIGINT/SIGTERM
 (after saving a checkpoint).
