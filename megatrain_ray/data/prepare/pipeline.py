@@ -253,6 +253,9 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
         raise DataError(f"--seq-len {opts.seq_len} must be >= 0 (the longest document in tokens; 0: never truncate)")
     if opts.on_bad_record not in ("skip", "fail"):
         raise DataError(f"--on-bad-record {opts.on_bad_record!r}: use skip or fail")
+    if fmt == "preference" and opts.train_on_inputs:
+        raise DataError("--train-on-inputs does not apply to --format preference: DPO scores the completions only, "
+                        "as TRL does; leave it out")
     if opts.workers < 0:
         raise DataError(f"--workers {opts.workers} must be >= 1 (0: one per available core)")
     out = Path(opts.output_dir)
