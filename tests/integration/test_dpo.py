@@ -409,3 +409,16 @@ def test_two_gpu_workers_give_the_run_of_one(tmp_path, ray_session, model_dir, p
     for name, ref in one_final.items():
         assert ((two_final[name] - ref).norm() / ref.norm()).item() <= 1e-6, name
         assert ((ref - initial[name]).norm() / initial[name].norm()).item() > 1e-4, name
+
+
+def test_bf16_compute_tracks_float32(tmp_path, model_dir, pairs_dir):
+    """bf16 weights and math (the GPU default) on the CPU, with their own bf16 reference log-probabilities (another
+    key, another file): the loss curve within 2 % of the float32 run's (as the cross-entropy's bf16 test)."""
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dpo_config(tmp_path / dtype, model_dir, pairs_dir, precision={"compute_dtype": dtype})
+        with Trainer(cfg) as trainer:
+            losses[dtype] = [r["loss"] for r in trainer.train()]
+    assert len(list((pairs_dir / "reference").glob("train-*.safetensors"))) == 2
+    for step, (a, b) in enumerate(zip(losses["bfloat16"], losses["float32"])):
+        assert abs(a - b) <= 0.02 * abs(b), f"step {step}: bf16 loss {a} vs float32 {b}"
