@@ -136,6 +136,19 @@ def test_a_llama_factory_registry_entry_marked_ranking_is_preference_data(tmp_pa
                                                                                     for q in QUESTIONS]))
 
 
+def test_worker_processes_write_the_same_shards(tmp_path, model_dir, monkeypatch):
+    from megatrain_ray.data.prepare import pipeline
+
+    monkeypatch.setattr(pipeline, "CHUNK_RECORDS", 4)  # 24 records: 6 chunks over 2 worker processes
+    path = write_jsonl(tmp_path / "pairs.jsonl", [layout(n, *q) for n in ("trl", "sharegpt", "alpaca", "trl_text")
+                                                  for q in QUESTIONS])
+    for workers in (1, 2):
+        prepare(PrepareOptions(tokenizer_dir=str(model_dir), format="preference", inputs=[str(path)],
+                               output_dir=str(tmp_path / f"w{workers}"), workers=workers, eval_fraction=0.25))
+    for name in ("train-00000.parquet", "eval-00000.parquet"):
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
+
+
 def test_a_bad_record_gives_one_error_naming_it_and_the_field(tmp_path, model_dir):
     records = [layout("trl", *QUESTIONS[0]), {"prompt": "add", "chosen": " 5"}]
     path = write_jsonl(tmp_path / "bad.jsonl", records)
