@@ -129,6 +129,9 @@ class GPUWorker(ActorBase):
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.engine.logits(ids)
 
+    def sequence_logps(self, batch: Batch) -> torch.Tensor:
+        return self.engine.sequence_logps(batch)
+
     def flush(self) -> float:
         return self.engine.flush()
 

@@ -78,6 +78,8 @@ class StepResult:
     finished (in the backward); the rest waited to load a stage's updated weights."""
     rank_update_wait_seconds: tuple[float, ...] = ()
     """update_wait_seconds of each rank (data parallel; merge_results), the first rank first."""
+    objective_metrics: dict[str, float] | None = None
+    """Metrics of the training objective beyond the loss (DPO: rewards/chosen, rewards/margins, ...); None for SFT."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,21 @@ class ActorStatus:
     """The CPUs the process may run on (os.sched_getaffinity), i.e. its pinning."""
     resources: dict[str, float]
     """Ray resources assigned to the actor (its placement-group bundle); empty in-process."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreferenceRows:
+    """What makes a batch a DPO batch (finetune.objective=dpo): its 2P rows are P pairs, the chosen rows first and
+    the rejected rows after them in the same pair order; the loss is megatrain_ray/model/preference.py's."""
+
+    reference_logps: torch.Tensor
+    """[2P] float64: each row's completion log-probability under the reference (initial) model."""
+    beta: float
+    label_smoothing: float
+    loss_type: str
+    total_pairs: int = 0
+    """Pairs in the whole step's batch when the ranks of a data-parallel run share it (each divides by it, so
+    the ranks' sums add up to the mean over all pairs); 0: this batch's own pairs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +121,8 @@ class Batch:
     segments: tuple[tuple[int, ...], ...] | None = None
     """Packed rows: per row, the lengths of its documents (they sum to seq_len); attention stays inside
     each. None: every row is one sequence (no per-document work at all)."""
+    preference: PreferenceRows | None = None
+    """DPO: the rows are preference pairs (the head computes the DPO loss); None: cross-entropy."""
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor) -> Batch:

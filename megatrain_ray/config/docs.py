@@ -23,6 +23,7 @@ SECTIONS = {
     "checkpoint": config_module.CheckpointConfig,
     "fault": config_module.FaultConfig,
     "finetune": config_module.FinetuneConfig, "finetune.lora": config_module.LoraConfig,
+    "finetune.dpo": config_module.DPOConfig,
 }
 
 

@@ -815,17 +815,6 @@ class LoraConfig:
         return tuple(name for name in known if name in self.target_modules)
 
 
-@dataclass(kw_only=True, slots=True)
-class FinetuneConfig:
-    """What training changes: every weight (full), or low-rank adapters on a frozen base (lora)."""
-
-    SECTION: ClassVar[str] = "finetune"
-    method: Literal["full", "lora"] = "full"
-    """full: every weight trains (fp32 master and AdamW moments in host RAM, the CPU optimizer workers). lora: the
-    base is frozen and streamed from host RAM in precision.stream_dtype only (no master, moments or gradient
-    buffers); the adapters, their gradients and their AdamW state live on the compute device."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """The adapters' settings (method lora)."""
 
 
 def check_finetune(cfg: "Config") -> None:
@@ -842,6 +831,49 @@ def check_finetune(cfg: "Config") -> None:
         why = "host.moments_tier=ram (the adapters' moments live on the device, the host holds none)"
     if why:
         _fail("finetune.method", "lora", f"needs {why}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DPOConfig:
+    """Direct preference optimization (finetune.objective=dpo; docs/fine-tuning.md, megatrain_ray/model/preference.py)."""
+
+    SECTION: ClassVar[str] = "finetune.dpo"
+    beta: float = 0.1
+    """How far the model may move from the reference (the initial model): the DPO loss is a function of
+    beta * ((logp_chosen - logp_rejected) - (ref_chosen - ref_rejected)), log-probabilities summed over
+    the completion tokens, as TRL's DPOTrainer."""
+    label_smoothing: float = 0.0
+    """The probability that a preference label is flipped. sigmoid: -(1 - e) logsigmoid(beta z) - e logsigmoid(-beta z)
+    (conservative DPO; TRL 1.16's sigmoid has no label smoothing, so it equals it at 0 only); robust: TRL's robust DPO."""
+    loss_type: Literal["sigmoid", "robust"] = "sigmoid"
+    """sigmoid: DPO (with label_smoothing, conservative DPO); robust: robust DPO (unbiased under flipped labels)."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if not self.beta > 0:
+            _fail(f"{s}.beta", self.beta, "must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            _fail(f"{s}.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
+
+
+@dataclass(kw_only=True, slots=True)
+class FinetuneConfig:
+    """What training changes (every weight, or low-rank adapters on a frozen base) and what it optimizes
+    (cross-entropy, or a preference loss)."""
+
+    SECTION: ClassVar[str] = "finetune"
+    method: Literal["full", "lora"] = "full"
+    """full: every weight trains (fp32 master and AdamW moments in host RAM, the CPU optimizer workers). lora: the
+    base is frozen and streamed from host RAM in precision.stream_dtype only (no master, moments or gradient
+    buffers); the adapters, their gradients and their AdamW state live on the compute device."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The adapters' settings (method lora)."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: cross-entropy on the loss-mask tokens (pre-training, supervised fine-tuning). dpo: direct preference
+    optimization on preference pairs from `megatrain prepare --format preference`; the reference log-probabilities
+    come from one forward pass of the initial model before the first step (see finetune.dpo)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """The DPO loss's settings (finetune.objective=dpo; read only then)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -880,6 +912,7 @@ class Config:
             pass  # allowed (slow); tests of the bf16 path use it on purpose
         check_parallel(self)
         check_finetune(self)
+        check_objective(self)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
@@ -901,10 +934,28 @@ def check_parallel(cfg: Config, ranks: int | None = None) -> None:
         _fail("parallel.gpus", p.gpus if p.gpus != "auto" else f"auto ({ranks} GPUs)",
               f"data.batch_size={cfg.data.batch_size} is not divisible by {ranks} ranks: each GPU takes an equal "
               f"slice of the global batch; set data.batch_size to a multiple of {ranks}")
+    check_objective(cfg, ranks)
     if p.backend == "nccl" and cfg.engine.device == "cpu":
         _fail("parallel.backend", p.backend, "needs GPUs, but engine.device=cpu; use gloo or auto")
     if p.backend == "gloo" and cfg.engine.device == "cuda":
         _fail("parallel.backend", p.backend, "sums CPU tensors (tests); with engine.device=cuda use nccl or auto")
+
+
+def check_objective(cfg: Config, ranks: int | None = None) -> None:
+    """finetune.objective=dpo against the data and parallel sections (`ranks`: parallel.gpus once resolved)."""
+    if cfg.finetune.objective != "dpo":
+        return
+    if cfg.data.packing:
+        _fail("data.packing", True, "finetune.objective=dpo keeps one sequence per row (a pair's rows are scored "
+              "whole); set data.packing=false")
+    if cfg.data.batch_size % 2:
+        _fail("data.batch_size", cfg.data.batch_size, "finetune.objective=dpo counts rows, two per preference pair "
+              "(chosen and rejected): set an even data.batch_size")
+    if ranks is None and cfg.parallel.gpus != "auto":
+        ranks = cfg.parallel.gpus
+    if ranks is not None and (cfg.data.batch_size // 2) % ranks:
+        _fail("data.batch_size", cfg.data.batch_size, f"finetune.objective=dpo gives each of the {ranks} ranks "
+              f"whole pairs, the same number each: set data.batch_size to a multiple of {2 * ranks}")
 
 
 def _to_plain(obj: Any) -> Any:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_ray.config.sections import Config, check_parallel
+from megatrain_ray.data.preference import split_pairs
 from megatrain_ray.engine.collective import RankInfo
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.messages import Batch, StepResult
@@ -102,6 +103,8 @@ def split_batch(batch: Batch, ranks: int) -> tuple[list[Batch], int]:
     total = batch.loss_tokens
     if ranks == 1:
         return [batch], total
+    if batch.preference is not None:  # DPO: whole pairs per rank
+        return split_pairs(batch, ranks), total
     rows = batch.input_ids.shape[0] // ranks
 
     def part(r: int) -> Batch:
@@ -131,4 +134,6 @@ def merge_results(results: list[StepResult]) -> StepResult:
         compute_seconds=total("compute_seconds") / len(results), h2d_seconds=total("h2d_seconds"),
         d2h_seconds=total("d2h_seconds"), skipped=first.skipped, gpu_peak_bytes=slowest("gpu_peak_bytes"),
         comm_seconds=slowest("comm_seconds"), slab_wait_seconds=slowest("slab_wait_seconds"),
-        rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results))
+        rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results),
+        objective_metrics={k: sum(r.objective_metrics[k] for r in results) for k in first.objective_metrics}
+        if first.objective_metrics else None)  # each rank's share of the mean over the whole batch

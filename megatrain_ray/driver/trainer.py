@@ -18,7 +18,7 @@ import torch
 from megatrain_ray.config.load import config_to_yaml
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
-from megatrain_ray.data.batches import make_batches, make_eval_batches
+from megatrain_ray.data.preference import PreferenceBatches, make_evaluation_batches, make_training_batches
 from megatrain_ray.driver.checkpointing import (
     Checkpointer,
     ResidentTensors,
@@ -31,6 +31,7 @@ from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonf
 from megatrain_ray.driver.outputs import check_outputs, place_outputs
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.placement import RunPlacement
+from megatrain_ray.driver.reference import load_or_compute
 from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, ray_session_dir, start_ray
 from megatrain_ray.driver.tracking import Tracking, check_available, last_logged_step
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
@@ -86,8 +87,8 @@ class Trainer:
             raise ConfigError(f"train.output_dir={str(self.run_dir)!r} already holds a run (metrics.jsonl); "
                               "continue it with --resume auto, or choose another train.output_dir")
         # Bad data fails before any allocation.
-        self.data = make_batches(cfg.data, cfg.model)
-        self.eval_data = make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches) if cfg.train.eval_every else []
+        self.data = make_training_batches(cfg)
+        self.eval_data = make_evaluation_batches(cfg) if cfg.train.eval_every else []
         self.stage_groups = shard_stages(self.layout, cfg.host.num_shards)
         self.checkpoints = CheckpointDir(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self.resume = resume
@@ -188,6 +189,10 @@ class Trainer:
         self._spawn_actors()  # a checkpoint that fails its checks stops here, before the run directory changes
         if self.restore is not None:
             restore_rng(self.restore.manifest["rng"])
+        for pairs in (self.data, self.eval_data):  # DPO: the reference log-probabilities, before the first step
+            if isinstance(pairs, PreferenceBatches) and pairs.reference is None:
+                pairs.attach_reference(load_or_compute(cfg, pairs, self.gpu, self.run_spec.compute_dtype,
+                                                       resuming=self.restore is not None))
         for private in (self.run_dir, self.checkpoints.root):  # metrics and weights are the user's alone
             private.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.yaml", config_to_yaml(cfg))

@@ -23,8 +23,10 @@ from megatrain_ray.config.sections import EngineConfig, LoraConfig, ModelConfig,
 from megatrain_ray.engine.adapters import AdapterTier
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.engine.weights import WeightSlot
+from megatrain_ray.messages import Batch
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.lora import is_adapter
+from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import HeadResult, head_loss_and_grads
 from megatrain_ray.store.segments import HostStore
 
@@ -50,15 +52,21 @@ class LoraStreamEngine(StreamEngine):
     def _bind(self, stage: StageLayout, slot: WeightSlot | None) -> dict[str, torch.Tensor]:
         return {**super()._bind(stage, slot), **self.adapters.layer(stage.index - 1)}
 
-    def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int) -> HeadResult:
-        """The loss and the gradient of the last hidden state only (a frozen head)."""
+    def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
+              batch: Batch) -> HeadResult:
+        """The loss (cross-entropy, or DPO for a batch of preference pairs) and the gradient of the last hidden
+        state only (a frozen head)."""
         layout, compute = self.layout, self.streams.compute
         head_slot = self.weights.slot_for(layout.head)
         head_w = self.weights.bind(layout.head, head_slot)
+        lm_w = head_w.get("lm_head.weight", embed_w)
         start = self.telemetry.timeline.start(compute)
-        head = head_loss_and_grads(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w), labels,
-                                   n_valid, self.head_spec, self.engine_cfg.loss_chunk_tokens, None,
-                                   input_grad_only=True)
+        if batch.preference is not None:
+            head = preference_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, batch.preference,
+                                             self.head_spec, self.engine_cfg.loss_chunk_tokens, None)
+        else:
+            head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
+                                       self.engine_cfg.loss_chunk_tokens, None, input_grad_only=True)
         self.weights.release(head_slot)
         self.telemetry.timeline.stop("compute", compute, start)
         return head

@@ -47,6 +47,7 @@ from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.preference import preference_eval_loss, preference_logps, preference_loss_and_grads
 from megatrain_ray.model.templates import (
     DocumentBucket,
     HeadResult,
@@ -159,7 +160,7 @@ class StreamEngine:
         labels = batch.labels.to(self.device, non_blocking=True)
 
         x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, self.activations)
-        head = self._head(x, embed_w, labels, n_valid)
+        head = self._head(x, embed_w, labels, n_valid, batch)
         del x  # else the last hidden state, [tokens, hidden], lives through the whole backward
         grad_y = self._backward(head, rope, documents, inject_nan)
         self._embedding(ids, grad_y, embed_slot)
@@ -188,7 +189,8 @@ class StreamEngine:
             optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
-            comm_seconds=device_seconds["comm"])
+            comm_seconds=device_seconds["comm"],
+            objective_metrics={k: float(v) for k, v in head.metrics.items()} if batch.preference else None)
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
@@ -272,17 +274,22 @@ class StreamEngine:
 
     # ------------------------------------------------------------------ head and backward
 
-    def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int) -> HeadResult:
-        """The loss and its gradients in token chunks (the LM head's weights were loaded after the last layer);
-        the head's weight gradients go out at once."""
+    def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
+              batch: Batch) -> HeadResult:
+        """The loss and its gradients in token chunks (the LM head's weights were loaded after the last layer):
+        cross-entropy, or DPO for a batch of preference pairs; the head's weight gradients go out at once."""
         layout, compute = self.layout, self.streams.compute
         head_slot = self.weights.slot_for(layout.head)
         head_w = self.weights.bind(layout.head, head_slot)
         lm_w = head_w.get("lm_head.weight", embed_w)
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
-        head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
-                                   self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
+        if batch.preference is not None:
+            head = preference_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, batch.preference,
+                                             self.head_spec, self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
+        else:
+            head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
+                                       self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
         self.weights.release(head_slot)
         head_grads = {"model.norm.weight": head.grad_norm_weight}
         if not layout.tied:
@@ -392,15 +399,34 @@ class StreamEngine:
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
-        """Mean loss over the batch's loss tokens, and their number, without gradients or updates."""
+        """Mean loss over the batch's loss tokens, and their number, without gradients or updates (DPO: the mean
+        loss over the batch's pairs, and their number)."""
         n_valid = max(1, batch.loss_tokens)
         labels = batch.labels.to(self.device, non_blocking=True)
+        if batch.preference is not None:
+            def dpo(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
+                return preference_eval_loss(x, norm_w, lm_w, labels, batch.preference, self.head_spec,
+                                            self.engine_cfg.loss_chunk_tokens)
+
+            return float(self._forward_only(batch, dpo)), batch.input_ids.shape[0] // 2
 
         def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
             return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec,
                                        self.engine_cfg.loss_chunk_tokens, grad_lm_acc=None).loss_sum
 
         return float(self._forward_only(batch, head)), batch.loss_tokens
+
+    @torch.no_grad()
+    def sequence_logps(self, batch: Batch) -> torch.Tensor:
+        """[rows] float64 sums of each row's label log-probabilities (labels != -100), forward only: DPO's
+        reference pass over the initial weights."""
+        labels = batch.labels.to(self.device, non_blocking=True)
+
+        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
+            return preference_logps(x, norm_w, lm_w, labels, self.head_spec,
+                                    self.engine_cfg.loss_chunk_tokens).double().cpu()
+
+        return self._forward_only(batch, head)
 
     def _forward_only(self, batch: Batch, head: Any) -> Any:
         """The forward of train_step (same stream, same templates) with `head(x, norm_w, lm_w)` at the end."""

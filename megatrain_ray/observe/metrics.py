@@ -96,6 +96,8 @@ class Progress:
             eta = _duration(per_step * (self.total - done))
         text = (f"step {done}/{self.total} loss {record['loss']:.4f}"
                 + (f" eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else "")
+                + (f" reward_acc {record['rewards/accuracies']:.2f} margin {record['rewards/margins']:.3g}"
+                   if "rewards/margins" in record else "")
                 + f" lr {record['lr']:.2e} gnorm {record['grad_norm']:.3g} {record['tok_per_s']:,.0f} tok/s "
                 f"{record['tflops']:.1f} TFLOPS eta {eta}")
         if self.tty:
@@ -147,4 +149,5 @@ def step_record(step: int, lr: float, result: StepResult, seconds: float, flops_
         "host_mem_gib": host_memory_bytes / 2**30,
         "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": not finite(result),
         "epoch": epoch,
+        **(result.objective_metrics or {}),  # DPO: rewards/chosen, rewards/rejected, rewards/accuracies, ...
     }

@@ -105,7 +105,8 @@ def resolve_inputs(opts: PrepareOptions) -> tuple[list[Path], str, Columns]:
     where = f"--registry {opts.registry!r} ({opts.dataset})"
     files = [contained(registry.parent, entry["file_name"], where, DataError)] if "file_name" in entry else []
     files += [Path(p) for p in opts.inputs]
-    fmt = opts.format or entry.get("formatting", "alpaca")
+    # LLaMA-Factory marks preference data `ranking`; its sharegpt or alpaca layout is found per record.
+    fmt = opts.format or ("preference" if entry.get("ranking") else entry.get("formatting", "alpaca"))
     renames = entry.get("columns", {})
     tags = entry.get("tags", {})
     cols = Columns(prompt=renames.get("prompt", cols.prompt), query=renames.get("query", cols.query),
@@ -252,6 +253,9 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
         raise DataError(f"--seq-len {opts.seq_len} must be >= 0 (the longest document in tokens; 0: never truncate)")
     if opts.on_bad_record not in ("skip", "fail"):
         raise DataError(f"--on-bad-record {opts.on_bad_record!r}: use skip or fail")
+    if fmt == "preference" and opts.train_on_inputs:
+        raise DataError("--train-on-inputs does not apply to --format preference: DPO scores the completions only, "
+                        "as TRL does; leave it out")
     if opts.workers < 0:
         raise DataError(f"--workers {opts.workers} must be >= 1 (0: one per available core)")
     out = Path(opts.output_dir)
@@ -274,7 +278,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
 def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int], directory: str,
              tokenizing: Tokenizing, t0: float) -> dict[str, Any]:
     vocab_size, has_template = tokenizing.info()
-    if fmt != "text" and not has_template:
+    if fmt not in ("text", "preference") and not has_template:  # preference: its conversations say so, per record
         raise DataError(NO_TEMPLATE)
     total, out = sum(counts), Path(opts.output_dir)
     n_eval = min(total - 1, round(total * opts.eval_fraction)) if opts.eval_fraction else 0
@@ -287,7 +291,9 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
     log.info("prepare: %d records in %d files, %d tokenizing %s", total, len(files), tokenizing.workers,
              "process" if tokenizing.workers <= 1 else "processes")
     with atomic_directory(out, DataError, "--output") as tmp:
-        writers = {"train": SplitWriter(tmp, "train", opts.seed), "eval": SplitWriter(tmp, "eval", opts.seed)}
+        pairs = fmt == "preference"
+        writers = {"train": SplitWriter(tmp, "train", opts.seed, pairs),
+                   "eval": SplitWriter(tmp, "eval", opts.seed, pairs)}
         for results in tokenizing.results(chunks(files)):
             for result in results:
                 records += 1
@@ -295,6 +301,9 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
                 if result[0] == "doc":
                     writers[split].add(result[1], result[2])
                     truncated += result[3]
+                elif result[0] == "pair":
+                    writers[split].add_pair(*result[1:5])
+                    truncated += result[5]
                 elif result[0] == "dropped":
                     dropped[result[1]] += 1
                     truncated += result[2]
@@ -317,6 +326,8 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
             "records": records, "documents": documents, "truncated": truncated, "dropped": dict(dropped),
             "skipped": dict(skipped), "splits": {},
         }
+        if pairs:  # documents 2k and 2k + 1 of a split are pair k's chosen and rejected sequences
+            manifest["preference_pairs"] = True
         for split, writer in writers.items():
             if writer.documents:
                 manifest["splits"][split] = writer.summary()

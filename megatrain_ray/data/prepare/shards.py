@@ -19,6 +19,8 @@ SHARD_TOKENS = 1 << 22
 DOCS_PER_SHARD = 50_000
 ROW_GROUP_ROWS = 4096
 SPLIT_IDS = {"train": 0, "eval": 1}
+PAIR_ROLE = "pair_role"
+"""Preference data: the column saying a row is a pair's chosen (0) or rejected (1) sequence; pairs are adjacent rows."""
 
 
 def list_array(parts: list[np.ndarray], dtype: np.dtype, kind: pa.DataType) -> pa.Array:
@@ -32,8 +34,8 @@ def list_array(parts: list[np.ndarray], dtype: np.dtype, kind: pa.DataType) -> p
 class SplitWriter:
     """One split's shards, `{split}-{k:05d}.parquet`, and its totals for the manifest."""
 
-    def __init__(self, directory: Path, split: str, seed: int):
-        self.directory, self.split, self.seed = directory, split, seed
+    def __init__(self, directory: Path, split: str, seed: int, pairs: bool = False):
+        self.directory, self.split, self.seed, self.pairs = directory, split, seed, pairs
         self.ids: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []
         self.buffered = 0
@@ -41,6 +43,19 @@ class SplitWriter:
         self.documents = self.tokens = self.loss_tokens = self.longest = 0
 
     def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        self._append(ids, mask)
+        if self.buffered >= SHARD_TOKENS or len(self.ids) >= DOCS_PER_SHARD:
+            self.flush()
+
+    def add_pair(self, chosen: np.ndarray, chosen_mask: np.ndarray, rejected: np.ndarray,
+                 rejected_mask: np.ndarray) -> None:
+        """A preference pair: two rows that stay adjacent (chosen first) in the shard, whatever its shuffle."""
+        self._append(chosen, chosen_mask)
+        self._append(rejected, rejected_mask)
+        if self.buffered >= SHARD_TOKENS or len(self.ids) >= DOCS_PER_SHARD:
+            self.flush()
+
+    def _append(self, ids: np.ndarray, mask: np.ndarray) -> None:
         self.ids.append(ids)
         self.masks.append(mask)
         self.buffered += len(ids)
@@ -48,16 +63,21 @@ class SplitWriter:
         self.tokens += len(ids)
         self.loss_tokens += int(np.count_nonzero(mask))
         self.longest = max(self.longest, len(ids))
-        if self.buffered >= SHARD_TOKENS or len(self.ids) >= DOCS_PER_SHARD:
-            self.flush()
 
     def flush(self) -> None:
         if not self.ids:
             return
         k = len(self.files)
-        order = np.random.default_rng([self.seed, SPLIT_IDS[self.split], k]).permutation(len(self.ids))
-        table = pa.table({"input_ids": list_array([self.ids[i] for i in order], np.int32, pa.int32()),
-                          "loss_mask": list_array([self.masks[i] for i in order], np.uint8, pa.uint8())})
+        rng = np.random.default_rng([self.seed, SPLIT_IDS[self.split], k])
+        if self.pairs:  # the pairs are shuffled, each one's two rows stay together
+            order = (2 * rng.permutation(len(self.ids) // 2)[:, None] + np.arange(2)).reshape(-1)
+        else:
+            order = rng.permutation(len(self.ids))
+        columns = {"input_ids": list_array([self.ids[i] for i in order], np.int32, pa.int32()),
+                   "loss_mask": list_array([self.masks[i] for i in order], np.uint8, pa.uint8())}
+        if self.pairs:
+            columns[PAIR_ROLE] = pa.array(np.arange(len(order), dtype=np.uint8) % 2, type=pa.uint8())
+        table = pa.table(columns)
         name = f"{self.split}-{k:05d}.parquet"
         pq.write_table(table, self.directory / name, row_group_size=ROW_GROUP_ROWS)
         self.files.append(name)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_ray.data.prepare.preference import preference_chunk
 from megatrain_ray.data.prepare.records import BadRecord, Columns, Item, parse_item, record_text, to_messages
 from megatrain_ray.exceptions import DataError
 
@@ -152,12 +153,14 @@ class Job:
 
 
 # A chunk's results, in its records' order: ("doc", ids, mask, truncated) | ("dropped", reason, truncated) |
-# ("skipped", reason, message).
+# ("skipped", reason, message) | ("pair", chosen ids, chosen mask, rejected ids, rejected mask, truncated).
 Result = tuple
 
 
 def process_chunk(tok: Tokenizer, job: Job, chunk: list[tuple[Item, int]]) -> list[Result]:
     """Parse, render and tokenize a chunk of (item, record number) pairs; one batched tokenizer call."""
+    if job.fmt == "preference":
+        return preference_chunk(tok, job, chunk)
     results: list[Result | None] = [None] * len(chunk)
     texts, spans, slots = [], [], []
     for k, (item, number) in enumerate(chunk):
