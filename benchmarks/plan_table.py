@@ -202,7 +202,8 @@ def fixture(results: Path = RESULTS) -> dict:
                        "row": {k: r[k] for k in ROW_FIGURES if k in r}, "config": _config_of(p.cfg)})
     ooms = [{"source": name, "error": r["error"][:200], "config": _config_of(row_config(result, r))}
             for name, result in files.items() for r in result.get("rows", [])
-            if r.get("system", "").startswith("megatrain") and r.get("status") == "oom"]
+            if r.get("system", "").startswith("megatrain") and r.get("status") == "oom"
+            and "CUDA out of memory" in r.get("error", "")]  # the GPU's; a host OOM (Ray's monitor) is another check
     traces = {}
     for name, depths in TRACES.items():
         trace = files[name]

@@ -75,8 +75,25 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
         "1 GPU, clipping on, so the CPU optimizer bounds the step: the x2 box's 32 cores ran AdamW at 5.8 G "
         "params/s in this run (5.1 for the same point in data-parallel-x2-h200-20261123-184411), the model "
         "the 16-core H200 VM's 4.20 (speed.py: a host with more DRAM channels updates faster); -10.1 %"),
+    ("lora-32b-h100-80gb-hbm3-20261125-194104.json", "megatrain-lora L64 8k bfloat16 stream"): (
+        "LoRA (finetune.method=lora), Qwen2.5-32B r 16 all linear: the model counts the step as 6N FLOPs per token "
+        "(forward, recompute, input gradients) at the full-training rate and the adapters at their FLOPs (0.5 %); "
+        "the GPU was busy 3.74 s where it plans 2.95 s (+22 % tok/s planned). Not modelled yet: the adapters' "
+        "float32 side path (each projection's input cast to float32, the rank-16 products, the float32 output "
+        "added back), element-wise traffic that the FLOP count does not see"),
+    ("lora-32b-64k-h100-80gb-hbm3-20261125-195744.json", "megatrain-lora L64 64k bfloat16 stream"): (
+        "LoRA at 64k tokens (8 x 8192, MLP in 16k-token chunks, layer inputs kept on the GPU): busy 40.7 s of "
+        "40.8 s, planned 29.3 s (+39 % tok/s planned): the adapters' float32 side path as at 8k; the rest is not "
+        "explained yet (the run was not profiled)"),
 }
 """(file, row label) of measured points the speed model misses by more than TOLERANCE, with the cause."""
+PEAK_MISSES: dict[tuple[str, str], str] = {
+    ("lora-32b-h100-80gb-hbm3-20261125-194104.json", "megatrain-lora L64 8k bfloat16 stream"): (
+        "LoRA at 8k tokens: 19.0 GiB measured, 16.7 planned (-12 %): the plan does not count the adapters' float32 "
+        "temporaries in a layer's backward (an [8k, 27648] float32 output alone is 0.9 GiB); at 64k the same "
+        "point is within 1 % (62.7 measured, 63.1 planned)"),
+}
+"""The same for the planned GPU peak."""
 
 
 @pytest.mark.parametrize("point", [
@@ -92,7 +109,9 @@ def test_predicted_tok_per_s_is_within_tolerance_of_the_measured(point):
 PEAK_POINTS = [p for p in POINTS if p.peak_comparable and p.gpu_peak_gib]
 
 
-@pytest.mark.parametrize("point", PEAK_POINTS, ids=[f"{p.source[:-5]}:{p.label}" for p in PEAK_POINTS])
+@pytest.mark.parametrize("point", [
+    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=PEAK_MISSES[p.source, p.label]))
+    if (p.source, p.label) in PEAK_MISSES else p for p in PEAK_POINTS], ids=[f"{p.source[:-5]}:{p.label}" for p in PEAK_POINTS])
 def test_planned_gpu_peak_is_within_tolerance_of_the_measured(point):
     """The plan's GPU peak (torch's allocations) against max_memory_allocated of every measured row of the
     engine whose memory it counts (Point.peak_comparable: eager rows from before the lean norms and
