@@ -83,11 +83,18 @@ def dequantize_gpt_oss_experts(blocks: torch.Tensor, scales: torch.Tensor,
 
 
 def find_mxfp4_tensors(source: str | Path | Mapping[str, Sequence[int]]) -> list[MXFP4Tensor]:
-    """The MXFP4 pairs of a safetensors file (its header only is read) or of a name -> shape mapping: for each
-    `X_blocks` with its `X_scales`, the tensor `X` it dequantizes to and its shape. A blocks tensor without
-    its scales (or the other way round), or shapes that do not fit, raise CheckpointError naming the file."""
-    where = str(source) if isinstance(source, str | Path) else "the given tensors"
-    shapes = safetensors_shapes(source) if isinstance(source, str | Path) else {k: tuple(v) for k, v in source.items()}
+    """The MXFP4 pairs of a checkpoint: a safetensors file, a directory (all its *.safetensors shards together:
+    a pair may straddle two) or a name -> shape mapping; only headers are read. For each `X_blocks` with its
+    `X_scales`, the tensor `X` it dequantizes to and its shape. A blocks tensor without its scales (or the
+    other way round), or shapes that do not fit, raise CheckpointError naming the file or directory."""
+    if isinstance(source, str | Path):
+        where = str(source)
+        files = sorted(Path(source).glob("*.safetensors")) if Path(source).is_dir() else [Path(source)]
+        if not files:
+            raise CheckpointError(f"{where}: no *.safetensors files in this directory")
+        shapes = {k: v for f in files for k, v in safetensors_shapes(f).items()}
+    else:
+        where, shapes = "the given tensors", {k: tuple(v) for k, v in source.items()}
     found = []
     for key in sorted(shapes):
         if key.endswith(SCALES_SUFFIX) and key.removesuffix(SCALES_SUFFIX) + BLOCKS_SUFFIX not in shapes:

@@ -82,15 +82,18 @@ def _dynamic_lut() -> torch.Tensor:
 
 
 @functools.cache
-def _cached_on(name: str, device: torch.device) -> torch.Tensor:
-    """A code table on a device, copied there once."""
-    if name == "nf4_pairs":  # byte -> (value of its high nibble, value of its low nibble)
-        code = nf4_code()
-        byte = torch.arange(256)
-        table = torch.stack([code[byte >> 4], code[byte & 15]], dim=1)
-    else:
-        table = dynamic_code()
-    return table.to(device)
+def nf4_byte_table(device: torch.device) -> torch.Tensor:
+    """(256, 2) float32 on a device: for each byte, the NF4 values of its high and low nibble, in the order
+    the values come. Decoding is one lookup per byte. Copied to each device once."""
+    code = nf4_code()
+    byte = torch.arange(256)
+    return torch.stack([code[byte >> 4], code[byte & 15]], dim=1).to(device)
+
+
+@functools.cache
+def dynamic_code_on(device: torch.device) -> torch.Tensor:
+    """dynamic_code() on a device, copied there once."""
+    return dynamic_code().to(device)
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None, device: torch
     where q is): code * absmax in float32, rounded once to the dtype, as bitsandbytes' dequantize_4bit."""
     device = torch.device(device) if device is not None else q.packed.device
     absmax = nf4_absmax(q, device)
-    values = _cached_on("nf4_pairs", device)[q.packed.to(device).long()].view(-1)
+    values = nf4_byte_table(device)[q.packed.to(device).long()].view(-1)
     # 2 * ceil(n / 2) <= blocks * blocksize: pad to whole blocks, scale, drop the padding.
     values = torch.nn.functional.pad(values, (0, q.num_blocks * q.blocksize - values.numel()))
     values = (values.view(-1, q.blocksize) * absmax.view(-1, 1)).view(-1)[:q.numel]
@@ -208,7 +211,7 @@ def nf4_absmax(q: NF4Tensor, device: torch.device | None = None) -> torch.Tensor
 def dequantize_dynamic_blockwise(codes: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
     """uint8 codes of the dynamic code, one float32 scale per `blocksize` of them -> float32 values."""
     n = codes.numel()
-    values = _cached_on("dynamic", codes.device)[codes.long()]
+    values = dynamic_code_on(codes.device)[codes.long()]
     padded = torch.nn.functional.pad(values, (0, -n % blocksize))
     return (padded.view(-1, blocksize) * scales.view(-1, 1)).view(-1)[:n]
 

@@ -31,9 +31,10 @@ import torch
 from megatrain_ray.model.layout import StageLayout, TensorSlot
 from megatrain_ray.quant.nf4 import (
     ABSMAX_BLOCKSIZE,
-    _cached_on,
     check_blocksize,
     dequantize_dynamic_blockwise,
+    dynamic_code_on,
+    nf4_byte_table,
     quantize_nf4,
 )
 
@@ -181,7 +182,7 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
     else:
         flat[:stage.decay_numel].zero_()  # the padding between matrices
         runs = [(m.first_block, m.num_blocks, m.slot.offset, m.slot.numel) for m in fmt.matrices]
-    pairs = _cached_on("nf4_pairs", device)
+    pairs = nf4_byte_table(device)
     chunk_blocks = max(1, _DEQUANTIZE_CHUNK_VALUES // bs)
     for first_block, num_blocks, out_offset, numel in runs:
         for b0 in range(0, num_blocks, chunk_blocks):
@@ -206,7 +207,7 @@ def _stage_absmax(packed: torch.Tensor, fmt: NF4StageFormat) -> torch.Tensor:
         decoded = dequantize_dynamic_blockwise(codes, scales, ABSMAX_BLOCKSIZE).view(-1, ABSMAX_BLOCKSIZE)
         return (decoded + offset_of_scale.view(-1, 1)).view(-1)
     scale_of_block = _scale_of_block(fmt, packed.device)
-    decoded = _cached_on("dynamic", packed.device)[codes.long()] * scales[scale_of_block]
+    decoded = dynamic_code_on(packed.device)[codes.long()] * scales[scale_of_block]
     return decoded + offset_of_scale[scale_of_block]
 
 

@@ -100,6 +100,12 @@ def test_key_lister_errors_name_the_file(tmp_path):
         find_mxfp4_tensors({"a.x_blocks": (2, 4, 3, 16), "a.x_scales": (2, 4, 2)})
     with pytest.raises(CheckpointError, match="cannot read"):
         find_mxfp4_tensors(tmp_path / "missing.safetensors")
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
+        find_mxfp4_tensors(tmp_path / "empty_dir")
+    save_file({"a.down_proj_scales": torch.zeros(2, 4, 3, dtype=torch.uint8)}, str(tmp_path / "shard2.safetensors"))
+    found = find_mxfp4_tensors(tmp_path)  # the pair straddles two shards of the directory
+    assert [(t.name, t.shape) for t in found] == [("a.down_proj", (2, 96, 4))]
     assert find_mxfp4_tensors({"model.norm.weight": (8,)}) == []
     with pytest.raises(ValueError, match="uint8"):
         dequantize_mxfp4(torch.zeros(1, 16), torch.zeros(1, dtype=torch.uint8))
