@@ -188,7 +188,7 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
         for b0 in range(0, num_blocks, chunk_blocks):
             b1 = min(b0 + chunk_blocks, num_blocks)
             chunk = codes[(first_block + b0) * bs // 2:(first_block + b1) * bs // 2]
-            values = pairs[chunk.long()].view(-1, bs) * absmax[first_block + b0:first_block + b1].view(-1, 1)
+            values = pairs[chunk.long()].view(-1, bs).mul_(absmax[first_block + b0:first_block + b1].view(-1, 1))
             take = min(numel, b1 * bs) - b0 * bs
             flat[out_offset + b0 * bs:out_offset + b0 * bs + take].copy_(values.view(-1)[:take])
     flat[stage.decay_numel:].copy_(fmt.section(packed, "vectors", fmt.compute_dtype))
