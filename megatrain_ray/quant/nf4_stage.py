@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.model.layout import StageLayout, TensorSlot
 from megatrain_ray.quant.nf4 import (
     ABSMAX_BLOCKSIZE,
@@ -119,9 +120,14 @@ class NF4StageFormat:
         raise KeyError(name)
 
 
-def nf4_stage_bytes(stage: StageLayout, compute_dtype: torch.dtype, blocksize: int = 64,
+def nf4_stage_bytes(stage: StageLayout, compute_dtype: torch.dtype | str, blocksize: int = 64,
                     double_quant: bool = True) -> int:
-    """Bytes of one stage packed in NF4 (its host segment and its H2D copy), for the planner."""
+    """Bytes of one stage packed in NF4 (its host segment and its H2D copy), for the planner; the compute
+    dtype as a torch dtype or as configs spell it (`bfloat16`)."""
+    if isinstance(compute_dtype, str):
+        if compute_dtype not in TORCH_DTYPES:
+            raise ValueError(f"unknown compute dtype {compute_dtype!r}: use one of {sorted(TORCH_DTYPES)}")
+        compute_dtype = TORCH_DTYPES[compute_dtype]
     return NF4StageFormat.for_stage(stage, compute_dtype, blocksize, double_quant).nbytes
 
 
@@ -138,6 +144,8 @@ def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != fmt.nbytes:
         raise ValueError(f"the packed buffer of stage {stage.name} must be 1-D uint8 of {fmt.nbytes} bytes, "
                          f"got {out.dtype} of shape {tuple(out.shape)}")
+    else:
+        out.zero_()  # the gaps between sections too: the bytes are a function of the weights alone
     codes, half_block = fmt.section(out, "codes"), fmt.blocksize // 2
     for i, m in enumerate(fmt.matrices):
         q = quantize_nf4(tensors[m.slot.name], fmt.blocksize, fmt.double_quant)

@@ -193,6 +193,8 @@ def test_stage_packing_equals_tensor_by_tensor(blocksize, double_quant):
             assert packed.dtype == torch.uint8 and packed.numel() == nf4_stage_bytes(
                 stage, torch.bfloat16, blocksize, double_quant)
             assert torch.equal(dequantize_stage(packed, fmt), expected), stage.name
+        segment = torch.full((fmt.nbytes,), 0xAB, dtype=torch.uint8)  # e.g. a reused host segment
+        assert pack_stage(fmt, flat, out=segment) is segment and torch.equal(segment, packed)
         into = torch.full((stage.numel,), float("nan"), dtype=torch.bfloat16)
         assert dequantize_stage(packed, fmt, out=into) is into and torch.equal(into, expected)
 
@@ -240,6 +242,7 @@ def test_stage_bytes_formula():
         assert sum(size for _, _, size in fmt.sections) == matrix_bytes + vector_bytes
         assert 0 <= fmt.nbytes - matrix_bytes - vector_bytes < 5 * 256
         assert fmt.nbytes == pack_stage(fmt, torch.zeros(stage.numel)).numel()
+        assert fmt.nbytes == nf4_stage_bytes(stage, "bfloat16", blocksize, double_quant)
     llama70b = ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
                            num_attention_heads=64, num_key_value_heads=8)
     layout = build_layout(llama70b)
