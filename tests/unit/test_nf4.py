@@ -172,9 +172,10 @@ def test_stage_packing_equals_tensor_by_tensor(blocksize, double_quant):
     """Every stage of a tiny Llama (odd sizes, q/k/v biases) packs into one buffer and unpacks into the
     layout's flat buffer, equal to quantizing and dequantizing each matrix alone (and casting the vectors),
     padding zero; from the flat buffer and from the dict of tensors alike. Blocksizes 32 and 256 take the
-    path where blocks and layout offsets differ."""
-    layout = build_layout(llama_config(attention_bias=True))
-    for stage in layout.stages:
+    path where blocks and layout offsets differ; a tied head has no matrix at all."""
+    untied = build_layout(llama_config(attention_bias=True))
+    tied_head = build_layout(llama_config(tie_word_embeddings=True)).head  # vectors only: nothing to quantize
+    for stage in (*untied.stages, tied_head):
         fmt = NF4StageFormat.for_stage(stage, torch.bfloat16, blocksize, double_quant)
         flat = random_tensor((stage.numel,), torch.float32, seed=stage.index)
         for s in stage.slots:  # norms near 1, as trained ones are
