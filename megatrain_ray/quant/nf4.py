@@ -44,10 +44,10 @@ _DYNAMIC_LUT_SIZE = 65536  # bitsandbytes' CPU 8-bit quantizer: normalised value
 
 @functools.cache
 def nf4_code() -> torch.Tensor:
-    """The 16 NF4 values in increasing order, derived as QLoRA does: 8 positive values at the normal
-    quantiles of 9 evenly spaced probabilities from NF4_OFFSET down to 0.5 (the last, 0.5, gives the
-    exact zero), 7 negative ones from 8 probabilities, each half normalised so that the largest value
-    is 1. Asymmetric on purpose: zero is exact and the positive side gets the 16th value."""
+    """The 16 NF4 values in increasing order, derived as QLoRA does: 8 positive values, the normal quantiles
+    at the first 8 of 9 evenly spaced probabilities from NF4_OFFSET to 0.5; 7 negative ones, mirrored, from
+    the first 7 of 8; an exact zero; all divided by the largest, so the extremes are -1 and 1. Asymmetric
+    on purpose: zero is exact and the positive side gets the 16th value."""
     probs_pos = torch.linspace(NF4_OFFSET, 0.5, 9)[:-1].double()  # float32 grid, as bitsandbytes builds it
     probs_neg = torch.linspace(NF4_OFFSET, 0.5, 8)[:-1].double()
     pos = torch.special.ndtri(probs_pos).float()
