@@ -3,9 +3,10 @@
     CLI (megatrain_ray/__main__.py)
       -> megatrain_ray/driver/        trainer, cluster, checkpointing, faults, placement, runtime, parallel
       -> actors/                      thin Ray-or-local shells: HostShard, OptimizerWorker, GPUWorker
-      -> data plane                   megatrain_ray/engine/, store/, optim/, data/
+      -> data plane                   megatrain_ray/engine/, store/, optim/, data/, quant/
       -> megatrain_ray/model/, config/   pure descriptions
-    megatrain_ray/planning/ (memory plan, speed model) reads config + model (+ store layout helpers).
+    megatrain_ray/planning/ (memory plan, speed model) reads config + model (+ store layout helpers and
+    quant/'s byte counts).
     Leaves anyone may import: observe/ (logs, metrics), system/ (topology, files), exceptions.py,
     dtypes.py, messages.py, units.py.
 
@@ -33,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("megatrain_ray", "actors")
 OURS = set(ROOTS)
 
-DATA_PLANE = ("engine", "store", "optim", "data")
+DATA_PLANE = ("engine", "store", "optim", "data", "quant")
 LEAF_MODULES = ("exceptions", "dtypes", "messages", "units")
 LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
 
@@ -256,7 +257,7 @@ def test_function_level_imports_of_our_modules_say_why_they_are_lazy():
 
 
 def test_planning_reads_only_config_model_store_and_leaves():
-    allowed = ("planning", "config", "model", "store", "leaf", "observe", "system")
-    _check("rule 8: planning/ reads only config/, model/, store/ layout helpers and the leaves",
+    allowed = ("planning", "config", "model", "store", "quant", "leaf", "observe", "system")
+    _check("rule 8: planning/ reads only config/, model/, store/ layout helpers, quant/ byte counts and the leaves",
            (imp for imp in _all_imports()
             if _layer(imp.source) == "planning" and _ours(imp.target) and _layer(imp.target) not in allowed))

@@ -1,0 +1,255 @@
+"""One stage's weights in NF4, as one flat uint8 buffer the host store can hold and the weight stream can
+copy to the GPU in one piece, where `dequantize_stage` turns it back into the stage's flat compute-dtype
+buffer in the StageLayout's order (the buffer the layer templates bind their views to).
+
+The matrices (2-D slots) are quantized one by one, each exactly as `quantize_nf4` (so as bitsandbytes)
+would quantize it alone; the vectors (norms, biases) stay in the compute dtype. The buffer has five
+sections, each starting at a multiple of SECTION_ALIGN bytes:
+
+    codes     uint8    the matrices' packed codes, each matrix padded to whole blocks with the code of 0.0
+    absmax    uint8    the block maxima's 8-bit codes (float32 without double quantization)
+    scales    float32  one per 256 block maxima of a matrix (double quantization only)
+    offsets   float32  one per matrix: its mean block maximum (double quantization only)
+    vectors   compute  the layout's span [decay_numel, numel): the vectors and their padding
+
+Bytes per matrix of n values at blocksize B, with k = ceil(n / B) blocks:
+    k*B/2 + k + 4*ceil(k / 256) + 4      (double quantization)
+    k*B/2 + 4*k                          (without)
+that is 0.5 + 1/B + 1/(64*B) bytes per value with double quantization: 0.515869 at B = 64 (0.5625 without),
+plus the vectors at the compute dtype's size and at most 5 * (SECTION_ALIGN - 1) bytes of alignment.
+`nf4_stage_bytes` gives the exact figure for the planner.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from megatrain_ray.dtypes import TORCH_DTYPES
+from megatrain_ray.model.layout import StageLayout, TensorSlot
+from megatrain_ray.quant.nf4 import (
+    ABSMAX_BLOCKSIZE,
+    check_blocksize,
+    dequantize_dynamic_blockwise,
+    dynamic_code_on,
+    nf4_byte_table,
+    quantize_nf4,
+)
+
+SECTION_ALIGN = 256
+"""Each section starts at a multiple of this many bytes: any dtype view of it is aligned on any device."""
+# Blocks decoded at a time on the device: bounds the temporaries (an int64 index per byte and a float32
+# value per element, about 24 bytes per value) to ~0.4 GB whatever the stage.
+_DEQUANTIZE_CHUNK_VALUES = 1 << 24
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SECTION_ALIGN) * SECTION_ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class NF4Matrix:
+    """Where one quantized matrix lives in the packed stage."""
+
+    slot: TensorSlot
+    first_block: int
+    """Index of its first block among the stage's blocks (codes at first_block * blocksize / 2 bytes)."""
+    num_blocks: int
+    first_scale: int
+    """Index of its first absmax scale (double quantization)."""
+    num_scales: int
+
+
+@dataclass(frozen=True)
+class NF4StageFormat:
+    """The packed layout of one stage: a function of the StageLayout's shapes, the compute dtype, the block
+    size and double quantization only, so every decoder layer of a model shares one format."""
+
+    stage: StageLayout
+    compute_dtype: torch.dtype
+    blocksize: int
+    double_quant: bool
+    matrices: tuple[NF4Matrix, ...]
+    sections: tuple[tuple[str, int, int], ...]
+    """(name, byte offset, bytes) of codes, absmax, scales, offsets, vectors."""
+    nbytes: int
+
+    @classmethod
+    def for_stage(cls, stage: StageLayout, compute_dtype: torch.dtype, blocksize: int = 64,
+                  double_quant: bool = True) -> NF4StageFormat:
+        check_blocksize(blocksize)
+        if not compute_dtype.is_floating_point:
+            raise ValueError(f"the compute dtype of an NF4 stage must be a float dtype, got {compute_dtype}")
+        matrices, blocks, scales = [], 0, 0
+        for slot in stage.slots:
+            if len(slot.shape) >= 2:
+                k = -(-slot.numel // blocksize)
+                s = -(-k // ABSMAX_BLOCKSIZE) if double_quant else 0
+                matrices.append(NF4Matrix(slot, blocks, k, scales, s))
+                blocks, scales = blocks + k, scales + s
+        vector_elems = stage.numel - stage.decay_numel
+        sizes = [("codes", blocks * blocksize // 2), ("absmax", blocks * (1 if double_quant else 4)),
+                 ("scales", 4 * scales), ("offsets", 4 * len(matrices) if double_quant else 0),
+                 ("vectors", vector_elems * compute_dtype.itemsize)]
+        sections, offset = [], 0
+        for name, size in sizes:
+            sections.append((name, offset, size))
+            offset += _aligned(size)
+        return cls(stage, compute_dtype, blocksize, double_quant, tuple(matrices), tuple(sections), offset)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(m.num_blocks for m in self.matrices)
+
+    @property
+    def blocks_in_layout_order(self) -> bool:
+        """The stage's blocks, end to end, are the layout's matrix span [0, decay_numel) itself: each matrix
+        starts at first_block * blocksize and pads to the next one (true at blocksize 64, as the layout
+        aligns slots to 64 elements), so the decoded values go to the output in one piece."""
+        return (self.num_blocks * self.blocksize == self.stage.decay_numel
+                and all(m.first_block * self.blocksize == m.slot.offset for m in self.matrices))
+
+    def section(self, packed: torch.Tensor, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A section of a packed buffer, viewed as dtype (no copy)."""
+        for section, offset, size in self.sections:
+            if section == name:
+                return packed[offset:offset + size].view(dtype)
+        raise KeyError(name)
+
+
+def nf4_stage_bytes(stage: StageLayout, compute_dtype: torch.dtype | str, blocksize: int = 64,
+                    double_quant: bool = True) -> int:
+    """Bytes of one stage packed in NF4 (its host segment and its H2D copy), for the planner; the compute
+    dtype as a torch dtype or as configs spell it (`bfloat16`)."""
+    if isinstance(compute_dtype, str):
+        if compute_dtype not in TORCH_DTYPES:
+            raise ValueError(f"unknown compute dtype {compute_dtype!r}: use one of {sorted(TORCH_DTYPES)}")
+        compute_dtype = TORCH_DTYPES[compute_dtype]
+    return NF4StageFormat.for_stage(stage, compute_dtype, blocksize, double_quant).nbytes
+
+
+def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize a stage's weights into its packed buffer (`out`, a uint8 tensor of fmt.nbytes, e.g. a view of
+    a host segment, or a new one). `weights` is either the stage's tensors by slot name (Hugging Face names
+    less the stage prefix) or its flat buffer in the StageLayout's order; matrices are quantized from the
+    values as given (quantize from bf16 to reproduce QLoRA on a bf16 checkpoint)."""
+    stage = fmt.stage
+    tensors = _stage_tensors(stage, weights)
+    if out is None:
+        out = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != fmt.nbytes:
+        raise ValueError(f"the packed buffer of stage {stage.name} must be 1-D uint8 of {fmt.nbytes} bytes, "
+                         f"got {out.dtype} of shape {tuple(out.shape)}")
+    else:
+        out.zero_()  # the gaps between sections too: the bytes are a function of the weights alone
+    codes, half_block = fmt.section(out, "codes"), fmt.blocksize // 2
+    for i, m in enumerate(fmt.matrices):
+        q = quantize_nf4(tensors[m.slot.name], fmt.blocksize, fmt.double_quant)
+        span = codes[m.first_block * half_block:(m.first_block + m.num_blocks) * half_block]
+        span[:q.packed.numel()] = q.packed
+        span[q.packed.numel():] = 0x77  # two codes of 0.0 per byte: the padding decodes to exact zeros
+        if fmt.double_quant:
+            assert q.absmax_scales is not None and q.absmax_offset is not None
+            fmt.section(out, "absmax")[m.first_block:m.first_block + m.num_blocks] = q.absmax
+            fmt.section(out, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales] = q.absmax_scales
+            fmt.section(out, "offsets", torch.float32)[i] = q.absmax_offset
+        else:
+            fmt.section(out, "absmax", torch.float32)[m.first_block:m.first_block + m.num_blocks] = q.absmax
+    vectors = torch.zeros(stage.numel - stage.decay_numel, dtype=fmt.compute_dtype)
+    for slot in stage.slots:
+        if len(slot.shape) < 2:
+            start = slot.offset - stage.decay_numel
+            vectors[start:start + slot.numel] = tensors[slot.name].reshape(-1).to(fmt.compute_dtype)
+    fmt.section(out, "vectors", fmt.compute_dtype).copy_(vectors)
+    return out
+
+
+def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The stage's flat compute-dtype buffer (StageLayout order, padding zero) from its packed buffer, on
+    the packed buffer's device, written into `out` if given (e.g. the GPU weight buffer the stage streams
+    into). Plain torch: table lookups by indexing and one broadcast multiply per chunk of blocks; each value
+    is code * absmax in float32 rounded once to the compute dtype, as bitsandbytes' dequantize_4bit."""
+    stage, bs, device = fmt.stage, fmt.blocksize, packed.device
+    if packed.dtype != torch.uint8 or packed.numel() != fmt.nbytes:
+        raise ValueError(f"the packed buffer of stage {stage.name} must be uint8 of {fmt.nbytes} bytes, "
+                         f"got {packed.dtype} of {packed.numel()} elements")
+    if out is None:
+        out = torch.empty(stage.numel, dtype=fmt.compute_dtype, device=device)
+    elif out.dtype != fmt.compute_dtype or out.numel() != stage.numel or out.device != device:
+        raise ValueError(f"the output of stage {stage.name} must hold {stage.numel} {fmt.compute_dtype} on "
+                         f"{device}, got {out.numel()} {out.dtype} on {out.device}")
+    flat = out.view(-1)
+    absmax = _stage_absmax(packed, fmt)
+    codes = fmt.section(packed, "codes")
+    if fmt.blocks_in_layout_order:  # one run: all blocks straight into [0, decay_numel)
+        runs = [(0, fmt.num_blocks, 0, stage.decay_numel)]
+    else:
+        flat[:stage.decay_numel].zero_()  # the padding between matrices
+        runs = [(m.first_block, m.num_blocks, m.slot.offset, m.slot.numel) for m in fmt.matrices]
+    pairs = nf4_byte_table(device)
+    chunk_blocks = max(1, _DEQUANTIZE_CHUNK_VALUES // bs)
+    for first_block, num_blocks, out_offset, numel in runs:
+        for b0 in range(0, num_blocks, chunk_blocks):
+            b1 = min(b0 + chunk_blocks, num_blocks)
+            chunk = codes[(first_block + b0) * bs // 2:(first_block + b1) * bs // 2]
+            values = pairs[chunk.long()].view(-1, bs).mul_(absmax[first_block + b0:first_block + b1].view(-1, 1))
+            take = min(numel, b1 * bs) - b0 * bs
+            flat[out_offset + b0 * bs:out_offset + b0 * bs + take].copy_(values.view(-1)[:take])
+    flat[stage.decay_numel:].copy_(fmt.section(packed, "vectors", fmt.compute_dtype))
+    return out
+
+
+def _stage_absmax(packed: torch.Tensor, fmt: NF4StageFormat) -> torch.Tensor:
+    """float32 block maxima of all the stage's blocks, decoded for all matrices at once: code * scale, then
+    plus the matrix's offset (two roundings, as bitsandbytes adds the offset after decoding)."""
+    if not fmt.double_quant:
+        return fmt.section(packed, "absmax", torch.float32)
+    codes = fmt.section(packed, "absmax")
+    scales = fmt.section(packed, "scales", torch.float32)
+    offset_of_scale = fmt.section(packed, "offsets", torch.float32)[_matrix_of_scale(fmt, packed.device)]
+    if all(m.num_blocks % ABSMAX_BLOCKSIZE == 0 for m in fmt.matrices):  # every scale covers 256 blocks
+        decoded = dequantize_dynamic_blockwise(codes, scales, ABSMAX_BLOCKSIZE).view(-1, ABSMAX_BLOCKSIZE)
+        return (decoded + offset_of_scale.view(-1, 1)).view(-1)
+    scale_of_block = _scale_of_block(fmt, packed.device)
+    decoded = dynamic_code_on(packed.device)[codes.long()] * scales[scale_of_block]
+    return decoded + offset_of_scale[scale_of_block]
+
+
+@functools.lru_cache(maxsize=16)
+def _matrix_of_scale(fmt: NF4StageFormat, device: torch.device) -> torch.Tensor:
+    """For each absmax scale of the stage, the index of its matrix (static per format, built once per device)."""
+    counts = torch.tensor([m.num_scales for m in fmt.matrices], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(fmt.matrices)), counts).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _scale_of_block(fmt: NF4StageFormat, device: torch.device) -> torch.Tensor:
+    """For each block of the stage, the index of its absmax scale (a matrix's last scale may cover fewer
+    than 256 blocks)."""
+    per_scale = [min(ABSMAX_BLOCKSIZE, m.num_blocks - j * ABSMAX_BLOCKSIZE)
+                 for m in fmt.matrices for j in range(m.num_scales)]
+    counts = torch.tensor(per_scale, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(per_scale)), counts).to(device)
+
+
+def _stage_tensors(stage: StageLayout, weights: Mapping[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stage's tensors by slot name, checked against the layout."""
+    if isinstance(weights, torch.Tensor):
+        if weights.dim() != 1 or weights.numel() != stage.numel:
+            raise ValueError(f"the flat buffer of stage {stage.name} must be 1-D with {stage.numel} elements, "
+                             f"got shape {tuple(weights.shape)}")
+        return {s.name: weights[s.offset:s.offset + s.numel].view(s.shape) for s in stage.slots}
+    names = {s.name for s in stage.slots}
+    if set(weights) != names:
+        raise ValueError(f"stage {stage.name}: tensors {sorted(set(weights) - names)} are not in its layout and "
+                         f"{sorted(names - set(weights))} are missing")
+    for s in stage.slots:
+        if tuple(weights[s.name].shape) != s.shape:
+            raise ValueError(f"stage {stage.name}: {s.name} has shape {tuple(weights[s.name].shape)}, "
+                             f"the layout says {s.shape}")
+    return dict(weights)
+
