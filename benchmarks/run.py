@@ -22,6 +22,8 @@ Systems:
   over the faster of the two resident rows of the same point.
 - deepspeed: the same Hugging Face model under DeepSpeed ZeRO-3 with parameters and optimizer
   offloaded to pinned CPU memory (DeepSpeedCPUAdam), bf16, activation checkpointing.
+- LoRA (the config's finetune.lora settings, e.g. --set finetune.lora.r=16): megatrain-lora,
+  peft-resident-compile and peft-deepspeed (benchmarks/lora.py).
 
 Data parallel (--gpus 1,2): megatrain runs with parallel.gpus=N at the same batch per GPU (--batches
 counts sequences per GPU; the global batch is N times that), so the rows compare tok/s and host RAM
@@ -59,6 +61,7 @@ from benchmarks.common import (  # noqa: E402
     seq_len_overrides,
     write_result,
 )
+from benchmarks.lora import LORA_SYSTEMS  # noqa: E402
 from megatrain_ray.observe.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 from megatrain_ray.planning.machine import query_gpu  # noqa: E402
 
@@ -296,7 +299,7 @@ def _refuse_what_deepspeed_says_will_not_fit(cfg) -> None:
 
 
 SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "resident-compile": run_resident_compile,
-           "deepspeed": run_deepspeed}
+           "deepspeed": run_deepspeed, **LORA_SYSTEMS}
 
 
 def child(system: str, spec: dict) -> None:
