@@ -25,8 +25,11 @@ from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.lora import from_peft_name, merged_weight, peft_adapter_config
+from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointInfo, model_config_of
 from megatrain_ray.system.files import atomic_directory, refuse_existing
+
+log = get_logger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -80,6 +83,7 @@ def export_lora(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.T
     refuse_existing(out, CheckpointError, "export directory")
     out.mkdir(parents=True)
     write_peft_adapter(adapters, model, lora, out / "adapter", model.path or "")
+    log.info("export: the adapter in PEFT's format: %s (%d tensors)", out / "adapter", len(adapters))
     export_hf(MergedWeights(base, adapters, lora.scaling), model, out / "merged", source_dir=source_dir, dtype=dtype,
               shard_bytes=shard_bytes)
     return out
