@@ -769,8 +769,9 @@ class LoraConfig:
     lora_alpha: float = 16
     """The adapter's output is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
     lora_dropout: float = 0.0
-    """Dropout on the adapter's input. Only 0 is supported: the layer stream recomputes each layer in the backward,
-    and a dropout mask would have to be drawn identically twice."""
+    """Dropout probability on the adapter's input in training (as PEFT's). The masks are drawn from a seed per
+    step and layer, so the backward's recompute sees the forward's; with dropout the layers run eagerly
+    (engine.compile does not apply)."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The projections that get adapters: `all-linear` (every linear module of the decoder layers, not the LM head,
     as PEFT's all-linear), or a list of PEFT short names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
@@ -789,9 +790,8 @@ class LoraConfig:
             _fail(f"{s}.r", self.r, "must be >= 1")
         if not self.lora_alpha > 0:
             _fail(f"{s}.lora_alpha", self.lora_alpha, "must be > 0")
-        if self.lora_dropout != 0.0:
-            _fail(f"{s}.lora_dropout", self.lora_dropout, "only 0.0 is supported: each layer is recomputed in the "
-                  "backward and the two passes would draw different dropout masks; set it to 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            _fail(f"{s}.lora_dropout", self.lora_dropout, "must be in [0, 1)")
         if isinstance(self.target_modules, list) and not self.target_modules:
             _fail(f"{s}.target_modules", self.target_modules, "is empty; name projections or use all-linear")
         if self.modules_to_save:

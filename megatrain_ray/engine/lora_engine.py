@@ -9,6 +9,9 @@ The same forward, head and recompute-backward as StreamEngine, with three differ
   leaves the device, no update is ordered from the CPU optimizer workers (a LoRA run has none);
 - after the backward the adapters take their AdamW step on the device, clipped by the exact global norm of
   their gradients (a non-finite norm or loss drops the step, whatever optimizer.grad_clip is).
+
+With lora_dropout > 0 each training step gives every layer a dropout seed (model/lora.layer_dropout_seed, from
+the run seed, the AdamW step and the layer), from which the forward and the recompute draw the same masks.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from megatrain_ray.config.sections import EngineConfig, LoraConfig, ModelConfig,
 from megatrain_ray.engine.adapters import AdapterTier
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.engine.weights import WeightSlot
+from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.model.lora import is_adapter
+from megatrain_ray.model.lora import is_adapter, layer_dropout_seed
 from megatrain_ray.model.templates import HeadResult, head_loss_and_grads
 from megatrain_ray.store.segments import HostStore
 
@@ -37,8 +41,27 @@ class LoraStreamEngine(StreamEngine):
         settings and the run seed that draws their initial values."""
         super().__init__(model, engine, parallel, optimizer, run, layout, store, [], device)
         self.adapters = AdapterTier(model, lora, optimizer, seed, device)
-        self.specs = tuple(replace(spec, lora_scaling=self.adapters.scaling) for spec in self.specs)
+        self.seed = seed
+        self.eval_specs = self.specs = tuple(replace(spec, lora_scaling=self.adapters.scaling,
+                                                     lora_dropout=lora.lora_dropout) for spec in self.specs)
         self.trainable = is_adapter
+        if lora.lora_dropout:  # the masks come from seeded generators, which torch.compile does not trace
+            self._compiled = None
+
+    def train_step(self, batch: Batch, lr: float, adam_step: int, loss_tokens: int) -> StepResult:
+        """StreamEngine.train_step with this step's dropout seeds in the layers' specs (lora_dropout > 0): the
+        forward and the recompute draw the same masks, and a resumed run the same as an uninterrupted one."""
+        if self.adapters_dropout:
+            self.specs = tuple(replace(spec, lora_seed=layer_dropout_seed(self.seed, adam_step, i))
+                               for i, spec in enumerate(self.eval_specs))
+        try:
+            return super().train_step(batch, lr, adam_step, loss_tokens)
+        finally:
+            self.specs = self.eval_specs
+
+    @property
+    def adapters_dropout(self) -> bool:
+        return bool(self.eval_specs and self.eval_specs[0].lora_dropout)
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()

@@ -16,7 +16,10 @@ The templates bind adapters beside a stage's weights under `<module>.lora_A.weig
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,14 +81,38 @@ def initial_adapters(model: ModelConfig, lora: LoraConfig, seed: int, layer: int
     return out
 
 
-def project(h: torch.Tensor, w: Mapping[str, torch.Tensor], module: str, scaling: float) -> torch.Tensor:
-    """The projection `module` of the layer whose tensors are `w`, with its adapter when one is bound."""
+def project(h: torch.Tensor, w: Mapping[str, torch.Tensor], module: str, spec: Any) -> torch.Tensor:
+    """The projection `module` of the layer whose tensors are `w`, with its adapter when one is bound; `spec`:
+    the layer's LayerSpec (lora_scaling, and the dropout: lora_dropout where lora_seed >= 0)."""
     out = F.linear(h, w[f"{module}.weight"], w.get(f"{module}.bias"))
     a = w.get(lora_a(module))
     if a is None:
         return out
-    delta = F.linear(F.linear(h.to(a.dtype), a), w[lora_b(module)]) * scaling
+    x = h.to(a.dtype)
+    if spec.lora_dropout and spec.lora_seed >= 0:  # as nn.Dropout: kept inputs scaled by 1 / (1 - p)
+        keep = dropout_mask(x.shape, spec.lora_seed, module, spec.lora_dropout, x.device)
+        x = x * keep.to(x.dtype) / (1.0 - spec.lora_dropout)
+    delta = F.linear(F.linear(x, a), w[lora_b(module)]) * spec.lora_scaling
     return (out + delta).to(out.dtype)
+
+
+def dropout_mask(shape: torch.Size, seed: int, module: str, p: float, device: torch.device) -> torch.Tensor:
+    """The kept inputs (True) of the adapter on `module`, drawn from (seed, module) alone: the forward and the
+    recompute of the same layer in the same step draw the same mask."""
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(module.encode())) % 2**63)
+    return torch.rand(shape, generator=gen, device=device) >= p
+
+
+def layer_dropout_seed(run_seed: int, step: int, layer: int) -> int:
+    """The dropout seed of a decoder layer in a training step (LayerSpec.lora_seed)."""
+    return (run_seed * 1_000_003 + step) * 10_007 + layer
+
+
+def chunk_spec(spec: Any, chunk: int) -> Any:
+    """The spec of a chunk of the MLP's tokens: its own dropout seed (chunks of one size would draw one mask)."""
+    if spec.lora_seed < 0 or not spec.lora_dropout or chunk == 0:
+        return spec
+    return replace(spec, lora_seed=spec.lora_seed * 131 + chunk)
 
 
 def is_adapter(name: str) -> bool:

@@ -179,6 +179,69 @@ def test_lora_in_bf16_tracks_the_float32_peft_reference(tmp_path):
     assert_lora_parity(ours, ref, initial, final, ref_final, rel=5e-2, loss_rel=1e-3)
 
 
+@pytest.mark.parametrize("mlp_chunk", [0, 24], ids=["whole", "mlp-chunks"])
+def test_lora_dropout_matches_peft_given_the_same_masks(tmp_path, mlp_chunk):
+    """lora_dropout 0.3: the reference is peft with each adapter's nn.Dropout replaced by one that applies the
+    masks megatrain draws (model/lora.dropout_mask, from the run seed, the step and the layer; with the MLP in
+    chunks of 24 tokens, each chunk's from its own seed): the masks are the only random part, the forward,
+    backward and AdamW are peft's. A layer recomputed in the backward with other masks than its forward's would
+    give other gradients, and the adapters would drift apart."""
+    from megatrain_ray.model.layout import token_chunks
+    from megatrain_ray.model.lora import dropout_mask, layer_dropout_seed
+
+    base = make_base(tmp_path / "base", "llama")
+    cfg = lora_config(tmp_path, base, finetune={"method": "lora", "lora": {"r": 4, "lora_alpha": 8,
+                                                                             "lora_dropout": 0.3}},
+                      engine={"mlp_chunk_tokens": mlp_chunk})
+    with Trainer(cfg) as trainer:
+        initial = trainer.adapters()
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
+        ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
+        final = trainer.adapters()
+    step = [0]
+
+    class SameMasks(torch.nn.Module):
+        def __init__(self, layer: int, module: str, p: float):
+            super().__init__()
+            self.layer, self.module, self.p = layer, module, p
+
+        def forward(self, x):
+            seed = layer_dropout_seed(cfg.train.seed, step[0] + 1, self.layer)  # AdamW's step: 1, 2, ...
+            if not (mlp_chunk and self.module.startswith("mlp.")):
+                return x * dropout_mask(x.shape, seed, self.module, self.p, x.device).to(x.dtype) / (1 - self.p)
+            flat = x.reshape(-1, x.shape[-1])  # chunk k > 0 draws from seed * 131 + k
+            keep = torch.cat([dropout_mask((part.stop - part.start, flat.shape[1]), seed * 131 + k if k else seed,
+                                           self.module, self.p, x.device)
+                              for k, part in enumerate(token_chunks(flat.shape[0], mlp_chunk))])
+            return x * keep.view_as(x).to(x.dtype) / (1 - self.p)
+
+    model = peft_model(base, cfg, initial)
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_dropout") and "default" in getattr(module, "lora_dropout", {}):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            module.lora_dropout["default"] = SameMasks(layer, name.split(f".layers.{layer}.")[1], 0.3)
+    o, s = cfg.optimizer, cfg.schedule
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                            foreach=False)
+    ref_losses = []
+    for step[0], tokens in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = reference_lr(step[0], o.lr, len(batches), s.warmup_steps, s.kind, s.min_lr_ratio)
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        opt.step()
+        ref_losses.append(loss.item())
+    assert_lora_parity(ours, ref_losses, initial, final, peft.get_peft_model_state_dict(model))
+    # The masks mattered: without dropout the same start trains to other losses.
+    plain, _ = train_peft(peft_model(base, cfg, initial), cfg, batches)
+    assert max(abs(a - b) / b for a, b in zip(ours[1:], plain[1:])) > 10 * REL  # measured 8e-4
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_lora_matches_peft_through_ray(tmp_path, ray_session, family):

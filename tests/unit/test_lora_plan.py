@@ -81,7 +81,7 @@ def test_lora_config_errors_name_the_key():
     def build(**finetune):
         return load_config(raw=tiny_raw(finetune={"method": "lora", **finetune}))
 
-    for lora, key in [({"lora_dropout": 0.1}, "finetune.lora.lora_dropout"), ({"bias": "all"}, "finetune.lora.bias"),
+    for lora, key in [({"lora_dropout": 1.0}, "finetune.lora.lora_dropout"), ({"bias": "all"}, "finetune.lora.bias"),
                       ({"target_modules": ["qkv_proj"]}, "finetune.lora.target_modules"),
                       ({"target_modules": []}, "finetune.lora.target_modules"),
                       ({"modules_to_save": ["lm_head"]}, "finetune.lora.modules_to_save"),
