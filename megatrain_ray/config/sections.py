@@ -840,6 +840,8 @@ def check_finetune(cfg: "Config") -> None:
         why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
     elif cfg.host.moments_tier != "ram":
         why = "host.moments_tier=ram (the adapters' moments live on the device, the host holds none)"
+    elif any(action == "kill" and target.startswith("optim") for action, target, _ in parse_drill(cfg.fault.drill)):
+        why = "no fault.drill kill:optimK (a LoRA run has no optimizer workers)"
     if why:
         _fail("finetune.method", "lora", f"needs {why}")
 

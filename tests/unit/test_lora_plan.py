@@ -92,5 +92,7 @@ def test_lora_config_errors_name_the_key():
         load_config(raw=tiny_raw(finetune={"method": "lora"}, parallel={"gpus": 2}, runtime={"mode": "ray"}))
     with pytest.raises(ConfigError, match="finetune.method.*engine.gpu_resident=none"):
         load_config(raw=tiny_raw(finetune={"method": "lora"}, engine={"gpu_resident": 1}))
+    with pytest.raises(ConfigError, match="finetune.method.*no optimizer workers"):
+        load_config(raw=tiny_raw(finetune={"method": "lora"}, fault={"drill": "kill:optim0@2"}))
     cfg = build(lora={"target_modules": ["v_proj", "q_proj"], "r": 4, "lora_alpha": 8, "use_rslora": True})
     assert cfg.finetune.lora.targets("llama") == ("q_proj", "v_proj") and cfg.finetune.lora.scaling == 4.0
