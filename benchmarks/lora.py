@@ -26,7 +26,7 @@ def peft_lora_config(cfg: Any):
     lora = cfg.finetune.lora
     return peft.LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, bias=lora.bias,
                            target_modules=list(lora.targets(cfg.model.family)), use_rslora=lora.use_rslora,
-                           task_type="CAUSAL_LM")
+                           modules_to_save=list(lora.modules_to_save) or None, task_type="CAUSAL_LM")
 
 
 def peft_resident_model(cfg: Any, compile_layers: bool, checkpointing: bool, device: str = "cuda"):

@@ -50,9 +50,21 @@ def adapter_numel(model: ModelConfig, lora: LoraConfig) -> int:
     return per_layer * model.num_layers
 
 
+SAVED_MODULES = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+"""finetune.lora.modules_to_save: the Hugging Face name of each module's matrix."""
+
+
+def saved_names(lora: LoraConfig) -> list[str]:
+    """The Hugging Face names of the modules trained in full (modules_to_save), in layout order."""
+    return [SAVED_MODULES[m] for m in ("embed_tokens", "lm_head") if m in lora.modules_to_save]
+
+
 def lora_params(cfg: Config) -> int:
-    """The adapter parameters a run trains: adapter_numel with finetune.method=lora, else 0."""
-    return adapter_numel(cfg.model, cfg.finetune.lora) if cfg.finetune.method == "lora" else 0
+    """The parameters a LoRA run trains: the adapters and the modules_to_save (0 for full fine-tuning)."""
+    if cfg.finetune.method != "lora":
+        return 0
+    saved = len(saved_names(cfg.finetune.lora)) * cfg.model.vocab_size * cfg.model.hidden_size
+    return adapter_numel(cfg.model, cfg.finetune.lora) + saved
 
 
 def lora_a(module: str) -> str:
@@ -126,6 +138,11 @@ def peft_name(layer: int, name: str) -> str:
     return f"{_PEFT_PREFIX}model.layers.{layer}.{name}"
 
 
+def peft_saved_name(hf_name: str) -> str:
+    """PEFT's name of a modules_to_save matrix in adapter_model.safetensors (base_model.model.lm_head.weight)."""
+    return _PEFT_PREFIX + hf_name
+
+
 def from_peft_name(key: str) -> tuple[int, str]:
     """(layer, name inside the layer) of a PEFT adapter key; the inverse of peft_name."""
     prefix = f"{_PEFT_PREFIX}model.layers."
@@ -147,7 +164,8 @@ def peft_adapter_config(model: ModelConfig, lora: LoraConfig, base: str) -> dict
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.r,
         "lora_alpha": alpha, "lora_dropout": lora.lora_dropout, "bias": lora.bias, "use_rslora": lora.use_rslora,
-        "target_modules": sorted(lora.targets(model.family)), "modules_to_save": None, "fan_in_fan_out": False,
+        "target_modules": sorted(lora.targets(model.family)), "modules_to_save": list(lora.modules_to_save) or None,
+        "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "use_dora": False, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
     }

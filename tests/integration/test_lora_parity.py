@@ -72,7 +72,8 @@ def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor]):
     lora = cfg.finetune.lora
     model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
                                                        target_modules="all-linear", bias="none",
-                                                       use_rslora=lora.use_rslora, task_type="CAUSAL_LM"))
+                                                       use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
+                                                       modules_to_save=list(lora.modules_to_save) or None))
     result = peft.set_peft_model_state_dict(model, adapters)
     assert not result.unexpected_keys, result.unexpected_keys
     assert not [k for k in result.missing_keys if "lora_" in k], result.missing_keys
@@ -177,6 +178,17 @@ def test_lora_in_bf16_tracks_the_float32_peft_reference(tmp_path):
     ours, ref, initial, final, ref_final, base, base_after = run_both(
         tmp_path, "qwen2", precision={"compute_dtype": "bfloat16"})
     assert_lora_parity(ours, ref, initial, final, ref_final, rel=5e-2, loss_rel=1e-3)
+
+
+def test_lora_with_modules_to_save_matches_peft(tmp_path):
+    """modules_to_save [embed_tokens, lm_head] (untied Llama): both matrices train in full beside the adapters,
+    from the base's values, in the same AdamW and global norm, as peft's ModulesToSaveWrapper copies."""
+    lora = {"r": 4, "lora_alpha": 8, "modules_to_save": ["embed_tokens", "lm_head"]}
+    ours, ref, initial, final, ref_final, base, base_after = run_both(
+        tmp_path, "llama", finetune={"method": "lora", "lora": lora})
+    assert {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"} <= set(final)
+    assert_lora_parity(ours, ref, initial, final, ref_final)
+    assert_base_untouched(base, base_after)  # the host's base stays as it was: the trained copies are apart
 
 
 @pytest.mark.parametrize("mlp_chunk", [0, 24], ids=["whole", "mlp-chunks"])
