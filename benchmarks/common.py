@@ -51,12 +51,12 @@ VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
             "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"]),
             "megatrain-gather": ("megatrain", ["parallel.gather_weights=true"]),
             "megatrain-noclip-gather": ("megatrain", ["optimizer.grad_clip=0", "parallel.gather_weights=true"]),
-            "megatrain-lora": ("megatrain", ["finetune.method=lora"])}
+            "megatrain-lora": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto"])}
 """benchmarks/run.py's variants: a system run with extra config overrides (the row keeps the variant's name)."""
 RESIDENT_SYSTEMS = ("resident", "resident-compile")
 """The GPU-resident baselines of benchmarks/run.py; ratios are over the faster of them."""
 LORA_RESIDENT_SYSTEMS = ("peft-resident", "peft-resident-compile")
-"""The GPU-resident LoRA baselines (benchmarks/peft_baselines.py); a LoRA row's ratios are over the faster."""
+"""The GPU-resident LoRA baselines (benchmarks/lora.py); a LoRA row's ratios are over the faster of them."""
 ONE_GPU_AS = {"megatrain-gather": "megatrain", "megatrain-noclip-gather": "megatrain-noclip"}
 """Variants that differ from another only with several GPUs: on one GPU they are that one, which the
 harness runs instead (when it runs that one too), and their vs_one_gpu is over its row."""

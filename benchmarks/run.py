@@ -22,9 +22,9 @@ Systems:
   over the faster of the two resident rows of the same point.
 - deepspeed: the same Hugging Face model under DeepSpeed ZeRO-3 with parameters and optimizer
   offloaded to pinned CPU memory (DeepSpeedCPUAdam), bf16, activation checkpointing.
-- LoRA (benchmarks/peft_baselines.py): megatrain-lora (finetune.method=lora) against peft-resident,
-  peft-resident-compile and peft-deepspeed, all with the config's finetune.lora; a LoRA row's vs_resident
-  and vs_deepspeed are over the LoRA baselines, and its roofline is max(GPU compute, H2D bytes / the
+- LoRA (benchmarks/lora.py; the config's finetune.lora settings, e.g. --set finetune.lora.r=16): megatrain-lora
+  (finetune.method=lora) against peft-resident, peft-resident-compile and peft-deepspeed; a LoRA row's
+  vs_resident and vs_deepspeed are over the LoRA baselines, and its roofline is max(GPU compute, H2D bytes / the
   pinned H2D bandwidth probed after the run): the base streamed in is the step's only host traffic.
 
 Data parallel (--gpus 1,2): megatrain runs with parallel.gpus=N at the same batch per GPU (--batches
@@ -64,12 +64,7 @@ from benchmarks.common import (  # noqa: E402
     seq_len_overrides,
     write_result,
 )
-from benchmarks.peft_baselines import (  # noqa: E402
-    h2d_probe_gbps,
-    run_peft_deepspeed,
-    run_peft_resident,
-    run_peft_resident_compile,
-)
+from benchmarks.lora import LORA_SYSTEMS, h2d_probe_gbps  # noqa: E402
 from megatrain_ray.observe.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
 from megatrain_ray.planning.machine import query_gpu  # noqa: E402
 
@@ -237,7 +232,7 @@ def run_resident_compile(spec: dict) -> dict:
 
     cfg = _load(spec)
     for checkpointing in (False, True):
-        model = opt = train_step = None
+        out_of_memory = False
         try:
             model, opt, train_step = _resident_model(cfg, compile_layers=True, checkpointing=checkpointing)
             row = _timed_steps(spec, cfg, train_step)
@@ -245,7 +240,9 @@ def run_resident_compile(spec: dict) -> dict:
         except torch.OutOfMemoryError:
             if checkpointing:
                 raise
-            del model, opt, train_step
+            out_of_memory = True
+        if out_of_memory:  # outside the except block: its traceback no longer holds the first model's frames
+            model = opt = train_step = None  # noqa: F841 - the first attempt's references go
             torch._dynamo.reset()
             torch.cuda.empty_cache()
     row.update(precision="bf16 weights, bf16 AdamW states (torch fused AdamW on the GPU)", compiled=True,
@@ -314,10 +311,7 @@ def _refuse_what_deepspeed_says_will_not_fit(cfg) -> None:
 
 
 SYSTEMS = {"megatrain": run_megatrain, "resident": run_resident, "resident-compile": run_resident_compile,
-           "deepspeed": run_deepspeed,
-           "peft-resident": lambda spec: run_peft_resident(spec, _load, _hf_model, _timed_steps),
-           "peft-resident-compile": lambda spec: run_peft_resident_compile(spec, _load, _hf_model, _timed_steps),
-           "peft-deepspeed": lambda spec: run_peft_deepspeed(spec, _load, _hf_model, _timed_steps)}
+           "deepspeed": run_deepspeed, **LORA_SYSTEMS}
 
 
 def child(system: str, spec: dict) -> None:

@@ -114,6 +114,7 @@ class RunSpec:
         rank_tokens = cfg.data.batch_size // (ranks * nodes) * cfg.data.seq_len
         compiles = e.compile is True or (e.compile == "auto" and device == "cuda")
         if cfg.finetune.method == "lora":
+            compiles = compiles and not cfg.finetune.lora.lora_dropout  # the masks' generators run eagerly
             if ranks * nodes > 1:
                 raise ConfigError(f"finetune.method=lora needs one GPU worker; parallel.gpus resolved to "
                                   f"{ranks * nodes}: set parallel.gpus=1")

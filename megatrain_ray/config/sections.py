@@ -769,8 +769,9 @@ class LoraConfig:
     lora_alpha: float = 16
     """The adapter's output is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
     lora_dropout: float = 0.0
-    """Dropout on the adapter's input. Only 0 is supported: the layer stream recomputes each layer in the backward,
-    and a dropout mask would have to be drawn identically twice."""
+    """Dropout probability on the adapter's input in training (as PEFT's). The masks are drawn from a seed per
+    step and layer, so the backward's recompute sees the forward's; with dropout the layers run eagerly
+    (engine.compile does not apply)."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The projections that get adapters: `all-linear` (every linear module of the decoder layers, not the LM head,
     as PEFT's all-linear), or a list of PEFT short names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
@@ -780,8 +781,9 @@ class LoraConfig:
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by lora_alpha / sqrt(r) instead of lora_alpha / r."""
     modules_to_save: list[str] = field(default_factory=list)
-    """Modules trained in full beside the adapters (PEFT's modules_to_save). Only the empty list is supported: the
-    embedding and LM head stay frozen."""
+    """Modules trained in full beside the adapters (PEFT's modules_to_save): `embed_tokens`, `lm_head` (an untied
+    LM head only). Each lives on the device in float32 with its gradient and AdamW moments (16 bytes per parameter)
+    and starts as the base's."""
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -789,14 +791,13 @@ class LoraConfig:
             _fail(f"{s}.r", self.r, "must be >= 1")
         if not self.lora_alpha > 0:
             _fail(f"{s}.lora_alpha", self.lora_alpha, "must be > 0")
-        if self.lora_dropout != 0.0:
-            _fail(f"{s}.lora_dropout", self.lora_dropout, "only 0.0 is supported: each layer is recomputed in the "
-                  "backward and the two passes would draw different dropout masks; set it to 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            _fail(f"{s}.lora_dropout", self.lora_dropout, "must be in [0, 1)")
         if isinstance(self.target_modules, list) and not self.target_modules:
             _fail(f"{s}.target_modules", self.target_modules, "is empty; name projections or use all-linear")
-        if self.modules_to_save:
-            _fail(f"{s}.modules_to_save", self.modules_to_save, "is not supported yet (the embedding and LM head "
-                  "stay frozen with LoRA); leave it empty")
+        unknown = [name for name in self.modules_to_save if name not in ("embed_tokens", "lm_head")]
+        if unknown or len(set(self.modules_to_save)) != len(self.modules_to_save):
+            _fail(f"{s}.modules_to_save", self.modules_to_save, "may name embed_tokens and lm_head, each once")
 
     @property
     def scaling(self) -> float:
@@ -829,6 +830,11 @@ def check_finetune(cfg: "Config") -> None:
         why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
     elif cfg.host.moments_tier != "ram":
         why = "host.moments_tier=ram (the adapters' moments live on the device, the host holds none)"
+    elif cfg.finetune.lora.modules_to_save and cfg.model.tie_word_embeddings:
+        why = ("an untied LM head (model.tie_word_embeddings=false) for finetune.lora.modules_to_save: the tied "
+               "matrix would be two trained copies")
+    elif any(action == "kill" and target.startswith("optim") for action, target, _ in parse_drill(cfg.fault.drill)):
+        why = "no fault.drill kill:optimK (a LoRA run has no optimizer workers)"
     if why:
         _fail("finetune.method", "lora", f"needs {why}")
 

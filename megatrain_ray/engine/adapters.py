@@ -7,6 +7,9 @@ learning rate of each step from the schedule). The backward writes each layer's 
 backward the step clips by the exact global norm (as torch.nn.utils.clip_grad_norm_: coef = min(1, clip /
 (norm + 1e-6))) and runs AdamW, or drops the step when the norm or loss is not finite.
 
+finetune.lora.modules_to_save (embed_tokens, lm_head): those matrices too, trained in full in float32 from the
+base's values, beside the adapters in the same optimizer and norm.
+
 Checkpoints: one file, adapters.safetensors, with the adapters under PEFT's names, their moments under
 `optimizer.exp_avg.<name>` / `optimizer.exp_avg_sq.<name>` and AdamW's step count in the metadata.
 """
@@ -19,7 +22,7 @@ import torch
 
 from megatrain_ray.config.sections import LoraConfig, ModelConfig, OptimizerConfig
 from megatrain_ray.exceptions import CheckpointError
-from megatrain_ray.model.lora import from_peft_name, initial_adapters, peft_name
+from megatrain_ray.model.lora import initial_adapters, peft_name, peft_saved_name, saved_names
 from megatrain_ray.store.safetensors_io import read_safetensors_into, write_safetensors
 
 ADAPTER_FILE = "adapters.safetensors"
@@ -30,13 +33,19 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 class AdapterTier:
     def __init__(self, model: ModelConfig, lora: LoraConfig, optimizer: OptimizerConfig, seed: int,
-                 device: torch.device):
-        """The adapters at step 0 (model/lora.initial_adapters, from the run `seed`); `put` replaces them."""
+                 device: torch.device, base: dict[str, torch.Tensor] | None = None):
+        """The adapters at step 0 (model/lora.initial_adapters, from the run `seed`); `load` or `put_named` replace
+        them. `base`: the base's matrices of the modules_to_save by Hugging Face name, their starting values."""
         self.scaling = lora.scaling
         self.device = device
         self.layers = [{n: t.to(device) for n, t in initial_adapters(model, lora, seed, i).items()}
                        for i in range(model.num_layers)]
-        self.params = [t for layer in self.layers for t in layer.values()]
+        self.saved = {name: (base or {})[name].to(device, torch.float32, copy=True) for name in saved_names(lora)}
+        """The modules_to_save by Hugging Face name (float32, trained in full)."""
+        self.by_name = {**{peft_name(i, n): t for i, layer in enumerate(self.layers) for n, t in layer.items()},
+                        **{peft_saved_name(name): t for name, t in self.saved.items()}}
+        """Every trained tensor by its name in PEFT's adapter_model.safetensors."""
+        self.params = list(self.by_name.values())
         for t in self.params:
             t.grad = torch.zeros_like(t)
         self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2),
@@ -62,8 +71,15 @@ class AdapterTier:
     def set_grads(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         """Layer i's adapter gradients of this step (by name), counted in the global norm."""
         for name, t in self.layers[i].items():
-            t.grad.copy_(grads[name])
-            self.sqnorm += torch.linalg.vector_norm(t.grad, dtype=torch.float32).square()
+            self._set_grad(t, grads[name])
+
+    def set_saved_grad(self, hf_name: str, grad: torch.Tensor) -> None:
+        """A module_to_save's gradient of this step, counted in the global norm."""
+        self._set_grad(self.saved[hf_name], grad)
+
+    def _set_grad(self, t: torch.Tensor, grad: torch.Tensor) -> None:
+        t.grad.copy_(grad)
+        self.sqnorm += torch.linalg.vector_norm(t.grad, dtype=torch.float32).square()
 
     def step(self, lr: float, clip: float, grad_norm: float, apply: bool) -> None:
         """Clip by the global norm (clip > 0) and take AdamW's step; `apply` False drops the step."""
@@ -80,15 +96,15 @@ class AdapterTier:
     # ------------------------------------------------------------------ state in and out
 
     def named(self) -> dict[str, torch.Tensor]:
-        """The adapters by PEFT name, copied to the CPU."""
-        return {peft_name(i, n): t.detach().to("cpu", copy=True) for i, layer in enumerate(self.layers)
-                for n, t in layer.items()}
+        """The adapters (and modules_to_save) by PEFT name, copied to the CPU."""
+        return {key: t.detach().to("cpu", copy=True) for key, t in self.by_name.items()}
 
     def put_named(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite adapters by PEFT name (tests, loading a saved adapter)."""
+        """Overwrite adapters (and modules_to_save) by PEFT name (tests, loading a saved adapter)."""
         for key, value in tensors.items():
-            i, name = from_peft_name(key)
-            self.layers[i][name].copy_(value)
+            if key not in self.by_name:
+                raise KeyError(f"{key!r} is not an adapter of this run")
+            self.by_name[key].copy_(value)
 
     def adam_step(self) -> int:
         state = self.optimizer.state.get(self.params[0])
@@ -96,16 +112,12 @@ class AdapterTier:
 
     def save(self, directory: Path, step: int) -> dict:
         """Write adapters.safetensors of a checkpoint; its manifest entry."""
-        tensors, adam_step = [], self.adam_step()
-        for i, layer in enumerate(self.layers):
-            for name, t in layer.items():
-                tensors.append((peft_name(i, name), t.detach().cpu()))
+        tensors, adam_step = [(key, t.detach().cpu()) for key, t in self.by_name.items()], self.adam_step()
         for kind in _MOMENTS:
-            for i, layer in enumerate(self.layers):
-                for name, t in layer.items():
-                    state = self.optimizer.state.get(t)
-                    moment = state[kind] if state else torch.zeros_like(t)
-                    tensors.append((f"optimizer.{kind}.{peft_name(i, name)}", moment.detach().cpu()))
+            for key, t in self.by_name.items():
+                state = self.optimizer.state.get(t)
+                moment = state[kind] if state else torch.zeros_like(t)
+                tensors.append((f"optimizer.{kind}.{key}", moment.detach().cpu()))
         entry = write_safetensors(directory / ADAPTER_FILE, tensors,
                                   {"format": "megatrain-lora/1", "step": str(step), "adam_step": str(adam_step)})
         entry["stage"] = ADAPTER_STAGE
@@ -116,15 +128,13 @@ class AdapterTier:
         """Restore adapters, moments and AdamW's step count from a checkpoint's adapters.safetensors."""
         targets: dict[str, torch.Tensor] = {}
         staged: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
-        for i, layer in enumerate(self.layers):
-            for name, t in layer.items():
-                key = peft_name(i, name)
-                flats = {"param": torch.empty(t.shape, dtype=t.dtype),
-                         **{kind: torch.empty(t.shape, dtype=t.dtype) for kind in _MOMENTS}}
-                targets[key] = flats["param"]
-                for kind in _MOMENTS:
-                    targets[f"optimizer.{kind}.{key}"] = flats[kind]
-                staged.append((t, flats))
+        for key, t in self.by_name.items():
+            flats = {"param": torch.empty(t.shape, dtype=t.dtype),
+                     **{kind: torch.empty(t.shape, dtype=t.dtype) for kind in _MOMENTS}}
+            targets[key] = flats["param"]
+            for kind in _MOMENTS:
+                targets[f"optimizer.{kind}.{key}"] = flats[kind]
+            staged.append((t, flats))
         path = directory / entry["path"]
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory} has no {ADAPTER_FILE}")
@@ -138,5 +148,5 @@ class AdapterTier:
                                            **{kind: flats[kind].to(self.device) for kind in _MOMENTS}}
 
     def close(self) -> None:
-        self.layers, self.params = [], []
+        self.layers, self.params, self.saved, self.by_name = [], [], {}, {}
         self.optimizer = None

@@ -3,12 +3,16 @@
 The same forward, head and recompute-backward as StreamEngine, with three differences:
 
 - each decoder layer's adapters (engine/adapters.py, on the device) are bound beside its streamed weights,
-  and the templates' projections add them (model/lora.py project);
+  and the templates' projections add them (model/lora.py project); the modules_to_save (embedding, LM head)
+  are read from their trained float32 copies instead of the streamed ones, and get their gradients;
 - the backward binds the base weights without requires_grad: autograd computes the input gradients and the
   adapters' gradients only. The head computes only its input gradient, the embedding none. No gradient
   leaves the device, no update is ordered from the CPU optimizer workers (a LoRA run has none);
 - after the backward the adapters take their AdamW step on the device, clipped by the exact global norm of
   their gradients (a non-finite norm or loss drops the step, whatever optimizer.grad_clip is).
+
+With lora_dropout > 0 each training step gives every layer a dropout seed (model/lora.layer_dropout_seed, from
+the run seed, the AdamW step and the layer), from which the forward and the recompute draw the same masks.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from megatrain_ray.config.sections import EngineConfig, LoraConfig, ModelConfig,
 from megatrain_ray.engine.adapters import AdapterTier
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.engine.weights import WeightSlot
-from megatrain_ray.messages import Batch
+from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.model.lora import is_adapter
+from megatrain_ray.model.lora import SAVED_MODULES, is_adapter, layer_dropout_seed, saved_names
 from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import HeadResult, head_loss_and_grads
 from megatrain_ray.store.segments import HostStore
@@ -38,9 +42,35 @@ class LoraStreamEngine(StreamEngine):
         """StreamEngine's arguments (a RunSpec with frozen_base; no optimizer workers, one rank), the adapters'
         settings and the run seed that draws their initial values."""
         super().__init__(model, engine, parallel, optimizer, run, layout, store, [], device)
-        self.adapters = AdapterTier(model, lora, optimizer, seed, device)
-        self.specs = tuple(replace(spec, lora_scaling=self.adapters.scaling) for spec in self.specs)
+        # The modules_to_save start as the base's matrices (the host holds the base as its `master`).
+        base = {}
+        for name in saved_names(lora):
+            stage, slot = layout.stage_of(name)
+            base[name] = store.get("master", stage.index)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.adapters = AdapterTier(model, lora, optimizer, seed, device, base)
+        if self.adapters.saved:  # their gradients: float32 sums of the vocabulary's size, as a full run's
+            self.vocab_acc = torch.zeros((model.vocab_size, model.hidden_size), dtype=self.acc_dtype, device=device)
+        self.seed = seed
+        self.eval_specs = self.specs = tuple(replace(spec, lora_scaling=self.adapters.scaling,
+                                                     lora_dropout=lora.lora_dropout) for spec in self.specs)
         self.trainable = is_adapter
+        if lora.lora_dropout:  # the masks come from seeded generators, which torch.compile does not trace
+            self._compiled = None
+
+    def train_step(self, batch: Batch, lr: float, adam_step: int, loss_tokens: int) -> StepResult:
+        """StreamEngine.train_step with this step's dropout seeds in the layers' specs (lora_dropout > 0): the
+        forward and the recompute draw the same masks, and a resumed run the same as an uninterrupted one."""
+        if self.adapters_dropout:
+            self.specs = tuple(replace(spec, lora_seed=layer_dropout_seed(self.seed, adam_step, i))
+                               for i, spec in enumerate(self.eval_specs))
+        try:
+            return super().train_step(batch, lr, adam_step, loss_tokens)
+        finally:
+            self.specs = self.eval_specs
+
+    @property
+    def adapters_dropout(self) -> bool:
+        return bool(self.eval_specs and self.eval_specs[0].lora_dropout)
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
@@ -52,22 +82,36 @@ class LoraStreamEngine(StreamEngine):
     def _bind(self, stage: StageLayout, slot: WeightSlot | None) -> dict[str, torch.Tensor]:
         return {**super()._bind(stage, slot), **self.adapters.layer(stage.index - 1)}
 
+    def _embed_weight(self, bound: dict[str, torch.Tensor]) -> torch.Tensor:
+        saved = self.adapters.saved.get(SAVED_MODULES["embed_tokens"])
+        return bound["embed_tokens.weight"] if saved is None else saved.to(self.compute_dtype)
+
+    def _lm_weight(self, head_w: dict[str, torch.Tensor], embed_w: torch.Tensor) -> torch.Tensor:
+        saved = self.adapters.saved.get(SAVED_MODULES["lm_head"])
+        return super()._lm_weight(head_w, embed_w) if saved is None else saved.to(self.compute_dtype)
+
     def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
               batch: Batch) -> HeadResult:
         """The loss (cross-entropy, or DPO for a batch of preference pairs) and the gradient of the last hidden
-        state only (a frozen head)."""
+        state; the LM head's gradient only where it is trained (modules_to_save), into the float32 vocabulary
+        sums."""
         layout, compute = self.layout, self.streams.compute
         head_slot = self.weights.slot_for(layout.head)
         head_w = self.weights.bind(layout.head, head_slot)
-        lm_w = head_w.get("lm_head.weight", embed_w)
+        trained = SAVED_MODULES["lm_head"] in self.adapters.saved
         start = self.telemetry.timeline.start(compute)
+        if trained:
+            self.vocab_acc.zero_()
+        lm_w, lm_grads = self._lm_weight(head_w, embed_w), self.vocab_acc if trained else None
         if batch.preference is not None:
             head = preference_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, batch.preference,
-                                             self.head_spec, self.engine_cfg.loss_chunk_tokens, None)
+                                             self.head_spec, self.engine_cfg.loss_chunk_tokens, lm_grads)
         else:
             head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
-                                       self.engine_cfg.loss_chunk_tokens, None, input_grad_only=True)
+                                       self.engine_cfg.loss_chunk_tokens, lm_grads, input_grad_only=not trained)
         self.weights.release(head_slot)
+        if trained:
+            self.adapters.set_saved_grad(SAVED_MODULES["lm_head"], self.vocab_acc)
         self.telemetry.timeline.stop("compute", compute, start)
         return head
 
@@ -80,8 +124,19 @@ class LoraStreamEngine(StreamEngine):
         self.telemetry.timeline.stop("compute", self.streams.compute, start)
 
     def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: WeightSlot) -> None:
-        """A frozen embedding: no gradient."""
+        """A frozen embedding: no gradient; a trained one (modules_to_save): the scatter-add of a full run."""
         self.weights.release(embed_slot)
+        if SAVED_MODULES["embed_tokens"] not in self.adapters.saved:
+            return
+        compute = self.streams.compute
+        start = self.telemetry.timeline.start(compute)
+        self.vocab_acc.zero_()
+        grad_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype)
+        if self.embed_scale is not None:  # Gemma: the rows were scaled by sqrt(hidden) (their gradient too)
+            grad_rows = grad_rows * self.embed_scale.to(self.acc_dtype)
+        self.vocab_acc.index_add_(0, ids.reshape(-1), grad_rows)
+        self.adapters.set_saved_grad(SAVED_MODULES["embed_tokens"], self.vocab_acc)
+        self.telemetry.timeline.stop("compute", compute, start)
 
     def _totals(self, loss_sum: torch.Tensor, step: int) -> tuple[float, float]:
         return float(loss_sum), float(self.adapters.sqnorm.sqrt())

@@ -238,7 +238,7 @@ class StreamEngine:
         rope = self._rope(ids.shape[1], batch.positions)
         documents = document_buckets(batch.segments, self.device) if batch.segments is not None else None
         embed_slot = self.weights.load(self.layout.embed)
-        embed_w = self.weights.bind(self.layout.embed, embed_slot)["embed_tokens.weight"]
+        embed_w = self._embed_weight(self.weights.bind(self.layout.embed, embed_slot))
         x = self._forward_layers(embed(ids, embed_w, self.embed_scale), rope, documents, keep)
         return x, embed_slot, embed_w, rope, documents
 
@@ -261,6 +261,14 @@ class StreamEngine:
             self._release(slot)
         return x
 
+    def _embed_weight(self, bound: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The embedding matrix the step reads (the streamed one; LoRA's modules_to_save: its trained copy)."""
+        return bound["embed_tokens.weight"]
+
+    def _lm_weight(self, head_w: dict[str, torch.Tensor], embed_w: torch.Tensor) -> torch.Tensor:
+        """The LM head's matrix: its own, or the embedding's when tied."""
+        return head_w.get("lm_head.weight", embed_w)
+
     def _load(self, stage: StageLayout) -> WeightSlot | None:
         """Start the stage's H2D copy; None for a resident stage (its weights are on the device)."""
         return None if self.resident.holds(stage) else self.weights.load(stage)
@@ -281,7 +289,7 @@ class StreamEngine:
         layout, compute = self.layout, self.streams.compute
         head_slot = self.weights.slot_for(layout.head)
         head_w = self.weights.bind(layout.head, head_slot)
-        lm_w = head_w.get("lm_head.weight", embed_w)
+        lm_w = self._lm_weight(head_w, embed_w)
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
         if batch.preference is not None:
@@ -433,7 +441,7 @@ class StreamEngine:
         self._begin(training=False)
         x, embed_slot, embed_w, _, _ = self._forward(batch.input_ids.to(self.device), batch, None)
         head_w = self.weights.bind(self.layout.head, self.weights.head_slot)
-        out = head(x, head_w["model.norm.weight"], head_w.get("lm_head.weight", embed_w))
+        out = head(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w))
         self.weights.release(self.weights.head_slot)
         self.weights.release(embed_slot)
         self.weights.end_step()

@@ -16,7 +16,10 @@ The templates bind adapters beside a stage's weights under `<module>.lora_A.weig
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +50,21 @@ def adapter_numel(model: ModelConfig, lora: LoraConfig) -> int:
     return per_layer * model.num_layers
 
 
+SAVED_MODULES = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+"""finetune.lora.modules_to_save: the Hugging Face name of each module's matrix."""
+
+
+def saved_names(lora: LoraConfig) -> list[str]:
+    """The Hugging Face names of the modules trained in full (modules_to_save), in layout order."""
+    return [SAVED_MODULES[m] for m in ("embed_tokens", "lm_head") if m in lora.modules_to_save]
+
+
 def lora_params(cfg: Config) -> int:
-    """The adapter parameters a run trains: adapter_numel with finetune.method=lora, else 0."""
-    return adapter_numel(cfg.model, cfg.finetune.lora) if cfg.finetune.method == "lora" else 0
+    """The parameters a LoRA run trains: the adapters and the modules_to_save (0 for full fine-tuning)."""
+    if cfg.finetune.method != "lora":
+        return 0
+    saved = len(saved_names(cfg.finetune.lora)) * cfg.model.vocab_size * cfg.model.hidden_size
+    return adapter_numel(cfg.model, cfg.finetune.lora) + saved
 
 
 def lora_a(module: str) -> str:
@@ -78,14 +93,38 @@ def initial_adapters(model: ModelConfig, lora: LoraConfig, seed: int, layer: int
     return out
 
 
-def project(h: torch.Tensor, w: Mapping[str, torch.Tensor], module: str, scaling: float) -> torch.Tensor:
-    """The projection `module` of the layer whose tensors are `w`, with its adapter when one is bound."""
+def project(h: torch.Tensor, w: Mapping[str, torch.Tensor], module: str, spec: Any) -> torch.Tensor:
+    """The projection `module` of the layer whose tensors are `w`, with its adapter when one is bound; `spec`:
+    the layer's LayerSpec (lora_scaling, and the dropout: lora_dropout where lora_seed >= 0)."""
     out = F.linear(h, w[f"{module}.weight"], w.get(f"{module}.bias"))
     a = w.get(lora_a(module))
     if a is None:
         return out
-    delta = F.linear(F.linear(h.to(a.dtype), a), w[lora_b(module)]) * scaling
+    x = h.to(a.dtype)
+    if spec.lora_dropout and spec.lora_seed >= 0:  # as nn.Dropout: kept inputs scaled by 1 / (1 - p)
+        keep = dropout_mask(x.shape, spec.lora_seed, module, spec.lora_dropout, x.device)
+        x = x * keep.to(x.dtype) / (1.0 - spec.lora_dropout)
+    delta = F.linear(F.linear(x, a), w[lora_b(module)]) * spec.lora_scaling
     return (out + delta).to(out.dtype)
+
+
+def dropout_mask(shape: torch.Size, seed: int, module: str, p: float, device: torch.device) -> torch.Tensor:
+    """The kept inputs (True) of the adapter on `module`, drawn from (seed, module) alone: the forward and the
+    recompute of the same layer in the same step draw the same mask."""
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(module.encode())) % 2**63)
+    return torch.rand(shape, generator=gen, device=device) >= p
+
+
+def layer_dropout_seed(run_seed: int, step: int, layer: int) -> int:
+    """The dropout seed of a decoder layer in a training step (LayerSpec.lora_seed)."""
+    return (run_seed * 1_000_003 + step) * 10_007 + layer
+
+
+def chunk_spec(spec: Any, chunk: int) -> Any:
+    """The spec of a chunk of the MLP's tokens: its own dropout seed (chunks of one size would draw one mask)."""
+    if spec.lora_seed < 0 or not spec.lora_dropout or chunk == 0:
+        return spec
+    return replace(spec, lora_seed=spec.lora_seed * 131 + chunk)
 
 
 def is_adapter(name: str) -> bool:
@@ -97,6 +136,11 @@ def peft_name(layer: int, name: str) -> str:
     """PEFT's name of a layer's adapter tensor in adapter_model.safetensors (e.g.
     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight)."""
     return f"{_PEFT_PREFIX}model.layers.{layer}.{name}"
+
+
+def peft_saved_name(hf_name: str) -> str:
+    """PEFT's name of a modules_to_save matrix in adapter_model.safetensors (base_model.model.lm_head.weight)."""
+    return _PEFT_PREFIX + hf_name
 
 
 def from_peft_name(key: str) -> tuple[int, str]:
@@ -120,7 +164,8 @@ def peft_adapter_config(model: ModelConfig, lora: LoraConfig, base: str) -> dict
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.r,
         "lora_alpha": alpha, "lora_dropout": lora.lora_dropout, "bias": lora.bias, "use_rslora": lora.use_rslora,
-        "target_modules": sorted(lora.targets(model.family)), "modules_to_save": None, "fan_in_fan_out": False,
+        "target_modules": sorted(lora.targets(model.family)), "modules_to_save": list(lora.modules_to_save) or None,
+        "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "use_dora": False, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
     }

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout, token_chunks
-from megatrain_ray.model.lora import project
+from megatrain_ray.model.lora import chunk_spec, project
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,11 @@ class LayerSpec:
     """The layer takes the local RoPE tables (Gemma 3's sliding layers)."""
     lora_scaling: float = 0.0
     """The factor on the LoRA adapters' output where adapters are bound (model/lora.py project)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (finetune.lora.lora_dropout), applied where lora_seed >= 0."""
+    lora_seed: int = -1
+    """This layer's dropout seed in this training step (model/lora.dropout_mask draws every mask from it, in the
+    forward and again in the recompute); -1: no dropout (evaluation)."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
@@ -368,11 +373,11 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.gemma)
     if "self_attn.qkv_proj.weight" in w:  # Phi-3: one product, split into views as transformers does
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = project(h, w, "self_attn.qkv_proj", spec.lora_scaling).split((q_width, kv_width, kv_width), dim=-1)
+        q, k, v = project(h, w, "self_attn.qkv_proj", spec).split((q_width, kv_width, kv_width), dim=-1)
     else:
-        q = project(h, w, "self_attn.q_proj", spec.lora_scaling)
-        k = project(h, w, "self_attn.k_proj", spec.lora_scaling)
-        v = project(h, w, "self_attn.v_proj", spec.lora_scaling)
+        q = project(h, w, "self_attn.q_proj", spec)
+        k = project(h, w, "self_attn.k_proj", spec)
+        v = project(h, w, "self_attn.v_proj", spec)
     q = q.view(batch, seq_len, spec.num_heads, spec.head_dim)
     k = k.view(batch, seq_len, spec.num_kv_heads, spec.head_dim)
     v = v.view(batch, seq_len, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
@@ -382,7 +387,7 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
     a = attention(q, k, v, spec, documents).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
-    out = project(a, w, "self_attn.o_proj", spec.lora_scaling)
+    out = project(a, w, "self_attn.o_proj", spec)
     if spec.gemma:  # Gemma: the attention's output normed before the residual add
         out = rms_norm(out, w["post_attention_layernorm.weight"], spec.eps, True)
     return x + out
@@ -390,19 +395,18 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
 
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
     """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens)."""
-    s = spec.lora_scaling
     if spec.gemma:  # norms before and after the GeLU-tanh MLP
         h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)
-        m = F.gelu(project(h, w, "mlp.gate_proj", s), approximate="tanh") * project(h, w, "mlp.up_proj", s)
-        out = project(m, w, "mlp.down_proj", s)
+        m = F.gelu(project(h, w, "mlp.gate_proj", spec), approximate="tanh") * project(h, w, "mlp.up_proj", spec)
+        out = project(m, w, "mlp.down_proj", spec)
         return x + rms_norm(out, w["post_feedforward_layernorm.weight"], spec.eps, True)
     h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
     if "mlp.gate_up_proj.weight" in w:  # Phi-3: gate and up from one product, halves of its output
-        gate, up = project(h, w, "mlp.gate_up_proj", s).chunk(2, dim=-1)
+        gate, up = project(h, w, "mlp.gate_up_proj", spec).chunk(2, dim=-1)
         m = up * F.silu(gate)
     else:
-        m = F.silu(project(h, w, "mlp.gate_proj", s)) * project(h, w, "mlp.up_proj", s)
-    return x + project(m, w, "mlp.down_proj", s)
+        m = F.silu(project(h, w, "mlp.gate_proj", spec)) * project(h, w, "mlp.up_proj", spec)
+    return x + project(m, w, "mlp.down_proj", spec)
 
 
 def is_mlp_weight(name: str, spec: LayerSpec) -> bool:
@@ -427,8 +431,8 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
         return mlp_block(x, w, spec)
     flat = x.view(-1, x.shape[-1])
     out = torch.empty_like(flat)
-    for part in chunks:
-        out[part] = mlp_block(flat[part], w, spec)
+    for k, part in enumerate(chunks):
+        out[part] = mlp_block(flat[part], w, chunk_spec(spec, k))
     return out.view_as(x)
 
 
@@ -463,10 +467,10 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     mlp_wanted = [n for n in wanted if n in mlp_params]
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     mlp_grads = {n: torch.zeros(mlp_params[n].shape, dtype=acc_dtype, device=x.device) for n in mlp_wanted}
-    for part in chunks:
+    for k, part in enumerate(chunks):
         with torch.enable_grad():
             piece = mid_flat[part].requires_grad_(True)
-            out = mlp_block(piece, mlp_params, spec)
+            out = mlp_block(piece, mlp_params, chunk_spec(spec, k))
             grads = torch.autograd.grad(out, [piece, *(mlp_params[n] for n in mlp_wanted)], grad_y_flat[part])
         grad_mid[part] = grads[0]
         for name, g in zip(mlp_wanted, grads[1:]):

@@ -3,7 +3,8 @@
 Host: the store is the base in the streaming dtype (store/segments.plan_segments lays it out; planning/memory
 counts it), no moments, no gradient buffers, no optimizer workers. GPU: the two layer buffers and the
 embedding's and head's weights as in a full run; no gradient buffers and no vocabulary-sized float32 sums; the
-adapters with their gradients and both AdamW moments (16 B per adapter parameter); the kept layer inputs; the
+adapters (and modules_to_save) with their gradients and both AdamW moments (16 B per parameter), and with
+modules_to_save the float32 sums of their gradients; the kept layer inputs; the
 larger of one layer's recompute-backward (the full run's estimate, which counts no weight gradient, plus what
 the adapters keep: model/lora.adapter_activation_bytes) and the loss head, which forms no LM-head gradient.
 """
@@ -44,7 +45,8 @@ def lora_gpu_bytes(cfg: Config, run: RunSpec, offload: bool, per_slot: int, mlp_
     return {
         "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
         "gradient buffers": 0,
-        "vocabulary accumulator": 0,
+        # modules_to_save: their gradients summed in float32, as a full run's
+        "vocabulary accumulator": m.vocab_size * m.hidden_size * acc_b if cfg.finetune.lora.modules_to_save else 0,
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * m.hidden_size * compute_b,
         "layer backward working set": layer_backward + adapters,
         "loss head working set": input_grad_head_bytes(chunk, m.vocab_size, compute_b)
@@ -79,9 +81,9 @@ def lora_stage_seconds(cfg: Config, stage: Any, forward: float, backward: float,
     frozen base the backward forms only the input's gradient: 6 N in all, so the backward loses the 2 N of the
     weight gradients (a quarter of the layer's matrix time); attention is unchanged (its inputs' gradients are
     all needed). The adapters add their own 8 r (in + out) per projection (counted as 6, as the rates count).
-    The head loses the LM head's gradient (2 of its 6), the embedding has none."""
+    The head loses the LM head's gradient (2 of its 6) unless it trains (modules_to_save), the embedding has none."""
     if stage.kind == "head":
-        return forward * 4 / 6, backward
+        return (forward if "lm_head" in cfg.finetune.lora.modules_to_save else forward * 4 / 6), backward
     if stage.kind != "layer":
         return forward, 0.0
     matrices = sum(s.numel for s in stage.slots if s.decay)

@@ -24,21 +24,36 @@ from megatrain_ray.config.sections import LoraConfig, ModelConfig
 from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
-from megatrain_ray.model.lora import from_peft_name, merged_weight, peft_adapter_config
+from megatrain_ray.model.lora import (
+    SAVED_MODULES,
+    from_peft_name,
+    is_adapter,
+    merged_weight,
+    peft_adapter_config,
+    peft_saved_name,
+)
+from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointInfo, model_config_of
 from megatrain_ray.system.files import atomic_directory, refuse_existing
+
+log = get_logger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 class MergedWeights(Mapping[str, torch.Tensor]):
-    """The base's tensors by Hugging Face name, with each adapted projection's weight merged on lookup."""
+    """The base's tensors by Hugging Face name, with each adapted projection's weight merged on lookup and the
+    modules_to_save replaced by their trained matrices."""
 
     def __init__(self, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scaling: float):
         self.base, self.scaling = base, scaling
         self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.replaced = {hf: adapters[peft_saved_name(hf)] for hf in SAVED_MODULES.values()
+                         if peft_saved_name(hf) in adapters}
         for key, value in adapters.items():
+            if not is_adapter(key):
+                continue
             layer, name = from_peft_name(key)
             module, _, which = name.rpartition(".lora_")
             target = f"model.layers.{layer}.{module}.weight"
@@ -46,6 +61,8 @@ class MergedWeights(Mapping[str, torch.Tensor]):
             self.pairs[target] = (value, b) if which.startswith("A") else (a, value)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.replaced:
+            return self.replaced[name]
         weight = self.base[name]
         if name not in self.pairs:
             return weight
@@ -80,6 +97,7 @@ def export_lora(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.T
     refuse_existing(out, CheckpointError, "export directory")
     out.mkdir(parents=True)
     write_peft_adapter(adapters, model, lora, out / "adapter", model.path or "")
+    log.info("export: the adapter in PEFT's format: %s (%d tensors)", out / "adapter", len(adapters))
     export_hf(MergedWeights(base, adapters, lora.scaling), model, out / "merged", source_dir=source_dir, dtype=dtype,
               shard_bytes=shard_bytes)
     return out

@@ -138,9 +138,13 @@ def test_a_killed_gpu_worker_restarts_from_the_adapters_checkpoint(tmp_path, bas
     assert all(torch.equal(adapters[k], reference[k]) for k in reference)
 
 
-def test_export_loads_in_peft_and_merged_in_transformers_with_the_same_logits(tmp_path, base):
+@pytest.mark.parametrize("saved", [[], ["embed_tokens", "lm_head"]], ids=["adapters", "modules_to_save"])
+def test_export_loads_in_peft_and_merged_in_transformers_with_the_same_logits(tmp_path, base, saved):
+    if saved:  # an untied LM head
+        base = make_base(tmp_path / "llama", "llama")
     cfg = lora_config(tmp_path, base, steps=6, optimizer={"lr": 1e-2},
-                      train={"export_dir": str(tmp_path / "export")})
+                      train={"export_dir": str(tmp_path / "export")},
+                      finetune={"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "modules_to_save": saved}})
     ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with Trainer(cfg) as trainer:
         trainer.train()
@@ -151,6 +155,7 @@ def test_export_loads_in_peft_and_merged_in_transformers_with_the_same_logits(tm
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == \
         ("LORA", 4, 8, str(base))
+    assert (config["modules_to_save"] or []) == saved
 
     # The saved keys are exactly those peft's own model has, and it loads them all.
     fresh = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),

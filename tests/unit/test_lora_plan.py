@@ -58,6 +58,14 @@ def test_plan_counts_the_base_in_bf16_on_the_host_and_the_adapters_on_the_gpu():
     assert "frozen base (streamed)" in text and f"{human_count(ADAPTERS_PER_LAYER * L)} adapter parameters" in text
 
 
+def test_modules_to_save_count_on_the_gpu_with_their_float32_gradient_sums():
+    plan = plan_run(qwen32b_lora("finetune.lora.modules_to_save=[embed_tokens,lm_head]"),
+                    Machine.from_preset("h100-512gb"))
+    assert plan.gpu[LORA_ADAPTERS] == 16 * (ADAPTERS_PER_LAYER * L + 2 * V * H)  # 12.1 GiB more than the adapters
+    assert plan.gpu["vocabulary accumulator"] == 4 * V * H
+    assert plan.run.checkpoint_bytes(PARAMS, lora_params(plan.cfg)) == 12 * (ADAPTERS_PER_LAYER * L + 2 * V * H)
+
+
 def test_speed_model_has_no_d2h_no_cpu_adamw_and_a_quarter_less_matrix_time():
     machine = Machine.from_preset("h100-512gb")
     lora, full = estimate(qwen32b_lora(), machine.profile), estimate(load_config(SHAPE), machine.profile)
@@ -81,10 +89,11 @@ def test_lora_config_errors_name_the_key():
     def build(**finetune):
         return load_config(raw=tiny_raw(finetune={"method": "lora", **finetune}))
 
-    for lora, key in [({"lora_dropout": 0.1}, "finetune.lora.lora_dropout"), ({"bias": "all"}, "finetune.lora.bias"),
+    for lora, key in [({"lora_dropout": 1.0}, "finetune.lora.lora_dropout"), ({"bias": "all"}, "finetune.lora.bias"),
                       ({"target_modules": ["qkv_proj"]}, "finetune.lora.target_modules"),
                       ({"target_modules": []}, "finetune.lora.target_modules"),
-                      ({"modules_to_save": ["lm_head"]}, "finetune.lora.modules_to_save"),
+                      ({"modules_to_save": ["norm"]}, "finetune.lora.modules_to_save"),
+                      ({"modules_to_save": ["lm_head", "lm_head"]}, "finetune.lora.modules_to_save"),
                       ({"r": 0}, "finetune.lora.r")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             build(lora=lora)
@@ -92,5 +101,10 @@ def test_lora_config_errors_name_the_key():
         load_config(raw=tiny_raw(finetune={"method": "lora"}, parallel={"gpus": 2}, runtime={"mode": "ray"}))
     with pytest.raises(ConfigError, match="finetune.method.*engine.gpu_resident=none"):
         load_config(raw=tiny_raw(finetune={"method": "lora"}, engine={"gpu_resident": 1}))
+    with pytest.raises(ConfigError, match="finetune.method.*tie_word_embeddings=false"):
+        load_config(raw=tiny_raw(finetune={"method": "lora", "lora": {"modules_to_save": ["lm_head"]}},
+                                 model={"tie_word_embeddings": True}))
+    with pytest.raises(ConfigError, match="finetune.method.*no optimizer workers"):
+        load_config(raw=tiny_raw(finetune={"method": "lora"}, fault={"drill": "kill:optim0@2"}))
     cfg = build(lora={"target_modules": ["v_proj", "q_proj"], "r": 4, "lora_alpha": 8, "use_rslora": True})
     assert cfg.finetune.lora.targets("llama") == ("q_proj", "v_proj") and cfg.finetune.lora.scaling == 4.0
