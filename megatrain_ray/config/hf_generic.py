@@ -2,22 +2,25 @@
 
 `model_config_for_template` resolves model.template (auto: native where config.json names a native family,
 else generic; logged). For the generic path (any decoder-only causal LM that transformers ships), the
-model class that config.json names is built on the meta device (no memory, no weights) and read for its
-parts: the embedding module, the list of decoder layers, the final norm and the LM head. Their parameters
-become the stages of the layout under Hugging Face's own names (`model.layers.{i}.<name>`,
-model/layout.py), so import and export are name for name; the same meta model gives the engine its layer
-modules, run statelessly on the streamed weights (model/generic_template.py).
+model class that config.json names is built with its parameters on the meta device (no memory, no
+weights; its buffers as its constructor computes them) and read for its parts: the embedding module, the
+list of decoder layers, the final norm and the LM head. Their parameters become the stages of the layout
+under Hugging Face's own names (`model.layers.{i}.<name>`, model/layout.py), so import and export are
+name for name; the same model gives the engine its layer modules, run statelessly on the streamed weights
+(model/generic_template.py).
 
 Refused here, before Ray starts, with the model class named: encoder and encoder-decoder models, classes
 that are not causal LMs, a model directory that asks for its own code (trust_remote_code is never set),
 and models whose parts are not embedding -> layers -> final norm -> LM head (a bias on the LM head,
-parameters elsewhere, buffers inside the layers).
+parameters elsewhere).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,12 +89,31 @@ _ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "electra", "ernie", "camembe
                   "bert-generation", "rembert", "roberta-prelayernorm", "xlm-roberta-xl", "megatron-bert"}
 
 
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory) and their buffers as their
+    constructors compute them (RoPE's inverse frequencies, an embedding scale), on the CPU."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 @dataclass(frozen=True)
 class GenericArchitecture:
     """The parts of a meta-device model the stream needs, by name."""
 
     model: Any
-    """The ForCausalLM on the meta device: holds no memory; its layer modules run on bound weights."""
+    """The ForCausalLM with its parameters on the meta device (parameters_on_meta): its modules run on bound
+    weights."""
     class_name: str
     base_prefix: str
     """The base model's prefix in Hugging Face's names (`model.`)."""
@@ -133,13 +155,14 @@ class GenericArchitecture:
 
 
 def build_architecture(model_dir: str | Path) -> GenericArchitecture:
-    """The model class of `model_dir`'s config.json built on the meta device, checked, and its parts named."""
+    """The model class of `model_dir`'s config.json built with its parameters on the meta device, checked, and
+    its parts named."""
     where = str(Path(model_dir) / "config.json")
     hf = read_hf_config(model_dir)
     config = hf_pretrained_config(model_dir, hf, where)
     cls = _causal_class(config, hf, where)
     try:
-        with torch.device("meta"):
+        with parameters_on_meta():
             model = cls._from_config(config)
     except Exception as exc:  # a class that cannot be built from this config: say which and why
         raise UnsupportedModelError(f"{where}: transformers could not build {cls.__name__} from it: "
@@ -172,12 +195,9 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
     heads = [n for n, m in model.named_children() if m is lm_head]
     if lm_head is None or len(heads) != 1 or not isinstance(lm_head, nn.Linear) or lm_head.bias is not None:
         raise refuse("its LM head is not one Linear without bias beside the base model")
-    if [n for n, _ in embedding.named_parameters()] != ["weight"] or any(True for _ in embedding.buffers()):
+    if [n for n, _ in embedding.named_parameters()] != ["weight"]:
         raise refuse(f"its embedding ({type(embedding).__name__}) holds more than one weight matrix")
     layers = children[layer_lists[0]]
-    held = [f"{layer_lists[0]}.{n}" for n, _ in layers.named_buffers()]
-    if held:
-        raise refuse(f"its decoder layers hold buffers ({held[0]}, ...), which the stateless layers cannot bind")
     arch = GenericArchitecture(model, name, prefix + ".", embed_names[0], layer_lists[0], rest[0], heads[0],
                                lm_head.weight is embedding.weight)
     covered = {f"{arch.base_prefix}{arch.embed_weight_name}", arch.lm_head_weight_name}

@@ -1,22 +1,23 @@
 """The generic path's templates: transformers' own modules run statelessly on the streamed weights.
 
-Each decoder layer is the model's own layer module on the meta device (model/generic.py), called with
-torch.func.functional_call on the views of its stage's flat buffer: no module holds a weight. The embedding
-and the final norm are called the same way; the loss stays the engine's chunked cross-entropy on the LM
-head's logits.
+Each decoder layer is the model's own layer module, its parameters on the meta device
+(config/hf_generic.py), called with torch.func.functional_call on the views of its stage's flat buffer: no
+module holds a weight. The embedding and the final norm are called the same way; the loss stays the
+engine's chunked cross-entropy on the LM head's logits. The modules' buffers (an embedding scale) are
+their own, moved to the device.
 
 What the model's forward hands each layer besides the hidden states (the rotary embedding's cos and sin,
 the causal or sliding-window mask of its attention implementation, position ids, per-layer choices such as
-layer_types) comes from the model's own forward, run once per batch shape on a *shell*: a second meta
-model whose layers, final norm and LM head only record their inputs, and whose rotary module is built
-anew on the device (its inverse frequencies computed there). Those inputs are reused by every step of
+layer_types) comes from the model's own forward, run once per batch shape on a *shell*: a second copy of
+the model whose layers, final norm and LM head only record their inputs, its rotary module (inverse
+frequencies as its constructor computed them) on the device. Those inputs are reused by every step of
 that shape and by the recomputed backward.
 
-On construction the shell's forward is checked to be embedding -> layers -> final norm -> LM head with
-nothing in between (a random probe: the first layer receives the embeddings as they are, each layer the
-previous one's output, the norm the last one's), that the layers' side inputs do not depend on the
-embeddings, and what the causal LM does to the LM head's output: nothing, or a constant factor (Cohere's
-logit_scale, Granite's logits_scaling), which is applied; anything else (a soft-cap) is refused.
+On construction the shell's forward is checked with random probes: each layer is called once in order and
+receives the previous one's output, the final norm the last one's, the layers' side inputs do not depend
+on the embeddings, and what the model does between the embedding module and the first layer and to the LM
+head's output is nothing or a constant factor (Granite's embedding_multiplier; Cohere's logit_scale,
+Granite's logits_scaling), which is applied; anything else (Gemma 2's logit soft-cap) is refused.
 """
 
 from __future__ import annotations
@@ -40,11 +41,29 @@ PROBE_TOKENS = 5
 
 def run_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], inputs: LayerInputs, layer: Any,
               documents: Any = None, mlp_chunk_tokens: int = 0) -> torch.Tensor:
-    """One decoder layer: the model's own module on the weights `w` (views of the streamed buffer). The
-    signature is the native decoder_layer's, so templates.decoder_layer_backward recomputes it as it is."""
+    """One decoder layer: the model's own module on the weights `w` (views of the streamed buffer; its
+    buffers its own). The signature is the native decoder_layer's, so templates.decoder_layer_backward
+    recomputes it as it is."""
     args, kwargs = inputs
-    out = functional_call(layer, dict(w), (x, *args), kwargs, strict=True)
+    out = functional_call(layer, dict(w), (x, *args), kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def buffers_to(module: Any, device: torch.device) -> None:
+    """Move every buffer of `module` to `device`; its parameters (on the meta device) stay."""
+    for part in module.modules():
+        for name, buffer in part._buffers.items():
+            if buffer is not None:
+                part._buffers[name] = buffer.to(device)
+
+
+def constant_factor(out: torch.Tensor, given: torch.Tensor) -> float | None:
+    """c where out == c * given (1.0 when equal), else None."""
+    out, given = out.float(), given.float()
+    if torch.equal(out, given):
+        return 1.0
+    factor = float((out * given).sum() / given.square().sum())
+    return factor if torch.allclose(out, given * factor, rtol=1e-5, atol=0.0) else None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -74,16 +93,7 @@ class _Shell:
             layer.forward = self._layer_recorder(i)  # the instance keeps its attributes (attention_type, ...)
         arch.norm.forward = self._record_norm
         arch.model.get_output_embeddings().forward = lambda hidden: hidden
-        base = arch.base
-        for name, part in list(base.named_children()):
-            if name in (arch.embed_name, arch.layers_name, arch.norm_name) or not any(True for _ in part.buffers()):
-                continue
-            try:  # the rotary embedding: its buffers (inverse frequencies) computed on the device, not meta
-                with torch.device(device):
-                    setattr(base, name, type(part)(arch.model.config).eval())
-            except Exception as exc:
-                raise UnsupportedModelError(f"{arch.class_name}: its {name} ({type(part).__name__}) could not be "
-                                            f"built on {device} from its config ({exc})") from None
+        buffers_to(arch.model, device)
 
     def _layer_recorder(self, index: int):
         def record(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -108,17 +118,19 @@ class GenericTemplate:
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
         arch = build_architecture(cfg.path)
+        buffers_to(arch.model, device)
         self.arch: GenericArchitecture = arch
         self.layers = list(arch.layers)
         self.device, self.dtype = device, dtype
         self.shell = _Shell(cfg.path, device)
         self._inputs: dict[tuple[int, int], list[LayerInputs]] = {}
-        self.logit_scale = self._probe()
+        self.embed_scale, self.logit_scale = self._probe()
 
     # ------------------------------------------------------------------ per batch shape
 
-    def _probe(self) -> float:
-        """Check the model's forward (see the module docstring); returns the factor on its logits."""
+    def _probe(self) -> tuple[float, float]:
+        """Check the model's forward (see the module docstring); returns its factors on the embedding module's
+        output and on the LM head's."""
         name, hidden = self.arch.class_name, self.arch.model.config.hidden_size
         gen = torch.Generator().manual_seed(0)
         first = torch.randn(1, PROBE_TOKENS, hidden, generator=gen).to(self.device, self.dtype)
@@ -131,11 +143,14 @@ class GenericTemplate:
 
         if [c[0] for c in calls] != list(range(len(self.layers))):
             raise refuse(f"its forward calls its decoder layers as {[c[0] for c in calls]}, not each once in order")
-        expected = first
+        embed_scale = constant_factor(calls[0][1], first)
+        if embed_scale is None:
+            raise refuse("its forward transforms the embeddings before the first layer other than by a constant "
+                         "factor")
+        expected = calls[0][1]
         for index, hidden_states, _, _ in calls:
             if not torch.equal(hidden_states, expected):
-                raise refuse(f"its forward changes the hidden states before decoder layer {index} (an embedding "
-                             "scale or another operation between the parts)")
+                raise refuse(f"its forward changes the hidden states before decoder layer {index}")
             expected = hidden_states + (index + 1)
         if norm_input is None or not torch.equal(norm_input, expected):
             raise refuse("its forward does more than the final norm between the last layer and the LM head")
@@ -143,15 +158,11 @@ class GenericTemplate:
             if not (_same(args, args2) and _same(kwargs, kwargs2)):
                 raise refuse(f"decoder layer {index} takes inputs computed from the embeddings beside the hidden "
                              "states")
-        head_out = (norm_input + 0.5).float()
-        logits = logits.float()
-        if torch.equal(logits, head_out):
-            return 1.0
-        scale = float((logits * head_out).sum() / head_out.square().sum())
-        if not torch.allclose(logits, head_out * scale, rtol=1e-5, atol=0.0):
+        logit_scale = constant_factor(logits, norm_input + 0.5)
+        if logit_scale is None:
             raise refuse("its causal LM transforms the LM head's logits other than by a constant factor (a "
                          "soft-cap?), which the chunked loss does not reproduce")
-        return scale
+        return embed_scale, logit_scale
 
     def layer_inputs(self, batch: int, seq_len: int) -> list[LayerInputs]:
         """Each layer's side inputs for rows of seq_len tokens at positions 0..seq_len-1 (one document per
@@ -169,16 +180,20 @@ class GenericTemplate:
     def embed_matrix(self, w: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return w[self.arch.embed_weight_name]
 
+    def _embedded(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = functional_call(self.arch.embedding, {"weight": weight}, (ids,))
+        return out if self.embed_scale == 1.0 else out * self.embed_scale
+
     def embed(self, ids: torch.Tensor, w: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return functional_call(self.arch.embedding, {"weight": self.embed_matrix(w)}, (ids,), strict=True)
+        return self._embedded(ids, self.embed_matrix(w))
 
     def embed_grad(self, ids: torch.Tensor, grad_y: torch.Tensor, w: Mapping[str, torch.Tensor],
                    acc: torch.Tensor) -> None:
         """Add the embedding matrix's gradient into `acc`, through the module's own backward (its padding row
-        gets none, a scale in the module is honoured): a dense [vocab, hidden] temporary."""
+        gets none, a scale in the module or the forward is honoured): a dense [vocab, hidden] temporary."""
         weight = self.embed_matrix(w).detach().requires_grad_(True)
         with torch.enable_grad():
-            out = functional_call(self.arch.embedding, {"weight": weight}, (ids,), strict=True)
+            out = self._embedded(ids, weight)
             (grad,) = torch.autograd.grad(out, weight, grad_y.to(out.dtype))
         acc.add_(grad.to(acc.dtype))
 
@@ -194,7 +209,7 @@ class GenericTemplate:
         return head_w.get(self.arch.lm_head_weight_name, embed_w)
 
     def head_logits(self, x: torch.Tensor, head_w: Mapping[str, torch.Tensor], embed_w: torch.Tensor) -> torch.Tensor:
-        normed = functional_call(self.arch.norm, self._norm_params(head_w, False), (x,), strict=True)
+        normed = functional_call(self.arch.norm, self._norm_params(head_w, False), (x,))
         logits = F.linear(normed, self.lm_matrix(head_w, embed_w))
         return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
@@ -208,7 +223,7 @@ class GenericTemplate:
         x = x.detach().requires_grad_(with_grads)
         params = self._norm_params(head_w, with_grads)
         with torch.set_grad_enabled(with_grads):
-            normed = functional_call(self.arch.norm, params, (x,), strict=True)
+            normed = functional_call(self.arch.norm, params, (x,))
             if self.logit_scale != 1.0:
                 normed = normed * self.logit_scale
         result = head_loss_and_grads(normed.detach(), None, self.lm_matrix(head_w, embed_w), labels, n_valid,
