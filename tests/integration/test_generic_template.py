@@ -16,6 +16,7 @@ Tolerances (float32):
   as the native families' parity tests (the engine sums gradients and the loss in another order, about 1e-7
   per operation, which AdamW amplifies).
 - the round trip (import, train, export, load in transformers): logits within 1e-5 relative.
+- the forward-only loss (evaluation) within 1e-5 relative of cross-entropy on transformers' logits.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,6 +34,7 @@ from megatrain_ray.config.hf import UnsupportedArchitectureError  # noqa: E402
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.exceptions import ConfigError  # noqa: E402
+from megatrain_ray.messages import Batch  # noqa: E402
 from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
 from tests.integration.test_phi3_parity import report, train_hf  # noqa: E402
 from tests.integration.test_training_parity import assert_close_run  # noqa: E402
@@ -100,11 +103,15 @@ def test_generic_logits_match_transformers(tmp_path, name):
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with Trainer(cfg) as trainer:
         ours = trainer.logits(ids)
+        # The forward-only loss (evaluation) through the same chunked head, against cross-entropy on its logits.
+        eval_loss, tokens = trainer.gpu.eval_loss(Batch.from_tokens(ids)).result()
     with torch.no_grad():
         ref = model(ids).logits
+        ref_loss = F.cross_entropy(model(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()).item()
     err = rel(ours, ref)
-    print(f"{name}: logits relative error {err:.2e}")
+    print(f"{name}: logits relative error {err:.2e}, eval loss {eval_loss:.6f} vs {ref_loss:.6f}")
     assert err <= 1e-5
+    assert tokens == 30 and abs(eval_loss - ref_loss) <= 1e-5 * ref_loss
 
 
 def run_generic(tmp_path, name: str, **sections):
