@@ -37,6 +37,8 @@ LayerInputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 PROBE_TOKENS = 5
 """Sequence length of the construction-time probe of the model's forward."""
+PROBE_SCALE = 10.0
+"""Standard deviation of the probe's random hidden states."""
 
 
 def run_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], inputs: LayerInputs, layer: Any,
@@ -133,8 +135,10 @@ class GenericTemplate:
         output and on the LM head's."""
         name, hidden = self.arch.class_name, self.arch.model.config.hidden_size
         gen = torch.Generator().manual_seed(0)
-        first = torch.randn(1, PROBE_TOKENS, hidden, generator=gen).to(self.device, self.dtype)
-        second = torch.randn(1, PROBE_TOKENS, hidden, generator=gen).to(self.device, self.dtype)
+        # In float32 whatever the compute dtype (a property of the forward, not of rounding), and large enough
+        # that a soft-cap of the logits (30 for Gemma 2) is far from linear.
+        first = (PROBE_SCALE * torch.randn(1, PROBE_TOKENS, hidden, generator=gen)).to(self.device)
+        second = (PROBE_SCALE * torch.randn(1, PROBE_TOKENS, hidden, generator=gen)).to(self.device)
         calls, norm_input, logits = self.shell.run(first)
         other_calls, _, _ = self.shell.run(second)
 

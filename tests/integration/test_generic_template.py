@@ -168,21 +168,56 @@ def test_generic_round_trip_through_transformers(tmp_path):
     assert rel(theirs, before) > 1e-3  # the export holds the trained weights, not the source's
 
 
-def test_generic_path_on_a_native_family_matches_the_native_templates(tmp_path):
-    """A cross-check of both paths: the same Llama directory through model.template native and generic."""
+def test_generic_checkpoint_resumes_bit_identically_and_its_export_loads_in_transformers(tmp_path):
+    """A generic run cut after a checkpoint resumes to the uninterrupted run's weights bit for bit; `megatrain
+    export` of its last checkpoint (store/export.py) loads in transformers with the run's logits."""
+    from megatrain_ray.store.export import export_weights_dir
+
+    source = save(hf_generic_model("glm4"), tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with Trainer(generic_config(tmp_path / "ref", source, train={"steps": 6})) as trainer:
+        trainer.train()
+        final, ours = trainer.master_weights(), trainer.logits(ids)
+    cfg = generic_config(tmp_path / "cut", source, checkpoint={"every": 3}, train={"steps": 6})
+    with Trainer(cfg) as trainer:  # stops after 4 steps: its last checkpoint is step 3
+        for step in range(4):
+            trainer.step(step)
+            trainer.next_step = step + 1
+            if trainer.next_step % 3 == 0:
+                trainer.save(wait=True)
+    with Trainer(cfg, resume="auto") as trainer:
+        assert trainer.next_step == 3
+        trainer.train()
+        resumed = trainer.master_weights()
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
+    out = export_weights_dir(tmp_path / "cut" / "run" / "checkpoints" / "step-00000006", tmp_path / "export")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert rel(ours, loaded.eval()(ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-sliding-window", "gemma3-local-global"])
+def test_generic_path_on_a_native_family_matches_the_native_templates(tmp_path, name):
+    """A cross-check of both paths on the same directory (model.template native and generic), and of the
+    generic path's side inputs where layers differ: Mistral's sliding window (7, rows of 24) and Gemma 3's
+    local and global layers (their own masks and RoPE tables by layer_types; the scaled embedding module)."""
     from tests.unit.test_templates import hf_model
 
-    source = save(hf_model("llama-gqa"), tmp_path / "hf")
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    model = hf_model(name)
+    source = save(model, tmp_path / "hf")
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     logits = {}
     for template in ("native", "generic"):
-        cfg = generic_config(tmp_path / template, source, model={"template": template})
+        cfg = generic_config(tmp_path / template, source, model={"template": template}, data={"seq_len": 24})
         assert cfg.model.template == template
         with Trainer(cfg) as trainer:
             logits[template] = trainer.logits(ids)
-    err = rel(logits["generic"], logits["native"])
-    print(f"llama generic vs native: {err:.2e}")
-    assert err <= 1e-5
+    with torch.no_grad():
+        ref = model.eval()(ids).logits
+    errors = rel(logits["generic"], logits["native"]), rel(logits["generic"], ref)
+    print(f"{name}: generic vs native {errors[0]:.2e}, generic vs transformers {errors[1]:.2e}")
+    assert max(errors) <= 1e-5
 
 
 class _Records(logging.Handler):
