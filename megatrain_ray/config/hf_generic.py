@@ -11,8 +11,9 @@ name for name; the same model gives the engine its layer modules, run statelessl
 
 Refused here, before Ray starts, with the model class named: encoder and encoder-decoder models, classes
 that are not causal LMs, a model directory that asks for its own code (trust_remote_code is never set),
-and models whose parts are not embedding -> layers -> final norm -> LM head (a bias on the LM head,
-parameters elsewhere).
+models whose checkpoints transformers converts on load (other names or shapes than its modules), and
+models whose parts are not embedding -> layers -> final norm -> LM head (a bias on the LM head, parameters
+elsewhere).
 """
 
 from __future__ import annotations
@@ -176,6 +177,11 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
     def refuse(why: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{where}: {name} cannot run on the generic path: {why}")
 
+    from transformers.conversion_mapping import extract_weight_conversions_for_model
+
+    if extract_weight_conversions_for_model(model):
+        raise refuse("transformers renames or reshapes its weights between the checkpoint and the modules (a "
+                     "conversion mapping), while the generic path loads and saves them name for name")
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     if base is None or base is model:

@@ -289,16 +289,16 @@ class StreamEngine:
         lm_w = head_w.get("lm_head.weight", embed_w)
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
-        if self.generic is not None:
+        if self.generic is not None:  # the final norm's gradients and an untied LM head's (vocab_acc) by name
             head, head_grads = self.generic.head_loss(x, head_w, embed_w, labels, n_valid,
                                                       self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
         else:
             head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
                                        self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
             head_grads = {"model.norm.weight": head.grad_norm_weight}
+            if not layout.tied:
+                head_grads["lm_head.weight"] = self.vocab_acc
         self.weights.release(head_slot)
-        if not layout.tied:
-            head_grads["lm_head.weight"] = self.vocab_acc
         self.grads.write(layout.head, self.grads.head_slot, head_grads)
         self.telemetry.timeline.stop("compute", compute, start)
         self.grads.emit(layout.head, self.grads.head_slot)
@@ -365,7 +365,7 @@ class StreamEngine:
                 grad_rows = grad_rows * self.embed_scale.to(self.acc_dtype)
             self.vocab_acc.index_add_(0, ids.reshape(-1), grad_rows)
         self.weights.release(embed_slot)
-        self.grads.write(layout.embed, self.grads.embed_slot, {"embed_tokens.weight": self.vocab_acc})
+        self.grads.write(layout.embed, self.grads.embed_slot, {layout.embed.slots[0].name: self.vocab_acc})
         self.telemetry.timeline.stop("compute", compute, start)
         self.grads.emit(layout.embed, self.grads.embed_slot)
 

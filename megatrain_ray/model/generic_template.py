@@ -221,8 +221,8 @@ class GenericTemplate:
                   labels: torch.Tensor, n_valid: int, chunk_tokens: int,
                   grad_lm_acc: torch.Tensor | None) -> tuple[HeadResult, dict[str, torch.Tensor]]:
         """The chunked loss (templates.head_loss_and_grads) after the model's own final norm; the logit factor
-        is folded into the normed states (logits = (s h) W^T). Returns the result and the norm's gradients by
-        Hugging Face name (none without grad_lm_acc)."""
+        is folded into the normed states (logits = (s h) W^T). Returns the result and the head stage's
+        gradients by name: the norm's, and grad_lm_acc for an untied LM head (none without grad_lm_acc)."""
         with_grads = grad_lm_acc is not None
         x = x.detach().requires_grad_(with_grads)
         params = self._norm_params(head_w, with_grads)
@@ -236,4 +236,7 @@ class GenericTemplate:
             return result, {}
         grads = torch.autograd.grad(normed, [x, *params.values()], result.grad_x)
         result.grad_x = grads[0]
-        return result, {self.arch.norm_prefix + n: g for n, g in zip(params, grads[1:])}
+        head_grads = {self.arch.norm_prefix + n: g for n, g in zip(params, grads[1:])}
+        if not self.arch.tied:
+            head_grads[self.arch.lm_head_weight_name] = grad_lm_acc
+        return result, head_grads

@@ -271,6 +271,18 @@ def test_encoder_and_encoder_decoder_models_are_refused_by_class(tmp_path, confi
         assert str(err.value).count(name) == 1
 
 
+def test_a_model_whose_checkpoint_names_differ_from_its_modules_is_refused_by_class(tmp_path):
+    """GPT-NeoX keeps its LM head as `embed_out` in checkpoints and `lm_head` in the module (transformers
+    renames on load and save): the generic path, name for name, refuses it."""
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=64)
+    source = save(transformers.GPTNeoXForCausalLM(config), tmp_path / "hf")
+    with pytest.raises(UnsupportedArchitectureError, match="GPTNeoXForCausalLM cannot run on the generic path: "
+                       "transformers renames"):
+        generic_config(tmp_path, source)
+
+
 def test_remote_code_is_refused(tmp_path):
     source = save(hf_generic_model("olmo2"), tmp_path / "hf")
     hf = json.loads((source / "config.json").read_text())
