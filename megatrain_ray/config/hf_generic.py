@@ -196,8 +196,13 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
                      f"{model.config.num_hidden_layers} decoder layers among its parts {sorted(children)}")
     rest = [n for n, m in children.items() if n not in (layer_lists[0], embed_names[0])
             and any(True for _ in m.parameters())]
+    if not rest:  # a final norm without parameters (OLMo's): known by its class's name
+        rest = [n for n, m in children.items() if "norm" in type(m).__name__.lower()]
     if len(rest) != 1:
         raise refuse(f"one final norm is expected after the layers, its base model has parameters in {rest}")
+    if lm_head is not None and lm_head.weight is embedding.weight and \
+            not any(True for _ in children[rest[0]].parameters()):
+        raise refuse("its head stage would hold no weight (a tied LM head after a final norm without parameters)")
     heads = [n for n, m in model.named_children() if m is lm_head]
     if lm_head is None or len(heads) != 1 or not isinstance(lm_head, nn.Linear) or lm_head.bias is not None:
         raise refuse("its LM head is not one Linear without bias beside the base model")

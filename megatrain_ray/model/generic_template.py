@@ -87,9 +87,11 @@ class _Shell:
     """The model's forward with its layers, final norm and LM head recording their inputs (see the module
     docstring); the rotary module, the only part with state the forward needs, built on the device."""
 
-    def __init__(self, model_dir: str, device: torch.device):
+    def __init__(self, model_dir: str, device: torch.device, tuple_outputs: bool):
+        """`tuple_outputs`: the recording layers return (hidden_states,), for models whose forward takes a
+        layer's output as outputs[0] (Falcon)."""
         arch = build_architecture(model_dir)
-        self.arch, self.calls = arch, []
+        self.arch, self.calls, self.tuple_outputs = arch, [], tuple_outputs
         self.norm_input: torch.Tensor | None = None
         for i, layer in enumerate(arch.layers):
             layer.forward = self._layer_recorder(i)  # the instance keeps its attributes (attention_type, ...)
@@ -98,9 +100,10 @@ class _Shell:
         buffers_to(arch.model, device)
 
     def _layer_recorder(self, index: int):
-        def record(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def record(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self.calls.append((index, hidden_states, args, kwargs))
-            return hidden_states + (index + 1)  # distinct outputs, so the probe sees what reaches the next
+            out = hidden_states + (index + 1)  # distinct outputs, so the probe sees what reaches the next
+            return (out,) if self.tuple_outputs else out
         return record
 
     def _record_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -124,13 +127,27 @@ class GenericTemplate:
         self.arch: GenericArchitecture = arch
         self.layers = list(arch.layers)
         self.device, self.dtype = device, dtype
-        self.shell = _Shell(cfg.path, device)
         self._inputs: dict[tuple[int, int], list[LayerInputs]] = {}
-        self.embed_scale, self.logit_scale = self._probe()
+        self.shell, (self.embed_scale, self.logit_scale) = self._probed_shell(cfg.path)
 
     # ------------------------------------------------------------------ per batch shape
 
-    def _probe(self) -> tuple[float, float]:
+    def _probed_shell(self, model_dir: str) -> tuple[_Shell, tuple[float, float]]:
+        """The shell whose layers return what the model's forward expects (a tensor, else a 1-tuple), probed."""
+        first_failure: Exception | None = None
+        for tuple_outputs in (False, True):
+            shell = _Shell(model_dir, self.device, tuple_outputs)
+            try:
+                return shell, self._probe(shell)
+            except UnsupportedModelError:
+                raise  # the forward ran: what it does is refused
+            except Exception as exc:  # the forward could not run with these recording layers
+                first_failure = first_failure or exc
+        raise UnsupportedModelError(f"{self.arch.class_name} cannot run on the generic path: its forward fails "
+                                    f"with its layers replaced by recorders ({type(first_failure).__name__}: "
+                                    f"{first_failure})") from None
+
+    def _probe(self, shell: _Shell) -> tuple[float, float]:
         """Check the model's forward (see the module docstring); returns its factors on the embedding module's
         output and on the LM head's."""
         name, hidden = self.arch.class_name, self.arch.model.config.hidden_size
@@ -139,8 +156,8 @@ class GenericTemplate:
         # that a soft-cap of the logits (30 for Gemma 2) is far from linear.
         first = (PROBE_SCALE * torch.randn(1, PROBE_TOKENS, hidden, generator=gen)).to(self.device)
         second = (PROBE_SCALE * torch.randn(1, PROBE_TOKENS, hidden, generator=gen)).to(self.device)
-        calls, norm_input, logits = self.shell.run(first)
-        other_calls, _, _ = self.shell.run(second)
+        calls, norm_input, logits = shell.run(first)
+        other_calls, _, _ = shell.run(second)
 
         def refuse(why: str) -> UnsupportedModelError:
             return UnsupportedModelError(f"{name} cannot run on the generic path: {why}")
