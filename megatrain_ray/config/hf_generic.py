@@ -241,9 +241,14 @@ def generic_model_config(model_dir: str | Path) -> ModelConfig:
     where = str(Path(model_dir) / "config.json")
     arch = architecture(str(Path(model_dir).resolve()))
     config = arch.model.config
-    hidden, heads = _shape_value(config, "hidden_size", where), _shape_value(config, "num_attention_heads", where)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    hidden = _shape_value(config, "hidden_size", where)
+    if getattr(config, "num_attention_heads", None) is None:  # no attention (Mamba): see attention_width
+        heads = kv_heads = 1
+        head_dim = hidden
+    else:
+        heads = _shape_value(config, "num_attention_heads", where)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
     intermediate = getattr(config, "intermediate_size", None)
     if not isinstance(intermediate, int) or intermediate < 1:
         intermediate = DEFAULT_MLP_RATIO * hidden
@@ -279,3 +284,13 @@ def model_config_for_template(model_dir: str | Path, template: str) -> ModelConf
     log.info("model.template %s: %s runs on the generic path (transformers' %s, its own decoder layers)", template,
              where, architecture(str(Path(model_dir).resolve())).class_name)
     return cfg
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """The width of causal attention per layer the planner counts FLOPs for (query heads x head_dim): a generic
+    model's from its config.json, 0 when that names no attention heads (the plan then counts 6 FLOPs per
+    matrix parameter and token alone; its memory estimate takes one head of hidden_size)."""
+    if cfg.template == "generic" and \
+            getattr(architecture(str(Path(cfg.path).resolve())).model.config, "num_attention_heads", None) is None:
+        return 0
+    return cfg.num_attention_heads * cfg.resolved_head_dim

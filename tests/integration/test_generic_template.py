@@ -8,12 +8,13 @@ MLP, a logit_scale on the LM head's output, tied head), Granite (a factor on the
 forward, on the residual branches and on the logits), GLM-4 (partial rotary, fused gate_up, four norms
 per layer), Falcon (its own names: `transformer.h.{i}`, `word_embeddings`, `ln_f`; layers that return a
 tuple; fused query_key_value), StableLM (LayerNorm with bias, partial rotary, qkv bias) and OLMo (a final
-norm without parameters). Odd widths: hidden 60 with 5 heads of 12 and one key/value head, 44 with 2
+norm without parameters), and Mamba (no attention at all: the plan's 6N FLOPs). Odd widths: hidden 60 with 5 heads of 12 and one key/value head, 44 with 2
 heads of 22, intermediate 68, 84, 90, ...
 
 Tolerances (float32):
 - logits through the whole layer stream within 1e-5 relative to the Hugging Face model's (norm of the
-  difference over the norm): the same modules run on the same weights; measured 0 (bit for bit) for all.
+  difference over the norm): the same modules run on the same weights; measured 0 (bit for bit) for all
+  but Mamba (4e-8: its reference scan sums in another order on another call).
 - 20 training steps (tiny_raw's run, as the native families' parity tests) against the Hugging Face model
   trained with torch.optim.AdamW and clip_grad_norm_ (tests/integration/test_phi3_parity.train_hf):
   per-step loss and each final tensor within 1e-5 relative, as the native families' parity tests (the
@@ -76,6 +77,8 @@ def hf_generic_model(name: str):
                                              **common)
     elif name == "olmo":
         config = transformers.OlmoConfig(hidden_size=48, intermediate_size=80, num_attention_heads=4, **common)
+    elif name == "mamba":
+        config = transformers.MambaConfig(hidden_size=32, state_size=4, expand=2, conv_kernel=3, **common)
     elif name == "glm4":
         config = transformers.Glm4Config(hidden_size=56, intermediate_size=90, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=14, partial_rotary_factor=0.5, **common)
@@ -108,7 +111,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("name", ["olmo2", "starcoder2", "cohere", "granite", "glm4", "falcon", "stablelm", "olmo"])
+@pytest.mark.parametrize("name", ["olmo2", "starcoder2", "cohere", "granite", "glm4", "falcon", "stablelm", "olmo",
+                                  "mamba"])
 def test_generic_logits_match_transformers(tmp_path, name):
     model = hf_generic_model(name)
     cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), data={"seq_len": 16})
@@ -125,6 +129,24 @@ def test_generic_logits_match_transformers(tmp_path, name):
     print(f"{name}: logits relative error {err:.2e}, eval loss {eval_loss:.6f} vs {ref_loss:.6f}")
     assert err <= 1e-5
     assert tokens == 30 and abs(eval_loss - ref_loss) <= 1e-5 * ref_loss
+
+
+def test_generic_plan_flops_take_attention_from_config_json_or_count_6n(tmp_path):
+    """The plan's FLOPs per token and layer (model/flops.py): 6 per matrix parameter plus causal attention of
+    num_attention_heads x head_dim from config.json (OLMo-2: 5 x 12), and 6 per matrix parameter alone for a
+    model that names no attention heads (Mamba)."""
+    from megatrain_ray.model.flops import stage_flops_per_token
+    from megatrain_ray.model.layout import build_layout
+
+    seq_len = 16
+    for name, d_attn in (("olmo2", 5 * 12), ("mamba", 0)):
+        cfg = generic_config(tmp_path / name, save(hf_generic_model(name), tmp_path / name / "hf"),
+                             data={"seq_len": seq_len})
+        layout = build_layout(cfg.model)
+        matrices = [sum(s.numel for s in stage.slots if s.decay) for stage in layout.layers]
+        assert matrices[0] > 0
+        assert stage_flops_per_token(cfg.model, layout, seq_len)[1:-1] == \
+            [6.0 * n + 6.0 * seq_len * d_attn for n in matrices]
 
 
 def run_generic(tmp_path, name: str, **sections):
