@@ -133,19 +133,20 @@ class GenericTemplate:
     # ------------------------------------------------------------------ per batch shape
 
     def _probed_shell(self, model_dir: str) -> tuple[_Shell, tuple[float, float]]:
-        """The shell whose layers return what the model's forward expects (a tensor, else a 1-tuple), probed."""
-        first_failure: Exception | None = None
+        """The shell whose layers return what the model's forward expects (a tensor, else a 1-tuple), probed.
+        A 1-tuple is accepted only where every check of the probe passes; else the tensor's failure is told."""
+        failure: Exception | None = None
         for tuple_outputs in (False, True):
             shell = _Shell(model_dir, self.device, tuple_outputs)
             try:
                 return shell, self._probe(shell)
-            except UnsupportedModelError:
-                raise  # the forward ran: what it does is refused
-            except Exception as exc:  # the forward could not run with these recording layers
-                first_failure = first_failure or exc
+            except Exception as exc:  # refused, or the forward could not run with these recording layers
+                failure = failure or exc
+        if isinstance(failure, UnsupportedModelError):
+            raise failure
         raise UnsupportedModelError(f"{self.arch.class_name} cannot run on the generic path: its forward fails "
-                                    f"with its layers replaced by recorders ({type(first_failure).__name__}: "
-                                    f"{first_failure})") from None
+                                    f"with its layers replaced by recorders ({type(failure).__name__}: "
+                                    f"{failure})") from None
 
     def _probe(self, shell: _Shell) -> tuple[float, float]:
         """Check the model's forward (see the module docstring); returns its factors on the embedding module's
