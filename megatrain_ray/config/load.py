@@ -16,7 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from megatrain_ray.config.hf import model_config_of_dir
+from megatrain_ray.config.hf_generic import model_config_for_template
 from megatrain_ray.config.sections import Config, ModelConfig, _fail, _to_plain
 from megatrain_ray.exceptions import ConfigError, excerpt
 from megatrain_ray.system.files import read_text_file
@@ -226,8 +226,12 @@ def _shape_from_checkpoint(raw: dict[str, Any], config_dir: Path) -> None:
     if revision is not None and not isinstance(revision, str):
         _fail("model.revision", revision, "expected a string (a branch, tag or commit of the hub repository)")
     model_dir = resolve_model_dir(model["path"], "model.path", config_dir, revision, ConfigError)
-    from_checkpoint = model_config_of_dir(model_dir)
-    stated = {k: v for k, v in model.items() if k not in ("path", "revision")}
+    template = model.get("template", "auto")
+    if template not in ("auto", "native", "generic"):
+        _fail("model.template", template, "expected one of 'auto', 'native', 'generic'")
+    from_checkpoint = model_config_for_template(model_dir, template)
+    # model.template is resolved (auto becomes native or generic), not compared.
+    stated = {k: v for k, v in model.items() if k not in ("path", "revision", "template")}
     base = _to_plain(from_checkpoint)
     merged = _build(ModelConfig, {**base, **stated}, "model")
     for key, value in stated.items():

@@ -119,10 +119,20 @@ class ModelConfig:
     the local directory it came to."""
     revision: str = ""
     """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"] = "llama"
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "generic"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
     gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
-    norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size)."""
+    norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size).
+    generic: a model of model.path with no native template, run by the generic path (model.template);
+    set from config.json, never by hand."""
+    template: Literal["auto", "native", "generic"] = "auto"
+    """How the decoder layers run. native: megatrain's own templates (the families above; fastest).
+    generic: transformers' own decoder-layer class of the model in model.path, run statelessly on the
+    streamed weights (torch.func.functional_call), with the model's own rotary embedding, masks, final
+    norm and embedding module; any decoder-only causal LM that transformers ships, slower than native, no
+    packed documents (data.packing), no torch.compile; needs model.path (docs/model-families.md). auto:
+    native where config.json names a native family, else generic; the log says which. A run's resolved
+    config records native or generic."""
     vocab_size: int = 32000
     """Rows of the embedding and of the LM head."""
     hidden_size: int = 4096
@@ -219,6 +229,10 @@ class ModelConfig:
         if self.sliding_window < 0:
             _fail(f"{s}.sliding_window", self.sliding_window, "must be >= 0 (0 disables it)")
         self._check_gemma()
+        if self.template == "generic" and not self.path:
+            _fail(f"{s}.template", self.template, "runs the model class of a Hugging Face directory: set model.path")
+        if self.family == "generic" and self.template != "generic":
+            _fail(f"{s}.family", self.family, "is the generic path's (model.template=generic); name a native family")
         if self.initializer_range <= 0:
             _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
 
@@ -824,7 +838,10 @@ def check_finetune(cfg: "Config") -> None:
         return
     cfg.finetune.lora.targets(cfg.model.family)
     why = ""
-    if cfg.parallel.gpus not in (1, "auto") or cfg.parallel.nodes != 1:
+    if cfg.model.template == "generic":
+        why = ("a native layer template (the adapters are bound into the native templates' projections; the generic "
+               "path runs the model's own layer modules): model.template=generic cannot take them")
+    elif cfg.parallel.gpus not in (1, "auto") or cfg.parallel.nodes != 1:
         why = "one GPU worker (parallel.gpus=1, parallel.nodes=1)"
     elif cfg.engine.gpu_resident not in ("none", "auto", 0):
         why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
@@ -914,6 +931,8 @@ class Config:
             _fail("optimizer.moment_dtype", self.optimizer.moment_dtype,
                   f"needs precision.master_dtype=float32 (it is {self.precision.master_dtype}, which exists for "
                   "exact tests); use moment_dtype=float32")
+        if self.model.template == "generic":
+            check_generic(self)
         if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
             pass  # allowed (slow); tests of the bf16 path use it on purpose
         check_parallel(self)
@@ -951,6 +970,9 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
     """finetune.objective=dpo against the data and parallel sections (`ranks`: parallel.gpus once resolved)."""
     if cfg.finetune.objective != "dpo":
         return
+    if cfg.model.template == "generic":
+        _fail("finetune.objective", "dpo", "needs a native layer template (the DPO head works on the native final norm); "
+              "model.template=generic cannot take it")
     if cfg.data.packing:
         _fail("data.packing", True, "finetune.objective=dpo keeps one sequence per row (a pair's rows are scored "
               "whole); set data.packing=false")
@@ -962,6 +984,16 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
     if ranks is not None and (cfg.data.batch_size // 2) % ranks:
         _fail("data.batch_size", cfg.data.batch_size, f"finetune.objective=dpo gives each of the {ranks} ranks "
               f"whole pairs, the same number each: set data.batch_size to a multiple of {2 * ranks}")
+
+
+def check_generic(cfg: Config) -> None:
+    """What the generic layer path (model.template=generic) cannot do, refused on load."""
+    if cfg.data.packing:
+        _fail("data.packing", True, "needs per-document attention masks, which the generic path (model.template="
+              "generic) does not build; set data.packing=false (one document per row)")
+    if cfg.engine.compile is True:
+        _fail("engine.compile", True, "compiles the native layer template; the generic path (model.template="
+              "generic) runs the model's own layer class eagerly: set engine.compile to auto or false")
 
 
 def _to_plain(obj: Any) -> Any:

@@ -36,6 +36,7 @@ from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, ray_s
 from megatrain_ray.driver.tracking import Tracking, check_available, last_logged_step
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
+from megatrain_ray.model.generic_template import GenericTemplate
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.observe.grafana import install_dashboard
@@ -81,6 +82,8 @@ class Trainer:
         if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
             fetch_weights(cfg.model.path)
             HFDirectory(cfg.model.path).check_against_layout(self.layout)
+        if cfg.model.template == "generic":  # the model's forward probed (refused by class) before Ray starts
+            GenericTemplate(cfg.model, torch.device("cpu"), torch.float32)
         if cfg.train.export_dir:  # found now, not after hours of training
             refuse_existing(Path(cfg.train.export_dir), ConfigError, "train.export_dir")
         if (self.run_dir / "metrics.jsonl").exists() and resume is None:

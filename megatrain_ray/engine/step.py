@@ -46,6 +46,7 @@ from megatrain_ray.engine.telemetry import StepTelemetry, UpdateTrace
 from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
+from megatrain_ray.model.generic_template import GenericTemplate, run_layer
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.preference import preference_eval_loss, preference_logps, preference_loss_and_grads
 from megatrain_ray.model.templates import (
@@ -86,6 +87,9 @@ class StreamEngine:
         self.head_spec = HeadSpec.from_config(model)
         # The run's derived settings (RunSpec), turned into what the parts take.
         self.compute_dtype = TORCH_DTYPES[run.compute_dtype]
+        # model.template generic: transformers' own modules on the streamed weights, called where the native
+        # templates are (embedding, layers, head); None for the native templates.
+        self.generic = GenericTemplate(model, device, self.compute_dtype) if model.template == "generic" else None
         stream_dtype = TORCH_DTYPES[run.stream_dtype]
         host_grad_dtype = TORCH_DTYPES[run.grad_dtype]
         host_grad_home = run.grad_home
@@ -235,11 +239,16 @@ class StreamEngine:
         """Embedding and layers over `ids` (the batch's ids on the device); returns the last hidden state,
         the embedding's slot and weight, the RoPE tables and the document buckets (packed rows) that the
         backward reuses."""
-        rope = self._rope(ids.shape[1], batch.positions)
         documents = document_buckets(batch.segments, self.device) if batch.segments is not None else None
         embed_slot = self.weights.load(self.layout.embed)
-        embed_w = self._embed_weight(self.weights.bind(self.layout.embed, embed_slot))
-        x = self._forward_layers(embed(ids, embed_w, self.embed_scale), rope, documents, keep)
+        embed_bound = self.weights.bind(self.layout.embed, embed_slot)
+        if self.generic is not None:  # "rope": each layer's side inputs from the model's own forward
+            rope, embed_w = self.generic.layer_inputs(*ids.shape), self.generic.embed_matrix(embed_bound)
+            x = self.generic.embed(ids, embed_bound)
+        else:
+            rope, embed_w = self._rope(ids.shape[1], batch.positions), self._embed_weight(embed_bound)
+            x = embed(ids, embed_w, self.embed_scale)
+        x = self._forward_layers(x, rope, documents, keep)
         return x, embed_slot, embed_w, rope, documents
 
     def _forward_layers(self, x: torch.Tensor, rope: dict, documents: tuple[DocumentBucket, ...] | None,
@@ -255,8 +264,11 @@ class StreamEngine:
                 keep.put(i, x)
             w = self._bind(stage, slot)
             start = timeline.start(self.streams.compute)
-            spec = self.specs[i]
-            x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk)
+            if self.generic is not None:
+                x = self.generic.layer(i, x, w, rope)
+            else:
+                spec = self.specs[i]
+                x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk)
             timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -292,16 +304,20 @@ class StreamEngine:
         lm_w = self._lm_weight(head_w, embed_w)
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
-        if batch.preference is not None:
-            head = preference_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, batch.preference,
-                                             self.head_spec, self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
+        if self.generic is not None:  # the final norm's gradients and an untied LM head's (vocab_acc) by name
+            head, head_grads = self.generic.head_loss(x, head_w, embed_w, labels, n_valid,
+                                                      self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
         else:
-            head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
-                                       self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
+            if batch.preference is not None:
+                head = preference_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, batch.preference,
+                                                 self.head_spec, self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
+            else:
+                head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
+                                           self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
+            head_grads = {"model.norm.weight": head.grad_norm_weight}
+            if not layout.tied:
+                head_grads["lm_head.weight"] = self.vocab_acc
         self.weights.release(head_slot)
-        head_grads = {"model.norm.weight": head.grad_norm_weight}
-        if not layout.tied:
-            head_grads["lm_head.weight"] = self.vocab_acc
         self.grads.write(layout.head, self.grads.head_slot, head_grads)
         self.telemetry.timeline.stop("compute", compute, start)
         self.grads.emit(layout.head, self.grads.head_slot)
@@ -326,9 +342,14 @@ class StreamEngine:
             w = self._bind(stage, slot)
             x_in = acts.take(i, self.device)
             start = self.telemetry.timeline.start(compute)
-            spec = self.specs[i]
-            grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents, grad_y,
-                                                          self.mlp_chunk, self._layer(x_in, documents), self.trainable)
+            if self.generic is not None:  # the model's own layer, recomputed in one piece
+                grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[i], self.generic.layers[i], None, grad_y,
+                                                              0, run_layer)
+            else:
+                spec = self.specs[i]
+                grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents,
+                                                              grad_y, self.mlp_chunk, self._layer(x_in, documents),
+                                                              self.trainable)
             del x_in
             self._release(slot)
             self._layer_grads_out(i, stage, slot, weight_grads, inject_nan and i == 0, start)
@@ -363,12 +384,15 @@ class StreamEngine:
         start = self.telemetry.timeline.start(compute)
         if not layout.tied:
             self.vocab_acc.zero_()
-        grad_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype)
-        if self.embed_scale is not None:  # Gemma: the rows were scaled by sqrt(hidden) (their gradient too)
-            grad_rows = grad_rows * self.embed_scale.to(self.acc_dtype)
-        self.vocab_acc.index_add_(0, ids.reshape(-1), grad_rows)
+        if self.generic is not None:  # through the embedding module's own backward
+            self.generic.embed_grad(ids, grad_y, self.weights.bind(layout.embed, embed_slot), self.vocab_acc)
+        else:
+            grad_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype)
+            if self.embed_scale is not None:  # Gemma: the rows were scaled by sqrt(hidden) (their gradient too)
+                grad_rows = grad_rows * self.embed_scale.to(self.acc_dtype)
+            self.vocab_acc.index_add_(0, ids.reshape(-1), grad_rows)
         self.weights.release(embed_slot)
-        self.grads.write(layout.embed, self.grads.embed_slot, {"embed_tokens.weight": self.vocab_acc})
+        self.grads.write(layout.embed, self.grads.embed_slot, {layout.embed.slots[0].name: self.vocab_acc})
         self.telemetry.timeline.stop("compute", compute, start)
         self.grads.emit(layout.embed, self.grads.embed_slot)
 
@@ -400,8 +424,11 @@ class StreamEngine:
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Full logits of a small batch through the same layer stream (tests, small inputs)."""
-        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-            return head_logits(x, norm_w, lm_w, self.head_spec).float().cpu()
+        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+            if self.generic is not None:
+                return self.generic.head_logits(x, head_w, embed_w).float().cpu()
+            return head_logits(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w),
+                               self.head_spec).float().cpu()
 
         return self._forward_only(Batch(ids, torch.full_like(ids, IGNORE_INDEX)), head)
 
@@ -412,15 +439,19 @@ class StreamEngine:
         n_valid = max(1, batch.loss_tokens)
         labels = batch.labels.to(self.device, non_blocking=True)
         if batch.preference is not None:
-            def dpo(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-                return preference_eval_loss(x, norm_w, lm_w, labels, batch.preference, self.head_spec,
-                                            self.engine_cfg.loss_chunk_tokens)
+            def dpo(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+                return preference_eval_loss(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                            batch.preference, self.head_spec, self.engine_cfg.loss_chunk_tokens)
 
             return float(self._forward_only(batch, dpo)), batch.input_ids.shape[0] // 2
 
-        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-            return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec,
-                                       self.engine_cfg.loss_chunk_tokens, grad_lm_acc=None).loss_sum
+        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+            if self.generic is not None:
+                return self.generic.head_loss(x, head_w, embed_w, labels, n_valid, self.engine_cfg.loss_chunk_tokens,
+                                              None)[0].loss_sum
+            return head_loss_and_grads(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                       n_valid, self.head_spec, self.engine_cfg.loss_chunk_tokens,
+                                       grad_lm_acc=None).loss_sum
 
         return float(self._forward_only(batch, head)), batch.loss_tokens
 
@@ -430,18 +461,18 @@ class StreamEngine:
         reference pass over the initial weights."""
         labels = batch.labels.to(self.device, non_blocking=True)
 
-        def head(x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor) -> torch.Tensor:
-            return preference_logps(x, norm_w, lm_w, labels, self.head_spec,
-                                    self.engine_cfg.loss_chunk_tokens).double().cpu()
+        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+            return preference_logps(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                    self.head_spec, self.engine_cfg.loss_chunk_tokens).double().cpu()
 
         return self._forward_only(batch, head)
 
     def _forward_only(self, batch: Batch, head: Any) -> Any:
-        """The forward of train_step (same stream, same templates) with `head(x, norm_w, lm_w)` at the end."""
+        """The forward of train_step (same stream, same templates) with `head(x, head_weights, embed_w)` at the end."""
         self._begin(training=False)
         x, embed_slot, embed_w, _, _ = self._forward(batch.input_ids.to(self.device), batch, None)
         head_w = self.weights.bind(self.layout.head, self.weights.head_slot)
-        out = head(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w))
+        out = head(x, head_w, embed_w)
         self.weights.release(self.weights.head_slot)
         self.weights.release(embed_slot)
         self.weights.end_step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatrain_ray.config.hf_generic import attention_width
 from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.model.layout import ModelLayout
 
@@ -27,7 +28,7 @@ def stage_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -
     """The same model FLOPs per token split by stage (layout.stages order), summing to
     model_flops_per_token: the embedding lookup 0, each layer 6 x its matrices + 6 T d_attn, the
     head 6 x the LM head's matrix (the embedding's when tied). The speed model times each stage by it."""
-    d_attn = cfg.num_attention_heads * cfg.resolved_head_dim
+    d_attn = attention_width(cfg)
     flops = [0.0]
     for stage in layout.layers:
         flops.append(6.0 * sum(s.numel for s in stage.slots if s.decay) + 6.0 * seq_len * d_attn)

@@ -200,8 +200,12 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         hf = read_hf_config(source_dir) if source_dir and (Path(source_dir) / "config.json").is_file() else {}
+        if model_cfg.template == "generic":  # the model's own config.json: its class and every key as it was
+            hf = read_hf_config(model_cfg.path)
+        else:
+            hf.update(hf_config_from_model(model_cfg))
         # `dtype` for transformers 5, `torch_dtype` for readers on transformers 4 (serving stacks lag behind).
-        hf.update(hf_config_from_model(model_cfg), dtype=dtype, torch_dtype=dtype)
+        hf.update(dtype=dtype, torch_dtype=dtype)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
         for name in TOKENIZER_FILES if source_dir else ():
             if (Path(source_dir) / name).is_file():

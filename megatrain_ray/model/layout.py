@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+from megatrain_ray.config.hf_generic import architecture
 from megatrain_ray.config.sections import ModelConfig
 
 # Offsets are multiples of this many elements (256 bytes in fp32): vectorised loops and
@@ -163,7 +165,30 @@ class ModelLayout:
         raise KeyError(f"no tensor named {hf_name!r} in this model")
 
 
+def _generic_layout(cfg: ModelConfig) -> ModelLayout:
+    """model.template generic: the stages of model.path's model class (config/hf_generic.py) under Hugging
+    Face's names: the embedding matrix, each layer's parameters, the final norm's and an untied LM head."""
+    arch = architecture(str(Path(cfg.path).resolve()))
+
+    def tensors(prefix: str, module) -> list[tuple[str, tuple[int, ...], str]]:
+        # Random initialisation is never used on this path (it needs model.path), but every slot has a kind.
+        return [(prefix + n, tuple(p.shape), "normal" if p.dim() >= 2 else "zeros" if n.endswith("bias") else "ones")
+                for n, p in module.named_parameters()]
+
+    stages = [_stage(0, "embed", arch.base_prefix, [(arch.embed_weight_name, tuple(arch.embedding.weight.shape),
+                                                     "normal")])]
+    for i, layer in enumerate(arch.layers):
+        stages.append(_stage(i + 1, "layer", f"{arch.base_prefix}{arch.layers_name}.{i}.", tensors("", layer)))
+    head = tensors(arch.norm_prefix, arch.norm)
+    if not arch.tied:
+        head += tensors(f"{arch.lm_head_name}.", arch.model.get_output_embeddings())
+    stages.append(_stage(len(arch.layers) + 1, "head", "", head))
+    return ModelLayout(tuple(stages), arch.tied)
+
+
 def build_layout(cfg: ModelConfig) -> ModelLayout:
+    if cfg.template == "generic":
+        return _generic_layout(cfg)
     v, h = cfg.vocab_size, cfg.hidden_size
     stages = [_stage(0, "embed", "model.", [("embed_tokens.weight", (v, h), "normal")])]
     per_layer = layer_tensors(cfg)

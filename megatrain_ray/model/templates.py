@@ -516,7 +516,7 @@ class HeadResult:
     """Both None for a forward-only loss (evaluation)."""
 
 
-def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,
+def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_weight: torch.Tensor,
                         labels: torch.Tensor, n_valid: int, eps: float | HeadSpec, chunk_tokens: int,
                         grad_lm_acc: torch.Tensor | None, input_grad_only: bool = False) -> HeadResult:
     """Mean cross-entropy over the valid labels and its gradients, in chunks of tokens.
@@ -525,17 +525,21 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
     Face's loss). The gradient of the LM head matrix is added into `grad_lm_acc` (float32 or
     float64), which with tied embeddings also collects the embedding's gradient later. With
     `grad_lm_acc=None` only the loss is computed (evaluation). `eps`: a HeadSpec, or the final norm's
-    epsilon alone. A final soft-cap (Gemma 2) is applied to the upcast logits, and its derivative,
-    1 - tanh^2, to their gradient (one more chunk-sized float32 tensor while it is on). `input_grad_only`
-    (a frozen head, LoRA): only the gradient of x, none of the weights (grad_lm_acc unused).
+    epsilon alone; `norm_weight=None`: x is normed already (no norm here). A final soft-cap (Gemma 2) is
+    applied to the upcast logits, and its derivative, 1 - tanh^2, to their gradient (one more chunk-sized float32
+    tensor while it is on). `input_grad_only` (a frozen head, LoRA): only the gradient of x, none of the weights
+    (grad_lm_acc unused).
     """
     spec = eps if isinstance(eps, HeadSpec) else HeadSpec(eps)
     batch, seq_len, hidden = x.shape
     with_grads = grad_lm_acc is not None or input_grad_only
     x = x.detach().requires_grad_(with_grads)
-    norm_weight = norm_weight.detach().requires_grad_(with_grads and not input_grad_only)
-    with torch.set_grad_enabled(with_grads):
-        normed = rms_norm(x, norm_weight, spec.eps, spec.plus_one)
+    if norm_weight is None:  # x is normed already (the generic path's own norm module): grad_x is of the logits' input
+        normed = x
+    else:
+        norm_weight = norm_weight.detach().requires_grad_(with_grads and not input_grad_only)
+        with torch.set_grad_enabled(with_grads):
+            normed = rms_norm(x, norm_weight, spec.eps, spec.plus_one)
     flat = normed.detach().reshape(-1, hidden)
     flat_labels = labels.reshape(-1)
     grad_flat = torch.empty_like(flat)
@@ -569,6 +573,8 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: t
             grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
     if not with_grads:
         return HeadResult(loss, None, None)
+    if norm_weight is None:
+        return HeadResult(loss, grad_flat.view(batch, seq_len, hidden), None)
     if input_grad_only:
         (grad_x,) = torch.autograd.grad(normed, (x,), grad_flat.view(batch, seq_len, hidden))
         return HeadResult(loss, grad_x, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatrain_ray.config.hf import model_config_of_dir
+from megatrain_ray.config.hf_generic import model_config_for_template
 from megatrain_ray.config.load import read_yaml
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
@@ -60,7 +60,7 @@ def export_weights_dir(source: str | Path, out_dir: str | Path, dtype: str | Non
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{str(src)!r} is neither a model directory (config.json + model.safetensors), a "
                               "checkpoint (manifest.json) nor a run directory (config.yaml)")
-    model_cfg = model_config_of_dir(src)
+    model_cfg = model_config_for_template(src, "auto")
     tensors = HFDirectory(src)
     tensors.check_against_layout(build_layout(model_cfg))
     return export_hf(tensors, model_cfg, out_dir, source_dir=src, dtype=dtype or source_dtype(src) or "float32",

@@ -45,7 +45,7 @@ def train_hf(model, cfg, state: dict[str, torch.Tensor], batches: list[torch.Ten
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # the embedding itself (Gemma)
     assert set(missing) <= tied and not unexpected, (missing, unexpected)
     if tied:
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     o, s = cfg.optimizer, cfg.schedule
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]

@@ -112,7 +112,12 @@ def test_unsupported_architecture_is_named(tmp_path):
     source = save_hf("llama-gqa", tmp_path / "src")
     hf = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**hf, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"GPT2LMHeadModel.*supported: LlamaForCausalLM.*"
+                       r"model.template to auto or generic"):
+        finetune_config(tmp_path, source, model={"template": "native"})
+    # model.template auto: the generic path takes it, and refuses GPT-2's learned position embeddings by name.
+    with pytest.raises(UnsupportedArchitectureError, match=r"GPT2LMHeadModel cannot run on the generic path: .*"
+                       r"\['wpe', 'ln_f'\]"):
         finetune_config(tmp_path, source)
 
 

@@ -1,0 +1,296 @@
+"""model.template: which path runs a Hugging Face directory, and the generic path's view of its model class.
+
+`model_config_for_template` resolves model.template (auto: native where config.json names a native family,
+else generic; logged). For the generic path (any decoder-only causal LM that transformers ships), the
+model class that config.json names is built with its parameters on the meta device (no memory, no
+weights; its buffers as its constructor computes them) and read for its parts: the embedding module, the
+list of decoder layers, the final norm and the LM head. Their parameters become the stages of the layout
+under Hugging Face's own names (`model.layers.{i}.<name>`, model/layout.py), so import and export are
+name for name; the same model gives the engine its layer modules, run statelessly on the streamed weights
+(model/generic_template.py).
+
+Refused here, before Ray starts, with the model class named: encoder and encoder-decoder models, classes
+that are not causal LMs, a model directory that asks for its own code (trust_remote_code is never set),
+models whose checkpoints transformers converts on load (other names or shapes than its modules), and
+models whose parts are not embedding -> layers -> final norm -> LM head (a bias on the LM head, parameters
+elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatrain_ray.config.hf import UnsupportedArchitectureError, model_config_from_hf, read_hf_config
+from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.exceptions import CheckpointError, excerpt
+from megatrain_ray.observe.log import get_logger
+
+log = get_logger(__name__)
+
+
+class UnsupportedModelError(UnsupportedArchitectureError):
+    """The model of a directory cannot run on the generic path (the message names its class and why)."""
+
+
+# The intermediate width the planner assumes when config.json names none (a 4x MLP): memory estimates only.
+DEFAULT_MLP_RATIO = 4
+
+
+def hf_pretrained_config(model_dir: str | Path, hf: dict[str, Any], where: str):
+    """transformers' config object of a model directory, never running the directory's own code."""
+    if hf.get("auto_map"):
+        raise UnsupportedModelError(
+            f"{where} has auto_map ({excerpt(hf.get('architectures'))}): the model needs its own code "
+            "(trust_remote_code), which megatrain never runs; use a model class that transformers ships")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UnsupportedModelError(f"{where}: transformers cannot build a config from it (model_type "
+                                    f"{excerpt(hf.get('model_type'))}): {excerpt(str(exc), 300)}") from None
+
+
+def _causal_class(config, hf: dict[str, Any], where: str) -> type:
+    """The ForCausalLM class config.json names (or transformers maps its model_type to); refused for encoders
+    and encoder-decoders, naming the class."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = hf.get("architectures")
+    named = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{where}: {named or type(config).__name__} is an encoder-decoder model; "
+                                    "megatrain trains decoder-only causal language models (…ForCausalLM)")
+    if named is not None and named not in causal:
+        raise UnsupportedModelError(f"{where}: {named} is not a decoder-only causal language model (an encoder, "
+                                    "a classifier or another head); megatrain trains …ForCausalLM models")
+    name = named or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None:
+        raise UnsupportedModelError(f"{where}: transformers has no causal LM class for model_type "
+                                    f"{excerpt(config.model_type)}; megatrain trains …ForCausalLM models")
+    if hasattr(config, "is_decoder") and not config.is_decoder and config.model_type in _ENCODER_TYPES:
+        raise UnsupportedModelError(f"{where}: {name} is an encoder configured without is_decoder; megatrain "
+                                    "trains decoder-only causal language models")
+    return cls
+
+
+# Encoders that transformers can also build as a causal LM head when is_decoder is set.
+_ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "electra", "ernie", "camembert", "data2vec-text",
+                  "bert-generation", "rembert", "roberta-prelayernorm", "xlm-roberta-xl", "megatron-bert"}
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory) and their buffers as their
+    constructors compute them (RoPE's inverse frequencies, an embedding scale), on the CPU."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class GenericArchitecture:
+    """The parts of a meta-device model the stream needs, by name."""
+
+    model: Any
+    """The ForCausalLM with its parameters on the meta device (parameters_on_meta): its modules run on bound
+    weights."""
+    class_name: str
+    base_prefix: str
+    """The base model's prefix in Hugging Face's names (`model.`)."""
+    embed_name: str
+    """The embedding module's name in the base model (`embed_tokens`)."""
+    layers_name: str
+    norm_name: str
+    lm_head_name: str
+    tied: bool
+
+    @property
+    def base(self) -> Any:
+        return self.model.get_submodule(self.base_prefix[:-1])
+
+    @property
+    def layers(self) -> Any:
+        return getattr(self.base, self.layers_name)
+
+    @property
+    def embedding(self) -> Any:
+        return getattr(self.base, self.embed_name)
+
+    @property
+    def norm(self) -> Any:
+        return getattr(self.base, self.norm_name)
+
+    @property
+    def embed_weight_name(self) -> str:
+        """The embedding matrix's name in the embed stage (the stage's prefix is base_prefix)."""
+        return f"{self.embed_name}.weight"
+
+    @property
+    def norm_prefix(self) -> str:
+        return f"{self.base_prefix}{self.norm_name}."
+
+    @property
+    def lm_head_weight_name(self) -> str:
+        return f"{self.lm_head_name}.weight"
+
+
+def build_architecture(model_dir: str | Path) -> GenericArchitecture:
+    """The model class of `model_dir`'s config.json built with its parameters on the meta device, checked, and
+    its parts named."""
+    where = str(Path(model_dir) / "config.json")
+    hf = read_hf_config(model_dir)
+    config = hf_pretrained_config(model_dir, hf, where)
+    cls = _causal_class(config, hf, where)
+    try:
+        with parameters_on_meta():
+            model = cls._from_config(config)
+    except Exception as exc:  # a class that cannot be built from this config: say which and why
+        raise UnsupportedModelError(f"{where}: transformers could not build {cls.__name__} from it: "
+                                    f"{excerpt(str(exc), 300)}") from None
+    return _parts(model.eval(), cls.__name__, where)
+
+
+def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
+    import torch.nn as nn
+
+    def refuse(why: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{where}: {name} cannot run on the generic path: {why}")
+
+    from transformers.conversion_mapping import extract_weight_conversions_for_model
+
+    if extract_weight_conversions_for_model(model):
+        raise refuse("transformers renames or reshapes its weights between the checkpoint and the modules (a "
+                     "conversion mapping), while the generic path loads and saves them name for name")
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if base is None or base is model:
+        raise refuse("it has no base model under its base_model_prefix")
+    embedding, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    children = dict(base.named_children())
+    layer_lists = [n for n, m in children.items()
+                   if isinstance(m, nn.ModuleList) and len(m) == model.config.num_hidden_layers]
+    embed_names = [n for n, m in children.items() if m is embedding]
+    if len(layer_lists) != 1 or len(embed_names) != 1:
+        raise refuse(f"its base model ({type(base).__name__}) has no single embedding and list of "
+                     f"{model.config.num_hidden_layers} decoder layers among its parts {sorted(children)}")
+    rest = [n for n, m in children.items() if n not in (layer_lists[0], embed_names[0])
+            and any(True for _ in m.parameters())]
+    if not rest:  # a final norm without parameters (OLMo's): known by its class's name
+        rest = [n for n, m in children.items() if "norm" in type(m).__name__.lower()]
+    if len(rest) != 1:
+        raise refuse(f"one final norm is expected after the layers, its base model has parameters in {rest}")
+    if lm_head is not None and lm_head.weight is embedding.weight and \
+            not any(True for _ in children[rest[0]].parameters()):
+        raise refuse("its head stage would hold no weight (a tied LM head after a final norm without parameters)")
+    heads = [n for n, m in model.named_children() if m is lm_head]
+    if lm_head is None or len(heads) != 1 or not isinstance(lm_head, nn.Linear) or lm_head.bias is not None:
+        raise refuse("its LM head is not one Linear without bias beside the base model")
+    if [n for n, _ in embedding.named_parameters()] != ["weight"]:
+        raise refuse(f"its embedding ({type(embedding).__name__}) holds more than one weight matrix")
+    layers = children[layer_lists[0]]
+    arch = GenericArchitecture(model, name, prefix + ".", embed_names[0], layer_lists[0], rest[0], heads[0],
+                               lm_head.weight is embedding.weight)
+    covered = {f"{arch.base_prefix}{arch.embed_weight_name}", arch.lm_head_weight_name}
+    covered |= {f"{arch.norm_prefix}{n}" for n, _ in arch.norm.named_parameters()}
+    covered |= {f"{arch.base_prefix}{arch.layers_name}.{n}" for n, _ in layers.named_parameters()}
+    stray = [n for n, _ in model.named_parameters() if n not in covered]
+    if stray:
+        raise refuse(f"it has parameters outside the embedding, layers, final norm and LM head ({stray[0]}, ...)")
+    return arch
+
+
+@functools.lru_cache(maxsize=8)
+def architecture(model_dir: str) -> GenericArchitecture:
+    """build_architecture, once per directory and process (the planner and the trainer ask for it often).
+    Read-only: the engine builds its own (model/generic_template.py changes its copy)."""
+    return build_architecture(model_dir)
+
+
+def _shape_value(config: Any, key: str, where: str) -> int:
+    value = getattr(config, key, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{where}: {key} = {excerpt(value)} must be a whole number >= 1 (the generic path "
+                              "reads the model's shape from it)")
+    return value
+
+
+def generic_model_config(model_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a directory run by the generic path (family generic, whatever its class): its shape as
+    the planner reads it; the model itself is the meta model's."""
+    where = str(Path(model_dir) / "config.json")
+    arch = architecture(str(Path(model_dir).resolve()))
+    config = arch.model.config
+    hidden = _shape_value(config, "hidden_size", where)
+    if getattr(config, "num_attention_heads", None) is None:  # no attention (Mamba): see attention_width
+        heads = kv_heads = 1
+        head_dim = hidden
+    else:
+        heads = _shape_value(config, "num_attention_heads", where)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = getattr(config, "intermediate_size", None)
+    if not isinstance(intermediate, int) or intermediate < 1:
+        intermediate = DEFAULT_MLP_RATIO * hidden
+    return ModelConfig(
+        path=str(model_dir), family="generic", template="generic",
+        vocab_size=_shape_value(config, "vocab_size", where), hidden_size=hidden, intermediate_size=intermediate,
+        num_layers=len(arch.layers), num_attention_heads=heads,
+        num_key_value_heads=kv_heads if heads % kv_heads == 0 else heads,
+        head_dim=head_dim + head_dim % 2,  # the planner's attention width; the model's own is used to run it
+        max_position_embeddings=getattr(config, "max_position_embeddings", None) or 4096,
+        tie_word_embeddings=arch.tied,
+        initializer_range=float(getattr(config, "initializer_range", None) or 0.02))
+
+
+def model_config_for_template(model_dir: str | Path, template: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory for model.template `template`: native (a native family, else
+    UnsupportedArchitectureError), generic (transformers' own layers), or auto (native where there is a native
+    family, else generic; the log says which)."""
+    hf, where = read_hf_config(model_dir), str(Path(model_dir) / "config.json")
+    if template != "generic":
+        try:
+            cfg = model_config_from_hf(hf, where)
+        except UnsupportedArchitectureError as exc:
+            if template == "native":
+                raise UnsupportedArchitectureError(f"{exc}; model.template=native takes these only: set "
+                                                   "model.template to auto or generic for any other decoder-only "
+                                                   "model transformers ships") from None
+        else:
+            if template == "auto":
+                log.info("model.template auto: %s runs on the native %s template", where, cfg.family)
+            return dataclasses.replace(cfg, template="native")
+    cfg = generic_model_config(model_dir)
+    log.info("model.template %s: %s runs on the generic path (transformers' %s, its own decoder layers)", template,
+             where, architecture(str(Path(model_dir).resolve())).class_name)
+    return cfg
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """The width of causal attention per layer the planner counts FLOPs for (query heads x head_dim): a generic
+    model's from its config.json, 0 when that names no attention heads (the plan then counts 6 FLOPs per
+    matrix parameter and token alone; its memory estimate takes one head of hidden_size)."""
+    if cfg.template == "generic" and \
+            getattr(architecture(str(Path(cfg.path).resolve())).model.config, "num_attention_heads", None) is None:
+        return 0
+    return cfg.num_attention_heads * cfg.resolved_head_dim
