@@ -307,7 +307,7 @@ class StreamEngine:
         # The head's own reference to its input gradient would hold a [tokens, hidden] tensor through the
         # whole backward (8 GiB at 512K tokens of an 8B model).
         grad_y, head.grad_x = head.grad_x, None
-        layers, acts = self.layout.layers, self.activations
+        layers, acts, timeline = self.layout.layers, self.activations, self.telemetry.timeline
         compute = self.streams.compute
         upcoming = self._load(layers[-1])
         acts.prefetch(len(layers) - 1, self.device)
@@ -318,7 +318,7 @@ class StreamEngine:
                 acts.prefetch(i - 1, self.device)
             w = self._bind(stage, slot)
             x_in = acts.take(i, self.device)
-            start = self.telemetry.timeline.start(compute)
+            start = timeline.start(compute)
             spec = self.specs[i]
             grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents, grad_y,
                                                           self.mlp_chunk, self._layer(x_in, documents), self.trainable)
