@@ -71,7 +71,9 @@ def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor]):
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     lora = cfg.finetune.lora
     model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
-                                                       target_modules="all-linear", bias="none",
+                                                       target_modules=list(lora.targets(cfg.model.family))
+                                                       if lora.target_modules != "all-linear" else "all-linear",
+                                                       bias="none",
                                                        use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
                                                        modules_to_save=list(lora.modules_to_save) or None))
     result = peft.set_peft_model_state_dict(model, adapters)
@@ -147,6 +149,15 @@ def test_lora_matches_peft_local(tmp_path, family, clip):
 @pytest.mark.parametrize("family", ["phi3", "gemma2"])
 def test_lora_matches_peft_for_fused_projections_and_gemma(tmp_path, family):
     ours, ref, initial, final, ref_final, base, base_after = run_both(tmp_path, family)
+    assert_lora_parity(ours, ref, initial, final, ref_final)
+
+
+def test_rslora_with_some_projections_matches_peft(tmp_path):
+    """use_rslora (scaling lora_alpha / sqrt(r)), r 8, adapters on q_proj, v_proj and down_proj only."""
+    lora = {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    ours, ref, initial, final, ref_final, base, base_after = run_both(
+        tmp_path, "llama", finetune={"method": "lora", "lora": lora})
+    assert len(final) == 3 * 2 * 3  # 3 layers, 3 projections, A and B
     assert_lora_parity(ours, ref, initial, final, ref_final)
 
 
