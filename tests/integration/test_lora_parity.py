@@ -103,10 +103,11 @@ def train_peft(model, cfg, batches: list[torch.Tensor]) -> tuple[list[float], di
     return losses, peft.get_peft_model_state_dict(model)
 
 
-def run_both(tmp_path: Path, family: str, **sections):
+def run_both(tmp_path: Path, family: str, world: int = 1, **sections):
     base = make_base(tmp_path / "base", family)
     cfg = lora_config(tmp_path, base, **sections)
     with Trainer(cfg) as trainer:
+        assert trainer.cluster.parallel.world == world
         initial = trainer.adapters()
         batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
         ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
@@ -263,6 +264,16 @@ def test_lora_dropout_matches_peft_given_the_same_masks(tmp_path, mlp_chunk):
     # The masks mattered: without dropout the same start trains to other losses.
     plain, _ = train_peft(peft_model(base, cfg, initial), cfg, batches)
     assert max(abs(a - b) / b for a, b in zip(ours[1:], plain[1:])) > 10 * REL  # measured 8e-4
+
+
+@pytest.mark.ray
+def test_two_gpu_workers_train_the_adapters_of_one(tmp_path, ray_session):
+    """Data parallel LoRA (parallel.gpus=2, gloo on the CPU): each rank computes its rows, the adapters'
+    gradients are summed in one all-reduce and every rank takes the same step; the loss curve and adapters are
+    peft's on the whole batch (the sum's order differs from one rank's: the same 1e-5 holds)."""
+    ours, ref, initial, final, ref_final, base, base_after = run_both(
+        tmp_path, "qwen2", world=2, runtime={"mode": "ray"}, parallel={"gpus": 2})
+    assert_lora_parity(ours, ref, initial, final, ref_final)
 
 
 @pytest.mark.ray
