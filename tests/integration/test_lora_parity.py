@@ -14,8 +14,9 @@ hold in float32, hence lr 1e-3. On a random base the loss barely moves in 20 ste
 the comparison is that every adapter moved: B starts at zero, and each final tensor must differ from its
 initial value by more than 100x the tolerance (measured: at least 3.6e-2 relative).
 
-"2 workers" of the brief: a LoRA run has no CPU optimizer workers (the adapters' AdamW runs on the device),
-so the Ray runs spread the base over two host shards (host.num_shards=2), the workers the config still has.
+"2 workers" through Ray: a LoRA run has no CPU optimizer workers (the adapters' AdamW runs on the device), so
+the Ray runs spread the base over two host shards (host.num_shards=2), and a data-parallel run has two GPU
+workers (parallel.gpus=2) whose summed gradients must give peft's single-process run.
 """
 
 from __future__ import annotations
