@@ -117,9 +117,8 @@ class RunSpec:
             cfg.model.template != "generic"
         if cfg.finetune.method == "lora":
             compiles = compiles and not cfg.finetune.lora.lora_dropout  # the masks' generators run eagerly
-            if ranks * nodes > 1:
-                raise ConfigError(f"finetune.method=lora needs one GPU worker; parallel.gpus resolved to "
-                                  f"{ranks * nodes}: set parallel.gpus=1")
+            if nodes > 1:
+                raise ConfigError("finetune.method=lora needs one node: set parallel.nodes=1")
             return cls(
                 device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
                 master_dtype=stream_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,

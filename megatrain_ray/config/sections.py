@@ -841,8 +841,8 @@ def check_finetune(cfg: "Config") -> None:
     if cfg.model.template == "generic":
         why = ("a native layer template (the adapters are bound into the native templates' projections; the generic "
                "path runs the model's own layer modules): model.template=generic cannot take them")
-    elif cfg.parallel.gpus not in (1, "auto") or cfg.parallel.nodes != 1:
-        why = "one GPU worker (parallel.gpus=1, parallel.nodes=1)"
+    elif cfg.parallel.nodes != 1:
+        why = "one node (parallel.nodes=1; several GPUs of one node are fine)"
     elif cfg.engine.gpu_resident not in ("none", "auto", 0):
         why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
     elif cfg.host.moments_tier != "ram":
@@ -888,7 +888,8 @@ class FinetuneConfig:
     method: Literal["full", "lora"] = "full"
     """full: every weight trains (fp32 master and AdamW moments in host RAM, the CPU optimizer workers). lora: the
     base is frozen and streamed from host RAM in precision.stream_dtype only (no master, moments or gradient
-    buffers); the adapters, their gradients and their AdamW state live on the compute device."""
+    buffers); the adapters, their gradients and their AdamW state live on the compute device (with several GPUs of
+    one node, on each: their gradients are summed in one all-reduce)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """The adapters' settings (method lora)."""
     objective: Literal["sft", "dpo"] = "sft"

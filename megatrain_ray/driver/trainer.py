@@ -471,9 +471,10 @@ class Trainer:
         return self.gpu.adapters().result()
 
     def set_adapters(self, tensors: dict[str, torch.Tensor]) -> None:
-        """(finetune.method=lora) Overwrite adapters by PEFT name, before training (tests)."""
+        """(finetune.method=lora) Overwrite adapters by PEFT name on every rank, before training (tests)."""
         assert self.gpu is not None
-        self.gpu.set_adapters(tensors).result()
+        for done in [gpu.set_adapters(tensors) for gpu in self.gpus]:
+            done.result()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.gpu is not None

@@ -17,6 +17,7 @@ Checkpoints: one file, adapters.safetensors, with the adapters under PEFT's name
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,8 +47,12 @@ class AdapterTier:
                         **{peft_saved_name(name): t for name, t in self.saved.items()}}
         """Every trained tensor by its name in PEFT's adapter_model.safetensors."""
         self.params = list(self.by_name.values())
+        # Every gradient is a view of one flat buffer: several GPU workers sum them in one all-reduce.
+        self.flat_grad = torch.zeros(sum(t.numel() for t in self.params), dtype=torch.float32, device=device)
+        offset = 0
         for t in self.params:
-            t.grad = torch.zeros_like(t)
+            t.grad = self.flat_grad[offset:offset + t.numel()].view_as(t)
+            offset += t.numel()
         self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2),
                                            eps=optimizer.eps, weight_decay=optimizer.weight_decay)
         self.sqnorm = torch.zeros((), dtype=torch.float32, device=device)
@@ -80,6 +85,12 @@ class AdapterTier:
     def _set_grad(self, t: torch.Tensor, grad: torch.Tensor) -> None:
         t.grad.copy_(grad)
         self.sqnorm += torch.linalg.vector_norm(t.grad, dtype=torch.float32).square()
+
+    def sum_over_ranks(self, comm: Any) -> None:
+        """Several GPU workers: sum the gradients over the ranks (each computed its rows' part of the loss) and
+        count the norm of the sum."""
+        comm.all_reduce(self.flat_grad)
+        self.sqnorm = torch.linalg.vector_norm(self.flat_grad, dtype=torch.float32).square()
 
     def step(self, lr: float, clip: float, grad_norm: float, apply: bool) -> None:
         """Clip by the global norm (clip > 0) and take AdamW's step; `apply` False drops the step."""
@@ -149,4 +160,5 @@ class AdapterTier:
 
     def close(self) -> None:
         self.layers, self.params, self.saved, self.by_name = [], [], {}, {}
+        self.flat_grad = None
         self.optimizer = None

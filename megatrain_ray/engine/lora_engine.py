@@ -25,6 +25,7 @@ import torch
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import EngineConfig, LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from megatrain_ray.engine.adapters import AdapterTier
+from megatrain_ray.engine.collective import Collectives, RankInfo
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.engine.weights import WeightSlot
 from megatrain_ray.messages import Batch, StepResult
@@ -38,10 +39,10 @@ from megatrain_ray.store.segments import HostStore
 class LoraStreamEngine(StreamEngine):
     def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
                  run: RunSpec, layout: ModelLayout, store: HostStore, device: torch.device, lora: LoraConfig,
-                 seed: int):
-        """StreamEngine's arguments (a RunSpec with frozen_base; no optimizer workers, one rank), the adapters'
-        settings and the run seed that draws their initial values."""
-        super().__init__(model, engine, parallel, optimizer, run, layout, store, [], device)
+                 seed: int, rank: RankInfo | None = None):
+        """StreamEngine's arguments (a RunSpec with frozen_base; no optimizer workers), the adapters' settings and
+        the run seed that draws their initial values (the same on every rank)."""
+        super().__init__(model, engine, parallel, optimizer, run, layout, store, [], device, rank)
         # The modules_to_save start as the base's matrices (the host holds the base as its `master`).
         base = {}
         for name in saved_names(lora):
@@ -138,8 +139,23 @@ class LoraStreamEngine(StreamEngine):
         self.adapters.set_saved_grad(SAVED_MODULES["embed_tokens"], self.vocab_acc)
         self.telemetry.timeline.stop("compute", compute, start)
 
+    @property
+    def comm(self) -> Collectives | None:
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm: Collectives | None) -> None:
+        self._comm = self.weights.comm = comm
+
     def _totals(self, loss_sum: torch.Tensor, step: int) -> tuple[float, float]:
-        return float(loss_sum), float(self.adapters.sqnorm.sqrt())
+        """The loss and the adapters' gradient norm; several GPU workers first sum the gradients (each then
+        holds the whole sum and takes the same step) and the loss over the ranks."""
+        if self._comm is None:
+            return float(loss_sum), float(self.adapters.sqnorm.sqrt())
+        self.adapters.sum_over_ranks(self._comm)
+        loss = loss_sum.to(torch.float64).reshape(1)
+        self._comm.all_reduce(loss)
+        return float(loss), float(self.adapters.sqnorm.sqrt())
 
     def _order_deferred_updates(self, loss: float, grad_norm: float) -> bool:
         """The adapters' clipped AdamW step; returns whether the step is dropped (a non-finite norm or loss)."""

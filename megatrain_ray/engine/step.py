@@ -330,7 +330,7 @@ class StreamEngine:
         # The head's own reference to its input gradient would hold a [tokens, hidden] tensor through the
         # whole backward (8 GiB at 512K tokens of an 8B model).
         grad_y, head.grad_x = head.grad_x, None
-        layers, acts = self.layout.layers, self.activations
+        layers, acts, timeline = self.layout.layers, self.activations, self.telemetry.timeline
         compute = self.streams.compute
         upcoming = self._load(layers[-1])
         acts.prefetch(len(layers) - 1, self.device)
@@ -341,7 +341,7 @@ class StreamEngine:
                 acts.prefetch(i - 1, self.device)
             w = self._bind(stage, slot)
             x_in = acts.take(i, self.device)
-            start = self.telemetry.timeline.start(compute)
+            start = timeline.start(compute)
             if self.generic is not None:  # the model's own layer, recomputed in one piece
                 grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[i], self.generic.layers[i], None, grad_y,
                                                               0, run_layer)

@@ -14,8 +14,9 @@ hold in float32, hence lr 1e-3. On a random base the loss barely moves in 20 ste
 the comparison is that every adapter moved: B starts at zero, and each final tensor must differ from its
 initial value by more than 100x the tolerance (measured: at least 3.6e-2 relative).
 
-"2 workers" of the brief: a LoRA run has no CPU optimizer workers (the adapters' AdamW runs on the device),
-so the Ray runs spread the base over two host shards (host.num_shards=2), the workers the config still has.
+"2 workers" through Ray: a LoRA run has no CPU optimizer workers (the adapters' AdamW runs on the device), so
+the Ray runs spread the base over two host shards (host.num_shards=2), and a data-parallel run has two GPU
+workers (parallel.gpus=2) whose summed gradients must give peft's single-process run.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor]):
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     lora = cfg.finetune.lora
     model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
-                                                       target_modules="all-linear", bias="none",
+                                                       target_modules=list(lora.targets(cfg.model.family))
+                                                       if lora.target_modules != "all-linear" else "all-linear",
+                                                       bias="none",
                                                        use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
                                                        modules_to_save=list(lora.modules_to_save) or None))
     result = peft.set_peft_model_state_dict(model, adapters)
@@ -101,10 +104,11 @@ def train_peft(model, cfg, batches: list[torch.Tensor]) -> tuple[list[float], di
     return losses, peft.get_peft_model_state_dict(model)
 
 
-def run_both(tmp_path: Path, family: str, **sections):
+def run_both(tmp_path: Path, family: str, world: int = 1, **sections):
     base = make_base(tmp_path / "base", family)
     cfg = lora_config(tmp_path, base, **sections)
     with Trainer(cfg) as trainer:
+        assert trainer.cluster.parallel.world == world
         initial = trainer.adapters()
         batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
         ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
@@ -147,6 +151,15 @@ def test_lora_matches_peft_local(tmp_path, family, clip):
 @pytest.mark.parametrize("family", ["phi3", "gemma2"])
 def test_lora_matches_peft_for_fused_projections_and_gemma(tmp_path, family):
     ours, ref, initial, final, ref_final, base, base_after = run_both(tmp_path, family)
+    assert_lora_parity(ours, ref, initial, final, ref_final)
+
+
+def test_rslora_with_some_projections_matches_peft(tmp_path):
+    """use_rslora (scaling lora_alpha / sqrt(r)), r 8, adapters on q_proj, v_proj and down_proj only."""
+    lora = {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    ours, ref, initial, final, ref_final, base, base_after = run_both(
+        tmp_path, "llama", finetune={"method": "lora", "lora": lora})
+    assert len(final) == 3 * 2 * 3  # 3 layers, 3 projections, A and B
     assert_lora_parity(ours, ref, initial, final, ref_final)
 
 
@@ -252,6 +265,16 @@ def test_lora_dropout_matches_peft_given_the_same_masks(tmp_path, mlp_chunk):
     # The masks mattered: without dropout the same start trains to other losses.
     plain, _ = train_peft(peft_model(base, cfg, initial), cfg, batches)
     assert max(abs(a - b) / b for a, b in zip(ours[1:], plain[1:])) > 10 * REL  # measured 8e-4
+
+
+@pytest.mark.ray
+def test_two_gpu_workers_train_the_adapters_of_one(tmp_path, ray_session):
+    """Data parallel LoRA (parallel.gpus=2, gloo on the CPU): each rank computes its rows, the adapters'
+    gradients are summed in one all-reduce and every rank takes the same step; the loss curve and adapters are
+    peft's on the whole batch (the sum's order differs from one rank's: the same 1e-5 holds)."""
+    ours, ref, initial, final, ref_final, base, base_after = run_both(
+        tmp_path, "qwen2", world=2, runtime={"mode": "ray"}, parallel={"gpus": 2})
+    assert_lora_parity(ours, ref, initial, final, ref_final)
 
 
 @pytest.mark.ray

@@ -48,9 +48,11 @@ def test_the_host_holds_the_base_once_in_the_streaming_dtype_and_nothing_else(tm
             sum(stage.numel for stage in trainer.layout.stages)
         assert trainer.optimizers == []  # no CPU optimizer workers
         before = trainer.master_weights()
-        trainer.step(0)
-        trainer.step(1)
+        records = [trainer.step(0), trainer.step(1)]
         after = trainer.master_weights()
+        stream_bytes = sum(s.nbytes for s in trainer.specs if s.kind == "master")
+        for record in records:  # the base streams in once per pass (forward, backward); nothing comes back
+            assert record["d2h_bytes"] == 0 and record["h2d_bytes"] >= stream_bytes
         assert all(torch.equal(before[k], after[k]) for k in before)  # the frozen base never changes
         hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
         assert all(torch.equal(after[k], hf[k].to(torch.bfloat16)) for k in after)

@@ -97,8 +97,9 @@ def test_lora_config_errors_name_the_key():
                       ({"r": 0}, "finetune.lora.r")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             build(lora=lora)
-    with pytest.raises(ConfigError, match="finetune.method.*parallel.gpus=1"):
-        load_config(raw=tiny_raw(finetune={"method": "lora"}, parallel={"gpus": 2}, runtime={"mode": "ray"}))
+    with pytest.raises(ConfigError, match="finetune.method.*parallel.nodes=1"):
+        load_config(raw=tiny_raw(finetune={"method": "lora"}, parallel={"gpus": 2, "nodes": 2},
+                                 runtime={"mode": "ray"}))
     with pytest.raises(ConfigError, match="finetune.method.*engine.gpu_resident=none"):
         load_config(raw=tiny_raw(finetune={"method": "lora"}, engine={"gpu_resident": 1}))
     with pytest.raises(ConfigError, match="finetune.method.*tie_word_embeddings=false"):
