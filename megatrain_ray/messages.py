@@ -78,6 +78,9 @@ class StepResult:
     finished (in the backward); the rest waited to load a stage's updated weights."""
     rank_update_wait_seconds: tuple[float, ...] = ()
     """update_wait_seconds of each rank (data parallel; merge_results), the first rank first."""
+    aux_loss: float | None = None
+    """MoE with model.output_router_logits: the load-balancing loss (unweighted; `loss` includes
+    router_aux_loss_coef times it, as transformers' loss does). None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,9 @@ class GradSlot:
     """This rank's piece of the sum over the ranks (several ranks per node only)."""
     drained: Any = None
     """Event: the previous D2H out of this buffer is complete."""
+    slots: tuple = ()
+    """The tensor slots of the stage last written: its padding is zero (layers of two layouts, Qwen3-MoE's
+    dense and MoE layers, share the buffer)."""
 
 
 def _gaps(stage: StageLayout) -> list[tuple[int, int]]:
@@ -63,7 +66,8 @@ class GradientSink:
         self.poison = poison
         self.comm: Collectives | None = None
         """The process group (several ranks only), attached once every rank has joined."""
-        self.layer_slots = [self._slot(layout.layers[0]) for _ in range(2)]
+        largest = max(layout.layers, key=lambda stage: stage.numel)
+        self.layer_slots = [self._slot(largest) for _ in range(2)]
         self.embed_slot = self._slot(layout.embed)
         self.head_slot = self._slot(layout.head)
         # The host side of gradients in flight: (stage whose update reads it, slab) in pool mode.
@@ -80,7 +84,7 @@ class GradientSink:
         for a, b in [*_gaps(stage), (stage.numel, numel)]:
             buf[a:b].zero_()
         out = torch.empty(numel // local_world, dtype=self.grad_dtype, device=device) if local_world > 1 else None
-        return GradSlot(buf, out)
+        return GradSlot(buf, out, slots=stage.slots)
 
     def layer_slot(self, position: int) -> GradSlot:
         """The slot of the layer at `position` in the layer order (consecutive layers alternate)."""
@@ -92,6 +96,10 @@ class GradientSink:
     def write(self, stage: StageLayout, grad: GradSlot, grads: dict[str, torch.Tensor]) -> None:
         """Copy the stage's gradients (by tensor name) into its slot, once the slot's previous D2H is done."""
         self.streams.wait(self.streams.compute, grad.drained)
+        if grad.slots != stage.slots:  # another layout: its padding lies elsewhere
+            for a, b in _gaps(stage):
+                grad.buf[a:b].zero_()
+            grad.slots = stage.slots
         for slot in stage.slots:
             grad.buf[slot.offset:slot.offset + slot.numel].copy_(grads[slot.name].reshape(-1))
 

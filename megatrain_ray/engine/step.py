@@ -41,6 +41,7 @@ from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals
 from megatrain_ray.engine.grads import GradientSink
 from megatrain_ray.engine.resident import ResidentTier
+from megatrain_ray.engine.router_aux import RouterAux
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.engine.telemetry import StepTelemetry, UpdateTrace
 from megatrain_ray.engine.updates import UpdateDispatch
@@ -96,7 +97,10 @@ class StreamEngine:
         self.embed_scale = embed_scale(model, self.compute_dtype)
         self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
-        self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
+        # MoE layers run eagerly: their expert groups change size with the routing.
+        self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") \
+            if compiles and not model.is_moe else None
+        self.router_aux = RouterAux(model)
         poison = self.engine_cfg.poison_buffers
 
         trace = UpdateTrace(self.engine_cfg.update_trace, rank.rank, rank.world) if self.engine_cfg.update_trace else None
@@ -156,6 +160,9 @@ class StreamEngine:
 
         x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, self.activations)
         head = self._head(x, embed_w, labels, n_valid)
+        aux = self.router_aux.finish_forward()
+        if aux is not None:  # as transformers: the loss includes router_aux_loss_coef * the load-balancing loss
+            head.loss_sum = head.loss_sum + aux
         del x  # else the last hidden state, [tokens, hidden], lives through the whole backward
         grad_y = self._backward(head, rope, documents, inject_nan)
         self._embedding(ids, grad_y, embed_slot)
@@ -184,12 +191,14 @@ class StreamEngine:
             optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
-            comm_seconds=device_seconds["comm"])
+            comm_seconds=device_seconds["comm"],
+            aux_loss=None if self.router_aux.loss is None else float(self.router_aux.loss))
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
         self.grads.begin_step()
         self.weights.begin_step(training)
+        self.router_aux.begin(training)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -250,7 +259,8 @@ class StreamEngine:
             w = self._bind(stage, slot)
             start = timeline.start(self.streams.compute)
             spec = self.specs[i]
-            x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk)
+            x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk,
+                                          self.router_aux.record(i))
             timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -309,7 +319,8 @@ class StreamEngine:
             start = timeline.start(compute)
             spec = self.specs[i]
             grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents, grad_y,
-                                                          self.mlp_chunk, self._layer(x_in, documents))
+                                                          self.mlp_chunk, self._layer(x_in, documents),
+                                                          self.router_aux.layer_grad(i))
             del x_in
             self._release(slot)
             # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.

@@ -1,0 +1,161 @@
+"""Training parity of the mixture-of-experts templates against transformers' MoE models themselves.
+
+The tiny random MoE models of tests/unit/test_moe.py (hidden 72, GQA 4/2, several experts, top-k 2 or 4)
+are trained for 20 steps by megatrain and by the Hugging Face model with torch.optim.AdamW (matrices and
+the fused [E, ...] expert tensors decayed, vectors not, as megatrain's layout does), clip_grad_norm_ and
+the same warmup + cosine schedule, on the same rows of 24 tokens, as tests/integration/test_phi3_parity.py
+does. With the load-balancing loss on (output_router_logits, router_aux_loss_coef 0.02, larger than the
+hub's 0.001 so that it moves the weights measurably) the reference's loss is its cross-entropy plus
+coef * the aux_loss transformers returns.
+
+Tolerance 1e-5 relative, per-step loss and each final tensor (norm of the difference over the norm), lr 1e-3.
+Measured figures are printed by `report` (pytest -s) and quoted in the test docstrings.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
+from megatrain_ray.driver.trainer import Trainer  # noqa: E402
+from tests.conftest import tiny_config  # noqa: E402
+from tests.integration.test_phi3_parity import report  # noqa: E402
+from tests.integration.test_training_parity import assert_close_run  # noqa: E402
+from tests.reference_llama import reference_lr  # noqa: E402
+from tests.unit.test_moe import hf_moe_model  # noqa: E402
+
+AUX_COEF = 0.02
+
+
+def train_hf_moe(model, cfg, state: dict[str, torch.Tensor], batches: list[torch.Tensor], dtype: torch.dtype,
+                 aux: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The Hugging Face model itself with torch.optim.AdamW and clip_grad_norm_, as megatrain is configured;
+    with `aux`, the loss adds router_aux_loss_coef * the aux_loss transformers computes."""
+    model = copy.deepcopy(model).to(dtype).train()
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    assert not missing and not unexpected
+    o, s = cfg.optimizer, cfg.schedule
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    losses = []
+    for step, tokens in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = reference_lr(step, o.lr, len(batches), s.warmup_steps, s.kind, s.min_lr_ratio)
+        opt.zero_grad(set_to_none=True)
+        out = model(tokens[:, :-1], output_router_logits=aux)
+        logits = out.logits
+        work = torch.promote_types(logits.dtype, torch.float32)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), tokens[:, 1:].reshape(-1))
+        if aux:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_both(tmp_path, name: str, dtype: str, aux: bool, **sections):
+    """The same 20 steps through megatrain and through the transformers model; returns (our losses, its
+    losses, our final weights, its, the initial weights, our step records)."""
+    model = hf_moe_model(name, output_router_logits=aux, router_aux_loss_coef=AUX_COEF)
+    mcfg = model_config_from_hf(model.config.to_dict())
+    assert mcfg.output_router_logits == aux
+    precision = {"master_dtype": dtype, "compute_dtype": dtype}
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 24}, precision=precision,
+                      **sections)
+    with Trainer(cfg) as trainer:
+        trainer.load_weights(dict(model.state_dict()))
+        initial = trainer.master_weights()
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
+        records = [trainer.step(s) for s in range(cfg.train.steps)]
+        final = trainer.master_weights()
+    assert set(initial) == set(model.state_dict())  # transformers 5's names, experts fused
+    ref_losses, ref_state = train_hf_moe(model, cfg, initial, batches, getattr(torch, dtype), aux)
+    return [r["loss"] for r in records], ref_losses, final, ref_state, initial, records
+
+
+@pytest.mark.parametrize("aux", [True, False], ids=["aux", "noaux"])
+@pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral-sliding"])
+def test_moe_float64_matches_transformers(tmp_path, name, aux):
+    ours, ref, final, ref_state, initial, records = run_both(tmp_path, name, "float64", aux,
+                                                             optimizer={"workers": 2})
+    report(ours, ref, final, ref_state)
+    assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
+    assert all(("aux_loss" in r) == aux for r in records)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("aux", [True, False], ids=["aux", "noaux"])
+def test_qwen3_moe_ray_float32_matches_transformers(tmp_path, ray_session, aux):
+    """The Ray path: host shards, GPU worker and 2 optimizer workers as actors."""
+    ours, ref, final, ref_state, initial, records = run_both(tmp_path, "qwen3-moe-dense-layer", "float32", aux,
+                                                             optimizer={"workers": 2}, runtime={"mode": "ray"})
+    report(ours, ref, final, ref_state)
+    assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
+
+
+def _fused_directory(model, out) -> None:
+    """`model` written with transformers 5's in-memory names (experts fused), as gpt-oss's save_pretrained writes."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    model.config.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name,on_disk", [("qwen3-moe-dense-layer", "per-expert"), ("qwen3-moe-sparse-step", "fused"),
+                                          ("mixtral-sliding", "per-expert"), ("gpt-oss", "fused")])
+def test_moe_hf_round_trip(tmp_path, name, on_disk):
+    """Import a tiny HF directory (as save_pretrained writes it: Qwen3-MoE and Mixtral one tensor per expert,
+    Mixtral under block_sparse_moe with w1/w3/w2; or fused), train 4 steps, export, load in transformers:
+    no missing or unexpected keys, logits within 1e-5 of megatrain's."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.model.hf_io import HFDirectory
+    from tests.conftest import learnable_tokens, tiny_raw
+
+    model = hf_moe_model(name)
+    source = tmp_path / "source"
+    if on_disk == "fused":
+        _fused_directory(model, source)
+    else:
+        model.save_pretrained(source)
+    disk_names = set(HFDirectory(source).on_disk)
+    expert_key = "block_sparse_moe.experts.0.w1.weight" if name.startswith("mixtral") else "mlp.experts.0.gate_proj.weight"
+    assert any(n.endswith(expert_key) for n in disk_names) == (on_disk == "per-expert")
+    raw = tiny_raw(model={"path": str(source)}, data={"seq_len": 24}, train={"steps": 4, "output_dir": str(tmp_path / "run")},
+                   optimizer={"lr": 1e-2})
+    raw["model"] = {"path": str(source)}
+    raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", model.config.vocab_size)
+    ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(4))
+    with Trainer(load_config(raw=raw)) as trainer:
+        initial = trainer.master_weights()
+        for key, value in model.state_dict().items():
+            if key in initial:
+                assert torch.equal(initial[key], value), key
+        trainer.train()
+        moved = trainer.master_weights()
+        assert all(not torch.equal(moved[k], initial[k]) for k in moved)
+        ours = trainer.logits(ids)
+        trainer.export(tmp_path / "hf")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                    output_loading_info=True,
+                                                                    experts_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(loaded) is type(model)
+    with torch.no_grad():
+        theirs = loaded.eval()(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
