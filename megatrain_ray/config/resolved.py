@@ -106,7 +106,8 @@ class RunSpec:
         stream_dtype, stream_is_master = p.resolved_stream_dtype, p.stream_is_master
         grad_home: GradHome = "stream" if not stream_is_master else ("stage" if o.grad_clip > 0 else "pool")
         rank_tokens = cfg.data.batch_size // (ranks * nodes) * cfg.data.seq_len
-        compiles = e.compile is True or (e.compile == "auto" and device == "cuda")
+        # MoE layers run eagerly: their expert groups change size with the routing.
+        compiles = (e.compile is True or (e.compile == "auto" and device == "cuda")) and not cfg.model.is_moe
         return cls(
             device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
             master_dtype=p.master_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,

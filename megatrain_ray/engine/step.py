@@ -97,9 +97,7 @@ class StreamEngine:
         self.embed_scale = embed_scale(model, self.compute_dtype)
         self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
-        # MoE layers run eagerly: their expert groups change size with the routing.
-        self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") \
-            if compiles and not model.is_moe else None
+        self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
         self.router_aux = RouterAux(model)
         poison = self.engine_cfg.poison_buffers
 

@@ -74,16 +74,26 @@ def moe_mlp_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
             ("mlp.experts.down_proj", (e, h, f), "normal")]
 
 
-def expert_params_per_layer(cfg: ModelConfig) -> tuple[int, int]:
-    """(all expert parameters of one MoE layer, those a token uses): total vs active counts."""
-    per_expert = sum(n for _, n in _expert_sizes(cfg))
-    return cfg.num_experts * per_expert, cfg.num_experts_per_tok * per_expert
+def active_fraction(cfg: ModelConfig, name: str) -> float:
+    """The share of tensor `name` (a layer's, by its name in the stage) that one token uses: top-k of the
+    experts for the fused expert tensors, all of any other tensor."""
+    return cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe and name.startswith("mlp.experts.") else 1.0
 
 
-def _expert_sizes(cfg: ModelConfig) -> list[tuple[str, int]]:
-    h, f = cfg.hidden_size, cfg.expert_intermediate_size
-    sizes = [("gate_up", 2 * f * h), ("down", f * h)]
-    return sizes + ([("biases", 2 * f + h)] if cfg.family == "gpt_oss" else [])
+def moe_token_width(cfg: ModelConfig) -> int:
+    """The per-token width of a layer's MLP intermediates for the memory plan: intermediate_size for a dense
+    layer; a MoE layer routes each token k times, its gathered rows and outputs (hidden each) and its
+    expert intermediates (expert_intermediate_size each) counted as one MLP of k * (that + hidden)
+    (an estimate, not a measured peak)."""
+    dense = cfg.intermediate_size if any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers)) else 0
+    if not cfg.is_moe:
+        return dense
+    return max(dense, cfg.num_experts_per_tok * (cfg.expert_intermediate_size + cfg.hidden_size))
+
+
+def expert_numel(stage_slots) -> int:
+    """Elements of a layer's fused expert tensors (0 for a dense layer)."""
+    return sum(s.numel for s in stage_slots if s.name.startswith("mlp.experts."))
 
 
 # ----------------------------------------------------------------------------- router

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config.hf import hf_config_from_model, model_config_from_hf  # noqa: E402
+from megatrain_ray.config.resolved import RunSpec  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.model.moe import MoeSpec, experts, route  # noqa: E402
@@ -132,3 +133,61 @@ def test_router_and_experts_against_a_per_token_loop():
             act = torch.nn.functional.silu(gate_up[:f]) * gate_up[f:]
             want += weights[t, j] * (w["mlp.experts.down_proj"][index[t, j]] @ act)
         torch.testing.assert_close(out[t], want, rtol=1e-12, atol=1e-12)
+
+
+# Published figures (model cards) with the unit of their last digit: total parameters, and active ones as each
+# card counts them. Qwen3 and Mixtral count the embedding and the LM head, OpenAI's gpt-oss card the LM head
+# only (its "active parameters" leave out the embedding lookup). Qwen's card truncates (3.35 B active reads
+# "3.3B"; its 29.9B non-embedding total, without embedding and head, is checked too), the others round.
+PUBLISHED = {
+    "qwen3-30b-a3b": dict(total=30.5e9, active=3.3e9, unit=0.1e9, embedding=True, truncated=True,
+                          non_embedding=29.9e9),
+    "mixtral-8x7b": dict(total=46.7e9, active=12.9e9, unit=0.1e9, embedding=True, truncated=False),
+    "gpt-oss-20b": dict(total=20.91e9, active=3.61e9, unit=0.01e9, embedding=False, truncated=False),
+    "gpt-oss-120b": dict(total=116.83e9, active=5.13e9, unit=0.01e9, embedding=False, truncated=False),
+}
+
+
+def _as_published(ours: int, card: float, unit: float, truncated: bool) -> bool:
+    return 0 <= ours - card < unit if truncated else abs(ours - card) <= unit / 2
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_moe_shapes_match_published_parameter_counts(name):
+    """configs/shapes/<name>.yaml against the model card, to the card's last digit."""
+    from pathlib import Path
+
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.model.flops import active_params
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "shapes" / f"{name}.yaml")
+    layout = build_layout(cfg.model)
+    card = PUBLISHED[name]
+    active = active_params(cfg.model, layout) - (0 if card["embedding"] else layout.embed.numel)
+    assert _as_published(layout.num_params, card["total"], card["unit"], False), layout.num_params
+    assert _as_published(active, card["active"], card["unit"], card["truncated"]), active
+    if "non_embedding" in card:
+        rest = layout.num_params - layout.embed.numel - layout.head.slot("lm_head.weight").numel
+        assert _as_published(rest, card["non_embedding"], card["unit"], False), rest
+    assert cfg.model.is_moe and not RunSpec.resolve(cfg).compiles  # MoE layers run eagerly
+
+
+def test_moe_plan_counts_active_parameters_and_expert_flops():
+    """The plan's header names the active parameters; the model FLOPs per token of a MoE layer count its
+    experts' matrices by top-k / num_experts (Mixtral 8x7B: 2 of 8)."""
+    from pathlib import Path
+
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.model.flops import stage_flops_per_token
+    from megatrain_ray.planning.machine import Machine
+    from megatrain_ray.planning.memory import format_plan, plan_run
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "shapes" / "mixtral-8x7b.yaml")
+    layout = build_layout(cfg.model)
+    m = cfg.model
+    attention = 2 * m.hidden_size * (m.num_attention_heads + m.num_key_value_heads) * m.resolved_head_dim
+    per_token = attention + m.num_experts * m.hidden_size + 2 * 3 * m.hidden_size * m.intermediate_size
+    flops = stage_flops_per_token(m, layout, cfg.data.seq_len)
+    assert flops[1] == 6.0 * per_token + 6.0 * cfg.data.seq_len * m.num_attention_heads * m.resolved_head_dim
+    text = format_plan(plan_run(cfg, Machine.from_preset("h200-1tb")))
+    assert "46.7 B parameters (12.9 B active per token)" in text
