@@ -853,6 +853,9 @@ class Config:
             _fail("data.seq_len", self.data.seq_len,
                   f"exceeds model.max_position_embeddings={self.model.max_position_embeddings}; "
                   "raise it or configure model.rope_scaling")
+        if self.data.packing and self.model.family == "gpt_oss":
+            _fail("data.packing", True, "gpt_oss's attention sinks run on plain rows only (model/sinks.py); "
+                  "set data.packing false")
         if self.data.path.endswith(".txt") and self.model.vocab_size < 256:
             _fail("model.vocab_size", self.model.vocab_size, "must be >= 256 for byte-level text data")
         if self.optimizer.moment_dtype == "bfloat16" and self.precision.master_dtype != "float32":

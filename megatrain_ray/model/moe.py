@@ -141,17 +141,19 @@ def route(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
 # ----------------------------------------------------------------------------- experts
 
 
-def grouped_mm_usable(x: torch.Tensor) -> bool:
-    """torch._grouped_mm: CUDA, bfloat16, compute capability 9.0 or later (its kernels' constraints)."""
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """torch._grouped_mm: CUDA, bfloat16, compute capability 9.0 or later, and every stride a multiple of 16
+    bytes (its TMA loads; an unaligned stride would be refused), i.e. the widths multiples of 8."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and all(n % 8 == 0 for t in (x, *weights) for n in t.shape[1:]))
 
 
 def _expert_products(rows: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor,
                      transposed: bool) -> torch.Tensor:
     """Each expert's rows times its matrix: rows [N, in] sorted by expert, weight [E, out, in] (or [E, in,
     out] when `transposed`, gpt-oss); returns [N, out]."""
-    if grouped_mm_usable(rows):
+    if grouped_mm_usable(rows, weight):
         mat = weight if transposed else weight.transpose(-2, -1)
         return torch._grouped_mm(rows, mat, offs=offsets)
     out_width = weight.shape[-1] if transposed else weight.shape[-2]
@@ -184,7 +186,8 @@ def experts(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, w: Mapp
     token_of = order // k  # pair p = t * k + j belongs to token t
     counts_t = torch.bincount(flat_expert, minlength=spec.num_experts)
     offsets = torch.cumsum(counts_t, 0).to(torch.int32)
-    counts = counts_t.tolist() if not grouped_mm_usable(h) else []
+    grouped = grouped_mm_usable(h, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
+    counts = [] if grouped else counts_t.tolist()  # the loop needs them on the host (a device sync)
     rows = h[token_of]
     gate_up = _expert_products(rows, w["mlp.experts.gate_up_proj"], counts, offsets, spec.gpt_oss)
     sorted_expert = flat_expert[order]

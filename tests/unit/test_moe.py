@@ -191,3 +191,24 @@ def test_moe_plan_counts_active_parameters_and_expert_flops():
     assert flops[1] == 6.0 * per_token + 6.0 * cfg.data.seq_len * m.num_attention_heads * m.resolved_head_dim
     text = format_plan(plan_run(cfg, Machine.from_preset("h200-1tb")))
     assert "46.7 B parameters (12.9 B active per token)" in text
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["qwen-mixtral", "gpt-oss"])
+def test_grouped_mm_call_matches_the_expert_loop(monkeypatch, transposed):
+    """On CUDA (bfloat16, sm90) the expert products go through torch._grouped_mm. Its call (cumulative int32
+    offsets, the weight's orientation, gpt-oss's [E, in, out] layout) is checked here against the loop,
+    through torch's CPU kernel of it (float32, forward, strides of 16 bytes), with an expert of no rows."""
+    from megatrain_ray.model import moe
+
+    gen = torch.Generator().manual_seed(5)
+    counts = [3, 0, 6, 4]
+    rows = torch.randn(sum(counts), 8, generator=gen)
+    weight = torch.randn(4, 8, 12, generator=gen) if transposed else torch.randn(4, 12, 8, generator=gen)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    loop = moe._expert_products(rows, weight, counts, offsets, transposed)
+    monkeypatch.setattr(moe, "grouped_mm_usable", lambda *tensors: True)
+    try:
+        grouped = moe._expert_products(rows, weight, [], offsets, transposed)
+    except RuntimeError as exc:  # a torch build without the CPU kernel
+        pytest.skip(f"torch._grouped_mm on the CPU: {exc}")
+    torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
