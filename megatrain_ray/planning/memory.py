@@ -144,11 +144,24 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
         "layer backward working set": int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
-                                          * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + mlp_sums,
+                                          * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + mlp_sums
+        + explicit_attention_bytes(cfg, tokens, compute_b),
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
         + 2 * tokens * h * acc_b,
         "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
     }
+
+
+def explicit_attention_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
+    """Attention through explicit products (gpt-oss's sinks, Gemma 2's soft-cap) keeps [rows, heads, T, T]
+    tensors for its backward: the scores, the softmax's input (gpt-oss: with the sink column) and its
+    output, in the compute dtype, and a T x T mask (counted, not measured). 0 for SDPA's attention."""
+    m = cfg.model
+    if m.family != "gpt_oss" and not m.attn_logit_softcapping:
+        return 0
+    seq = cfg.data.seq_len
+    rows = max(1, tokens // seq)
+    return 3 * rows * m.num_attention_heads * seq * (seq + 1) * compute_b + seq * seq
 
 
 def resident_bytes(run: RunSpec, stages) -> int:

@@ -212,3 +212,17 @@ def test_grouped_mm_call_matches_the_expert_loop(monkeypatch, transposed):
     except RuntimeError as exc:  # a torch build without the CPU kernel
         pytest.skip(f"torch._grouped_mm on the CPU: {exc}")
     torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
+
+
+def test_gpt_oss_plan_counts_its_explicit_attention():
+    """Attention with sinks is explicit (model/sinks.py): the plan's layer working set holds its three
+    [rows, heads, T, T + 1] tensors in bfloat16 (8 x 64 x 4096 x 4097 x 2 bytes each for gpt-oss-20b)."""
+    from pathlib import Path
+
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.planning.memory import gpu_bytes
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "shapes" / "gpt-oss-20b.yaml")
+    run = RunSpec.resolve(cfg)
+    scores = 8 * 64 * 4096 * 4097 * 2
+    assert 3 * scores < gpu_bytes(cfg, run)["layer backward working set"] < 4 * scores
