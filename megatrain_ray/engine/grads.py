@@ -112,7 +112,8 @@ class GradientSink:
         piece = grad.buf[:stage.numel]
         if self.comm is not None:
             start = timeline.start(s.compute)
-            piece = self.comm.reduce(grad.buf, grad.out)[:end - first]
+            n = padded(stage.numel, self.rank.local_world)  # the slot may be a larger layer's (Qwen3-MoE)
+            piece = self.comm.reduce(grad.buf[:n], grad.out[:n // self.rank.local_world])[:end - first]
             timeline.stop("comm", s.compute, start)
         self.count(piece)
         ready = s.record(s.compute)

@@ -182,3 +182,28 @@ def test_moe_chunked_mlp_and_offloaded_inputs_match_transformers(tmp_path, name)
         engine={"activation_offload": True, "mlp_chunk_tokens": 20})
     report(ours, ref, final, ref_state)
     assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
+
+
+@pytest.mark.ray
+def test_moe_two_gpu_workers_equal_one(tmp_path, ray_session):
+    """Data parallel (2 ranks, each half the rows; gloo on the CPU) equals one rank for Qwen3-MoE in float64:
+    each rank's expert gradients (zero for its experts without tokens) are summed like any other. The
+    load-balancing loss is refused there (its counts are one rank's): one clear error at load."""
+    from megatrain_ray.exceptions import ConfigError
+    from tests.integration.test_data_parallel import run_steps
+
+    model = hf_moe_model("qwen3-moe-dense-layer")
+    mcfg = dataclasses.asdict(model_config_from_hf(model.config.to_dict()))
+    common = dict(model=mcfg, data={"seq_len": 24}, train={"steps": 8},
+                  precision={"master_dtype": "float64", "compute_dtype": "float64"}, optimizer={"lr": 1e-2})
+    ref_losses, initial, ref_final = run_steps(tiny_config(tmp_path / "one", **common), 8)
+    losses, _, final = run_steps(tiny_config(tmp_path / "two", parallel={"gpus": 2}, runtime={"mode": "ray"},
+                                             **common), 8)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-12 * abs(b), f"step {step}: loss {a!r} vs one rank's {b!r}"
+    for name, ref in ref_final.items():
+        assert ((final[name] - ref).norm() / ref.norm()).item() <= 1e-12, name
+        assert ((ref - initial[name]).norm() / initial[name].norm()).item() > 1e-4, f"{name} did not move"
+    with pytest.raises(ConfigError, match="model.output_router_logits"):
+        tiny_config(tmp_path / "aux", parallel={"gpus": 2}, runtime={"mode": "ray"},
+                    **{**common, "model": {**mcfg, "output_router_logits": True}})
