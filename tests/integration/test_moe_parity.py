@@ -207,3 +207,12 @@ def test_moe_two_gpu_workers_equal_one(tmp_path, ray_session):
     with pytest.raises(ConfigError, match="model.output_router_logits"):
         tiny_config(tmp_path / "aux", parallel={"gpus": 2}, runtime={"mode": "ray"},
                     **{**common, "model": {**mcfg, "output_router_logits": True}})
+
+
+def test_moe_gpu_resident_layers_match_transformers(tmp_path):
+    """engine.gpu_resident 2: Qwen3-MoE's first two layers (a MoE and the dense one) stay on the device and
+    update there, with the aux loss on; float64 against transformers."""
+    ours, ref, final, ref_state, initial, records = run_both(tmp_path, "qwen3-moe-dense-layer", "float64", True,
+                                                             optimizer={"workers": 2}, engine={"gpu_resident": 2})
+    report(ours, ref, final, ref_state)
+    assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
