@@ -216,3 +216,22 @@ def test_moe_gpu_resident_layers_match_transformers(tmp_path):
                                                              optimizer={"workers": 2}, engine={"gpu_resident": 2})
     report(ours, ref, final, ref_state)
     assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral-sliding", "gpt-oss"])
+def test_moe_bf16_compute_tracks_float32_transformers(tmp_path, name):
+    """bfloat16 weights and math (the GPU default) on the CPU, aux loss on: every step's loss within 2 % of
+    transformers' float32 run (as test_training_parity's bf16 test), and the loss falls."""
+    model = hf_moe_model(name, output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 24},
+                      precision={"compute_dtype": "bfloat16"}, optimizer={"lr": LR.get(name, 1e-3)})
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        initial = trainer.master_weights()
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
+        ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
+    ref, _ = train_hf_moe(model, cfg, initial, batches, torch.float32, aux=True)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert abs(a - b) <= 0.02 * abs(b), f"step {step}: bf16 loss {a} vs float32 reference {b}"
+    assert ours[-1] < ours[0] - 0.05
