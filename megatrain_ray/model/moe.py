@@ -158,11 +158,14 @@ def _expert_products(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]
         return torch._grouped_mm(rows, mat, offs=offsets)
     out_width = weight.shape[-1] if transposed else weight.shape[-2]
     out = rows.new_empty(rows.shape[0], out_width)
+    # unbind, not weight[e]: its backward stacks the experts' gradients into one tensor (zeros for the experts
+    # without rows), where each weight[e] would allocate and add a zero-filled gradient of the whole tensor.
+    per_expert = weight.unbind(0)
     start = 0
     for e, n in enumerate(counts):
         if n:
             part = rows[start:start + n]
-            out[start:start + n] = part @ weight[e] if transposed else F.linear(part, weight[e])
+            out[start:start + n] = part @ per_expert[e] if transposed else F.linear(part, per_expert[e])
         start += n
     return out
 
