@@ -307,6 +307,14 @@ class ModelConfig:
             _fail(f"{s}.mlp_only_layers", self.mlp_only_layers, f"lists layers from 0 to {self.num_layers - 1}")
         if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
             _fail(f"{s}.router_aux_loss_coef", self.router_aux_loss_coef, "must be a finite number >= 0")
+        fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True)}
+        key, value = fixed[self.family]
+        if getattr(self, key) != value:
+            _fail(f"{s}.{key}", getattr(self, key), f"{self.family} {'always has' if value else 'has no'} "
+                  f"{'q/k norms' if key == 'qk_norm' else 'attention biases'} in transformers: set it "
+                  f"{str(value).lower()}")
+        if self.family == "mixtral" and self.attention_bias:
+            _fail(f"{s}.attention_bias", True, "Mixtral has no attention biases (as transformers' MixtralAttention)")
         if (self.family == "gpt_oss") != (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
             _fail(f"{s}.swiglu_limit", (self.swiglu_limit, self.swiglu_alpha),
                   "swiglu_limit and swiglu_alpha are gpt_oss's (both > 0 there) and unset elsewhere")

@@ -226,3 +226,26 @@ def test_gpt_oss_plan_counts_its_explicit_attention():
     run = RunSpec.resolve(cfg)
     scores = 8 * 64 * 4096 * 4097 * 2
     assert 3 * scores < gpu_bytes(cfg, run)["layer backward working set"] < 4 * scores
+
+
+def test_bad_moe_settings_are_one_clear_error(tmp_path):
+    """Each names the config key (or config.json field) and what to do, before anything starts."""
+    from megatrain_ray.exceptions import ConfigError
+
+    qwen = dataclasses.asdict(model_config_from_hf(hf_moe_model("qwen3-moe-dense-layer").config.to_dict()))
+    cases = [
+        ({**qwen, "num_experts_per_tok": 7}, {}, "model.num_experts_per_tok"),
+        ({**qwen, "qk_norm": False}, {}, "model.qk_norm"),
+        ({**qwen, "mlp_only_layers": [3]}, {}, "model.mlp_only_layers"),
+        ({**qwen, "family": "qwen3", "num_experts": 6}, {}, "model.num_experts"),
+        ({**qwen, "swiglu_limit": 7.0, "swiglu_alpha": 1.7}, {}, "model.swiglu_limit"),
+    ]
+    for model, data, key in cases:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            tiny_config(tmp_path, model=model, data={"seq_len": 24, **data})
+    gpt = dataclasses.asdict(model_config_from_hf(hf_moe_model("gpt-oss").config.to_dict()))
+    with pytest.raises(ConfigError, match="attention sinks run on plain rows"):
+        tiny_config(tmp_path, model=gpt, data={"seq_len": 24, "packing": True})
+    mixtral = hf_moe_model("mixtral-sliding").config.to_dict()
+    with pytest.raises(ConfigError, match="router_jitter_noise"):
+        model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
