@@ -197,7 +197,7 @@ class ModelConfig:
     """MoE: add router_aux_loss_coef times the load-balancing loss (transformers' load_balancing_loss_func over
     all MoE layers, padding included as transformers does without an attention mask) to the training loss,
     as transformers does when config.json's output_router_logits is true; the step records log it apart as
-    aux_loss. Needs one GPU worker (parallel.gpus 1): its expert counts are this rank's."""
+    aux_loss. With several GPU workers the counts are summed over them: the loss of the whole batch."""
     router_aux_loss_coef: float = 0.001
     """MoE: the weight of the load-balancing loss (read when output_router_logits is true)."""
     swiglu_limit: float = 0.0
@@ -894,9 +894,6 @@ def check_parallel(cfg: Config, ranks: int | None = None) -> None:
         _fail("parallel.gpus", p.gpus if p.gpus != "auto" else f"auto ({ranks} GPUs)",
               f"data.batch_size={cfg.data.batch_size} is not divisible by {ranks} ranks: each GPU takes an equal "
               f"slice of the global batch; set data.batch_size to a multiple of {ranks}")
-    if ranks is not None and ranks > 1 and cfg.model.is_moe and cfg.model.output_router_logits:
-        _fail("model.output_router_logits", True, "the load-balancing loss counts the experts' tokens of one rank; "
-              "with several GPU workers set it false (or parallel.gpus 1)")
     if p.backend == "nccl" and cfg.engine.device == "cpu":
         _fail("parallel.backend", p.backend, "needs GPUs, but engine.device=cpu; use gloo or auto")
     if p.backend == "gloo" and cfg.engine.device == "cuda":

@@ -131,4 +131,5 @@ def merge_results(results: list[StepResult]) -> StepResult:
         compute_seconds=total("compute_seconds") / len(results), h2d_seconds=total("h2d_seconds"),
         d2h_seconds=total("d2h_seconds"), skipped=first.skipped, gpu_peak_bytes=slowest("gpu_peak_bytes"),
         comm_seconds=slowest("comm_seconds"), slab_wait_seconds=slowest("slab_wait_seconds"),
-        rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results))
+        rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results),
+        aux_loss=first.aux_loss)  # MoE: the whole batch's, the same on every rank

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.engine.collective import Collectives
 from megatrain_ray.model.moe import RouterRecord, load_balancing_loss
 
 
@@ -39,14 +40,35 @@ class RouterAux:
         """Where layer `layer`'s forward records its routing (None: not a MoE layer, or the loss is off)."""
         return self.records.get(layer)
 
-    def finish_forward(self) -> torch.Tensor | None:
-        """The weighted loss coef * aux (to add to the step's loss), or None when off; sets the layers' gradient."""
+    def finish_forward(self, comm: Collectives | None = None, first_rank: bool = True) -> torch.Tensor | None:
+        """The weighted loss coef * aux to add to this rank's share of the step's loss, or None when off; sets the
+        layers' gradient. With several ranks (`comm`) the counts and probability sums are summed over them first,
+        so that the loss and its gradient are those of the whole batch (as one rank would compute them); the
+        loss is added on the first rank only, since the ranks' losses are summed."""
         if not self.records:
             return None
-        self.loss, grad = load_balancing_loss(list(self.records.values()), self.num_experts)
+        records = list(self.records.values())
+        if comm is not None:
+            records = _summed_over_ranks(comm, records)
+        self.loss, grad = load_balancing_loss(records, self.num_experts)
         self.grad = self.coef * grad
-        return self.coef * self.loss
+        return self.coef * self.loss if first_rank else torch.zeros_like(self.loss)
 
     def layer_grad(self, layer: int) -> torch.Tensor | None:
         """coef * d(aux)/d(prob_sum) (float32, as prob_sum) for layer `layer`'s recompute (None: no term)."""
         return self.grad if self.grad is not None and layer in self.records else None
+
+
+def _summed_over_ranks(comm: Collectives, records: list[RouterRecord]) -> list[RouterRecord]:
+    """The layers' records summed over every rank, in one all-reduce of [layers, 2 E + 1] float64 values."""
+    packed = torch.stack([torch.cat([r.counts.double(), r.prob_sum.detach().double(),
+                                     torch.tensor([float(r.rows)], dtype=torch.float64, device=r.counts.device)])
+                          for r in records])
+    comm.all_reduce(packed)
+    experts = records[0].counts.numel()
+    summed = []
+    for row in packed:
+        total = RouterRecord()
+        total.add(row[:experts].float(), row[experts:2 * experts].float(), int(row[-1]))
+        summed.append(total)
+    return summed

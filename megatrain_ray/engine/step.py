@@ -158,7 +158,7 @@ class StreamEngine:
 
         x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, self.activations)
         head = self._head(x, embed_w, labels, n_valid)
-        aux = self.router_aux.finish_forward()
+        aux = self.router_aux.finish_forward(self._comm, self.rank.rank == 0)
         if aux is not None:  # as transformers: the loss includes router_aux_loss_coef * the load-balancing loss
             head.loss_sum = head.loss_sum + aux
         del x  # else the last hidden state, [tokens, hidden], lives through the whole backward

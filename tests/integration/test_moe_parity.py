@@ -185,28 +185,33 @@ def test_moe_chunked_mlp_and_offloaded_inputs_match_transformers(tmp_path, name)
 
 
 @pytest.mark.ray
-def test_moe_two_gpu_workers_equal_one(tmp_path, ray_session):
+@pytest.mark.parametrize("aux", [True, False], ids=["aux", "noaux"])
+def test_moe_two_gpu_workers_equal_one(tmp_path, ray_session, aux):
     """Data parallel (2 ranks, each half the rows; gloo on the CPU) equals one rank for Qwen3-MoE in float64:
-    each rank's expert gradients (zero for its experts without tokens) are summed like any other. The
-    load-balancing loss is refused there (its counts are one rank's): one clear error at load."""
-    from megatrain_ray.exceptions import ConfigError
+    each rank's expert gradients (zero for its experts without tokens) are summed like any other, and the
+    load-balancing loss takes the expert counts and probabilities summed over the ranks (the whole batch's).
+    1e-12 relative without it; with it 1e-6: its probability sums are float32 (as transformers computes them),
+    summed per rank and then over the ranks, in another order than one rank's. Measured over 8 steps at lr 1e-2:
+    3.2e-9 in the loss, 4.9e-15 in the weights (the gradient takes the exact counts, not the sums)."""
     from tests.integration.test_data_parallel import run_steps
 
-    model = hf_moe_model("qwen3-moe-dense-layer")
+    model = hf_moe_model("qwen3-moe-dense-layer", output_router_logits=aux, router_aux_loss_coef=AUX_COEF)
     mcfg = dataclasses.asdict(model_config_from_hf(model.config.to_dict()))
     common = dict(model=mcfg, data={"seq_len": 24}, train={"steps": 8},
                   precision={"master_dtype": "float64", "compute_dtype": "float64"}, optimizer={"lr": 1e-2})
     ref_losses, initial, ref_final = run_steps(tiny_config(tmp_path / "one", **common), 8)
-    losses, _, final = run_steps(tiny_config(tmp_path / "two", parallel={"gpus": 2}, runtime={"mode": "ray"},
-                                             **common), 8)
+    with Trainer(tiny_config(tmp_path / "two", parallel={"gpus": 2}, runtime={"mode": "ray"}, **common)) as trainer:
+        records = [trainer.step(s) for s in range(8)]
+        losses, final = [r["loss"] for r in records], trainer.master_weights()
+    assert all(("aux_loss" in r) == aux for r in records)
+    rel = 1e-6 if aux else 1e-12
+    print(f"max relative loss difference {max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e}, weights "
+          f"{max(((final[k] - r).norm() / r.norm()).item() for k, r in ref_final.items()):.2e}")
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-12 * abs(b), f"step {step}: loss {a!r} vs one rank's {b!r}"
+        assert abs(a - b) <= rel * abs(b), f"step {step}: loss {a!r} vs one rank's {b!r}"
     for name, ref in ref_final.items():
-        assert ((final[name] - ref).norm() / ref.norm()).item() <= 1e-12, name
+        assert ((final[name] - ref).norm() / ref.norm()).item() <= rel, name
         assert ((ref - initial[name]).norm() / initial[name].norm()).item() > 1e-4, f"{name} did not move"
-    with pytest.raises(ConfigError, match="model.output_router_logits"):
-        tiny_config(tmp_path / "aux", parallel={"gpus": 2}, runtime={"mode": "ray"},
-                    **{**common, "model": {**mcfg, "output_router_logits": True}})
 
 
 def test_moe_gpu_resident_layers_match_transformers(tmp_path):
