@@ -91,6 +91,25 @@ def moe_token_width(cfg: ModelConfig) -> int:
     return max(dense, cfg.num_experts_per_tok * (cfg.expert_intermediate_size + cfg.hidden_size))
 
 
+def idle_expert_spans(stage_slots, counts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) element spans of a layer's flat buffer that hold the fused expert tensors of the experts
+    with no token (counts[e] == 0), adjacent ones merged: their gradient is zero, so the engine copies no
+    byte of it to the host (the host span is zeroed there instead)."""
+    spans: list[tuple[int, int]] = []
+    for slot in stage_slots:
+        if not slot.name.startswith("mlp.experts."):
+            continue
+        per_expert = slot.numel // len(counts)
+        for e, n in enumerate(counts):
+            if n == 0:
+                a = slot.offset + e * per_expert
+                if spans and spans[-1][1] == a:
+                    spans[-1] = (spans[-1][0], a + per_expert)
+                else:
+                    spans.append((a, a + per_expert))
+    return spans
+
+
 def expert_numel(stage_slots) -> int:
     """Elements of a layer's fused expert tensors (0 for a dense layer)."""
     return sum(s.numel for s in stage_slots if s.name.startswith("mlp.experts."))
