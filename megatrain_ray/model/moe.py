@@ -12,7 +12,8 @@ modeling file operation by operation:
 The experts stay fused per layer as transformers 5 keeps them (`mlp.experts.gate_up_proj` [E, ...] and
 `mlp.experts.down_proj`), so each is one tensor of the stage's flat buffer and takes one AdamW update. An
 expert that received no token in a step gets a zero gradient and a normal AdamW step (its moments decay,
-weight decay applies), exactly as transformers 5's fused parameters do under torch.optim.AdamW.
+weight decay applies), exactly as transformers 5's fused parameters do under torch.optim.AdamW. Its zero
+gradient is not copied to the host (idle_expert_spans; the update dispatcher zeroes the host span).
 
 Expert compute: the token-expert pairs are sorted by expert (a stable sort, so each expert sees its tokens
 in order), each expert multiplies its rows, the outputs are weighted and added back per token. On CUDA in
