@@ -48,6 +48,7 @@ from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
 from megatrain_ray.model.templates import (
     DocumentBucket,
     HeadResult,
@@ -316,9 +317,12 @@ class StreamEngine:
             x_in = acts.take(i, self.device)
             start = timeline.start(compute)
             spec = self.specs[i]
+            # A streamed MoE layer (one rank) records its routing: its experts without tokens have zero gradients,
+            # which are not copied to the host. From the recompute, whose routing the gradients follow.
+            routing = RouterRecord() if spec.moe is not None and slot is not None and self._comm is None else None
             grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents, grad_y,
                                                           self.mlp_chunk, self._layer(x_in, documents),
-                                                          self.router_aux.layer_grad(i))
+                                                          self.router_aux.layer_grad(i), routing)
             del x_in
             self._release(slot)
             # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
@@ -336,7 +340,9 @@ class StreamEngine:
                 self.grads.count(grad_buf[:stage.numel])
                 self.resident.ready(stage, self.clip > 0, self.updates.lr, self.updates.adam_step)
             else:
-                self.grads.emit(stage, grad_slot)
+                # The counts' copy waits for the recompute's routing only; its backward is queued already.
+                idle = idle_expert_spans(stage.slots, routing.counts.tolist()) if routing is not None else []
+                self.grads.emit(stage, grad_slot, idle)
             grad_y = grad_x
         return grad_y
 

@@ -12,7 +12,8 @@ modeling file operation by operation:
 The experts stay fused per layer as transformers 5 keeps them (`mlp.experts.gate_up_proj` [E, ...] and
 `mlp.experts.down_proj`), so each is one tensor of the stage's flat buffer and takes one AdamW update. An
 expert that received no token in a step gets a zero gradient and a normal AdamW step (its moments decay,
-weight decay applies), exactly as transformers 5's fused parameters do under torch.optim.AdamW.
+weight decay applies), exactly as transformers 5's fused parameters do under torch.optim.AdamW. Its zero
+gradient is not copied to the host (idle_expert_spans; the update dispatcher zeroes the host span).
 
 Expert compute: the token-expert pairs are sorted by expert (a stable sort, so each expert sees its tokens
 in order), each expert multiplies its rows, the outputs are weighted and added back per token. On CUDA in
@@ -89,6 +90,25 @@ def moe_token_width(cfg: ModelConfig) -> int:
     if not cfg.is_moe:
         return dense
     return max(dense, cfg.num_experts_per_tok * (cfg.expert_intermediate_size + cfg.hidden_size))
+
+
+def idle_expert_spans(stage_slots, counts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) element spans of a layer's flat buffer that hold the fused expert tensors of the experts
+    with no token (counts[e] == 0), adjacent ones merged: their gradient is zero, so the engine copies no
+    byte of it to the host (the host span is zeroed there instead)."""
+    spans: list[tuple[int, int]] = []
+    for slot in stage_slots:
+        if not slot.name.startswith("mlp.experts."):
+            continue
+        per_expert = slot.numel // len(counts)
+        for e, n in enumerate(counts):
+            if n == 0:
+                a = slot.offset + e * per_expert
+                if spans and spans[-1][1] == a:
+                    spans[-1] = (spans[-1][0], a + per_expert)
+                else:
+                    spans.append((a, a + per_expert))
+    return spans
 
 
 def expert_numel(stage_slots) -> int:

@@ -445,7 +445,8 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
 def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                            spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None, grad_y: torch.Tensor,
                            mlp_chunk_tokens: int = 0, layer=None,
-                           router_grad: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           router_grad: torch.Tensor | None = None,
+                           router: RouterRecord | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Recompute the layer from its input and return (grad of x, grads of the weights by name).
 
     In one piece when the tokens fit one MLP chunk. Otherwise the attention half is recomputed once, the
@@ -453,16 +454,19 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     attention half's backward takes the assembled gradient: the MLP's [tokens, intermediate] tensors
     then exist for one chunk at a time. `layer` replaces decoder_layer in the one-piece case (a compiled
     version of it). `router_grad` (a MoE layer with the load-balancing loss on): the loss's gradient with
-    respect to the layer's summed router probabilities (RouterRecord.prob_sum), added to the backward."""
+    respect to the layer's summed router probabilities (RouterRecord.prob_sum), added to the backward. `router`:
+    where a MoE layer's recompute records its routing (the expert counts of its gradients)."""
     x = x.detach().requires_grad_(True)
     params = {n: t.detach().requires_grad_(True) for n, t in w.items()}
     chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
     with torch.enable_grad():
         if len(chunks) == 1:
-            if router_grad is not None:
-                record = RouterRecord()
+            if router_grad is not None or router is not None:
+                record = router or RouterRecord()
                 y = decoder_layer(x, params, rope, spec, documents, router=record)
-                grads = torch.autograd.grad([y, record.prob_sum], [x, *params.values()], [grad_y, router_grad])
+                outputs, grad_outputs = ([y, record.prob_sum], [grad_y, router_grad]) if router_grad is not None \
+                    else (y, grad_y)
+                grads = torch.autograd.grad(outputs, [x, *params.values()], grad_outputs)
             else:
                 y = (layer or decoder_layer)(x, params, rope, spec, documents)
                 grads = torch.autograd.grad(y, [x, *params.values()], grad_y)
@@ -477,10 +481,12 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     for part in chunks:
         with torch.enable_grad():
             piece = mid_flat[part].requires_grad_(True)
-            record = RouterRecord() if router_grad is not None else None
+            record = RouterRecord() if router_grad is not None or router is not None else None
             out = mlp_block(piece, mlp_params, spec, record)
-            outputs, grad_outputs = ([out, record.prob_sum], [grad_y_flat[part], router_grad]) if record is not None else \
-                (out, grad_y_flat[part])
+            outputs, grad_outputs = ([out, record.prob_sum], [grad_y_flat[part], router_grad]) \
+                if router_grad is not None else (out, grad_y_flat[part])
+            if router is not None:
+                router.add(record.counts, record.prob_sum.detach(), record.rows)
             grads = torch.autograd.grad(outputs, [piece, *mlp_params.values()], grad_outputs)
         grad_mid[part] = grads[0]
         for name, g in zip(mlp_params, grads[1:]):
