@@ -80,6 +80,9 @@ class StepResult:
     """update_wait_seconds of each rank (data parallel; merge_results), the first rank first."""
     objective_metrics: dict[str, float] | None = None
     """Metrics of the training objective beyond the loss (DPO: rewards/chosen, rewards/margins, ...); None for SFT."""
+    aux_loss: float | None = None
+    """MoE with model.output_router_logits: the load-balancing loss (unweighted; `loss` includes
+    router_aux_loss_coef times it, as transformers' loss does). None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)

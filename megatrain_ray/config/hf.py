@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
 from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 from megatrain_ray.system.files import read_json_object
@@ -22,9 +23,13 @@ FAMILIES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-               "gemma2": "gemma2", "gemma3_text": "gemma3"}
+               "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+               "gpt_oss": "gpt_oss"}
 HF_MODEL_TYPES = {family: model_type for model_type, family in MODEL_TYPES.items()}
 # Gemma3TextConfig's RoPE bases when config.json names none (global layers, sliding layers).
 GEMMA3_THETAS = (1_000_000.0, 10_000.0)
@@ -173,6 +178,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     if head_dim == hidden // heads:
         head_dim = 0
     gemma = _gemma(hf, family, where) if family in ("gemma2", "gemma3") else {}
+    moe = moe_from_hf(hf, family, where) if family in MOE_FAMILIES else {}
     try:
         if family == "gemma3":
             theta, scaling, gemma["rope_local_base_freq"] = _gemma3_rope(hf)
@@ -190,6 +196,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         sliding = _count(hf, "sliding_window", where, default=0, minimum=0)
     elif gemma:
         sliding = gemma.pop("sliding_window")
+    elif "sliding_window" in moe:  # Mixtral and gpt-oss
+        sliding = moe.pop("sliding_window")
     elif hf.get("use_sliding_window"):
         raise ConfigError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
     return ModelConfig(
@@ -202,10 +210,10 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),  # Gemma ties by default
         # Qwen2 always has qkv bias; Phi-3's fused qkv_proj never has one, whatever config.json says.
         attention_bias={"qwen2": True, "phi3": False}.get(family, bool(hf.get("attention_bias") or False)),
-        qk_norm=family in ("qwen3", "gemma3"), sliding_window=sliding,
+        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"), sliding_window=sliding,
         max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
         initializer_range=_number(hf, "initializer_range", where, 0.02),
-        **gemma,
+        **gemma, **moe,
     )
 
 
@@ -265,6 +273,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
                    query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.resolved_head_dim,
                    attn_logit_softcapping=cfg.attn_logit_softcapping or None,
                    final_logit_softcapping=cfg.final_logit_softcapping or None)
+    if cfg.is_moe:
+        out.update(moe_to_hf(cfg))
     if cfg.family == "gemma3":
         local = cfg.rope_local_base_freq or cfg.rope_theta
         out["rope_parameters"] = {"full_attention": rope,

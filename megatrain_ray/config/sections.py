@@ -119,10 +119,12 @@ class ModelConfig:
     the local directory it came to."""
     revision: str = ""
     """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "generic"] = "llama"
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
+                    "gpt_oss", "generic"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
     gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
     norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size).
+    qwen3_moe, mixtral and gpt_oss are mixtures of experts (num_experts and the keys below it).
     generic: a model of model.path with no native template, run by the generic path (model.template);
     set from config.json, never by hand."""
     template: Literal["auto", "native", "generic"] = "auto"
@@ -138,7 +140,8 @@ class ModelConfig:
     hidden_size: int = 4096
     """Width of the residual stream."""
     intermediate_size: int = 11008
-    """Width of the gated MLP (SwiGLU; GeLU-tanh for Gemma)."""
+    """Width of the gated MLP (SwiGLU; GeLU-tanh for Gemma). Mixtral and gpt-oss: the width of each expert;
+    Qwen3-MoE: of its dense layers (mlp_only_layers), its experts take moe_intermediate_size."""
     num_layers: int = 32
     """Decoder layers; host memory grows with it, GPU memory does not (beyond kept activations)."""
     num_attention_heads: int = 32
@@ -170,9 +173,9 @@ class ModelConfig:
     """Tokens each query may look back over (Mistral, Phi-3; Gemma: in its sliding layers only, see
     layer_types); 0 means full causal attention."""
     layer_types: list[Literal["full_attention", "sliding_attention"]] = field(default_factory=list)
-    """Gemma only: one entry per layer, sliding_attention (within sliding_window, Gemma 3: local RoPE)
-    or full_attention (global), as Hugging Face's config.json lists them. Empty: from
-    sliding_window_pattern."""
+    """Gemma and gpt-oss only: one entry per layer, sliding_attention (within sliding_window, Gemma 3: local
+    RoPE) or full_attention (global), as Hugging Face's config.json lists them. Empty: from
+    sliding_window_pattern (gpt-oss: every layer slides when sliding_window is set)."""
     sliding_window_pattern: int = 0
     """Gemma only, when layer_types is empty: every n-th layer (n, 2n, ...) is global, the others slide
     (6 for Gemma 3: 5 local to 1 global; 2 for Gemma 2). 0 with layer_types empty: every layer slides
@@ -185,6 +188,32 @@ class ModelConfig:
     final_logit_softcapping: float = 0.0
     """Gemma only (Gemma 2: 30): logits become cap * tanh(logit / cap), in the loss and its gradient too.
     0: off."""
+    num_experts: int = 0
+    """Mixture of experts (qwen3_moe, mixtral, gpt_oss; config.json's num_experts or num_local_experts):
+    experts per MoE layer, each a gated MLP, kept fused per layer as transformers 5 keeps them
+    (mlp.experts.gate_up_proj [E, ...], mlp.experts.down_proj [E, ...]). 0: a dense model."""
+    num_experts_per_tok: int = 0
+    """MoE: the experts each token is routed to (top-k of the router)."""
+    moe_intermediate_size: int = 0
+    """Qwen3-MoE: the width of each expert (intermediate_size is its dense layers'). 0: intermediate_size."""
+    norm_topk_prob: bool = False
+    """Qwen3-MoE: the top-k routing probabilities are renormalised to sum to 1 (Mixtral always does)."""
+    decoder_sparse_step: int = 1
+    """Qwen3-MoE: layer i (from 0) is a MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers; the others have a dense MLP of intermediate_size."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """Qwen3-MoE: layers (from 0) with a dense MLP whatever decoder_sparse_step says."""
+    output_router_logits: bool = False
+    """MoE: add router_aux_loss_coef times the load-balancing loss (transformers' load_balancing_loss_func over
+    all MoE layers, padding included as transformers does without an attention mask) to the training loss,
+    as transformers does when config.json's output_router_logits is true; the step records log it apart as
+    aux_loss. With several GPU workers the counts are summed over them: the loss of the whole batch."""
+    router_aux_loss_coef: float = 0.001
+    """MoE: the weight of the load-balancing loss (read when output_router_logits is true)."""
+    swiglu_limit: float = 0.0
+    """gpt-oss: the experts' clamped SwiGLU, gate clamped to at most limit, up to [-limit, limit] (7.0)."""
+    swiglu_alpha: float = 0.0
+    """gpt-oss: the experts' gate activation gate * sigmoid(alpha * gate) (1.702)."""
     max_position_embeddings: int = 4096
     """Longest sequence the model is meant for; data.seq_len may not exceed it without rope_scaling."""
     initializer_range: float = 0.02
@@ -233,6 +262,7 @@ class ModelConfig:
             _fail(f"{s}.template", self.template, "runs the model class of a Hugging Face directory: set model.path")
         if self.family == "generic" and self.template != "generic":
             _fail(f"{s}.family", self.family, "is the generic path's (model.template=generic); name a native family")
+        self._check_moe()
         if self.initializer_range <= 0:
             _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
 
@@ -245,6 +275,11 @@ class ModelConfig:
             value = getattr(self, key)
             if not math.isfinite(value) or value < 0:
                 _fail(f"{s}.{key}", value, "must be a finite number >= 0 (0: off)")
+        if self.family == "gpt_oss":  # its layer_types alternate sliding and full attention
+            del gemma_keys["layer_types"]
+            if self.layer_types and len(self.layer_types) != self.num_layers:
+                _fail(f"{s}.layer_types", self.layer_types, f"needs one entry per layer ({self.num_layers}), "
+                      f"has {len(self.layer_types)}")
         if not self.is_gemma:
             for key, off in gemma_keys.items():
                 if getattr(self, key) != off:
@@ -265,6 +300,53 @@ class ModelConfig:
                   f"q/k norms: set it {str(self.family == 'gemma3').lower()}")
         if self.attention_bias:
             _fail(f"{s}.attention_bias", True, "Gemma's templates have no projection biases (as Gemma's checkpoints)")
+
+    def _check_moe(self) -> None:
+        s = self.SECTION
+        moe_families = ("qwen3_moe", "mixtral", "gpt_oss")
+        if self.family not in moe_families:
+            if self.num_experts:
+                _fail(f"{s}.num_experts", self.num_experts, f"is read by the {', '.join(moe_families)} families only "
+                      f"(family is {self.family}); leave it at 0")
+            return
+        if self.num_experts < 1:
+            _fail(f"{s}.num_experts", self.num_experts, f"{self.family} is a mixture of experts: set it >= 1")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            _fail(f"{s}.num_experts_per_tok", self.num_experts_per_tok,
+                  f"must be between 1 and num_experts={self.num_experts}")
+        if self.moe_intermediate_size < 0 or self.decoder_sparse_step < 1:
+            _fail(f"{s}.moe_intermediate_size/decoder_sparse_step",
+                  (self.moe_intermediate_size, self.decoder_sparse_step), "must be >= 0 and >= 1")
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            _fail(f"{s}.mlp_only_layers", self.mlp_only_layers, f"lists layers from 0 to {self.num_layers - 1}")
+        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            _fail(f"{s}.router_aux_loss_coef", self.router_aux_loss_coef, "must be a finite number >= 0")
+        fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True)}
+        key, value = fixed[self.family]
+        if getattr(self, key) != value:
+            _fail(f"{s}.{key}", getattr(self, key), f"{self.family} {'always has' if value else 'has no'} "
+                  f"{'q/k norms' if key == 'qk_norm' else 'attention biases'} in transformers: set it "
+                  f"{str(value).lower()}")
+        if self.family == "mixtral" and self.attention_bias:
+            _fail(f"{s}.attention_bias", True, "Mixtral has no attention biases (as transformers' MixtralAttention)")
+        if (self.family == "gpt_oss") != (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            _fail(f"{s}.swiglu_limit", (self.swiglu_limit, self.swiglu_alpha),
+                  "swiglu_limit and swiglu_alpha are gpt_oss's (both > 0 there) and unset elsewhere")
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture of experts (qwen3_moe, mixtral, gpt_oss): some or all layers route tokens to experts."""
+        return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has experts, as transformers decides (Qwen3-MoE's
+        decoder_sparse_step and mlp_only_layers; every layer of Mixtral and gpt-oss)."""
+        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The width of each expert's MLP."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def is_gemma(self) -> bool:
@@ -481,8 +563,8 @@ class EngineConfig:
     compile: bool | Literal["auto"] = "auto"
     """torch.compile the decoder-layer template (its forward, and the recomputed forward and backward):
     fuses the norms, RoPE and SwiGLU around the matrix products. The first step of each shape pays the
-    compile time (the start-up log says when the layers compile); rows with packed documents or a
-    chunked MLP run eagerly. auto: on when the engine runs on a GPU (on the H200, 7B-width layers at 64k
+    compile time (the start-up log says when the layers compile); rows with packed documents, MoE models
+    (their expert groups change size with the routing) or a chunked MLP run eagerly. auto: on when the engine runs on a GPU (on the H200, 7B-width layers at 64k
     tokens ran 1.24-1.25x faster compiled and peaked 5 GiB lower (docs/benchmarks.md); 1.08x at 32k with
     clipping on, where
     the optimizer bounds the step), off on the CPU; if torch.compile fails there (no Triton or C
@@ -841,6 +923,9 @@ def check_finetune(cfg: "Config") -> None:
     if cfg.model.template == "generic":
         why = ("a native layer template (the adapters are bound into the native templates' projections; the generic "
                "path runs the model's own layer modules): model.template=generic cannot take them")
+    elif cfg.model.is_moe:
+        why = (f"a dense family: adapters on the fused expert tensors of {cfg.model.family} are not built yet "
+               "(full fine-tuning of MoE models works)")
     elif cfg.parallel.nodes != 1:
         why = "one node (parallel.nodes=1; several GPUs of one node are fine)"
     elif cfg.engine.gpu_resident not in ("none", "auto", 0):
@@ -926,6 +1011,9 @@ class Config:
             _fail("data.seq_len", self.data.seq_len,
                   f"exceeds model.max_position_embeddings={self.model.max_position_embeddings}; "
                   "raise it or configure model.rope_scaling")
+        if self.data.packing and self.model.family == "gpt_oss":
+            _fail("data.packing", True, "gpt_oss's attention sinks run on plain rows only (model/sinks.py); "
+                  "set data.packing false")
         if self.data.path.endswith(".txt") and self.model.vocab_size < 256:
             _fail("model.vocab_size", self.model.vocab_size, "must be >= 256 for byte-level text data")
         if self.optimizer.moment_dtype == "bfloat16" and self.precision.master_dtype != "float32":
@@ -974,6 +1062,9 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
     if cfg.model.template == "generic":
         _fail("finetune.objective", "dpo", "needs a native layer template (the DPO head works on the native final norm); "
               "model.template=generic cannot take it")
+    if cfg.model.is_moe:
+        _fail("finetune.objective", "dpo", f"is not tested with the router's load-balancing loss of {cfg.model.family} "
+              "yet; use a dense family, or finetune.objective=sft")
     if cfg.data.packing:
         _fail("data.packing", True, "finetune.objective=dpo keeps one sequence per row (a pair's rows are scored "
               "whole); set data.packing=false")

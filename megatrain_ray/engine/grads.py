@@ -33,6 +33,24 @@ class GradSlot:
     """This rank's piece of the sum over the ranks (several ranks per node only)."""
     drained: Any = None
     """Event: the previous D2H out of this buffer is complete."""
+    slots: tuple = ()
+    """The tensor slots of the stage last written: its padding is zero (layers of two layouts, Qwen3-MoE's
+    dense and MoE layers, share the buffer)."""
+
+
+def _within(spans, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of `spans` (sorted, disjoint) inside [lo, hi)."""
+    return [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
+
+
+def _between(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) without `spans` (sorted, disjoint, inside it)."""
+    out, at = [], lo
+    for a, b in spans:
+        if a > at:
+            out.append((at, a))
+        at = b
+    return out + ([(at, hi)] if at < hi else [])
 
 
 def _gaps(stage: StageLayout) -> list[tuple[int, int]]:
@@ -63,7 +81,8 @@ class GradientSink:
         self.poison = poison
         self.comm: Collectives | None = None
         """The process group (several ranks only), attached once every rank has joined."""
-        self.layer_slots = [self._slot(layout.layers[0]) for _ in range(2)]
+        largest = max(layout.layers, key=lambda stage: stage.numel)
+        self.layer_slots = [self._slot(largest) for _ in range(2)]
         self.embed_slot = self._slot(layout.embed)
         self.head_slot = self._slot(layout.head)
         # The host side of gradients in flight: (stage whose update reads it, slab) in pool mode.
@@ -80,7 +99,7 @@ class GradientSink:
         for a, b in [*_gaps(stage), (stage.numel, numel)]:
             buf[a:b].zero_()
         out = torch.empty(numel // local_world, dtype=self.grad_dtype, device=device) if local_world > 1 else None
-        return GradSlot(buf, out)
+        return GradSlot(buf, out, slots=stage.slots)
 
     def layer_slot(self, position: int) -> GradSlot:
         """The slot of the layer at `position` in the layer order (consecutive layers alternate)."""
@@ -92,19 +111,25 @@ class GradientSink:
     def write(self, stage: StageLayout, grad: GradSlot, grads: dict[str, torch.Tensor]) -> None:
         """Copy the stage's gradients (by tensor name) into its slot, once the slot's previous D2H is done."""
         self.streams.wait(self.streams.compute, grad.drained)
+        if grad.slots != stage.slots:  # another layout: its padding lies elsewhere
+            for a, b in _gaps(stage):
+                grad.buf[a:b].zero_()
+            grad.slots = stage.slots
         for slot in stage.slots:
             grad.buf[slot.offset:slot.offset + slot.numel].copy_(grads[slot.name].reshape(-1))
 
-    def emit(self, stage: StageLayout, grad: GradSlot) -> None:
+    def emit(self, stage: StageLayout, grad: GradSlot, zero_spans: list[tuple[int, int]] = ()) -> None:
         """Sum over the ranks (if several), norm on the device, then D2H of this rank's piece on its own
         stream; hand each copy to the update dispatch. A stage larger than the gradient slabs goes through
-        them in slab-sized pieces, each copied and handed over on its own."""
+        them in slab-sized pieces, each copied and handed over on its own. `zero_spans` (one rank only): spans
+        known to hold zeros (MoE experts without tokens), not copied; the update zeroes them on the host."""
         s, timeline = self.streams, self.telemetry.timeline
         first, end = self.rank.piece(stage.numel)
         piece = grad.buf[:stage.numel]
         if self.comm is not None:
             start = timeline.start(s.compute)
-            piece = self.comm.reduce(grad.buf, grad.out)[:end - first]
+            n = padded(stage.numel, self.rank.local_world)  # the slot may be a larger layer's (Qwen3-MoE)
+            piece = self.comm.reduce(grad.buf[:n], grad.out[:n // self.rank.local_world])[:end - first]
             timeline.stop("comm", s.compute, start)
         self.count(piece)
         ready = s.record(s.compute)
@@ -112,15 +137,18 @@ class GradientSink:
         for lo, hi in grad_pieces(stage.numel, self.slab_numel) if split else [(first, end)]:
             host, kind, index = self._host_grad(stage)
             at = lo if split else 0  # where element lo sits in the host buffer: a piece at its start
+            skipped = _within(zero_spans, lo, hi)
             with s.on(s.d2h):
                 s.wait(s.d2h, ready)
                 start = timeline.start(s.d2h)
-                host[lo - at:hi - at].copy_(piece[lo - first:hi - first], non_blocking=True)
+                for a, b in _between(skipped, lo, hi):
+                    host[a - at:b - at].copy_(piece[a - first:b - first], non_blocking=True)
+                    self.telemetry.stats["d2h_bytes"] += (b - a) * piece.element_size()
                 copied = timeline.stop("d2h", s.d2h, start)
                 grad.drained = s.record(s.d2h, blocking=True)  # the dispatcher sleeps on it, off AdamW's cores
-            self.telemetry.stats["d2h_bytes"] += (hi - lo) * piece.element_size()
+            zero = (host, [(a - at, b - at) for a, b in skipped]) if skipped else None
             self.updates.landed(LandedGrads(stage.index, grad.drained, copied, kind, index,
-                                            (lo, hi) if split else None))
+                                            (lo, hi) if split else None, zero))
 
     def count(self, piece: torch.Tensor) -> None:
         """Add a stage's gradients (this rank's piece of their sum) to the step's squared norm."""

@@ -117,7 +117,8 @@ class LoraStreamEngine(StreamEngine):
         return head
 
     def _layer_grads_out(self, i: int, stage: StageLayout, slot: WeightSlot | None,
-                         weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any) -> None:
+                         weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any,
+                         idle: list[tuple[int, int]] = ()) -> None:
         """Layer i's adapter gradients into their device buffers (the global norm counts them)."""
         if inject_nan:
             next(iter(weight_grads.values())).view(-1)[:1].fill_(float("nan"))

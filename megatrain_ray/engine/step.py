@@ -41,6 +41,7 @@ from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals
 from megatrain_ray.engine.grads import GradientSink
 from megatrain_ray.engine.resident import ResidentTier
+from megatrain_ray.engine.router_aux import RouterAux
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.engine.telemetry import StepTelemetry, UpdateTrace
 from megatrain_ray.engine.updates import UpdateDispatch
@@ -48,6 +49,7 @@ from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLaye
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
 from megatrain_ray.model.generic_template import GenericTemplate, run_layer
 from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
 from megatrain_ray.model.preference import preference_eval_loss, preference_logps, preference_loss_and_grads
 from megatrain_ray.model.templates import (
     DocumentBucket,
@@ -102,6 +104,7 @@ class StreamEngine:
         self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
         self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
+        self.router_aux = RouterAux(model)
         poison = self.engine_cfg.poison_buffers
 
         trace = UpdateTrace(self.engine_cfg.update_trace, rank.rank, rank.world) if self.engine_cfg.update_trace else None
@@ -165,6 +168,9 @@ class StreamEngine:
 
         x, embed_slot, embed_w, rope, documents = self._forward(ids, batch, self.activations)
         head = self._head(x, embed_w, labels, n_valid, batch)
+        aux = self.router_aux.finish_forward(self._comm, self.rank.rank == 0)
+        if aux is not None:  # as transformers: the loss includes router_aux_loss_coef * the load-balancing loss
+            head.loss_sum = head.loss_sum + aux
         del x  # else the last hidden state, [tokens, hidden], lives through the whole backward
         grad_y = self._backward(head, rope, documents, inject_nan)
         self._embedding(ids, grad_y, embed_slot)
@@ -194,12 +200,14 @@ class StreamEngine:
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
             comm_seconds=device_seconds["comm"],
-            objective_metrics={k: float(v) for k, v in head.metrics.items()} if batch.preference else None)
+            objective_metrics={k: float(v) for k, v in head.metrics.items()} if batch.preference else None,
+            aux_loss=None if self.router_aux.loss is None else float(self.router_aux.loss))
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
         self.grads.begin_step()
         self.weights.begin_step(training)
+        self.router_aux.begin(training)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -268,7 +276,8 @@ class StreamEngine:
                 x = self.generic.layer(i, x, w, rope)
             else:
                 spec = self.specs[i]
-                x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk)
+                x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk,
+                                              self.router_aux.record(i))
             timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -342,25 +351,35 @@ class StreamEngine:
             w = self._bind(stage, slot)
             x_in = acts.take(i, self.device)
             start = timeline.start(compute)
+            routing = None
             if self.generic is not None:  # the model's own layer, recomputed in one piece
                 grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[i], self.generic.layers[i], None, grad_y,
                                                               0, run_layer)
             else:
                 spec = self.specs[i]
+                # A streamed MoE layer (one rank) records its routing: its experts without tokens have zero
+                # gradients, which are not copied to the host. From the recompute, whose routing the gradients follow.
+                if spec.moe is not None and slot is not None and self._comm is None:
+                    routing = RouterRecord()
                 grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents,
                                                               grad_y, self.mlp_chunk, self._layer(x_in, documents),
-                                                              self.trainable)
+                                                              self.trainable, router_grad=self.router_aux.layer_grad(i),
+                                                              router=routing)
             del x_in
             self._release(slot)
-            self._layer_grads_out(i, stage, slot, weight_grads, inject_nan and i == 0, start)
+            # The counts' copy waits for the recompute's routing only; its backward is queued already.
+            idle = idle_expert_spans(stage.slots, routing.counts.tolist()) if routing is not None else []
+            self._layer_grads_out(i, stage, slot, weight_grads, inject_nan and i == 0, start, idle)
             del weight_grads  # else the float32 MLP sums of this layer live through the next layer's backward
             grad_y = grad_x
         return grad_y
 
     def _layer_grads_out(self, i: int, stage: StageLayout, slot: WeightSlot | None,
-                         weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any) -> None:
+                         weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any,
+                         idle: list[tuple[int, int]] = ()) -> None:
         """Layer i's weight gradients to their home: the host (its update ordered), or the resident tier. `start`:
-        the timing of the layer's backward, stopped here once its gradients are written."""
+        the timing of the layer's backward, stopped here once its gradients are written; `idle`: spans known to
+        hold zeros (a MoE layer's experts without tokens), not copied to the host."""
         compute, timeline = self.streams.compute, self.telemetry.timeline
         # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
         if slot is None:
@@ -376,7 +395,7 @@ class StreamEngine:
             self.grads.count(grad_buf[:stage.numel])
             self.resident.ready(stage, self.clip > 0, self.updates.lr, self.updates.adam_step)
         else:
-            self.grads.emit(stage, grad_slot)
+            self.grads.emit(stage, grad_slot, idle)
 
     def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: WeightSlot) -> None:
         """The embedding's gradients: a scatter-add of the input gradients (onto the LM head's part when tied)."""

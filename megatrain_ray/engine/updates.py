@@ -37,6 +37,9 @@ class LandedGrads:
     grad_index: int
     span: tuple[int, int] | None
     """The piece of the stage (a stage larger than the gradient slabs), None for the whole stage."""
+    zero: tuple[Any, list[tuple[int, int]]] | None = None
+    """(host buffer, spans in it) not copied because they hold zeros (MoE experts without tokens): zeroed on
+    the host once the copy has landed, before the update reads them."""
 
 
 class UpdateDispatch:
@@ -125,6 +128,10 @@ class UpdateDispatch:
 
         def send() -> list[Any]:
             drained.synchronize()  # gradients are on the host before any worker reads them
+            if grads.zero is not None:
+                host, spans = grads.zero
+                for a, b in spans:
+                    host[a:b].zero_()
             telemetry.mark("drained", stage, step)
             if sync is not None:
                 sync.wait_landed(stage, step)  # and so are the other ranks' pieces

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megatrain_ray.config.hf_generic import attention_width
 from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.model.layout import ModelLayout
+from megatrain_ray.model.moe import active_fraction
 
 
 def matmul_params(layout: ModelLayout) -> int:
@@ -12,6 +13,12 @@ def matmul_params(layout: ModelLayout) -> int:
     lookup, plus the LM head (counted once more when tied, since the product happens)."""
     n = sum(s.numel for stage in layout.layers for s in stage.slots if s.decay)
     return n + layout.embed.slots[0].numel
+
+
+def active_params(cfg: ModelConfig, layout: ModelLayout) -> int:
+    """Parameters one token uses: all of a dense model; a MoE model's without the experts it is not routed
+    to (top-k of num_experts in each MoE layer), embedding and LM head included."""
+    return round(sum(s.numel * active_fraction(cfg, s.name) for stage in layout.stages for s in stage.slots))
 
 
 def model_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -> float:
@@ -27,10 +34,12 @@ def model_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -
 def stage_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -> list[float]:
     """The same model FLOPs per token split by stage (layout.stages order), summing to
     model_flops_per_token: the embedding lookup 0, each layer 6 x its matrices + 6 T d_attn, the
-    head 6 x the LM head's matrix (the embedding's when tied). The speed model times each stage by it."""
+    head 6 x the LM head's matrix (the embedding's when tied). The speed model times each stage by it. MoE
+    layers: their expert matrices count by the share a token uses (top-k of the experts), the router fully."""
     d_attn = attention_width(cfg)
     flops = [0.0]
     for stage in layout.layers:
-        flops.append(6.0 * sum(s.numel for s in stage.slots if s.decay) + 6.0 * seq_len * d_attn)
+        matmul = sum(s.numel * active_fraction(cfg, s.name) for s in stage.slots if s.decay)
+        flops.append(6.0 * matmul + 6.0 * seq_len * d_attn)
     flops.append(6.0 * layout.embed.slots[0].numel)
     return flops

@@ -28,6 +28,7 @@ from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.layout import ModelLayout, build_layout
+from megatrain_ray.model.moe_io import ExpertStacks
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
 
@@ -86,6 +87,11 @@ class HFDirectory(Mapping[str, torch.Tensor]):
             if absent:
                 raise CheckpointError(f"{index} maps {absent[0]!r} to {weight_map[absent[0]]}, which does not "
                                       f"hold it ({len(absent)} such tensors); the directory is inconsistent")
+        # MoE hub checkpoints keep one tensor per expert: seen here fused, as transformers 5 loads them.
+        self.stacks = ExpertStacks(self.entries, str(self.dir))
+        self.on_disk = self.entries
+        if self.stacks:
+            self.entries = self.stacks.fused_entries(self.entries, str(self.dir))
 
     def _open(self, file: str):
         try:
@@ -94,7 +100,11 @@ class HFDirectory(Mapping[str, torch.Tensor]):
             raise CheckpointError(f"{self.dir / file} is corrupt or truncated ({exc}); copy it again") from exc
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        file = self.entries[name][0]
+        fused = self.stacks.read(name, self._read) if self.stacks else None
+        return fused if fused is not None else self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        file = self.on_disk[name][0]
         with self._open(file) as f:
             return f.get_tensor(name)
 

@@ -18,6 +18,7 @@ from typing import Literal
 
 from megatrain_ray.config.hf_generic import architecture
 from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.model.moe import moe_mlp_tensors
 
 # Offsets are multiples of this many elements (256 bytes in fp32): vectorised loops and
 # device copies stay aligned for every dtype we use.
@@ -86,7 +87,8 @@ def _stage(index: int, kind: StageKind, prefix: str, tensors: list[tuple[str, tu
     return StageLayout(index, kind, prefix, tuple(slots), offset, decay_numel)
 
 
-def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+def layer_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors of decoder layer `layer` (from 0): its name, shape and initialisation."""
     h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     if cfg.family == "phi3":
@@ -122,6 +124,11 @@ def layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
                     ("self_attn.v_proj.bias", (kv,), "zeros")]
     if cfg.qk_norm:
         tensors += [("self_attn.q_norm.weight", (hd,), "ones"), ("self_attn.k_norm.weight", (hd,), "ones")]
+    if cfg.layer_is_moe(layer):  # experts in place of the dense MLP (model/moe.py); gpt-oss: o_proj bias, sinks
+        tensors = [t for t in tensors if not t[0].startswith("mlp.")] + moe_mlp_tensors(cfg)
+        if cfg.family == "gpt_oss":
+            tensors += [("self_attn.o_proj.bias", (h,), "zeros"), ("self_attn.sinks", (cfg.num_attention_heads,),
+                                                                    "normal")]
     return tensors
 
 
@@ -191,9 +198,8 @@ def build_layout(cfg: ModelConfig) -> ModelLayout:
         return _generic_layout(cfg)
     v, h = cfg.vocab_size, cfg.hidden_size
     stages = [_stage(0, "embed", "model.", [("embed_tokens.weight", (v, h), "normal")])]
-    per_layer = layer_tensors(cfg)
     for i in range(cfg.num_layers):
-        stages.append(_stage(i + 1, "layer", f"model.layers.{i}.", per_layer))
+        stages.append(_stage(i + 1, "layer", f"model.layers.{i}.", layer_tensors(cfg, i)))
     # The head's prefix is empty: its tensors are `model.norm.weight` and `lm_head.weight`.
     head = [("model.norm.weight", (h,), "zeros" if cfg.is_gemma else "ones")]  # Gemma: (1 + weight)
     if not cfg.tie_word_embeddings:

@@ -30,6 +30,8 @@ from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout, token_chunks
 from megatrain_ray.model.lora import chunk_spec, project
+from megatrain_ray.model.moe import MoeSpec, RouterRecord, moe_mlp
+from megatrain_ray.model.sinks import sink_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,8 @@ class LayerSpec:
     lora_seed: int = -1
     """This layer's dropout seed in this training step (model/lora.dropout_mask draws every mask from it, in the
     forward and again in the recompute); -1: no dropout (evaluation)."""
+    moe: MoeSpec | None = None
+    """A mixture-of-experts layer's router and experts (model/moe.py); None: a dense MLP."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
@@ -67,7 +71,8 @@ class LayerSpec:
         return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.rms_norm_eps,
                    cfg.qk_norm, cfg.attention_bias, cfg.sliding_window if slides else 0, gemma=cfg.is_gemma,
                    scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping,
-                   local_rope=slides and uses_local_rope(cfg))
+                   local_rope=slides and uses_local_rope(cfg),
+                   moe=MoeSpec.from_config(cfg) if cfg.layer_is_moe(layer) else None)
 
 
 def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
@@ -386,15 +391,23 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
         k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps, spec.gemma)
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
-    a = attention(q, k, v, spec, documents).transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
+    if "self_attn.sinks" in w:  # gpt-oss: a learned logit per head in the softmax's denominator
+        a = sink_attention(q, k, v, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window, documents)
+    else:
+        a = attention(q, k, v, spec, documents)
+    a = a.transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
     out = project(a, w, "self_attn.o_proj", spec)
     if spec.gemma:  # Gemma: the attention's output normed before the residual add
         out = rms_norm(out, w["post_attention_layernorm.weight"], spec.eps, True)
     return x + out
 
 
-def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
-    """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens)."""
+def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
+              router: RouterRecord | None = None) -> torch.Tensor:
+    """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens). A MoE layer's
+    router statistics go to `router` when given (the load-balancing loss)."""
+    if spec.moe is not None:
+        return x + moe_mlp(rms_norm(x, w["post_attention_layernorm.weight"], spec.eps), w, spec.moe, router)
     if spec.gemma:  # norms before and after the GeLU-tanh MLP
         h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)
         m = F.gelu(project(h, w, "mlp.gate_proj", spec), approximate="tanh") * project(h, w, "mlp.up_proj", spec)
@@ -420,26 +433,28 @@ def is_mlp_weight(name: str, spec: LayerSpec) -> bool:
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                   spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None,
-                  mlp_chunk_tokens: int = 0) -> torch.Tensor:
+                  mlp_chunk_tokens: int = 0, router: RouterRecord | None = None) -> torch.Tensor:
     """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). x: [B, T, hidden].
 
     With mlp_chunk_tokens > 0 (no autograd), the MLP runs over slices of that many tokens, so its
-    [tokens, intermediate] tensors exist for one slice at a time (long sequences)."""
+    [tokens, intermediate] tensors exist for one slice at a time (long sequences). `router`: where a MoE
+    layer records its routing (the load-balancing loss)."""
     x = attention_block(x, w, rope, spec, documents)
     chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
     if len(chunks) == 1:
-        return mlp_block(x, w, spec)
+        return mlp_block(x, w, spec, router)
     flat = x.view(-1, x.shape[-1])
     out = torch.empty_like(flat)
     for k, part in enumerate(chunks):
-        out[part] = mlp_block(flat[part], w, chunk_spec(spec, k))
+        out[part] = mlp_block(flat[part], w, chunk_spec(spec, k), router)
     return out.view_as(x)
 
 
 def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                            spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None, grad_y: torch.Tensor,
                            mlp_chunk_tokens: int = 0, layer=None,
-                           trainable=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           trainable=None, router_grad: torch.Tensor | None = None,
+                           router: RouterRecord | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Recompute the layer from its input and return (grad of x, grads of the weights by name).
 
     `trainable(name)` picks the weights whose gradients are computed (None: all); the others are bound
@@ -449,15 +464,24 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     MLP half chunk by chunk (recompute, backward, add its weight gradients into float32 sums), and the
     attention half's backward takes the assembled gradient: the MLP's [tokens, intermediate] tensors
     then exist for one chunk at a time. `layer` replaces decoder_layer in the one-piece case (a compiled
-    version of it)."""
+    version of it). `router_grad` (a MoE layer with the load-balancing loss on): the loss's gradient with
+    respect to the layer's summed router probabilities (RouterRecord.prob_sum), added to the backward. `router`:
+    where a MoE layer's recompute records its routing (the expert counts of its gradients)."""
     x = x.detach().requires_grad_(True)
     params = {n: t.detach().requires_grad_(trainable is None or trainable(n)) for n, t in w.items()}
     wanted = [n for n, t in params.items() if t.requires_grad]
     chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
     with torch.enable_grad():
         if len(chunks) == 1:
-            y = (layer or decoder_layer)(x, params, rope, spec, documents)
-            grads = torch.autograd.grad(y, [x, *(params[n] for n in wanted)], grad_y)
+            if router_grad is not None or router is not None:
+                record = router or RouterRecord()
+                y = decoder_layer(x, params, rope, spec, documents, router=record)
+                outputs, grad_outputs = ([y, record.prob_sum], [grad_y, router_grad]) if router_grad is not None \
+                    else (y, grad_y)
+                grads = torch.autograd.grad(outputs, [x, *(params[n] for n in wanted)], grad_outputs)
+            else:
+                y = (layer or decoder_layer)(x, params, rope, spec, documents)
+                grads = torch.autograd.grad(y, [x, *(params[n] for n in wanted)], grad_y)
             return grads[0], dict(zip(wanted, grads[1:]))
         mid = attention_block(x, params, rope, spec, documents)
     mid_flat = mid.detach().view(-1, mid.shape[-1])
@@ -470,8 +494,13 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     for k, part in enumerate(chunks):
         with torch.enable_grad():
             piece = mid_flat[part].requires_grad_(True)
-            out = mlp_block(piece, mlp_params, chunk_spec(spec, k))
-            grads = torch.autograd.grad(out, [piece, *(mlp_params[n] for n in mlp_wanted)], grad_y_flat[part])
+            record = RouterRecord() if router_grad is not None or router is not None else None
+            out = mlp_block(piece, mlp_params, chunk_spec(spec, k), record)
+            outputs, grad_outputs = ([out, record.prob_sum], [grad_y_flat[part], router_grad]) \
+                if router_grad is not None else (out, grad_y_flat[part])
+            if router is not None:
+                router.add(record.counts, record.prob_sum.detach(), record.rows)
+            grads = torch.autograd.grad(outputs, [piece, *(mlp_params[n] for n in mlp_wanted)], grad_outputs)
         grad_mid[part] = grads[0]
         for name, g in zip(mlp_wanted, grads[1:]):
             mlp_grads[name] += g

@@ -148,6 +148,6 @@ def step_record(step: int, lr: float, result: StepResult, seconds: float, flops_
         "dram_bytes_per_param": (result.h2d_bytes + result.d2h_bytes + result.optimizer_bytes) / params,
         "host_mem_gib": host_memory_bytes / 2**30,
         "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": not finite(result),
-        "epoch": epoch,
+        "epoch": epoch, **({"aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
         **(result.objective_metrics or {}),  # DPO: rewards/chosen, rewards/rejected, rewards/accuracies, ...
     }

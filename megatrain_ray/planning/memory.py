@@ -35,8 +35,10 @@ from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import HostMemoryError
+from megatrain_ray.model.flops import active_params
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.lora import lora_params
+from megatrain_ray.model.moe import expert_numel, moe_token_width
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, lora_tier_lines
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.profiles import SpeedProfile
@@ -126,18 +128,19 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
     acc_b = max(4, compute_b)
     per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
     tokens = run.rank_tokens
-    h, f, v = m.hidden_size, m.intermediate_size, m.vocab_size
+    h, f, v = m.hidden_size, moe_token_width(m), m.vocab_size
     q = m.num_attention_heads * m.resolved_head_dim
     kv = m.num_key_value_heads * m.resolved_head_dim
     chunk = min(cfg.engine.loss_chunk_tokens, tokens)
     mlp_tokens = min(cfg.engine.mlp_chunk_tokens or tokens, tokens)
     # Chunked MLP backward: float32 sums of its three matrices' gradients.
-    mlp_sums = 3 * h * f * acc_b if mlp_tokens < tokens else 0
-    grad_elems = 2 * layout.layers[0].numel + layout.embed.numel + layout.head.numel
+    mlp_sums = max(3 * h * m.intermediate_size, *(expert_numel(s.slots) for s in layout.layers)) * acc_b \
+        if mlp_tokens < tokens else 0
+    grad_elems = 2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel
     ranks = run.ranks_per_node
     grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
     backward = int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
-                   * (COMPILED_WORKING_SET if run.layers_compiled else 1))
+                   * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + explicit_attention_bytes(cfg, tokens, compute_b)
     if run.frozen_base:  # LoRA: no gradient leaves the device, the vocabulary-sized sums do not exist
         return lora_gpu_bytes(cfg, run, offload, per_slot, mlp_tokens, backward)
     return {
@@ -151,6 +154,18 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         + 2 * tokens * h * acc_b,
         "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
     }
+
+
+def explicit_attention_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
+    """Attention through explicit products (gpt-oss's sinks, Gemma 2's soft-cap) keeps [rows, heads, T, T]
+    tensors for its backward: the scores, the softmax's input (gpt-oss: with the sink column) and its
+    output, in the compute dtype, and a T x T mask (counted, not measured). 0 for SDPA's attention."""
+    m = cfg.model
+    if m.family != "gpt_oss" and not m.attn_logit_softcapping:
+        return 0
+    seq = cfg.data.seq_len
+    rows = max(1, tokens // seq)
+    return 3 * rows * m.num_attention_heads * seq * (seq + 1) * compute_b + seq * seq
 
 
 def resident_bytes(run: RunSpec, stages) -> int:
@@ -379,7 +394,8 @@ _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg
 def format_plan(plan: Plan) -> str:
     cfg, machine, run, g = plan.cfg, plan.machine, plan.run, GiB
     layout = build_layout(cfg.model)
-    lines = [f"megatrain plan: {cfg.model.family}, {human_count(layout.num_params)} parameters"
+    active = f" ({human_count(active_params(cfg.model, layout))} active per token)" if cfg.model.is_moe else ""
+    lines = [f"megatrain plan: {cfg.model.family}, {human_count(layout.num_params)} parameters{active}"
              + ("" if cfg.model.path else " (random init: model.path is empty)") + ", "
              f"{cfg.model.num_layers} layers, {cfg.data.tokens_per_step:,} tokens/step "
              f"(batch {cfg.data.batch_size} x {cfg.data.seq_len})",

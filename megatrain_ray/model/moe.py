@@ -1,0 +1,243 @@
+"""Mixture-of-experts layers: the router, the experts and their tensors, as stateless functions.
+
+The second half of a MoE decoder layer (Qwen3-MoE, Mixtral, gpt-oss), following each family's Hugging Face
+modeling file operation by operation:
+- Qwen3-MoE: softmax over the router's logits (float32), top-k, renormalised when norm_topk_prob, cast
+  back to the model's dtype; experts are SwiGLU MLPs.
+- Mixtral: the same with renormalisation always on and the routing weights kept in float32.
+- gpt-oss: the router has a bias; top-k over the logits, softmax over those k; experts have biases, their
+  gate and up columns interleaved, and a clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g) with
+  g = min(gate, limit).
+
+The experts stay fused per layer as transformers 5 keeps them (`mlp.experts.gate_up_proj` [E, ...] and
+`mlp.experts.down_proj`), so each is one tensor of the stage's flat buffer and takes one AdamW update. An
+expert that received no token in a step gets a zero gradient and a normal AdamW step (its moments decay,
+weight decay applies), exactly as transformers 5's fused parameters do under torch.optim.AdamW. Its zero
+gradient is not copied to the host (idle_expert_spans; the update dispatcher zeroes the host span).
+
+Expert compute: the token-expert pairs are sorted by expert (a stable sort, so each expert sees its tokens
+in order), each expert multiplies its rows, the outputs are weighted and added back per token. On CUDA in
+bfloat16 with sm90 the expert products go through torch._grouped_mm (one kernel per product for all
+experts); elsewhere a loop over the experts that received tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from megatrain_ray.config.sections import ModelConfig
+
+RouterKind = Literal["softmax_topk", "topk_softmax"]
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """The static facts of a MoE layer's MLP half (derived from ModelConfig)."""
+
+    num_experts: int
+    top_k: int
+    router: RouterKind
+    """softmax_topk: softmax over all logits, then top-k (Qwen3-MoE, Mixtral); topk_softmax: top-k over the
+    logits, softmax over those (gpt-oss)."""
+    norm_topk_prob: bool
+    float32_weights: bool = False
+    """Mixtral: the routing weights stay float32 (the expert outputs are multiplied by them, then cast)."""
+    swiglu_limit: float = 0.0
+    """gpt-oss's clamped SwiGLU (0: the plain one)."""
+    swiglu_alpha: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "MoeSpec":
+        if cfg.family == "gpt_oss":
+            return cls(cfg.num_experts, cfg.num_experts_per_tok, "topk_softmax", False,
+                       swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+        return cls(cfg.num_experts, cfg.num_experts_per_tok, "softmax_topk",
+                   cfg.norm_topk_prob or cfg.family == "mixtral", float32_weights=cfg.family == "mixtral")
+
+    @property
+    def gpt_oss(self) -> bool:
+        return self.swiglu_limit > 0
+
+
+def moe_mlp_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors of a MoE layer's MLP half (besides its norm), by Hugging Face's in-memory names."""
+    e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    if cfg.family == "gpt_oss":  # gate_up [E, hidden, 2f] with gate and up columns interleaved
+        return [("mlp.router.weight", (e, h), "normal"), ("mlp.router.bias", (e,), "normal"),
+                ("mlp.experts.gate_up_proj", (e, h, 2 * f), "normal"),
+                ("mlp.experts.gate_up_proj_bias", (e, 2 * f), "zeros"),
+                ("mlp.experts.down_proj", (e, f, h), "normal"), ("mlp.experts.down_proj_bias", (e, h), "zeros")]
+    return [("mlp.gate.weight", (e, h), "normal"), ("mlp.experts.gate_up_proj", (e, 2 * f, h), "normal"),
+            ("mlp.experts.down_proj", (e, h, f), "normal")]
+
+
+def active_fraction(cfg: ModelConfig, name: str) -> float:
+    """The share of tensor `name` (a layer's, by its name in the stage) that one token uses: top-k of the
+    experts for the fused expert tensors, all of any other tensor."""
+    return cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe and name.startswith("mlp.experts.") else 1.0
+
+
+def moe_token_width(cfg: ModelConfig) -> int:
+    """The per-token width of a layer's MLP intermediates for the memory plan: intermediate_size for a dense
+    layer; a MoE layer routes each token k times, its gathered rows and outputs (hidden each) and its
+    expert intermediates (expert_intermediate_size each) counted as one MLP of k * (that + hidden)
+    (an estimate, not a measured peak)."""
+    dense = cfg.intermediate_size if any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers)) else 0
+    if not cfg.is_moe:
+        return dense
+    return max(dense, cfg.num_experts_per_tok * (cfg.expert_intermediate_size + cfg.hidden_size))
+
+
+def idle_expert_spans(stage_slots, counts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) element spans of a layer's flat buffer that hold the fused expert tensors of the experts
+    with no token (counts[e] == 0), adjacent ones merged: their gradient is zero, so the engine copies no
+    byte of it to the host (the host span is zeroed there instead)."""
+    spans: list[tuple[int, int]] = []
+    for slot in stage_slots:
+        if not slot.name.startswith("mlp.experts."):
+            continue
+        per_expert = slot.numel // len(counts)
+        for e, n in enumerate(counts):
+            if n == 0:
+                a = slot.offset + e * per_expert
+                if spans and spans[-1][1] == a:
+                    spans[-1] = (spans[-1][0], a + per_expert)
+                else:
+                    spans.append((a, a + per_expert))
+    return spans
+
+
+def expert_numel(stage_slots) -> int:
+    """Elements of a layer's fused expert tensors (0 for a dense layer)."""
+    return sum(s.numel for s in stage_slots if s.name.startswith("mlp.experts."))
+
+
+# ----------------------------------------------------------------------------- router
+
+
+class RouterRecord:
+    """What one MoE layer's router did in a pass, for the load-balancing loss: top-k assignments per
+    expert (no gradient) and the sum over tokens of its softmax probabilities (with autograd in the
+    recompute). Added to over the chunks of a chunked MLP."""
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None
+        self.prob_sum: torch.Tensor | None = None
+        self.rows = 0
+
+    def add(self, counts: torch.Tensor, prob_sum: torch.Tensor, rows: int) -> None:
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.prob_sum = prob_sum if self.prob_sum is None else self.prob_sum + prob_sum
+        self.rows += rows
+
+
+def route(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
+          record: RouterRecord | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [T, k] and expert indices [T, k] of the rows h [T, hidden]."""
+    if spec.gpt_oss:
+        logits = F.linear(h, w["mlp.router.weight"], w["mlp.router.bias"])
+        top, index = torch.topk(logits, spec.top_k, dim=-1)
+        weights = F.softmax(top, dim=1, dtype=top.dtype)
+    else:
+        logits = F.linear(h, w["mlp.gate.weight"])
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not spec.float32_weights:
+            weights = weights.to(logits.dtype)
+    if record is not None:
+        # As transformers' load_balancing_loss_func: softmax over every logit in their dtype, summed in float32;
+        # its top-k picks the experts the routing picked.
+        counts = torch.bincount(index.reshape(-1), minlength=spec.num_experts).to(torch.float32)
+        record.add(counts, F.softmax(logits, dim=-1).float().sum(0), h.shape[0])
+    return weights, index
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """torch._grouped_mm: CUDA, bfloat16, compute capability 9.0 or later, and every stride a multiple of 16
+    bytes (its TMA loads; an unaligned stride would be refused), i.e. the widths multiples of 8."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and all(n % 8 == 0 for t in (x, *weights) for n in t.shape[1:]))
+
+
+def _expert_products(rows: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor,
+                     transposed: bool) -> torch.Tensor:
+    """Each expert's rows times its matrix: rows [N, in] sorted by expert, weight [E, out, in] (or [E, in,
+    out] when `transposed`, gpt-oss); returns [N, out]."""
+    if grouped_mm_usable(rows, weight):
+        mat = weight if transposed else weight.transpose(-2, -1)
+        return torch._grouped_mm(rows, mat, offs=offsets)
+    out_width = weight.shape[-1] if transposed else weight.shape[-2]
+    out = rows.new_empty(rows.shape[0], out_width)
+    # unbind, not weight[e]: its backward stacks the experts' gradients into one tensor (zeros for the experts
+    # without rows), where each weight[e] would allocate and add a zero-filled gradient of the whole tensor.
+    per_expert = weight.unbind(0)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            part = rows[start:start + n]
+            out[start:start + n] = part @ per_expert[e] if transposed else F.linear(part, per_expert[e])
+        start += n
+    return out
+
+
+def _swiglu(gate_up: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
+    if spec.gpt_oss:  # interleaved columns, clamped, (up + 1) * gate * sigmoid(alpha * gate)
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=spec.swiglu_limit)
+        up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def experts(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, w: Mapping[str, torch.Tensor],
+            spec: MoeSpec) -> torch.Tensor:
+    """The weighted sum of each row's k experts: h [T, hidden], weights and index [T, k]."""
+    tokens, k = index.shape
+    flat_expert = index.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    token_of = order // k  # pair p = t * k + j belongs to token t
+    counts_t = torch.bincount(flat_expert, minlength=spec.num_experts)
+    offsets = torch.cumsum(counts_t, 0).to(torch.int32)
+    grouped = grouped_mm_usable(h, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
+    counts = [] if grouped else counts_t.tolist()  # the loop needs them on the host (a device sync)
+    rows = h[token_of]
+    gate_up = _expert_products(rows, w["mlp.experts.gate_up_proj"], counts, offsets, spec.gpt_oss)
+    sorted_expert = flat_expert[order]
+    if spec.gpt_oss:
+        gate_up = gate_up + w["mlp.experts.gate_up_proj_bias"][sorted_expert]
+    out = _expert_products(_swiglu(gate_up, spec), w["mlp.experts.down_proj"], counts, offsets, spec.gpt_oss)
+    if spec.gpt_oss:
+        out = out + w["mlp.experts.down_proj_bias"][sorted_expert]
+    out = out * weights.reshape(-1)[order, None]
+    return torch.zeros_like(h).index_add_(0, token_of, out.to(h.dtype))
+
+
+def moe_mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
+            record: RouterRecord | None = None) -> torch.Tensor:
+    """The MoE MLP of normed rows h [..., hidden] (the layer's residual add is the caller's)."""
+    shape = h.shape
+    flat = h.reshape(-1, shape[-1])
+    weights, index = route(flat, w, spec, record)
+    return experts(flat, weights, index, w, spec).view(shape)
+
+
+def load_balancing_loss(records: list[RouterRecord], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' load_balancing_loss_func over the MoE layers' records (no attention mask): f_e, the
+    top-k assignments to expert e over all layers and rows divided by the rows, and P_e, the mean router
+    probability over all layers and rows; the loss is E * sum_e f_e P_e. Returns (loss, d loss / d prob_sum),
+    the latter the same [E] vector for every layer's prob_sum (f has no gradient)."""
+    rows = sum(r.rows for r in records)
+    f = sum(r.counts for r in records) / rows
+    p = sum(r.prob_sum.detach() for r in records) / rows
+    return num_experts * (f * p).sum(), num_experts * f / rows
