@@ -18,6 +18,7 @@ import torch
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
 from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage
 from megatrain_ray.store.segments import HostStore
 
@@ -82,3 +83,33 @@ class DequantizedBase(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+class RequantizedBase(Mapping[str, torch.Tensor]):
+    """A dense base (the Hugging Face directory a LoRA checkpoint records) as an NF4 run computed with it: each
+    decoder-layer matrix in the master dtype, quantized and dequantized into the compute dtype (pack_stage quantizes
+    each matrix alone, as quantize_nf4 does: the same values as DequantizedBase), the layers' vectors in the
+    compute dtype, the embedding and LM head in the master dtype. What `megatrain export` of such a checkpoint
+    merges the adapters onto."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], layout: ModelLayout, master_dtype: str, compute_dtype: str):
+        self.base, self.layout = base, layout
+        self.master_dtype, self.compute_dtype = TORCH_DTYPES[master_dtype], TORCH_DTYPES[compute_dtype]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.base[name].to(self.master_dtype)
+        stage, slot = self.layout.stage_of(name)
+        if stage.kind != "layer":
+            return tensor
+        if len(slot.shape) < 2:
+            return tensor.to(self.compute_dtype)
+        return dequantize_nf4(quantize_nf4(tensor, NF4_BLOCKSIZE, double_quant=True), self.compute_dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)

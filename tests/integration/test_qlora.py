@@ -134,3 +134,35 @@ def test_the_host_store_holds_what_the_plan_counts(tmp_path):
     assert on_disk["nf4"] == sum(nf4_stage_bytes(s, torch.float32) for s in layout.layers)
     assert on_disk["master"] == 4 * (layout.embed.numel + layout.head.numel)  # embedding, LM head in fp32
     assert on_disk["nf4"] < 0.2 * 4 * sum(s.numel for s in layout.layers)  # vs the dense fp32 layers
+
+
+def test_export_merges_the_adapters_onto_the_dequantized_base(tmp_path):
+    """train.export_dir of an NF4 run: the PEFT adapter as for any LoRA run, and the merged model built on the
+    dequantized base, which equals peft's merge_and_unload on the dequantized model (float32: W + s * B A summed in
+    another order, within 1e-6 of the weight's scale); `megatrain export` of the run's checkpoint (adapters over the
+    base directory it records, requantized) gives the same files bit for bit."""
+    from safetensors.torch import load_file
+
+    from megatrain_ray.store.export import export_weights_dir
+
+    base = make_base(tmp_path / "base", "llama")
+    reference_base = dequantized_copy(base, tmp_path / "dequantized")
+    cfg = lora_config(tmp_path, base, steps=4, optimizer={"lr": 1e-2}, train={"export_dir": str(tmp_path / "export")},
+                      finetune=NF4)
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        adapters = trainer.adapters()
+    assert all(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)
+    merged = load_file(str(tmp_path / "export" / "merged" / "model.safetensors"))
+    reference = peft_model(reference_base, cfg, adapters).merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    for name, value in merged.items():
+        err = float((value - reference[name]).abs().max() / reference[name].abs().max())
+        assert err <= 1e-6, f"{name}: {err:.2e}"
+    exported = load_file(str(tmp_path / "export" / "adapter" / "adapter_model.safetensors"))
+    assert exported.keys() == adapters.keys() and all(torch.equal(exported[k], adapters[k]) for k in adapters)
+
+    again = export_weights_dir(tmp_path / "run", tmp_path / "from-checkpoint", dtype="float32")
+    for part, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        ours, theirs = load_file(str(again / part / file)), load_file(str(tmp_path / "export" / part / file))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), part
