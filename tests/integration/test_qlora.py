@@ -166,3 +166,28 @@ def test_export_merges_the_adapters_onto_the_dequantized_base(tmp_path):
     for part, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
         ours, theirs = load_file(str(again / part / file)), load_file(str(tmp_path / "export" / part / file))
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), part
+
+
+def test_resume_quantizes_the_base_again_and_continues_bit_identically(tmp_path):
+    """A checkpoint holds the adapters only; the resumed run packs the base again from model.path (the same
+    bytes: quantization is deterministic) and continues as the uninterrupted run, loss for loss."""
+    from tests.integration.test_lora_state import losses
+
+    base = make_base(tmp_path / "base", "llama")
+    reference = lora_config(tmp_path / "ref", base, steps=6, finetune=NF4)
+    with Trainer(reference) as trainer:
+        trainer.train()
+        final = trainer.adapters()
+    cfg = lora_config(tmp_path / "cut", base, steps=6, finetune=NF4, checkpoint={"every": 3})
+    with Trainer(cfg) as trainer:  # stops after 4 steps: the last checkpoint is step 3
+        for step in range(4):
+            trainer.step(step)
+            trainer.next_step = step + 1
+            if trainer.next_step % 3 == 0:
+                trainer.save(wait=True)
+    with Trainer(cfg, resume="auto") as trainer:
+        assert trainer.next_step == 3
+        trainer.train()
+        resumed = trainer.adapters()
+    assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
