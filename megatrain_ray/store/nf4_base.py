@@ -34,9 +34,23 @@ def packs_stage(run: RunSpec, stage: StageLayout) -> bool:
 
 
 def stage_format(stage: StageLayout, compute_dtype: torch.dtype | str) -> NF4StageFormat:
-    """The packed format of a decoder layer (the host's bytes, the device's staging copy, the planner's figure)."""
+    """The packed format of a decoder layer (the host's bytes, the device's staging copy, the planner's figure).
+    Layers of the same shapes share one format object: dequantize_stage caches its index tensors per format and
+    device, which a format per layer would rebuild (and copy to the GPU) for every layer of every step."""
     dtype = TORCH_DTYPES[compute_dtype] if isinstance(compute_dtype, str) else compute_dtype
-    return NF4StageFormat.for_stage(stage, dtype, NF4_BLOCKSIZE, double_quant=True)
+    return _shared_format(stage.slots, stage.numel, stage.decay_numel, dtype, stage)
+
+
+_FORMATS: dict[tuple, NF4StageFormat] = {}
+
+
+def _shared_format(slots: tuple, numel: int, decay_numel: int, dtype: torch.dtype,
+                   stage: StageLayout) -> NF4StageFormat:
+    key = (slots, numel, decay_numel, dtype)
+    found = _FORMATS.get(key)
+    if found is None:  # the first layer of these shapes stands for all (the format reads their slots only)
+        found = _FORMATS.setdefault(key, NF4StageFormat.for_stage(stage, dtype, NF4_BLOCKSIZE, double_quant=True))
+    return found
 
 
 def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec,

@@ -70,3 +70,14 @@ def test_the_h2d_bytes_and_gpu_buffers_follow_the_packed_size():
 def test_nf4_without_lora_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"finetune.lora.base_quantization.*finetune.method=lora"):
         load_config(raw=tiny_raw(finetune={"method": "full", "lora": {"base_quantization": "nf4"}}))
+
+
+def test_layers_of_one_shape_share_one_packed_format():
+    """dequantize_stage caches its index tensors per format and device: one format for all 80 layers keeps
+    them built once, not rebuilt and copied to the GPU per layer and step."""
+    from megatrain_ray.store.nf4_base import stage_format
+
+    layout = build_layout(load_config(SHAPE, overrides=QLORA).model)
+    formats = {id(stage_format(s, "bfloat16")) for s in layout.layers}
+    assert len(formats) == 1 and stage_format(layout.layers[0], "float32") is not stage_format(layout.layers[0],
+                                                                                                "bfloat16")
