@@ -898,8 +898,8 @@ class FinetuneConfig:
     SECTION: ClassVar[str] = "finetune"
     method: Literal["full", "lora"] = "full"
     """full: every weight trains (fp32 master and AdamW moments in host RAM, the CPU optimizer workers). lora: the
-    base is frozen and streamed from host RAM in precision.stream_dtype only (no master, moments or gradient
-    buffers); the adapters, their gradients and their AdamW state live on the compute device."""
+    base is frozen and streamed from host RAM in precision.stream_dtype only, or in NF4 (finetune.lora.base_quantization;
+    no master, moments or gradient buffers); the adapters, their gradients and their AdamW state live on the compute device."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """The adapters' settings (method lora)."""
     objective: Literal["sft", "dpo"] = "sft"

@@ -469,6 +469,9 @@ class Trainer:
         """Overwrite master weights (and the streaming copy) by Hugging Face name, before training, on every
         node (or on `nodes`: tests that make the copies disagree)."""
         self.flush()
+        if self.run_spec.base_quantization == "nf4":  # its layers have no dense segment to write into
+            raise ConfigError("Trainer.load_weights: the base of finetune.lora.base_quantization=nf4 is quantized "
+                              "once when the run starts; put the weights in model.path instead")
         for k in nodes if nodes is not None else range(len(self.nodes)):
             store = HostStore([s for s in self.nodes[k].specs if s.kind in ("master", "stream")])
             store.write_tensors(self.layout, tensors)  # the stages with segments there

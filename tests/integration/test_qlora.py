@@ -45,7 +45,8 @@ def random_adapters(adapters: dict[str, torch.Tensor], seed: int) -> dict[str, t
 def test_nf4_lora_logits_equal_transformers_on_the_dequantized_model(tmp_path):
     """fp32 compute: the engine's logits against peft's on the dequantized model, within 1e-5 absolute (float32
     sums in another order, ~1e-7 relative on logits of size ~1); against the original base they differ far more,
-    which proves the base really streams in NF4."""
+    which proves the base really streams in NF4. Measured: 1.6e-7 (logits up to 0.46; 7.9e-2 from the original
+    base's)."""
     base = make_base(tmp_path / "base", "llama")
     reference_base = dequantized_copy(base, tmp_path / "dequantized")
     cfg = lora_config(tmp_path, base, steps=2, finetune=NF4)
