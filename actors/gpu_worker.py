@@ -64,11 +64,11 @@ class GPUWorker(ActorBase):
         else:  # the node's ranks share the cores
             binding = "not pinned (computes on the CPU)"
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world))
-        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync")
+        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync", "nf4")
                                 or (s.kind == "master" and run.stream_is_master)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()
-            gib = self.store.register_pinned(("master", "stream", "grad", "gradpool"))
+            gib = self.store.register_pinned(("master", "stream", "grad", "gradpool", "nf4"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
         if run.frozen_base:  # LoRA: adapters on the device, a frozen streamed base
             self.engine = LoraStreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,

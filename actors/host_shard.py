@@ -19,11 +19,14 @@ from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
 from megatrain_ray.store.liveness import RunLock
+from megatrain_ray.store.nf4_base import NF4_KIND, fill_base_stage
 from megatrain_ray.store.segments import (
     HostStore,
     SegmentSpec,
     create_segment,
+    init_master,
     init_stage,
+    load_hf_master,
     load_hf_stage,
     plan_segments,
     segment_prefix,
@@ -63,15 +66,25 @@ class HostShard(ActorBase):
             self.store = HostStore(self.specs)
             self.gate = self.store.gates()[0]
             # The stages it holds: the GPU-resident ones (engine.gpu_resident) have no segments here.
-            self.held = [i for i in stages if self.store.has("master", i)]
+            self.held = [i for i in stages if self.store.has("master", i) or self.store.has(NF4_KIND, i)]
             # A frozen base (LoRA) is not in its checkpoints (they hold the adapters): it is loaded as at the start.
             self.saved = [] if run.frozen_base else self.held
             if restore is not None and not run.frozen_base:
                 self._each_stage(f"loaded from {restore.directory}", lambda i: self._restore_stage(restore, i))
+            elif cfg.model.path and run.base_quantization == "nf4":  # QLoRA: quantized as the stages load
+                source = HFDirectory(cfg.model.path)
+                self._each_stage(f"loaded from {cfg.model.path} (decoder layers quantized to NF4)",
+                                 lambda i: fill_base_stage(self.store, layout.stages[i], run,
+                                                           lambda flat, stage: load_hf_master(flat, stage, source)))
             elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
                 source = HFDirectory(cfg.model.path)
                 self._each_stage(f"loaded from {cfg.model.path}",
                                  lambda i: load_hf_stage(self.store, layout.stages[i], source))
+            elif run.base_quantization == "nf4":
+                seed, std = cfg.train.seed, cfg.model.initializer_range
+                self._each_stage("initialised (decoder layers quantized to NF4)",
+                                 lambda i: fill_base_stage(self.store, layout.stages[i], run,
+                                                           lambda flat, stage: init_master(flat, stage, seed, std)))
             else:
                 self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
                                                                      cfg.model.initializer_range))

@@ -69,6 +69,9 @@ class RunSpec:
     frozen_base: bool = False
     """finetune.method=lora: the host holds the base once, in the streaming dtype (as its `master`, streamed
     directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py)."""
+    base_quantization: Literal["none", "nf4"] = "none"
+    """finetune.lora.base_quantization of a frozen base: nf4 holds its decoder layers packed in NF4 (kind `nf4`,
+    store/nf4_base.py), dequantized on the device into the compute dtype."""
 
     @property
     def world(self) -> int:
@@ -126,7 +129,8 @@ class RunSpec:
                 stream_is_master=True, grad_home="stream", grad_dtype=stream_dtype, moment_dtype=stream_dtype,
                 vocab_in_pieces=False, compiles=compiles,
                 layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
-                activation_offload=e.activation_offload is True, resident_layers=0, frozen_base=True)
+                activation_offload=e.activation_offload is True, resident_layers=0, frozen_base=True,
+                base_quantization=cfg.finetune.lora.base_quantization)
         return cls(
             device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
             master_dtype=p.master_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,

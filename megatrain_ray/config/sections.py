@@ -880,6 +880,13 @@ class LoraConfig:
     """Modules trained in full beside the adapters (PEFT's modules_to_save): `embed_tokens`, `lm_head` (an untied
     LM head only). Each lives on the device in float32 with its gradient and AdamW moments (16 bytes per parameter)
     and starts as the base's."""
+    base_quantization: Literal["none", "nf4"] = "none"
+    """How the host stores the frozen base's decoder layers. none: in precision.stream_dtype. nf4: QLoRA's 4-bit
+    base (bitsandbytes' load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, blocksize
+    64): every matrix of the decoder layers is quantized once on the host when the run starts (from its values in
+    precision.stream_dtype), streamed in 4 bits (about 0.52 B per parameter) and dequantized on the device into
+    precision.compute_dtype as each layer arrives; norms, the embedding and the LM head stay unquantized
+    (docs/fine-tuning.md, QLoRA). finetune.method=lora only."""
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -917,6 +924,10 @@ class LoraConfig:
 def check_finetune(cfg: "Config") -> None:
     """finetune.method=lora against the rest of the config."""
     if cfg.finetune.method != "lora":
+        if cfg.finetune.lora.base_quantization != "none":
+            _fail("finetune.lora.base_quantization", cfg.finetune.lora.base_quantization,
+                  f"quantizes the frozen base of a LoRA run, and finetune.method is {cfg.finetune.method!r}: set "
+                  "finetune.method=lora or finetune.lora.base_quantization=none")
         return
     cfg.finetune.lora.targets(cfg.model.family)
     why = ""
@@ -972,9 +983,9 @@ class FinetuneConfig:
     SECTION: ClassVar[str] = "finetune"
     method: Literal["full", "lora"] = "full"
     """full: every weight trains (fp32 master and AdamW moments in host RAM, the CPU optimizer workers). lora: the
-    base is frozen and streamed from host RAM in precision.stream_dtype only (no master, moments or gradient
-    buffers); the adapters, their gradients and their AdamW state live on the compute device (with several GPUs of
-    one node, on each: their gradients are summed in one all-reduce)."""
+    base is frozen and streamed from host RAM in precision.stream_dtype only, or in NF4 (finetune.lora.base_quantization;
+    no master, moments or gradient buffers); the adapters, their gradients and their AdamW state live on the compute
+    device (with several GPUs of one node, on each: their gradients are summed in one all-reduce)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """The adapters' settings (method lora)."""
     objective: Literal["sft", "dpo"] = "sft"

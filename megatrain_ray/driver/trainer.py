@@ -48,6 +48,7 @@ from megatrain_ray.planning.memory import check_plan, resolve_run
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
 from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.lora_export import export_lora
+from megatrain_ray.store.nf4_base import NF4_KIND, DequantizedBase
 from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages
 from megatrain_ray.system.files import refuse_existing
 from megatrain_ray.system.guardian import Guardian
@@ -423,8 +424,15 @@ class Trainer:
     def master_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the master weights by Hugging Face name (after the pending updates)."""
         self.flush()
+        if self.run_spec.base_quantization == "nf4":  # the base as the layers compute with it (dequantized)
+            return {name: t.clone() for name, t in self._base_tensors().items()}
         store = HostStore([s for s in self.specs if s.kind == "master"])
         return self._with_resident(store.read_tensors(self.layout), "master")
+
+    def _base_tensors(self) -> Mapping[str, torch.Tensor]:
+        """A frozen NF4 base by Hugging Face name, its decoder layers dequantized (store/nf4_base.py)."""
+        store = HostStore([s for s in self.specs if s.kind in ("master", NF4_KIND)])
+        return DequantizedBase(store, self.layout, self.run_spec.compute_dtype)
 
     @property
     def _resident_holder(self) -> Handle | None:
@@ -447,6 +455,8 @@ class Trainer:
             dtype = (source_dtype(source) if source else None) or "float32"
         store = HostStore([s for s in self.specs if s.kind == "master"])
         tensors: Mapping[str, torch.Tensor] = StoreTensors(store, self.layout)
+        if self.run_spec.base_quantization == "nf4":  # merged onto the dequantized base (docs/fine-tuning.md)
+            tensors = self._base_tensors()
         if self.run_spec.frozen_base:  # LoRA: the adapter in PEFT's format and the merged model
             return export_lora(tensors, self.adapters(), self.cfg.model, self.cfg.finetune.lora, out_dir, source, dtype,
                                shard_bytes)
@@ -459,6 +469,9 @@ class Trainer:
         """Overwrite master weights (and the streaming copy) by Hugging Face name, before training, on every
         node (or on `nodes`: tests that make the copies disagree)."""
         self.flush()
+        if self.run_spec.base_quantization == "nf4":  # its layers have no dense segment to write into
+            raise ConfigError("Trainer.load_weights: the base of finetune.lora.base_quantization=nf4 is quantized "
+                              "once when the run starts; put the weights in model.path instead")
         for k in nodes if nodes is not None else range(len(self.nodes)):
             store = HostStore([s for s in self.nodes[k].specs if s.kind in ("master", "stream")])
             store.write_tensors(self.layout, tensors)  # the stages with segments there

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatrain_ray.engine.collective import Collectives, RankInfo, padded
+from megatrain_ray.engine.packed_stream import PackedArrival
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.engine.telemetry import StepTelemetry
 from megatrain_ray.engine.updates import UpdateDispatch
@@ -96,15 +97,18 @@ class WeightStream:
         """This step loads weights in pieces gathered over the node's ranks (training steps only)."""
         self.checksum: float | None = None
         self.summed: set[int] = set()
-        self.layer_slots = [self._slot(layout.max_layer_numel) for _ in range(2)]
+        # An NF4 base (finetune.lora.base_quantization): its layers arrive packed and are dequantized on the device.
+        self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device)
+        self.layer_slots = [self._slot(layout.max_layer_numel, dense=self.packed is None) for _ in range(2)]
         self.embed_slot = self._slot(layout.embed.numel)
         self.head_slot = self._slot(layout.head.numel)
 
-    def _slot(self, numel: int) -> WeightSlot:
+    def _slot(self, numel: int, dense: bool = True) -> WeightSlot:
+        """`dense`: the slot receives streaming-dtype copies (else only dequantized packed stages)."""
         numel, device = padded(numel, self.rank.local_world), self.streams.device  # room for every rank's piece
-        raw = torch.empty(numel, dtype=self.stream_dtype, device=device)
-        compute = raw if self.stream_dtype == self.compute_dtype else \
-            torch.empty(numel, dtype=self.compute_dtype, device=device)
+        compute = torch.empty(numel, dtype=self.compute_dtype, device=device)
+        raw = torch.empty(numel, dtype=self.stream_dtype, device=device) \
+            if dense and self.stream_dtype != self.compute_dtype else compute
         for t in {id(raw): raw, id(compute): compute}.values():
             t.fill_(float("nan") if self.poison else 0.0)
         return WeightSlot(raw, compute)
@@ -151,17 +155,22 @@ class WeightStream:
             s.wait(s.h2d, slot.free)
             start = timeline.start(s.h2d)
             first, end = self.rank.piece(stage.numel) if self.gather else (0, stage.numel)
-            slot.raw[first:end].copy_(self.store.stream(stage.index)[first:end], non_blocking=True)
+            packed = self.packed is not None and self.packed.packs(stage)
+            if packed:  # one rank (LoRA): no pieces; dequantized straight into the compute dtype
+                copied = self.packed.load(stage, slot.compute[:stage.numel])
+            else:
+                slot.raw[first:end].copy_(self.store.stream(stage.index)[first:end], non_blocking=True)
+                copied = (end - first) * slot.raw.element_size()
             timeline.stop("h2d", s.h2d, start)
             if self.gather:
                 start = timeline.start(s.h2d)
                 self.comm.gather(slot.raw[:padded(stage.numel, self.rank.local_world)])
                 timeline.stop("comm", s.h2d, start)
-            if slot.compute is not slot.raw:
+            if slot.compute is not slot.raw and not packed:
                 slot.compute[:stage.numel].copy_(slot.raw[:stage.numel])
             slot.ready = s.record(s.h2d)
         slot.holds = stage.index
-        self.telemetry.stats["h2d_bytes"] += (end - first) * slot.raw.element_size()
+        self.telemetry.stats["h2d_bytes"] += copied
         return slot
 
     def _sample_sum(self, stage: StageLayout) -> float:

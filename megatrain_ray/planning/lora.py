@@ -16,8 +16,10 @@ from typing import Any
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
-from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.layout import ModelLayout, StageLayout, build_layout
 from megatrain_ray.model.lora import ADAPTER_STATE_BYTES, adapter_activation_bytes, adapter_shapes, lora_params
+from megatrain_ray.quant.nf4_stage import dequantize_workspace_bytes
+from megatrain_ray.store.nf4_base import packs_stage, stage_format
 from megatrain_ray.units import human_count
 
 LORA_ADAPTERS = "LoRA adapters (fp32, grads, AdamW)"
@@ -43,7 +45,7 @@ def lora_gpu_bytes(cfg: Config, run: RunSpec, offload: bool, per_slot: int, mlp_
     acc_b = max(4, compute_b)
     adapters = adapter_activation_bytes(m, cfg.finetune.lora, tokens, mlp_tokens, compute_b)
     return {
-        "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
+        "weight buffers": weight_buffer_bytes(run, layout, per_slot),
         "gradient buffers": 0,
         # modules_to_save: their gradients summed in float32, as a full run's
         "vocabulary accumulator": m.vocab_size * m.hidden_size * acc_b if cfg.finetune.lora.modules_to_save else 0,
@@ -56,6 +58,26 @@ def lora_gpu_bytes(cfg: Config, run: RunSpec, offload: bool, per_slot: int, mlp_
     }
 
 
+def weight_buffer_bytes(run: RunSpec, layout: ModelLayout, per_slot: int) -> int:
+    """The weight slots (engine/weights.py): two layers, the embedding, the head at `per_slot` bytes per element.
+    With an NF4 base (engine/packed_stream.py) the two layer slots hold the compute dtype only, beside one staging
+    buffer of the largest packed layer and the dequantization's temporaries (quant/nf4_stage.py's chunking),
+    counted all the time: they live on the H2D stream while compute runs."""
+    vocab = (layout.embed.numel + layout.head.numel) * per_slot
+    if run.base_quantization != "nf4":
+        return 2 * layout.max_layer_numel * per_slot + vocab
+    formats = [stage_format(s, run.compute_dtype) for s in layout.layers]
+    return (2 * layout.max_layer_numel * DTYPE_BYTES[run.compute_dtype] + vocab + max(f.nbytes for f in formats)
+            + max(dequantize_workspace_bytes(f) for f in formats))
+
+
+def streamed_bytes(run: RunSpec, stage: StageLayout) -> int:
+    """H2D bytes of one stage per pass of a LoRA run: its packed size for an NF4 layer, else its streaming copy."""
+    if packs_stage(run, stage):
+        return stage_format(stage, run.compute_dtype).nbytes
+    return stage.numel * DTYPE_BYTES[run.stream_dtype]
+
+
 def lora_tier_lines(plan: Any, params: int) -> list[str]:
     """What `plan` prints in place of the memory tiers for a LoRA run: the store is the frozen base only."""
     cfg, run = plan.cfg, plan.run
@@ -63,8 +85,14 @@ def lora_tier_lines(plan: Any, params: int) -> list[str]:
     lora = cfg.finetune.lora
     return [f"LoRA (finetune.method=lora, r {lora.r}, targets {', '.join(lora.targets(cfg.model.family))}): "
             f"{human_count(adapters)} adapter parameters ({adapters / params:.2%} of the model) "
-            f"train on the GPU; the host store is the frozen base in {run.stream_dtype}, "
+            f"train on the GPU; the host store is the frozen base in {base_storage(run)}, "
             f"{store / 2**30:.2f} GiB ({store / params:.1f} B/param), no moments, gradients or CPU optimizer"]
+
+
+def base_storage(run: RunSpec) -> str:
+    if run.base_quantization == "nf4":
+        return f"NF4 (decoder layers, double quantization; embedding and LM head in {run.stream_dtype})"
+    return run.stream_dtype
 
 
 ADAPTER_UPDATE_BYTES = 4 * (2 + 2 + 2 + 1)

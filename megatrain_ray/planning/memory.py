@@ -303,7 +303,7 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
                                  gpu_ranks=run.ranks_per_node).workers)
     plan.workers = workers = 0 if run.frozen_base else workers  # LoRA: no CPU optimizer workers
     plan.host, plan.disk, plan.staging = store_bytes(cfg, run, workers)
-    pinned_kinds = {"stream", "grad", "gradpool"} | ({"master"} if run.stream_is_master else set())
+    pinned_kinds = {"stream", "grad", "gradpool", "nf4"} | ({"master"} if run.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
     plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + run.ranks_per_node * GPU_PROCESS_BYTES
     plan.offload = run.activation_offload
@@ -388,7 +388,7 @@ GRAD_HOMES = {"stream": "gradients land in the streaming copy", "stage": "gradie
 
 _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg_sq": "AdamW second moment",
            "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
-           "gate": "checkpoint gates", "sync": "data-parallel counters"}
+           "gate": "checkpoint gates", "sync": "data-parallel counters", "nf4": "frozen base layers (NF4)"}
 
 
 def format_plan(plan: Plan) -> str:
@@ -409,10 +409,11 @@ def format_plan(plan: Plan) -> str:
                 "node, GPU figures per GPU"] if run.world > 1 else []),
              "", "host (shared memory, per kind):"]
     dtypes = {"master": run.master_dtype, "exp_avg": run.moment_dtype, "exp_avg_sq": run.moment_dtype,
-              "stream": run.stream_dtype}
+              "stream": run.stream_dtype, "nf4": "nf4"}
     for kind, nbytes in plan.host.items():
         if nbytes >= 2**20:
-            label = "frozen base (streamed)" if run.frozen_base and kind == "master" else _LABELS[kind]
+            label = (("frozen embedding, LM head" if run.base_quantization == "nf4" else "frozen base (streamed)")
+                     if run.frozen_base and kind == "master" else _LABELS[kind])
             lines.append(f"  {label:<28}{dtypes.get(kind, run.grad_dtype):>9} {nbytes / g:10.2f} GiB")
     params = layout.num_params
     lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)"]

@@ -22,7 +22,7 @@ from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.flops import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.model.lora import lora_params
-from megatrain_ray.planning.lora import ADAPTER_UPDATE_BYTES, lora_stage_seconds
+from megatrain_ray.planning.lora import ADAPTER_UPDATE_BYTES, lora_stage_seconds, streamed_bytes
 from megatrain_ray.planning.profiles import PRESETS, REFERENCE_OPTIMIZER_BYTES, HostProfile, SpeedProfile, adamw_gparams
 from megatrain_ray.store.segments import (
     SlabTurns,
@@ -89,7 +89,7 @@ def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelL
         fwd, bwd = (seconds / 4, 3 * seconds / 4) if stage.kind == "layer" else (seconds, 0.0)
         if run.frozen_base:  # LoRA: no weight gradients (planning/lora.py); nothing goes back to the host
             fwd, bwd = lora_stage_seconds(cfg, stage, fwd, bwd, tokens, rate)
-            costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, stage.numel * stream_b, 0,
+            costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, streamed_bytes(run, stage), 0,
                                    activation if stage.kind == "layer" else 0))
             continue
         copies = 0 if stage.index in resident else 1

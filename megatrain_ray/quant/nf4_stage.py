@@ -131,6 +131,14 @@ def nf4_stage_bytes(stage: StageLayout, compute_dtype: torch.dtype | str, blocks
     return NF4StageFormat.for_stage(stage, compute_dtype, blocksize, double_quant).nbytes
 
 
+def dequantize_workspace_bytes(fmt: NF4StageFormat) -> int:
+    """Device bytes of dequantize_stage's temporaries at their peak, for the planner: per chunk of values the
+    int64 index of each code byte and the float32 values (8 B per value), and for the whole stage the block
+    maxima's decoding (their codes as int64, the gathered scales and offsets, the float32 products, the cached
+    block-to-scale index: at most 40 B per block)."""
+    return 8 * min(_DEQUANTIZE_CHUNK_VALUES, fmt.num_blocks * fmt.blocksize) + 40 * fmt.num_blocks
+
+
 def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize a stage's weights into its packed buffer (`out`, a uint8 tensor of fmt.nbytes, e.g. a view of

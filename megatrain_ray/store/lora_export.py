@@ -6,7 +6,8 @@
                             (transformers' AutoModelForCausalLM loads it without peft)
 
 The merged weights are computed one tensor at a time (in float32, then cast to the export dtype), from the
-base as the host store holds it.
+base as the host store holds it; with an NF4 base (finetune.lora.base_quantization=nf4) from the dequantized base,
+the weights the adapters trained on (store/nf4_base.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config.load import _build
-from megatrain_ray.config.sections import LoraConfig, ModelConfig
+from megatrain_ray.config.sections import LoraConfig, ModelConfig, PrecisionConfig
 from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
+from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.lora import (
     SAVED_MODULES,
     from_peft_name,
@@ -34,6 +36,7 @@ from megatrain_ray.model.lora import (
 )
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointInfo, model_config_of
+from megatrain_ray.store.nf4_base import RequantizedBase
 from megatrain_ray.system.files import atomic_directory, refuse_existing
 
 log = get_logger(__name__)
@@ -122,5 +125,9 @@ def export_lora_checkpoint(info: CheckpointInfo, out_dir: str | Path, dtype: str
     path = info.directory / info.entry_of(ADAPTER_STAGE)["path"]
     with safe_open(str(path), framework="pt") as f:
         adapters = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("optimizer.")}  # noqa: SIM118
-    return export_lora(HFDirectory(model.path), adapters, model, lora, out_dir, model.path,
+    base: Mapping[str, torch.Tensor] = HFDirectory(model.path)
+    if lora.base_quantization == "nf4":  # the adapters trained on the dequantized NF4 base: merge onto it
+        precision = _build(PrecisionConfig, dict(info.manifest.get("config", {}).get("precision", {})), "precision")
+        base = RequantizedBase(base, build_layout(model), precision.resolved_stream_dtype, precision.compute_dtype)
+    return export_lora(base, adapters, model, lora, out_dir, model.path,
                        dtype or source_dtype(model.path) or "float32", shard_bytes)

@@ -16,7 +16,8 @@ Ray; the bytes never do. Kinds per stage:
   master is streamed and clipping is off, in a small pool of `gradpool` slabs (pool_slab_sizes).
 
 With a frozen base (finetune.method=lora, RunSpec.frozen_base) a stage has its `master` only, in the
-streaming dtype: the weights the device reads, never updated.
+streaming dtype: the weights the device reads, never updated; with finetune.lora.base_quantization=nf4 a decoder
+layer has instead its `nf4` bytes (uint8, store/nf4_base.py).
 
 A stage of the GPU-resident tier (engine.gpu_resident, RunSpec.resident_layers) has none of these: its whole
 state lives on the compute device (engine/resident.py), and the GPU worker fills it, checkpoints it and
@@ -47,11 +48,12 @@ from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.hf_io import HFDirectory, finite_or_refuse
 from megatrain_ray.model.layout import ModelLayout, StageLayout, token_chunks
 from megatrain_ray.observe.log import get_logger
+from megatrain_ray.quant.nf4_stage import nf4_stage_bytes
 from megatrain_ray.store.disk_tier import DiskSegment, allocate_file
 
 log = get_logger(__name__)
 
-SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync"]
+SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync", "nf4"]
 
 @dataclass(frozen=True, slots=True)
 class SegmentSpec:
@@ -97,8 +99,11 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
             continue
         stage = layout.stages[index]
         kinds: list[tuple[SegmentKind, str]] = [("master", master), ("exp_avg", moments), ("exp_avg_sq", moments)]
+        numel = stage.numel
         if run.frozen_base:  # LoRA: the base once, in the streaming dtype (RunSpec's master), streamed directly
             kinds = [("master", master)]
+            if run.base_quantization == "nf4" and stage.kind == "layer":  # its bytes packed (store/nf4_base.py)
+                kinds, numel = [("nf4", "uint8")], nf4_stage_bytes(stage, run.compute_dtype)
         if not run.stream_is_master:
             kinds.append(("stream", run.stream_dtype))
         if home == "stage":
@@ -106,7 +111,7 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
         for kind, dtype in kinds:
             disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
             path = os.path.join(host.disk_dir if disk else directory, f"{segment_prefix(run_id)}{stage.name}-{kind}")
-            specs.append(SegmentSpec(path, dtype, stage.numel, kind, index, on_disk=disk))
+            specs.append(SegmentSpec(path, dtype, numel, kind, index, on_disk=disk))
     specs.append(SegmentSpec(os.path.join(directory, f"{segment_prefix(run_id)}gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":

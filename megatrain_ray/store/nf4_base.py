@@ -1,0 +1,129 @@
+"""A frozen base in NF4 on the host (finetune.lora.base_quantization=nf4, QLoRA's 4-bit base).
+
+Each decoder layer's host segment is kind `nf4`: one uint8 buffer in quant/nf4_stage.NF4StageFormat (blocksize
+64, double quantization; the vectors in the compute dtype), filled once at the start from the stage's dense
+weights (random initialisation or the Hugging Face checkpoint, in the master dtype of the run, that is
+precision.stream_dtype) and never written again. The embedding and the LM head keep their dense `master`, as
+QLoRA keeps them unquantized. The weight stream (engine/packed_stream.py) copies the packed bytes to the device
+and dequantizes them there; export and tests read the base through DequantizedBase, the values the layers
+compute with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.dtypes import TORCH_DTYPES
+from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
+from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage
+from megatrain_ray.store.segments import HostStore
+
+NF4_KIND = "nf4"
+"""The segment kind of a packed decoder layer."""
+NF4_BLOCKSIZE = 64
+"""QLoRA's (bitsandbytes' default) block size; with double quantization."""
+
+
+def packs_stage(run: RunSpec, stage: StageLayout) -> bool:
+    """Whether the run holds this stage packed in NF4: the decoder layers of an nf4 frozen base."""
+    return run.frozen_base and run.base_quantization == "nf4" and stage.kind == "layer"
+
+
+def stage_format(stage: StageLayout, compute_dtype: torch.dtype | str) -> NF4StageFormat:
+    """The packed format of a decoder layer (the host's bytes, the device's staging copy, the planner's figure).
+    Layers of the same shapes share one format object: dequantize_stage caches its index tensors per format and
+    device, which a format per layer would rebuild (and copy to the GPU) for every layer of every step."""
+    dtype = TORCH_DTYPES[compute_dtype] if isinstance(compute_dtype, str) else compute_dtype
+    return _shared_format(stage.slots, stage.numel, stage.decay_numel, dtype, stage)
+
+
+_FORMATS: dict[tuple, NF4StageFormat] = {}
+
+
+def _shared_format(slots: tuple, numel: int, decay_numel: int, dtype: torch.dtype,
+                   stage: StageLayout) -> NF4StageFormat:
+    key = (slots, numel, decay_numel, dtype)
+    found = _FORMATS.get(key)
+    if found is None:  # the first layer of these shapes stands for all (the format reads their slots only)
+        found = _FORMATS.setdefault(key, NF4StageFormat.for_stage(stage, dtype, NF4_BLOCKSIZE, double_quant=True))
+    return found
+
+
+def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec,
+                    fill_dense: Callable[[torch.Tensor, StageLayout], None]) -> None:
+    """A frozen-base stage from its dense weights: `fill_dense(flat, stage)` (segments.init_master or
+    load_hf_master) writes them into a flat buffer of the master dtype; a packed stage takes them through a
+    temporary (one stage's dense weights per filling thread) and quantizes them into its segment."""
+    if not store.has(NF4_KIND, stage.index):
+        fill_dense(store.get("master", stage.index), stage)
+        return
+    dense = torch.empty(stage.numel, dtype=TORCH_DTYPES[run.master_dtype])
+    fill_dense(dense, stage)
+    pack_stage(stage_format(stage, run.compute_dtype), dense, out=store.get(NF4_KIND, stage.index))
+
+
+class DequantizedBase(Mapping[str, torch.Tensor]):
+    """The base's tensors by Hugging Face name, in layout order, as the device computes with them: the dense
+    stages as views of their `master`, the packed ones dequantized (in the compute dtype, one stage kept at a
+    time: export reads the tensors in order)."""
+
+    def __init__(self, store: HostStore, layout: ModelLayout, compute_dtype: torch.dtype | str):
+        self.store, self.layout = store, layout
+        self.compute_dtype = TORCH_DTYPES[compute_dtype] if isinstance(compute_dtype, str) else compute_dtype
+        self.names = [stage.hf_name(slot) for stage in layout.stages
+                      if store.has("master", stage.index) or store.has(NF4_KIND, stage.index) for slot in stage.slots]
+        self._cached: tuple[int, torch.Tensor] | None = None
+
+    def _flat(self, stage: StageLayout) -> torch.Tensor:
+        if self.store.has("master", stage.index):
+            return self.store.get("master", stage.index)
+        if self._cached is None or self._cached[0] != stage.index:
+            fmt = stage_format(stage, self.compute_dtype)
+            self._cached = (stage.index, dequantize_stage(self.store.get(NF4_KIND, stage.index), fmt))
+        return self._cached[1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        stage, slot = self.layout.stage_of(name)
+        if not (self.store.has("master", stage.index) or self.store.has(NF4_KIND, stage.index)):
+            raise KeyError(name)
+        return self._flat(stage)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class RequantizedBase(Mapping[str, torch.Tensor]):
+    """A dense base (the Hugging Face directory a LoRA checkpoint records) as an NF4 run computed with it: each
+    decoder-layer matrix in the master dtype, quantized and dequantized into the compute dtype (pack_stage quantizes
+    each matrix alone, as quantize_nf4 does: the same values as DequantizedBase), the layers' vectors in the
+    compute dtype, the embedding and LM head in the master dtype. What `megatrain export` of such a checkpoint
+    merges the adapters onto."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], layout: ModelLayout, master_dtype: str, compute_dtype: str):
+        self.base, self.layout = base, layout
+        self.master_dtype, self.compute_dtype = TORCH_DTYPES[master_dtype], TORCH_DTYPES[compute_dtype]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.base[name].to(self.master_dtype)
+        stage, slot = self.layout.stage_of(name)
+        if stage.kind != "layer":
+            return tensor
+        if len(slot.shape) < 2:
+            return tensor.to(self.compute_dtype)
+        return dequantize_nf4(quantize_nf4(tensor, NF4_BLOCKSIZE, double_quant=True), self.compute_dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
