@@ -85,6 +85,14 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
         "LoRA at 64k tokens (8 x 8192, MLP in 16k-token chunks, layer inputs kept on the GPU): busy 40.7 s of "
         "40.8 s, planned 29.3 s (+39 % tok/s planned): the adapters' float32 side path as at 8k; the rest is not "
         "explained yet (the run was not profiled)"),
+    ("moe-qwen3-30b-a3b-4l-h100-80gb-hbm3-20261125-203715.json", "megatrain L4 64k bfloat16 stream"): (
+        "MoE (Qwen3-30B-A3B width, 4 layers, 3.11 B parameters), clipping on: the CPU AdamW took 2.26 s per step, "
+        "1.38 G params/s against the 4.36 the model takes from the dense runs, and the GPU waited 2.02 s for it "
+        "(planned 46,364 tok/s, measured 20,634). Why the update ran at a third of the dense rate is not profiled "
+        "yet"),
+    ("moe-qwen3-30b-a3b-4l-32k-h100-80gb-hbm3-20261125-204029.json", "megatrain L4 32k bfloat16 stream"): (
+        "the same shape at 32k: the CPU AdamW took 1.98 s per step (1.57 G params/s), the GPU waited 1.89 s "
+        "(planned 30,284 tok/s, measured 12,927); cause as at 64k, not profiled yet"),
 }
 """(file, row label) of measured points the speed model misses by more than TOLERANCE, with the cause."""
 PEAK_MISSES: dict[tuple[str, str], str] = {
@@ -92,6 +100,9 @@ PEAK_MISSES: dict[tuple[str, str], str] = {
         "LoRA at 8k tokens: 19.0 GiB measured, 16.7 planned (-12 %): the plan does not count the adapters' float32 "
         "temporaries in a layer's backward (an [8k, 27648] float32 output alone is 0.9 GiB); at 64k the same "
         "point is within 1 % (62.7 measured, 63.1 planned)"),
+    ("moe-qwen3-30b-a3b-4l-h100-80gb-hbm3-20261125-203715.json", "megatrain L4 64k bfloat16 stream"): (
+        "MoE at 64k tokens: 25.2 GiB measured, 28.2 planned (+12 %, on the safe side; not analysed yet); at 32k "
+        "the same shape is within 10 % (16.7 measured, 18.2 planned)"),
 }
 """The same for the planned GPU peak."""
 
