@@ -9,7 +9,7 @@ import platform
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -89,3 +89,37 @@ def write_result(name: str, result: dict[str, Any], out: str | Path = RESULTS, p
     if not quiet:
         print(f"wrote {path}")
     return path
+
+
+def compiled_resident_run(build: Callable[[bool], tuple[Any, Callable]], timed: Callable[[Callable], dict]) \
+        -> tuple[dict, bool, Any]:
+    """The compiled GPU-resident baselines' rule: time `build(checkpointing)`'s train step without activation
+    checkpointing, and with it only when that runs out of GPU memory. `build` returns (model, train_step).
+    Returns (the timed row, whether checkpointing was on, the model)."""
+    import torch
+
+    for checkpointing in (False, True):
+        out_of_memory = False
+        try:
+            model, train_step = build(checkpointing)
+            return timed(train_step), checkpointing, model
+        except torch.OutOfMemoryError:
+            if checkpointing:
+                raise
+            out_of_memory = True
+        if out_of_memory:  # outside the except block: its traceback no longer holds the first model's frames
+            model = train_step = None  # noqa: F841 - the first attempt's references go
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    raise AssertionError("unreachable: the checkpointing attempt returns or raises")
+
+
+def deepspeed_train_step(engine: Any) -> Callable:
+    """train_step(ids) -> loss of a DeepSpeed engine around a Hugging Face causal LM (labels = inputs)."""
+    def train_step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return train_step

@@ -85,25 +85,16 @@ def run_peft_resident(spec: dict) -> dict:
 
 
 def run_peft_resident_compile(spec: dict) -> dict:
-    import torch
-
+    from benchmarks.common import compiled_resident_run
     from benchmarks.run import _load, _timed_steps
 
     cfg = _load(spec)
-    for checkpointing in (False, True):
-        out_of_memory = False
-        try:
-            model, _, train_step = peft_resident_model(cfg, compile_layers=True, checkpointing=checkpointing)
-            row = _timed_steps(spec, cfg, train_step)
-            break
-        except torch.OutOfMemoryError:
-            if checkpointing:
-                raise
-            out_of_memory = True
-        if out_of_memory:  # outside the except block: its traceback no longer holds the first model's frames
-            model = train_step = None
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+
+    def build(checkpointing: bool):
+        model, _, train_step = peft_resident_model(cfg, compile_layers=True, checkpointing=checkpointing)
+        return model, train_step
+
+    row, checkpointing, model = compiled_resident_run(build, lambda step: _timed_steps(spec, cfg, step))
     return _lora_row(row, cfg, model, compiled=True, checkpointing=checkpointing,
                      precision="bf16 frozen base, fp32 LoRA adapters and AdamW states on the GPU")
 
@@ -132,6 +123,7 @@ def run_peft_deepspeed(spec: dict) -> dict:
     import deepspeed
     import peft
 
+    from benchmarks.common import deepspeed_train_step
     from benchmarks.run import _hf_model, _load, _timed_steps
     from megatrain_ray.observe.metrics import proc_status_bytes
 
@@ -148,13 +140,7 @@ def run_peft_deepspeed(spec: dict) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
 
-    def train_step(ids):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    row = _timed_steps(spec, cfg, train_step)
+    row = _timed_steps(spec, cfg, deepspeed_train_step(engine))
     return _lora_row(row, cfg, model, host_bytes_per_param=proc_status_bytes("VmRSS") / row["params"],
                      precision="bf16 base and the adapters' AdamW offloaded to CPU (ZeRO-3)")
 

@@ -59,6 +59,8 @@ from benchmarks.common import (  # noqa: E402
     ONE_GPU_AS,
     RESIDENT_SYSTEMS,
     VARIANTS,
+    compiled_resident_run,
+    deepspeed_train_step,
     point_overrides,
     provenance,
     seq_len_overrides,
@@ -228,23 +230,13 @@ def run_resident(spec: dict) -> dict:
 def run_resident_compile(spec: dict) -> dict:
     """The strongest GPU-resident baseline: each decoder layer through torch.compile; activation
     checkpointing only when the model with every activation kept does not fit (tried first)."""
-    import torch
-
     cfg = _load(spec)
-    for checkpointing in (False, True):
-        out_of_memory = False
-        try:
-            model, opt, train_step = _resident_model(cfg, compile_layers=True, checkpointing=checkpointing)
-            row = _timed_steps(spec, cfg, train_step)
-            break
-        except torch.OutOfMemoryError:
-            if checkpointing:
-                raise
-            out_of_memory = True
-        if out_of_memory:  # outside the except block: its traceback no longer holds the first model's frames
-            model = opt = train_step = None  # noqa: F841 - the first attempt's references go
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+
+    def build(checkpointing: bool):
+        model, _, train_step = _resident_model(cfg, compile_layers=True, checkpointing=checkpointing)
+        return model, train_step
+
+    row, checkpointing, _ = compiled_resident_run(build, lambda step: _timed_steps(spec, cfg, step))
     row.update(precision="bf16 weights, bf16 AdamW states (torch fused AdamW on the GPU)", compiled=True,
                checkpointing=checkpointing)
     return row
@@ -277,13 +269,7 @@ def run_deepspeed(spec: dict) -> dict:
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
-    def train_step(ids):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    row = _timed_steps(spec, cfg, train_step)
+    row = _timed_steps(spec, cfg, deepspeed_train_step(engine))
     row["host_bytes_per_param"] = proc_status_bytes("VmRSS") / row["params"]  # DeepSpeed's host state is in-process
     return row
 

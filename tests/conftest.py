@@ -117,3 +117,41 @@ def prepared_data(root: Path, vocab: int = 96) -> Path:
     (root / "manifest.json").write_text(json.dumps({"splits": {s: {"files": [f"{s}-00000.parquet"]}
                                                                for s in ("train", "eval")}}))
     return root
+
+
+def interrupted_and_resumed(cfg, stop_after: int, every: int, read):
+    """Run `cfg` for `stop_after` steps with a checkpoint every `every` steps, as a run cut short; then resume
+    from its last checkpoint (resume="auto") and train to the end. Returns (the step it resumed at,
+    read(trainer) at the end)."""
+    from megatrain_ray.driver.trainer import Trainer
+
+    with Trainer(cfg) as trainer:
+        for step in range(stop_after):
+            trainer.step(step)
+            trainer.next_step = step + 1
+            if trainer.next_step % every == 0:
+                trainer.save(wait=True)
+    with Trainer(cfg, resume="auto") as trainer:
+        resumed_at = trainer.next_step
+        trainer.train()
+        return resumed_at, read(trainer)
+
+
+def streamed_logits_error(tmp_path, model) -> float:
+    """The largest |logit| difference between a Hugging Face model and megatrain's layer stream loaded with its
+    weights (config from its config.json), on a fixed batch of 2 x 33 tokens."""
+    import dataclasses
+
+    from megatrain_ray.config.hf import model_config_from_hf
+    from megatrain_ray.driver.trainer import Trainer
+
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg))
+    ids = torch.randint(0, mcfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(2))
+    with Trainer(cfg) as trainer:
+        state = model.state_dict()
+        trainer.load_weights({k: v for k, v in state.items() if k in trainer.master_weights()})
+        ours = trainer.logits(ids)
+    with torch.no_grad():
+        expected = model(ids).logits
+    return (ours - expected).abs().max().item()

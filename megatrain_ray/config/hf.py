@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
 from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
@@ -129,11 +130,7 @@ def _gemma(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
     }
     layer_types = hf.get("layer_types")
     if layer_types:
-        if not isinstance(layer_types, list) or any(t not in ("full_attention", "sliding_attention")
-                                                    for t in layer_types):
-            raise CheckpointError(f"{where}: layer_types = {excerpt(layer_types)} must list full_attention or "
-                                  "sliding_attention per layer")
-        out["layer_types"] = list(layer_types)
+        out["layer_types"] = checked_layer_types(layer_types, where)
     else:  # as Gemma2Config / Gemma3TextConfig derive them
         out["sliding_window_pattern"] = _count(hf, "sliding_window_pattern", where,
                                                default=6 if family == "gemma3" else 2)

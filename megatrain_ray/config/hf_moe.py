@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
@@ -58,12 +59,7 @@ def moe_from_hf(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
         # As GptOssConfig: without layer_types, even layers (from 0) slide and odd ones attend fully.
         layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                                 for i in range(layers)]
-        if layer_types:
-            if not isinstance(layer_types, list) or any(t not in ("full_attention", "sliding_attention")
-                                                        for t in layer_types):
-                raise CheckpointError(f"{where}: layer_types = {excerpt(layer_types)} must list full_attention or "
-                                      "sliding_attention per layer")
-            out["layer_types"] = list(layer_types)
+        out["layer_types"] = checked_layer_types(layer_types, where)
     return out
 
 

@@ -13,7 +13,7 @@ the weights the adapters trained on (store/nf4_base.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from megatrain_ray.model.lora import (
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointInfo, model_config_of
 from megatrain_ray.store.nf4_base import RequantizedBase
+from megatrain_ray.store.tensor_maps import DerivedTensors
 from megatrain_ray.system.files import atomic_directory, refuse_existing
 
 log = get_logger(__name__)
@@ -45,12 +46,13 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-class MergedWeights(Mapping[str, torch.Tensor]):
+class MergedWeights(DerivedTensors):
     """The base's tensors by Hugging Face name, with each adapted projection's weight merged on lookup and the
     modules_to_save replaced by their trained matrices."""
 
     def __init__(self, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scaling: float):
-        self.base, self.scaling = base, scaling
+        super().__init__(base)
+        self.scaling = scaling
         self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.replaced = {hf: adapters[peft_saved_name(hf)] for hf in SAVED_MODULES.values()
                          if peft_saved_name(hf) in adapters}
@@ -71,15 +73,6 @@ class MergedWeights(Mapping[str, torch.Tensor]):
             return weight
         a, b = self.pairs[name]
         return merged_weight(weight, a, b, self.scaling)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.base
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.base)
-
-    def __len__(self) -> int:
-        return len(self.base)
 
 
 def write_peft_adapter(adapters: Mapping[str, torch.Tensor], model: ModelConfig, lora: LoraConfig, out_dir: Path,

@@ -21,6 +21,7 @@ from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
 from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage
 from megatrain_ray.store.segments import HostStore
+from megatrain_ray.store.tensor_maps import DerivedTensors
 
 NF4_KIND = "nf4"
 """The segment kind of a packed decoder layer."""
@@ -99,7 +100,7 @@ class DequantizedBase(Mapping[str, torch.Tensor]):
         return len(self.names)
 
 
-class RequantizedBase(Mapping[str, torch.Tensor]):
+class RequantizedBase(DerivedTensors):
     """A dense base (the Hugging Face directory a LoRA checkpoint records) as an NF4 run computed with it: each
     decoder-layer matrix in the master dtype, quantized and dequantized into the compute dtype (pack_stage quantizes
     each matrix alone, as quantize_nf4 does: the same values as DequantizedBase), the layers' vectors in the
@@ -107,7 +108,8 @@ class RequantizedBase(Mapping[str, torch.Tensor]):
     merges the adapters onto."""
 
     def __init__(self, base: Mapping[str, torch.Tensor], layout: ModelLayout, master_dtype: str, compute_dtype: str):
-        self.base, self.layout = base, layout
+        super().__init__(base)
+        self.layout = layout
         self.master_dtype, self.compute_dtype = TORCH_DTYPES[master_dtype], TORCH_DTYPES[compute_dtype]
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -118,12 +120,3 @@ class RequantizedBase(Mapping[str, torch.Tensor]):
         if len(slot.shape) < 2:
             return tensor.to(self.compute_dtype)
         return dequantize_nf4(quantize_nf4(tensor, NF4_BLOCKSIZE, double_quant=True), self.compute_dtype)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.base
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.base)
-
-    def __len__(self) -> int:
-        return len(self.base)

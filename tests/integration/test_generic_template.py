@@ -40,9 +40,10 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.exceptions import ConfigError  # noqa: E402
 from megatrain_ray.messages import Batch  # noqa: E402
-from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
-from tests.integration.test_phi3_parity import report, train_hf  # noqa: E402
+from tests.conftest import interrupted_and_resumed, learnable_tokens, tiny_raw  # noqa: E402
+from tests.integration.test_phi3_parity import report  # noqa: E402
 from tests.integration.test_training_parity import assert_close_run  # noqa: E402
+from tests.reference_hf import train_hf  # noqa: E402
 
 VOCAB = 96
 
@@ -246,16 +247,8 @@ def test_generic_checkpoint_resumes_bit_identically_and_its_export_loads_in_tran
         trainer.train()
         final, ours = trainer.master_weights(), trainer.logits(ids)
     cfg = generic_config(tmp_path / "cut", source, checkpoint={"every": 3}, train={"steps": 6})
-    with Trainer(cfg) as trainer:  # stops after 4 steps: its last checkpoint is step 3
-        for step in range(4):
-            trainer.step(step)
-            trainer.next_step = step + 1
-            if trainer.next_step % 3 == 0:
-                trainer.save(wait=True)
-    with Trainer(cfg, resume="auto") as trainer:
-        assert trainer.next_step == 3
-        trainer.train()
-        resumed = trainer.master_weights()
+    resumed_at, resumed = interrupted_and_resumed(cfg, 4, 3, Trainer.master_weights)  # its last checkpoint: 3
+    assert resumed_at == 3
     assert all(torch.equal(final[k], resumed[k]) for k in final)
     out = export_weights_dir(tmp_path / "cut" / "run" / "checkpoints" / "step-00000006", tmp_path / "export")
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)

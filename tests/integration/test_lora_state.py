@@ -24,6 +24,7 @@ from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.engine.adapters import ADAPTER_FILE, ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.store.checkpoint import CheckpointDir
+from tests.conftest import interrupted_and_resumed
 from tests.integration.test_lora_parity import lora_config, make_base
 
 LOGIT_TOL = 1e-5
@@ -89,16 +90,8 @@ def test_resume_continues_bit_identically(tmp_path, base):
         trainer.train()
         final = trainer.adapters()
     cfg = lora_config(tmp_path / "cut", base, steps=8, checkpoint={"every": 3})
-    with Trainer(cfg) as trainer:  # stops after 5 steps: the last checkpoint is step 3
-        for step in range(5):
-            trainer.step(step)
-            trainer.next_step = step + 1
-            if trainer.next_step % 3 == 0:
-                trainer.save(wait=True)
-    with Trainer(cfg, resume="auto") as trainer:
-        assert trainer.next_step == 3
-        trainer.train()
-        resumed = trainer.adapters()
+    resumed_at, resumed = interrupted_and_resumed(cfg, 5, 3, Trainer.adapters)  # the last checkpoint: step 3
+    assert resumed_at == 3
     assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
     assert all(torch.equal(final[k], resumed[k]) for k in final)
 

@@ -17,12 +17,10 @@ Tolerance 1e-5 relative, per-step loss and each final tensor (norm of the differ
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,7 +29,7 @@ from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 from tests.integration.test_phi3_parity import report  # noqa: E402
 from tests.integration.test_training_parity import assert_close_run  # noqa: E402
-from tests.reference_llama import reference_lr  # noqa: E402
+from tests.reference_hf import train_hf  # noqa: E402
 from tests.unit.test_moe import hf_moe_model  # noqa: E402
 
 AUX_COEF = 0.02
@@ -43,38 +41,6 @@ LR = {"gpt-oss": 3e-3}
 # At 3e-3 gpt-oss's float32 runs differ by 1.3e-5 (float32 noise amplified by AdamW, as the float32 Phi-3
 # runs without clipping): its Ray run is compared in float64.
 RAY_DTYPE = {"gpt-oss": "float64"}
-
-
-def train_hf_moe(model, cfg, state: dict[str, torch.Tensor], batches: list[torch.Tensor], dtype: torch.dtype,
-                 aux: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The Hugging Face model itself with torch.optim.AdamW and clip_grad_norm_, as megatrain is configured;
-    with `aux`, the loss adds router_aux_loss_coef * the aux_loss transformers computes."""
-    model = copy.deepcopy(model).to(dtype).train()
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # the embedding itself
-    assert set(missing) == tied and not unexpected, (missing, unexpected)
-    o, s = cfg.optimizer, cfg.schedule
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
-    losses = []
-    for step, tokens in enumerate(batches):
-        for group in opt.param_groups:
-            group["lr"] = reference_lr(step, o.lr, len(batches), s.warmup_steps, s.kind, s.min_lr_ratio)
-        opt.zero_grad(set_to_none=True)
-        out = model(tokens[:, :-1], output_router_logits=aux)
-        logits = out.logits
-        work = torch.promote_types(logits.dtype, torch.float32)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), tokens[:, 1:].reshape(-1))
-        if aux:
-            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
-        loss.backward()
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def run_both(tmp_path, name: str, dtype: str, aux: bool, **sections):
@@ -100,7 +66,7 @@ def _run_model(tmp_path, model, name: str, dtype: str, **sections):
         final = trainer.master_weights()
     tied = {"lm_head.weight"} if mcfg.tie_word_embeddings else set()
     assert set(initial) == set(model.state_dict()) - tied  # transformers 5's names, experts fused
-    ref_losses, ref_state = train_hf_moe(model, cfg, initial, batches, getattr(torch, dtype), aux)
+    ref_losses, ref_state = train_hf(model, cfg, initial, batches, getattr(torch, dtype), aux)
     return [r["loss"] for r in records], ref_losses, final, ref_state, initial, records
 
 
@@ -244,7 +210,7 @@ def test_moe_bf16_compute_tracks_float32_transformers(tmp_path, name):
         initial = trainer.master_weights()
         batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
         ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
-    ref, _ = train_hf_moe(model, cfg, initial, batches, torch.float32, aux=True)
+    ref, _ = train_hf(model, cfg, initial, batches, torch.float32, aux=True)
     for step, (a, b) in enumerate(zip(ours, ref)):
         assert abs(a - b) <= 0.02 * abs(b), f"step {step}: bf16 loss {a} vs float32 reference {b}"
     assert ours[-1] < ours[0] - 0.05

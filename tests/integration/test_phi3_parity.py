@@ -17,12 +17,10 @@ Tolerance 1e-5 relative, per-step loss and each final tensor (norm of the differ
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,41 +28,10 @@ from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 from tests.integration.test_training_parity import assert_close_run  # noqa: E402
-from tests.reference_llama import reference_lr  # noqa: E402
+from tests.reference_hf import train_hf  # noqa: E402
 from tests.unit.test_templates import hf_model  # noqa: E402
 
 NAME = "phi3-longrope-partial"
-
-
-def train_hf(model, cfg, state: dict[str, torch.Tensor], batches: list[torch.Tensor],
-             dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The Hugging Face model itself, trained with torch.optim.AdamW and clip_grad_norm_ as megatrain is
-    configured (lr schedule, betas, eps, weight decay on matrices only, clipping)."""
-    model = copy.deepcopy(model).to(dtype).train()
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # the embedding itself (Gemma)
-    assert set(missing) <= tied and not unexpected, (missing, unexpected)
-    if tied:
-        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    o, s = cfg.optimizer, cfg.schedule
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
-    losses = []
-    for step, tokens in enumerate(batches):
-        for group in opt.param_groups:
-            group["lr"] = reference_lr(step, o.lr, len(batches), s.warmup_steps, s.kind, s.min_lr_ratio)
-        opt.zero_grad(set_to_none=True)
-        logits = model(tokens[:, :-1]).logits
-        work = torch.promote_types(logits.dtype, torch.float32)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def run_both(tmp_path, model, seq_len: int, dtype: str, **sections):

@@ -19,6 +19,7 @@ peft = pytest.importorskip("peft")
 
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
+from tests.conftest import interrupted_and_resumed
 from tests.integration.test_lora_parity import lora_config, make_base, peft_model
 
 NF4 = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear",
@@ -180,15 +181,7 @@ def test_resume_quantizes_the_base_again_and_continues_bit_identically(tmp_path)
         trainer.train()
         final = trainer.adapters()
     cfg = lora_config(tmp_path / "cut", base, steps=6, finetune=NF4, checkpoint={"every": 3})
-    with Trainer(cfg) as trainer:  # stops after 4 steps: the last checkpoint is step 3
-        for step in range(4):
-            trainer.step(step)
-            trainer.next_step = step + 1
-            if trainer.next_step % 3 == 0:
-                trainer.save(wait=True)
-    with Trainer(cfg, resume="auto") as trainer:
-        assert trainer.next_step == 3
-        trainer.train()
-        resumed = trainer.adapters()
+    resumed_at, resumed = interrupted_and_resumed(cfg, 4, 3, Trainer.adapters)  # the last checkpoint: step 3
+    assert resumed_at == 3
     assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
     assert all(torch.equal(final[k], resumed[k]) for k in final)

@@ -18,10 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config.hf import hf_config_from_model, model_config_from_hf  # noqa: E402
 from megatrain_ray.config.resolved import RunSpec  # noqa: E402
-from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.model.moe import MoeSpec, experts, route  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
+from tests.conftest import streamed_logits_error, tiny_config  # noqa: E402
 from tests.unit.test_templates import template_logits  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=72, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
@@ -75,17 +74,7 @@ def test_moe_templates_match_transformers(name):
 
 @pytest.mark.parametrize("name", list(MOE_FAMILIES))
 def test_moe_streamed_engine_logits_match_transformers(tmp_path, name):
-    model = hf_moe_model(name)
-    mcfg = model_config_from_hf(model.config.to_dict())
-    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg))
-    ids = torch.randint(0, mcfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(2))
-    with Trainer(cfg) as trainer:
-        state = model.state_dict()
-        trainer.load_weights({k: v for k, v in state.items() if k in trainer.master_weights()})
-        ours = trainer.logits(ids)
-    with torch.no_grad():
-        expected = model(ids).logits
-    assert (ours - expected).abs().max().item() <= 1e-5
+    assert streamed_logits_error(tmp_path, hf_moe_model(name)) <= 1e-5
 
 
 @pytest.mark.parametrize("name", list(MOE_FAMILIES))

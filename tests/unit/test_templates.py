@@ -20,7 +20,7 @@ from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.exceptions import ConfigError  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.model.templates import model_logits  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
+from tests.conftest import streamed_logits_error, tiny_config  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -120,17 +120,7 @@ def template_logits(model, ids: torch.Tensor) -> torch.Tensor:
                                   "phi3-longrope", "phi3-partial-sliding", "phi3-longrope-partial",
                                   "gemma3-local-global", "gemma3-pattern-softcap", "gemma2-softcap"])
 def test_streamed_engine_logits_match_transformers(tmp_path, name):
-    model = hf_model(name)
-    mcfg = model_config_from_hf(model.config.to_dict())
-    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg))
-    ids = torch.randint(0, mcfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(2))
-    with Trainer(cfg) as trainer:
-        state = model.state_dict()
-        trainer.load_weights({k: v for k, v in state.items() if k in trainer.master_weights()})
-        ours = trainer.logits(ids)
-    with torch.no_grad():
-        expected = model(ids).logits
-    assert (ours - expected).abs().max().item() <= 1e-5
+    assert streamed_logits_error(tmp_path, hf_model(name)) <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["phi3-longrope", "phi3-longrope-partial"])
