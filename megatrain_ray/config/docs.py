@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import typing
 
 from megatrain_ray.config import sections as config_module
@@ -40,7 +41,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _type_text(tp: object) -> str:
-    text = str(tp).replace("typing.", "").replace("megatrain_ray.config.sections.", "")
+    text = re.sub(r"megatrain_ray\.config\.\w+\.", "", str(tp).replace("typing.", ""))
     text = getattr(tp, "__name__", text) if not typing.get_args(tp) else text
     return text.replace(" | ", " or ")
 
@@ -55,7 +56,7 @@ def _default(f: dataclasses.Field) -> str:
 
 def render() -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `megatrain_ray/config/sections.py` by `python -m megatrain_ray.config.docs`. "
+             "Generated from `megatrain_ray/config/sections.py` (and the section modules it imports) by `python -m megatrain_ray.config.docs`. "
              "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)

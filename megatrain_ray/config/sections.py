@@ -9,372 +9,23 @@ derived from several sections and the machine live in config/resolved.py (RunSpe
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from megatrain_ray.config.fields import DType
+from megatrain_ray.config.fields import refuse as _fail
+
+# The sections that live in modules of their own, named here too: every section is importable from this one.
+from megatrain_ray.config.finetune_section import (  # noqa: F401
+    LORA_PROJECTIONS,
+    PHI3_LORA_PROJECTIONS,
+    DPOConfig,
+    FinetuneConfig,
+    LoraConfig,
+)
+from megatrain_ray.config.model_section import ModelConfig, RopeScalingConfig  # noqa: F401
 from megatrain_ray.dtypes import DTYPE_RANK
-from megatrain_ray.exceptions import ConfigError, excerpt
-
-DType = Literal["bfloat16", "float16", "float32", "float64"]
-
-
-def _fail(key: str, value: Any, why: str) -> None:
-    raise ConfigError(f"config key '{key}' = {excerpt(value)}: {why}")
-
-
-@dataclass(kw_only=True, slots=True)
-class RopeScalingConfig:
-    """RoPE frequency scaling, as in the `rope_scaling` entry of a Hugging Face config."""
-
-    SECTION: ClassVar[str] = "model.rope_scaling"
-    rope_type: Literal["llama3", "yarn", "linear", "longrope"] = "llama3"
-    """llama3: Llama 3.1's wavelength-dependent scaling; yarn: YaRN (Qwen2.5 long context, as in
-    transformers: interpolated and extrapolated frequencies blended over a ramp, cos/sin scaled by
-    the attention factor); linear: positions divided by `factor`; longrope: Phi-3's LongRoPE (each
-    frequency divided by its entry of short_factor, or of long_factor when a sequence is longer than
-    original_max_position_embeddings; cos/sin scaled by the attention factor)."""
-    factor: float = 8.0
-    """How much longer the context is than the one the model was trained on (longrope: only derives
-    the attention factor; Phi-3 configs leave it out and it is max_position_embeddings over
-    original_max_position_embeddings)."""
-    low_freq_factor: float = 1.0
-    """llama3 only: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
-    high_freq_factor: float = 4.0
-    """llama3 only: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
-    original_max_position_embeddings: int = 8192
-    """llama3, yarn and longrope: the context length of the unscaled model."""
-    beta_fast: float = 32.0
-    """yarn only: rotations at which the ramp from extrapolation starts."""
-    beta_slow: float = 1.0
-    """yarn only: rotations at which the ramp to interpolation ends."""
-    attention_factor: float = 0.0
-    """yarn and longrope: factor on cos and sin; 0 derives it from factor (yarn: and mscale, mscale_all_dim;
-    longrope: sqrt(1 + ln(factor) / ln(original_max_position_embeddings)))."""
-    mscale: float = 0.0
-    """yarn only: with mscale_all_dim, derives attention_factor as in DeepSeek's configs; 0 when unused."""
-    mscale_all_dim: float = 0.0
-    """yarn only: see mscale."""
-    truncate: bool = True
-    """yarn only: round the ramp's ends to whole dimensions (transformers' default)."""
-    short_factor: list[float] = field(default_factory=list)
-    """longrope only: one divisor per rotated frequency (rotary dimensions / 2 of them), used while a
-    sequence fits original_max_position_embeddings."""
-    long_factor: list[float] = field(default_factory=list)
-    """longrope only: the divisors used for sequences longer than original_max_position_embeddings."""
-
-    def __post_init__(self) -> None:
-        if self.factor < 1.0:
-            _fail(f"{self.SECTION}.factor", self.factor, "must be >= 1")
-        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
-            _fail(f"{self.SECTION}.low_freq_factor", self.low_freq_factor,
-                  "must be > 0 and below high_freq_factor")
-        if self.rope_type == "yarn" and not self.beta_fast > self.beta_slow > 0:
-            _fail(f"{self.SECTION}.beta_slow", self.beta_slow, "must be > 0 and below beta_fast")
-        if self.original_max_position_embeddings < 1:
-            _fail(f"{self.SECTION}.original_max_position_embeddings", self.original_max_position_embeddings,
-                  "must be >= 1")
-        if self.rope_type == "longrope":
-            for key in ("short_factor", "long_factor"):
-                values = getattr(self, key)
-                if not values or not all(math.isfinite(v) and v > 0 for v in values):
-                    _fail(f"{self.SECTION}.{key}", values, "longrope needs a list of finite numbers > 0, one per "
-                          "rotated frequency (rotary dimensions / 2)")
-
-    @property
-    def resolved_attention_factor(self) -> float:
-        """The factor on cos and sin (1 except for yarn and longrope), as transformers derives it."""
-        if self.rope_type not in ("yarn", "longrope"):
-            return 1.0
-        if self.attention_factor:
-            return self.attention_factor
-        if self.rope_type == "longrope":
-            if self.factor <= 1:
-                return 1.0
-            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
-
-        def mscale_of(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        if self.mscale and self.mscale_all_dim:
-            return mscale_of(self.factor, self.mscale) / mscale_of(self.factor, self.mscale_all_dim)
-        return mscale_of(self.factor)
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """The decoder's shape. Field names follow Hugging Face's config.json where one exists."""
-
-    SECTION: ClassVar[str] = "model"
-    path: str = ""
-    """The model to fine-tune: a Hugging Face model directory (config.json + safetensors weights), a hub
-    name such as `Qwen/Qwen2.5-7B-Instruct` (resolved through huggingface_hub: HF_HOME, HF_TOKEN and
-    HF_HUB_OFFLINE are honoured; only JSON, tokenizer and safetensors files are downloaded, the weights
-    when a run starts), or a `.gguf` file (converted once to float32 into a cached directory under
-    $MEGATRAIN_CACHE, default ~/.cache/megatrain). Its weights are loaded into the host store and every
-    shape key below is read from its config.json (a shape key also set here must agree). Empty: random
-    initialisation (pre-training from scratch). Relative paths are resolved like data.path; on a
-    multi-node cluster every HostShard's node must see it. The resolved config.yaml of a run records
-    the local directory it came to."""
-    revision: str = ""
-    """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-                    "gpt_oss", "generic"] = "llama"
-    """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
-    gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
-    norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size).
-    qwen3_moe, mixtral and gpt_oss are mixtures of experts (num_experts and the keys below it).
-    generic: a model of model.path with no native template, run by the generic path (model.template);
-    set from config.json, never by hand."""
-    template: Literal["auto", "native", "generic"] = "auto"
-    """How the decoder layers run. native: megatrain's own templates (the families above; fastest).
-    generic: transformers' own decoder-layer class of the model in model.path, run statelessly on the
-    streamed weights (torch.func.functional_call), with the model's own rotary embedding, masks, final
-    norm and embedding module; any decoder-only causal LM that transformers ships, slower than native, no
-    packed documents (data.packing), no torch.compile; needs model.path (docs/model-families.md). auto:
-    native where config.json names a native family, else generic; the log says which. A run's resolved
-    config records native or generic."""
-    vocab_size: int = 32000
-    """Rows of the embedding and of the LM head."""
-    hidden_size: int = 4096
-    """Width of the residual stream."""
-    intermediate_size: int = 11008
-    """Width of the gated MLP (SwiGLU; GeLU-tanh for Gemma). Mixtral and gpt-oss: the width of each expert;
-    Qwen3-MoE: of its dense layers (mlp_only_layers), its experts take moe_intermediate_size."""
-    num_layers: int = 32
-    """Decoder layers; host memory grows with it, GPU memory does not (beyond kept activations)."""
-    num_attention_heads: int = 32
-    """Query heads."""
-    num_key_value_heads: int = 32
-    """Fewer than num_attention_heads means grouped-query attention."""
-    head_dim: int = 0
-    """0 means hidden_size // num_attention_heads (Qwen3 and Gemma set it explicitly)."""
-    rope_theta: float = 10000.0
-    """RoPE base: wavelengths grow geometrically from 2 pi to about 2 pi * rope_theta (Gemma 3: of the
-    global layers)."""
-    rope_scaling: RopeScalingConfig | None = None
-    """null for plain RoPE, or a mapping of model.rope_scaling keys (below); Gemma 3: of the global layers."""
-    rope_local_base_freq: float = 0.0
-    """Gemma 3 only: the RoPE base of its sliding-window layers, which take no rope_scaling (10000 in
-    Gemma 3's configs; 0: rope_theta). Other families: every layer uses rope_theta and rope_scaling."""
-    partial_rotary_factor: float = 1.0
-    """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unrotated).
-    Phi-3 only, as transformers: below 1 for other families is refused."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon inside every RMSNorm's square root."""
-    tie_word_embeddings: bool = False
-    """True: the LM head reuses the embedding matrix (small Qwen models)."""
-    attention_bias: bool = False
-    """Bias on the q, k and v projections (Qwen2 / Qwen2.5)."""
-    qk_norm: bool = False
-    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
-    sliding_window: int = 0
-    """Tokens each query may look back over (Mistral, Phi-3; Gemma: in its sliding layers only, see
-    layer_types); 0 means full causal attention."""
-    layer_types: list[Literal["full_attention", "sliding_attention"]] = field(default_factory=list)
-    """Gemma and gpt-oss only: one entry per layer, sliding_attention (within sliding_window, Gemma 3: local
-    RoPE) or full_attention (global), as Hugging Face's config.json lists them. Empty: from
-    sliding_window_pattern (gpt-oss: every layer slides when sliding_window is set)."""
-    sliding_window_pattern: int = 0
-    """Gemma only, when layer_types is empty: every n-th layer (n, 2n, ...) is global, the others slide
-    (6 for Gemma 3: 5 local to 1 global; 2 for Gemma 2). 0 with layer_types empty: every layer slides
-    (when sliding_window is set), as for Mistral."""
-    query_pre_attn_scalar: int = 0
-    """Gemma only: attention scores are scaled by query_pre_attn_scalar ** -0.5. 0: head_dim ** -0.5."""
-    attn_logit_softcapping: float = 0.0
-    """Gemma 2 only (its checkpoints: 50): attention scores become cap * tanh(score / cap) before the softmax;
-    attention then runs through explicit matrix products, not SDPA. 0: off."""
-    final_logit_softcapping: float = 0.0
-    """Gemma only (Gemma 2: 30): logits become cap * tanh(logit / cap), in the loss and its gradient too.
-    0: off."""
-    num_experts: int = 0
-    """Mixture of experts (qwen3_moe, mixtral, gpt_oss; config.json's num_experts or num_local_experts):
-    experts per MoE layer, each a gated MLP, kept fused per layer as transformers 5 keeps them
-    (mlp.experts.gate_up_proj [E, ...], mlp.experts.down_proj [E, ...]). 0: a dense model."""
-    num_experts_per_tok: int = 0
-    """MoE: the experts each token is routed to (top-k of the router)."""
-    moe_intermediate_size: int = 0
-    """Qwen3-MoE: the width of each expert (intermediate_size is its dense layers'). 0: intermediate_size."""
-    norm_topk_prob: bool = False
-    """Qwen3-MoE: the top-k routing probabilities are renormalised to sum to 1 (Mixtral always does)."""
-    decoder_sparse_step: int = 1
-    """Qwen3-MoE: layer i (from 0) is a MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in
-    mlp_only_layers; the others have a dense MLP of intermediate_size."""
-    mlp_only_layers: list[int] = field(default_factory=list)
-    """Qwen3-MoE: layers (from 0) with a dense MLP whatever decoder_sparse_step says."""
-    output_router_logits: bool = False
-    """MoE: add router_aux_loss_coef times the load-balancing loss (transformers' load_balancing_loss_func over
-    all MoE layers, padding included as transformers does without an attention mask) to the training loss,
-    as transformers does when config.json's output_router_logits is true; the step records log it apart as
-    aux_loss. With several GPU workers the counts are summed over them: the loss of the whole batch."""
-    router_aux_loss_coef: float = 0.001
-    """MoE: the weight of the load-balancing loss (read when output_router_logits is true)."""
-    swiglu_limit: float = 0.0
-    """gpt-oss: the experts' clamped SwiGLU, gate clamped to at most limit, up to [-limit, limit] (7.0)."""
-    swiglu_alpha: float = 0.0
-    """gpt-oss: the experts' gate activation gate * sigmoid(alpha * gate) (1.702)."""
-    max_position_embeddings: int = 4096
-    """Longest sequence the model is meant for; data.seq_len may not exceed it without rope_scaling."""
-    initializer_range: float = 0.02
-    """Standard deviation of the random initialisation of matrices (as in Hugging Face)."""
-
-    def __post_init__(self) -> None:
-        s = self.SECTION
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                _fail(f"{s}.{name}", getattr(self, name), "must be >= 1")
-        if self.num_attention_heads % self.num_key_value_heads:
-            _fail(f"{s}.num_key_value_heads", self.num_key_value_heads,
-                  f"must divide num_attention_heads={self.num_attention_heads}")
-        if self.head_dim < 0:
-            _fail(f"{s}.head_dim", self.head_dim, "must be >= 0 (0 derives it)")
-        if self.head_dim == 0 and self.hidden_size % self.num_attention_heads:
-            _fail(f"{s}.head_dim", 0, f"hidden_size={self.hidden_size} is not divisible by "
-                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
-        if self.resolved_head_dim % 2:
-            _fail(f"{s}.head_dim", self.resolved_head_dim, "must be even for RoPE")
-        if self.rope_theta <= 0:
-            _fail(f"{s}.rope_theta", self.rope_theta, "must be > 0")
-        if not 0 < self.partial_rotary_factor <= 1:
-            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor, "must be > 0 and <= 1")
-        if self.partial_rotary_factor != 1 and self.family != "phi3":
-            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
-                  f"is read by the phi3 family only (family is {self.family}); leave it at 1")
-        if self.rotary_dim < 2 or self.rotary_dim % 2:
-            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
-                  f"rotates {self.rotary_dim} of the head's {self.resolved_head_dim} dimensions; RoPE needs an "
-                  "even number >= 2")
-        scaling = self.rope_scaling
-        if scaling is not None and scaling.rope_type == "longrope":
-            for key in ("short_factor", "long_factor"):
-                if len(getattr(scaling, key)) != self.rotary_dim // 2:
-                    _fail(f"{s}.rope_scaling.{key}", getattr(scaling, key),
-                          f"needs {self.rotary_dim // 2} entries (rotary dimensions {self.rotary_dim} / 2), "
-                          f"has {len(getattr(scaling, key))}")
-        if self.rms_norm_eps <= 0:
-            _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if self.sliding_window < 0:
-            _fail(f"{s}.sliding_window", self.sliding_window, "must be >= 0 (0 disables it)")
-        self._check_gemma()
-        if self.template == "generic" and not self.path:
-            _fail(f"{s}.template", self.template, "runs the model class of a Hugging Face directory: set model.path")
-        if self.family == "generic" and self.template != "generic":
-            _fail(f"{s}.family", self.family, "is the generic path's (model.template=generic); name a native family")
-        self._check_moe()
-        if self.initializer_range <= 0:
-            _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
-
-    def _check_gemma(self) -> None:
-        s = self.SECTION
-        gemma_keys = {"layer_types": [], "sliding_window_pattern": 0, "query_pre_attn_scalar": 0.0,
-                      "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "rope_local_base_freq": 0.0}
-        for key in ("sliding_window_pattern", "query_pre_attn_scalar", "attn_logit_softcapping",
-                    "final_logit_softcapping", "rope_local_base_freq"):
-            value = getattr(self, key)
-            if not math.isfinite(value) or value < 0:
-                _fail(f"{s}.{key}", value, "must be a finite number >= 0 (0: off)")
-        if self.family == "gpt_oss":  # its layer_types alternate sliding and full attention
-            del gemma_keys["layer_types"]
-            if self.layer_types and len(self.layer_types) != self.num_layers:
-                _fail(f"{s}.layer_types", self.layer_types, f"needs one entry per layer ({self.num_layers}), "
-                      f"has {len(self.layer_types)}")
-        if not self.is_gemma:
-            for key, off in gemma_keys.items():
-                if getattr(self, key) != off:
-                    _fail(f"{s}.{key}", getattr(self, key),
-                          f"is read by the gemma2 and gemma3 families only (family is {self.family}); leave it unset")
-            return
-        if self.attn_logit_softcapping and self.family != "gemma2":
-            _fail(f"{s}.attn_logit_softcapping", self.attn_logit_softcapping,
-                  "is read by the gemma2 family only (transformers' Gemma 3 does not apply it); leave it at 0")
-        if self.rope_local_base_freq and self.family != "gemma3":
-            _fail(f"{s}.rope_local_base_freq", self.rope_local_base_freq,
-                  "is read by the gemma3 family only (Gemma 2 has one RoPE base); leave it at 0")
-        if self.layer_types and len(self.layer_types) != self.num_layers:
-            _fail(f"{s}.layer_types", self.layer_types, f"needs one entry per layer ({self.num_layers}), "
-                  f"has {len(self.layer_types)}")
-        if self.qk_norm != (self.family == "gemma3"):
-            _fail(f"{s}.qk_norm", self.qk_norm, f"{self.family} {'has' if self.family == 'gemma3' else 'has no'} "
-                  f"q/k norms: set it {str(self.family == 'gemma3').lower()}")
-        if self.attention_bias:
-            _fail(f"{s}.attention_bias", True, "Gemma's templates have no projection biases (as Gemma's checkpoints)")
-
-    def _check_moe(self) -> None:
-        s = self.SECTION
-        moe_families = ("qwen3_moe", "mixtral", "gpt_oss")
-        if self.family not in moe_families:
-            if self.num_experts:
-                _fail(f"{s}.num_experts", self.num_experts, f"is read by the {', '.join(moe_families)} families only "
-                      f"(family is {self.family}); leave it at 0")
-            return
-        if self.num_experts < 1:
-            _fail(f"{s}.num_experts", self.num_experts, f"{self.family} is a mixture of experts: set it >= 1")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            _fail(f"{s}.num_experts_per_tok", self.num_experts_per_tok,
-                  f"must be between 1 and num_experts={self.num_experts}")
-        if self.moe_intermediate_size < 0 or self.decoder_sparse_step < 1:
-            _fail(f"{s}.moe_intermediate_size/decoder_sparse_step",
-                  (self.moe_intermediate_size, self.decoder_sparse_step), "must be >= 0 and >= 1")
-        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
-            _fail(f"{s}.mlp_only_layers", self.mlp_only_layers, f"lists layers from 0 to {self.num_layers - 1}")
-        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
-            _fail(f"{s}.router_aux_loss_coef", self.router_aux_loss_coef, "must be a finite number >= 0")
-        fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True)}
-        key, value = fixed[self.family]
-        if getattr(self, key) != value:
-            _fail(f"{s}.{key}", getattr(self, key), f"{self.family} {'always has' if value else 'has no'} "
-                  f"{'q/k norms' if key == 'qk_norm' else 'attention biases'} in transformers: set it "
-                  f"{str(value).lower()}")
-        if self.family == "mixtral" and self.attention_bias:
-            _fail(f"{s}.attention_bias", True, "Mixtral has no attention biases (as transformers' MixtralAttention)")
-        if (self.family == "gpt_oss") != (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
-            _fail(f"{s}.swiglu_limit", (self.swiglu_limit, self.swiglu_alpha),
-                  "swiglu_limit and swiglu_alpha are gpt_oss's (both > 0 there) and unset elsewhere")
-
-    @property
-    def is_moe(self) -> bool:
-        """A mixture of experts (qwen3_moe, mixtral, gpt_oss): some or all layers route tokens to experts."""
-        return self.num_experts > 0
-
-    def layer_is_moe(self, layer: int) -> bool:
-        """Whether decoder layer `layer` (from 0) has experts, as transformers decides (Qwen3-MoE's
-        decoder_sparse_step and mlp_only_layers; every layer of Mixtral and gpt-oss)."""
-        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-
-    @property
-    def expert_intermediate_size(self) -> int:
-        """The width of each expert's MLP."""
-        return self.moe_intermediate_size or self.intermediate_size
-
-    @property
-    def is_gemma(self) -> bool:
-        """Gemma 2 and 3: (1 + w) norms, pre- and post-norms, GeLU-tanh MLP, embeddings scaled by sqrt(hidden)."""
-        return self.family in ("gemma2", "gemma3")
-
-    def layer_slides(self, layer: int) -> bool:
-        """Whether decoder layer `layer` (from 0) attends within sliding_window (and, for Gemma 3 with
-        rope_local_base_freq, takes the local RoPE tables), as transformers' layer_types says."""
-        if self.layer_types:
-            return self.layer_types[layer] == "sliding_attention"
-        if self.sliding_window_pattern:
-            return bool((layer + 1) % self.sliding_window_pattern)
-        return True
-
-    @property
-    def attention_scale(self) -> float:
-        """The factor on q.k: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
-        return (self.query_pre_attn_scalar or self.resolved_head_dim) ** -0.5
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        """Dimensions of each head that RoPE rotates (int(head_dim * partial_rotary_factor), as transformers)."""
-        return int(self.resolved_head_dim * self.partial_rotary_factor)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -835,6 +486,10 @@ class FaultConfig:
             _fail("fault.max_restarts", self.max_restarts, "must be >= 0")
         parse_drill(self.drill)
 
+    def kills(self, actor: str) -> bool:
+        """Whether a drill kills an actor whose name starts with `actor` (optim, host, gpu, driver)."""
+        return any(action == "kill" and target.startswith(actor) for action, target, _ in parse_drill(self.drill))
+
 
 def parse_drill(text: str) -> list[tuple[str, str, int]]:
     """`kill:optim0@5,nan_grad@3` -> [("kill", "optim0", 5), ("nan_grad", "", 3)]."""
@@ -848,152 +503,6 @@ def parse_drill(text: str) -> list[tuple[str, str, int]]:
                   "kill:hostK, kill:optimK, nan_grad, kill_during_checkpoint")
         drills.append((action, target, int(step)))
     return drills
-
-
-LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The linear modules of a decoder layer by PEFT's short names (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
-PHI3_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-@dataclass(kw_only=True, slots=True)
-class LoraConfig:
-    """LoRA adapters, with PEFT's names and meanings (peft.LoraConfig)."""
-
-    SECTION: ClassVar[str] = "finetune.lora"
-    r: int = 8
-    """Rank of each adapter: A is [r, in_features], B is [out_features, r]."""
-    lora_alpha: float = 16
-    """The adapter's output is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
-    lora_dropout: float = 0.0
-    """Dropout probability on the adapter's input in training (as PEFT's). The masks are drawn from a seed per
-    step and layer, so the backward's recompute sees the forward's; with dropout the layers run eagerly
-    (engine.compile does not apply)."""
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    """The projections that get adapters: `all-linear` (every linear module of the decoder layers, not the LM head,
-    as PEFT's all-linear), or a list of PEFT short names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
-    bias: Literal["none"] = "none"
-    """PEFT's bias setting; only `none` (biases stay frozen)."""
-    use_rslora: bool = False
-    """Rank-stabilised LoRA: scale by lora_alpha / sqrt(r) instead of lora_alpha / r."""
-    modules_to_save: list[str] = field(default_factory=list)
-    """Modules trained in full beside the adapters (PEFT's modules_to_save): `embed_tokens`, `lm_head` (an untied
-    LM head only). Each lives on the device in float32 with its gradient and AdamW moments (16 bytes per parameter)
-    and starts as the base's."""
-    base_quantization: Literal["none", "nf4"] = "none"
-    """How the host stores the frozen base's decoder layers. none: in precision.stream_dtype. nf4: QLoRA's 4-bit
-    base (bitsandbytes' load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, blocksize
-    64): every matrix of the decoder layers is quantized once on the host when the run starts (from its values in
-    precision.stream_dtype), streamed in 4 bits (about 0.52 B per parameter) and dequantized on the device into
-    precision.compute_dtype as each layer arrives; norms, the embedding and the LM head stay unquantized
-    (docs/fine-tuning.md, QLoRA). finetune.method=lora only."""
-
-    def __post_init__(self) -> None:
-        s = self.SECTION
-        if self.r < 1:
-            _fail(f"{s}.r", self.r, "must be >= 1")
-        if not self.lora_alpha > 0:
-            _fail(f"{s}.lora_alpha", self.lora_alpha, "must be > 0")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            _fail(f"{s}.lora_dropout", self.lora_dropout, "must be in [0, 1)")
-        if isinstance(self.target_modules, list) and not self.target_modules:
-            _fail(f"{s}.target_modules", self.target_modules, "is empty; name projections or use all-linear")
-        unknown = [name for name in self.modules_to_save if name not in ("embed_tokens", "lm_head")]
-        if unknown or len(set(self.modules_to_save)) != len(self.modules_to_save):
-            _fail(f"{s}.modules_to_save", self.modules_to_save, "may name embed_tokens and lm_head, each once")
-
-    @property
-    def scaling(self) -> float:
-        """The factor on the adapter's output, as PEFT computes it."""
-        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
-
-    def targets(self, family: str) -> tuple[str, ...]:
-        """The targeted projections' short names for a model family, in the layer's order."""
-        known = PHI3_LORA_PROJECTIONS if family == "phi3" else LORA_PROJECTIONS
-        if self.target_modules == "all-linear":
-            return known
-        unknown = [name for name in self.target_modules if name not in known]
-        if unknown:
-            _fail(f"{self.SECTION}.target_modules", self.target_modules,
-                  f"{unknown[0]!r} is not a linear module of a {family} layer; choose from {', '.join(known)}")
-        return tuple(name for name in known if name in self.target_modules)
-
-
-
-
-def check_finetune(cfg: "Config") -> None:
-    """finetune.method=lora against the rest of the config."""
-    if cfg.finetune.method != "lora":
-        if cfg.finetune.lora.base_quantization != "none":
-            _fail("finetune.lora.base_quantization", cfg.finetune.lora.base_quantization,
-                  f"quantizes the frozen base of a LoRA run, and finetune.method is {cfg.finetune.method!r}: set "
-                  "finetune.method=lora or finetune.lora.base_quantization=none")
-        return
-    cfg.finetune.lora.targets(cfg.model.family)
-    why = ""
-    if cfg.model.template == "generic":
-        why = ("a native layer template (the adapters are bound into the native templates' projections; the generic "
-               "path runs the model's own layer modules): model.template=generic cannot take them")
-    elif cfg.model.is_moe:
-        why = (f"a dense family: adapters on the fused expert tensors of {cfg.model.family} are not built yet "
-               "(full fine-tuning of MoE models works)")
-    elif cfg.parallel.nodes != 1:
-        why = "one node (parallel.nodes=1; several GPUs of one node are fine)"
-    elif cfg.engine.gpu_resident not in ("none", "auto", 0):
-        why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
-    elif cfg.host.moments_tier != "ram":
-        why = "host.moments_tier=ram (the adapters' moments live on the device, the host holds none)"
-    elif cfg.finetune.lora.modules_to_save and cfg.model.tie_word_embeddings:
-        why = ("an untied LM head (model.tie_word_embeddings=false) for finetune.lora.modules_to_save: the tied "
-               "matrix would be two trained copies")
-    elif any(action == "kill" and target.startswith("optim") for action, target, _ in parse_drill(cfg.fault.drill)):
-        why = "no fault.drill kill:optimK (a LoRA run has no optimizer workers)"
-    if why:
-        _fail("finetune.method", "lora", f"needs {why}")
-
-
-@dataclass(kw_only=True, slots=True)
-class DPOConfig:
-    """Direct preference optimization (finetune.objective=dpo; docs/fine-tuning.md, megatrain_ray/model/preference.py)."""
-
-    SECTION: ClassVar[str] = "finetune.dpo"
-    beta: float = 0.1
-    """How far the model may move from the reference (the initial model): the DPO loss is a function of
-    beta * ((logp_chosen - logp_rejected) - (ref_chosen - ref_rejected)), log-probabilities summed over
-    the completion tokens, as TRL's DPOTrainer."""
-    label_smoothing: float = 0.0
-    """The probability that a preference label is flipped. sigmoid: -(1 - e) logsigmoid(beta z) - e logsigmoid(-beta z)
-    (conservative DPO; TRL 1.16's sigmoid has no label smoothing, so it equals it at 0 only); robust: TRL's robust DPO."""
-    loss_type: Literal["sigmoid", "robust"] = "sigmoid"
-    """sigmoid: DPO (with label_smoothing, conservative DPO); robust: robust DPO (unbiased under flipped labels)."""
-
-    def __post_init__(self) -> None:
-        s = self.SECTION
-        if not self.beta > 0:
-            _fail(f"{s}.beta", self.beta, "must be > 0")
-        if not 0 <= self.label_smoothing < 0.5:
-            _fail(f"{s}.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
-
-
-@dataclass(kw_only=True, slots=True)
-class FinetuneConfig:
-    """What training changes (every weight, or low-rank adapters on a frozen base) and what it optimizes
-    (cross-entropy, or a preference loss)."""
-
-    SECTION: ClassVar[str] = "finetune"
-    method: Literal["full", "lora"] = "full"
-    """full: every weight trains (fp32 master and AdamW moments in host RAM, the CPU optimizer workers). lora: the
-    base is frozen and streamed from host RAM in precision.stream_dtype only, or in NF4 (finetune.lora.base_quantization;
-    no master, moments or gradient buffers); the adapters, their gradients and their AdamW state live on the compute
-    device (with several GPUs of one node, on each: their gradients are summed in one all-reduce)."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """The adapters' settings (method lora)."""
-    objective: Literal["sft", "dpo"] = "sft"
-    """sft: cross-entropy on the loss-mask tokens (pre-training, supervised fine-tuning). dpo: direct preference
-    optimization on preference pairs from `megatrain prepare --format preference`; the reference log-probabilities
-    come from one forward pass of the initial model before the first step (see finetune.dpo)."""
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    """The DPO loss's settings (finetune.objective=dpo; read only then)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -1064,6 +573,37 @@ def check_parallel(cfg: Config, ranks: int | None = None) -> None:
         _fail("parallel.backend", p.backend, "needs GPUs, but engine.device=cpu; use gloo or auto")
     if p.backend == "gloo" and cfg.engine.device == "cuda":
         _fail("parallel.backend", p.backend, "sums CPU tensors (tests); with engine.device=cuda use nccl or auto")
+
+
+def check_finetune(cfg: Config) -> None:
+    """finetune.method=lora against the rest of the config."""
+    if cfg.finetune.method != "lora":
+        if cfg.finetune.lora.base_quantization != "none":
+            _fail("finetune.lora.base_quantization", cfg.finetune.lora.base_quantization,
+                  f"quantizes the frozen base of a LoRA run, and finetune.method is {cfg.finetune.method!r}: set "
+                  "finetune.method=lora or finetune.lora.base_quantization=none")
+        return
+    cfg.finetune.lora.targets(cfg.model.family)
+    why = ""
+    if cfg.model.template == "generic":
+        why = ("a native layer template (the adapters are bound into the native templates' projections; the generic "
+               "path runs the model's own layer modules): model.template=generic cannot take them")
+    elif cfg.model.is_moe:
+        why = (f"a dense family: adapters on the fused expert tensors of {cfg.model.family} are not built yet "
+               "(full fine-tuning of MoE models works)")
+    elif cfg.parallel.nodes != 1:
+        why = "one node (parallel.nodes=1; several GPUs of one node are fine)"
+    elif cfg.engine.gpu_resident not in ("none", "auto", 0):
+        why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
+    elif cfg.host.moments_tier != "ram":
+        why = "host.moments_tier=ram (the adapters' moments live on the device, the host holds none)"
+    elif cfg.finetune.lora.modules_to_save and cfg.model.tie_word_embeddings:
+        why = ("an untied LM head (model.tie_word_embeddings=false) for finetune.lora.modules_to_save: the tied "
+               "matrix would be two trained copies")
+    elif cfg.fault.kills("optim"):
+        why = "no fault.drill kill:optimK (a LoRA run has no optimizer workers)"
+    if why:
+        _fail("finetune.method", "lora", f"needs {why}")
 
 
 def check_objective(cfg: Config, ranks: int | None = None) -> None:

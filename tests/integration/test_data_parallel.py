@@ -21,9 +21,8 @@ import yaml
 
 from benchmarks.update_trace import load as load_trace
 from megatrain_ray.__main__ import main
-from megatrain_ray.config.sections import ConfigError
 from megatrain_ray.driver.trainer import Trainer
-from megatrain_ray.exceptions import ParallelError
+from megatrain_ray.exceptions import ConfigError, ParallelError
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import REPO, learnable_tokens, tiny_config, tiny_raw
 from tests.integration.test_runtime import LOOPBACK, listening_sockets

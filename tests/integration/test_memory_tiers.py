@@ -14,9 +14,8 @@ import torch
 from safetensors import safe_open
 
 from megatrain_ray.config.load import load_config
-from megatrain_ray.config.sections import ConfigError
 from megatrain_ray.driver.trainer import Trainer
-from megatrain_ray.exceptions import CheckpointError, HostMemoryError
+from megatrain_ray.exceptions import CheckpointError, ConfigError, HostMemoryError
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.memory import GiB, format_plan, plan_run

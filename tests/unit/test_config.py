@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatrain_ray.config.load import load_config
-from megatrain_ray.config.sections import Config, ConfigError
+from megatrain_ray.config.sections import Config
+from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import build_layout
 from tests.conftest import REPO, tiny_raw
 

@@ -1,0 +1,363 @@
+"""The `model` section: the architecture (family, sizes, attention, RoPE scaling, mixtures of experts) and
+where its weights come from. Derived from a Hugging Face config.json by config/hf.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from megatrain_ray.config.fields import refuse as _fail
+
+
+@dataclass(kw_only=True, slots=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling, as in the `rope_scaling` entry of a Hugging Face config."""
+
+    SECTION: ClassVar[str] = "model.rope_scaling"
+    rope_type: Literal["llama3", "yarn", "linear", "longrope"] = "llama3"
+    """llama3: Llama 3.1's wavelength-dependent scaling; yarn: YaRN (Qwen2.5 long context, as in
+    transformers: interpolated and extrapolated frequencies blended over a ramp, cos/sin scaled by
+    the attention factor); linear: positions divided by `factor`; longrope: Phi-3's LongRoPE (each
+    frequency divided by its entry of short_factor, or of long_factor when a sequence is longer than
+    original_max_position_embeddings; cos/sin scaled by the attention factor)."""
+    factor: float = 8.0
+    """How much longer the context is than the one the model was trained on (longrope: only derives
+    the attention factor; Phi-3 configs leave it out and it is max_position_embeddings over
+    original_max_position_embeddings)."""
+    low_freq_factor: float = 1.0
+    """llama3 only: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
+    high_freq_factor: float = 4.0
+    """llama3 only: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3, yarn and longrope: the context length of the unscaled model."""
+    beta_fast: float = 32.0
+    """yarn only: rotations at which the ramp from extrapolation starts."""
+    beta_slow: float = 1.0
+    """yarn only: rotations at which the ramp to interpolation ends."""
+    attention_factor: float = 0.0
+    """yarn and longrope: factor on cos and sin; 0 derives it from factor (yarn: and mscale, mscale_all_dim;
+    longrope: sqrt(1 + ln(factor) / ln(original_max_position_embeddings)))."""
+    mscale: float = 0.0
+    """yarn only: with mscale_all_dim, derives attention_factor as in DeepSeek's configs; 0 when unused."""
+    mscale_all_dim: float = 0.0
+    """yarn only: see mscale."""
+    truncate: bool = True
+    """yarn only: round the ramp's ends to whole dimensions (transformers' default)."""
+    short_factor: list[float] = field(default_factory=list)
+    """longrope only: one divisor per rotated frequency (rotary dimensions / 2 of them), used while a
+    sequence fits original_max_position_embeddings."""
+    long_factor: list[float] = field(default_factory=list)
+    """longrope only: the divisors used for sequences longer than original_max_position_embeddings."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1.0:
+            _fail(f"{self.SECTION}.factor", self.factor, "must be >= 1")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            _fail(f"{self.SECTION}.low_freq_factor", self.low_freq_factor,
+                  "must be > 0 and below high_freq_factor")
+        if self.rope_type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            _fail(f"{self.SECTION}.beta_slow", self.beta_slow, "must be > 0 and below beta_fast")
+        if self.original_max_position_embeddings < 1:
+            _fail(f"{self.SECTION}.original_max_position_embeddings", self.original_max_position_embeddings,
+                  "must be >= 1")
+        if self.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                values = getattr(self, key)
+                if not values or not all(math.isfinite(v) and v > 0 for v in values):
+                    _fail(f"{self.SECTION}.{key}", values, "longrope needs a list of finite numbers > 0, one per "
+                          "rotated frequency (rotary dimensions / 2)")
+
+    @property
+    def resolved_attention_factor(self) -> float:
+        """The factor on cos and sin (1 except for yarn and longrope), as transformers derives it."""
+        if self.rope_type not in ("yarn", "longrope"):
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+        if self.rope_type == "longrope":
+            if self.factor <= 1:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+
+        def mscale_of(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale_of(self.factor, self.mscale) / mscale_of(self.factor, self.mscale_all_dim)
+        return mscale_of(self.factor)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The decoder's shape. Field names follow Hugging Face's config.json where one exists."""
+
+    SECTION: ClassVar[str] = "model"
+    path: str = ""
+    """The model to fine-tune: a Hugging Face model directory (config.json + safetensors weights), a hub
+    name such as `Qwen/Qwen2.5-7B-Instruct` (resolved through huggingface_hub: HF_HOME, HF_TOKEN and
+    HF_HUB_OFFLINE are honoured; only JSON, tokenizer and safetensors files are downloaded, the weights
+    when a run starts), or a `.gguf` file (converted once to float32 into a cached directory under
+    $MEGATRAIN_CACHE, default ~/.cache/megatrain). Its weights are loaded into the host store and every
+    shape key below is read from its config.json (a shape key also set here must agree). Empty: random
+    initialisation (pre-training from scratch). Relative paths are resolved like data.path; on a
+    multi-node cluster every HostShard's node must see it. The resolved config.yaml of a run records
+    the local directory it came to."""
+    revision: str = ""
+    """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
+                    "gpt_oss", "generic"] = "llama"
+    """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
+    gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
+    norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size).
+    qwen3_moe, mixtral and gpt_oss are mixtures of experts (num_experts and the keys below it).
+    generic: a model of model.path with no native template, run by the generic path (model.template);
+    set from config.json, never by hand."""
+    template: Literal["auto", "native", "generic"] = "auto"
+    """How the decoder layers run. native: megatrain's own templates (the families above; fastest).
+    generic: transformers' own decoder-layer class of the model in model.path, run statelessly on the
+    streamed weights (torch.func.functional_call), with the model's own rotary embedding, masks, final
+    norm and embedding module; any decoder-only causal LM that transformers ships, slower than native, no
+    packed documents (data.packing), no torch.compile; needs model.path (docs/model-families.md). auto:
+    native where config.json names a native family, else generic; the log says which. A run's resolved
+    config records native or generic."""
+    vocab_size: int = 32000
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int = 4096
+    """Width of the residual stream."""
+    intermediate_size: int = 11008
+    """Width of the gated MLP (SwiGLU; GeLU-tanh for Gemma). Mixtral and gpt-oss: the width of each expert;
+    Qwen3-MoE: of its dense layers (mlp_only_layers), its experts take moe_intermediate_size."""
+    num_layers: int = 32
+    """Decoder layers; host memory grows with it, GPU memory does not (beyond kept activations)."""
+    num_attention_heads: int = 32
+    """Query heads."""
+    num_key_value_heads: int = 32
+    """Fewer than num_attention_heads means grouped-query attention."""
+    head_dim: int = 0
+    """0 means hidden_size // num_attention_heads (Qwen3 and Gemma set it explicitly)."""
+    rope_theta: float = 10000.0
+    """RoPE base: wavelengths grow geometrically from 2 pi to about 2 pi * rope_theta (Gemma 3: of the
+    global layers)."""
+    rope_scaling: RopeScalingConfig | None = None
+    """null for plain RoPE, or a mapping of model.rope_scaling keys (below); Gemma 3: of the global layers."""
+    rope_local_base_freq: float = 0.0
+    """Gemma 3 only: the RoPE base of its sliding-window layers, which take no rope_scaling (10000 in
+    Gemma 3's configs; 0: rope_theta). Other families: every layer uses rope_theta and rope_scaling."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unrotated).
+    Phi-3 only, as transformers: below 1 for other families is refused."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm's square root."""
+    tie_word_embeddings: bool = False
+    """True: the LM head reuses the embedding matrix (small Qwen models)."""
+    attention_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2 / Qwen2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    sliding_window: int = 0
+    """Tokens each query may look back over (Mistral, Phi-3; Gemma: in its sliding layers only, see
+    layer_types); 0 means full causal attention."""
+    layer_types: list[Literal["full_attention", "sliding_attention"]] = field(default_factory=list)
+    """Gemma and gpt-oss only: one entry per layer, sliding_attention (within sliding_window, Gemma 3: local
+    RoPE) or full_attention (global), as Hugging Face's config.json lists them. Empty: from
+    sliding_window_pattern (gpt-oss: every layer slides when sliding_window is set)."""
+    sliding_window_pattern: int = 0
+    """Gemma only, when layer_types is empty: every n-th layer (n, 2n, ...) is global, the others slide
+    (6 for Gemma 3: 5 local to 1 global; 2 for Gemma 2). 0 with layer_types empty: every layer slides
+    (when sliding_window is set), as for Mistral."""
+    query_pre_attn_scalar: int = 0
+    """Gemma only: attention scores are scaled by query_pre_attn_scalar ** -0.5. 0: head_dim ** -0.5."""
+    attn_logit_softcapping: float = 0.0
+    """Gemma 2 only (its checkpoints: 50): attention scores become cap * tanh(score / cap) before the softmax;
+    attention then runs through explicit matrix products, not SDPA. 0: off."""
+    final_logit_softcapping: float = 0.0
+    """Gemma only (Gemma 2: 30): logits become cap * tanh(logit / cap), in the loss and its gradient too.
+    0: off."""
+    num_experts: int = 0
+    """Mixture of experts (qwen3_moe, mixtral, gpt_oss; config.json's num_experts or num_local_experts):
+    experts per MoE layer, each a gated MLP, kept fused per layer as transformers 5 keeps them
+    (mlp.experts.gate_up_proj [E, ...], mlp.experts.down_proj [E, ...]). 0: a dense model."""
+    num_experts_per_tok: int = 0
+    """MoE: the experts each token is routed to (top-k of the router)."""
+    moe_intermediate_size: int = 0
+    """Qwen3-MoE: the width of each expert (intermediate_size is its dense layers'). 0: intermediate_size."""
+    norm_topk_prob: bool = False
+    """Qwen3-MoE: the top-k routing probabilities are renormalised to sum to 1 (Mixtral always does)."""
+    decoder_sparse_step: int = 1
+    """Qwen3-MoE: layer i (from 0) is a MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers; the others have a dense MLP of intermediate_size."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """Qwen3-MoE: layers (from 0) with a dense MLP whatever decoder_sparse_step says."""
+    output_router_logits: bool = False
+    """MoE: add router_aux_loss_coef times the load-balancing loss (transformers' load_balancing_loss_func over
+    all MoE layers, padding included as transformers does without an attention mask) to the training loss,
+    as transformers does when config.json's output_router_logits is true; the step records log it apart as
+    aux_loss. With several GPU workers the counts are summed over them: the loss of the whole batch."""
+    router_aux_loss_coef: float = 0.001
+    """MoE: the weight of the load-balancing loss (read when output_router_logits is true)."""
+    swiglu_limit: float = 0.0
+    """gpt-oss: the experts' clamped SwiGLU, gate clamped to at most limit, up to [-limit, limit] (7.0)."""
+    swiglu_alpha: float = 0.0
+    """gpt-oss: the experts' gate activation gate * sigmoid(alpha * gate) (1.702)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model is meant for; data.seq_len may not exceed it without rope_scaling."""
+    initializer_range: float = 0.02
+    """Standard deviation of the random initialisation of matrices (as in Hugging Face)."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                _fail(f"{s}.{name}", getattr(self, name), "must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail(f"{s}.num_key_value_heads", self.num_key_value_heads,
+                  f"must divide num_attention_heads={self.num_attention_heads}")
+        if self.head_dim < 0:
+            _fail(f"{s}.head_dim", self.head_dim, "must be >= 0 (0 derives it)")
+        if self.head_dim == 0 and self.hidden_size % self.num_attention_heads:
+            _fail(f"{s}.head_dim", 0, f"hidden_size={self.hidden_size} is not divisible by "
+                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
+        if self.resolved_head_dim % 2:
+            _fail(f"{s}.head_dim", self.resolved_head_dim, "must be even for RoPE")
+        if self.rope_theta <= 0:
+            _fail(f"{s}.rope_theta", self.rope_theta, "must be > 0")
+        if not 0 < self.partial_rotary_factor <= 1:
+            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor, "must be > 0 and <= 1")
+        if self.partial_rotary_factor != 1 and self.family != "phi3":
+            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
+                  f"is read by the phi3 family only (family is {self.family}); leave it at 1")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
+                  f"rotates {self.rotary_dim} of the head's {self.resolved_head_dim} dimensions; RoPE needs an "
+                  "even number >= 2")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(getattr(scaling, key)) != self.rotary_dim // 2:
+                    _fail(f"{s}.rope_scaling.{key}", getattr(scaling, key),
+                          f"needs {self.rotary_dim // 2} entries (rotary dimensions {self.rotary_dim} / 2), "
+                          f"has {len(getattr(scaling, key))}")
+        if self.rms_norm_eps <= 0:
+            _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.sliding_window < 0:
+            _fail(f"{s}.sliding_window", self.sliding_window, "must be >= 0 (0 disables it)")
+        self._check_gemma()
+        if self.template == "generic" and not self.path:
+            _fail(f"{s}.template", self.template, "runs the model class of a Hugging Face directory: set model.path")
+        if self.family == "generic" and self.template != "generic":
+            _fail(f"{s}.family", self.family, "is the generic path's (model.template=generic); name a native family")
+        self._check_moe()
+        if self.initializer_range <= 0:
+            _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
+
+    def _check_gemma(self) -> None:
+        s = self.SECTION
+        gemma_keys = {"layer_types": [], "sliding_window_pattern": 0, "query_pre_attn_scalar": 0.0,
+                      "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "rope_local_base_freq": 0.0}
+        for key in ("sliding_window_pattern", "query_pre_attn_scalar", "attn_logit_softcapping",
+                    "final_logit_softcapping", "rope_local_base_freq"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                _fail(f"{s}.{key}", value, "must be a finite number >= 0 (0: off)")
+        if self.family == "gpt_oss":  # its layer_types alternate sliding and full attention
+            del gemma_keys["layer_types"]
+            if self.layer_types and len(self.layer_types) != self.num_layers:
+                _fail(f"{s}.layer_types", self.layer_types, f"needs one entry per layer ({self.num_layers}), "
+                      f"has {len(self.layer_types)}")
+        if not self.is_gemma:
+            for key, off in gemma_keys.items():
+                if getattr(self, key) != off:
+                    _fail(f"{s}.{key}", getattr(self, key),
+                          f"is read by the gemma2 and gemma3 families only (family is {self.family}); leave it unset")
+            return
+        if self.attn_logit_softcapping and self.family != "gemma2":
+            _fail(f"{s}.attn_logit_softcapping", self.attn_logit_softcapping,
+                  "is read by the gemma2 family only (transformers' Gemma 3 does not apply it); leave it at 0")
+        if self.rope_local_base_freq and self.family != "gemma3":
+            _fail(f"{s}.rope_local_base_freq", self.rope_local_base_freq,
+                  "is read by the gemma3 family only (Gemma 2 has one RoPE base); leave it at 0")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            _fail(f"{s}.layer_types", self.layer_types, f"needs one entry per layer ({self.num_layers}), "
+                  f"has {len(self.layer_types)}")
+        if self.qk_norm != (self.family == "gemma3"):
+            _fail(f"{s}.qk_norm", self.qk_norm, f"{self.family} {'has' if self.family == 'gemma3' else 'has no'} "
+                  f"q/k norms: set it {str(self.family == 'gemma3').lower()}")
+        if self.attention_bias:
+            _fail(f"{s}.attention_bias", True, "Gemma's templates have no projection biases (as Gemma's checkpoints)")
+
+    def _check_moe(self) -> None:
+        s = self.SECTION
+        moe_families = ("qwen3_moe", "mixtral", "gpt_oss")
+        if self.family not in moe_families:
+            if self.num_experts:
+                _fail(f"{s}.num_experts", self.num_experts, f"is read by the {', '.join(moe_families)} families only "
+                      f"(family is {self.family}); leave it at 0")
+            return
+        if self.num_experts < 1:
+            _fail(f"{s}.num_experts", self.num_experts, f"{self.family} is a mixture of experts: set it >= 1")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            _fail(f"{s}.num_experts_per_tok", self.num_experts_per_tok,
+                  f"must be between 1 and num_experts={self.num_experts}")
+        if self.moe_intermediate_size < 0 or self.decoder_sparse_step < 1:
+            _fail(f"{s}.moe_intermediate_size/decoder_sparse_step",
+                  (self.moe_intermediate_size, self.decoder_sparse_step), "must be >= 0 and >= 1")
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            _fail(f"{s}.mlp_only_layers", self.mlp_only_layers, f"lists layers from 0 to {self.num_layers - 1}")
+        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            _fail(f"{s}.router_aux_loss_coef", self.router_aux_loss_coef, "must be a finite number >= 0")
+        fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True)}
+        key, value = fixed[self.family]
+        if getattr(self, key) != value:
+            _fail(f"{s}.{key}", getattr(self, key), f"{self.family} {'always has' if value else 'has no'} "
+                  f"{'q/k norms' if key == 'qk_norm' else 'attention biases'} in transformers: set it "
+                  f"{str(value).lower()}")
+        if self.family == "mixtral" and self.attention_bias:
+            _fail(f"{s}.attention_bias", True, "Mixtral has no attention biases (as transformers' MixtralAttention)")
+        if (self.family == "gpt_oss") != (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            _fail(f"{s}.swiglu_limit", (self.swiglu_limit, self.swiglu_alpha),
+                  "swiglu_limit and swiglu_alpha are gpt_oss's (both > 0 there) and unset elsewhere")
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture of experts (qwen3_moe, mixtral, gpt_oss): some or all layers route tokens to experts."""
+        return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has experts, as transformers decides (Qwen3-MoE's
+        decoder_sparse_step and mlp_only_layers; every layer of Mixtral and gpt-oss)."""
+        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The width of each expert's MLP."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2 and 3: (1 + w) norms, pre- and post-norms, GeLU-tanh MLP, embeddings scaled by sqrt(hidden)."""
+        return self.family in ("gemma2", "gemma3")
+
+    def layer_slides(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) attends within sliding_window (and, for Gemma 3 with
+        rope_local_base_freq, takes the local RoPE tables), as transformers' layer_types says."""
+        if self.layer_types:
+            return self.layer_types[layer] == "sliding_attention"
+        if self.sliding_window_pattern:
+            return bool((layer + 1) % self.sliding_window_pattern)
+        return True
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.resolved_head_dim) ** -0.5
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (int(head_dim * partial_rotary_factor), as transformers)."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
