@@ -123,15 +123,36 @@ def test_blocks_without_scales_name_the_file(tmp_path):
         HFDirectory(source)
 
 
-def test_other_quantization_configs_are_refused(tmp_path):
-    """A Llama checkpoint saved with a bitsandbytes quantization_config: one error naming config.json."""
+@pytest.mark.parametrize("family", ["llama", "generic"])
+def test_other_quantization_configs_are_refused(tmp_path, family):
+    """A checkpoint (a native Llama; an OLMo, which runs on the generic path) whose config.json carries a
+    bitsandbytes quantization_config: one error naming config.json, before anything loads."""
     source = tmp_path / "source"
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(source)
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)
+    if family == "llama":
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).save_pretrained(source)
+    else:
+        transformers.OlmoForCausalLM(transformers.OlmoConfig(**shape)).save_pretrained(source)
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config with quant_method "
-                                              r"'bitsandbytes' on a llama model cannot be read"):
-        Trainer(load_config(raw=_raw(tmp_path, source, steps=1)))
+    with pytest.raises(CheckpointError, match=rf"config\.json: quantization_config with quant_method "
+                                              rf"'bitsandbytes' on a {family} model cannot be read"):
+        Trainer(load_config(raw=_raw(tmp_path, source, steps=4)))
+
+
+@pytest.mark.ray
+def test_host_shard_actors_load_an_mxfp4_checkpoint(tmp_path, ray_session):
+    """runtime.mode ray: the HostShard actors read the pairs themselves; logits equal transformers'."""
+    source = tmp_path / "source"
+    source.mkdir()
+    tiny_gpt_oss_checkpoint(source)
+    ids = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = _reference(source)(ids).logits
+    raw = _raw(tmp_path, source, steps=4)
+    raw["runtime"]["mode"] = "ray"
+    with Trainer(load_config(raw=raw)) as trainer:
+        diff = (trainer.logits(ids) - theirs).abs().max().item()
+    assert diff <= LOGITS_TOL, diff
