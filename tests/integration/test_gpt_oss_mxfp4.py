@@ -112,6 +112,27 @@ def test_megatrain_export_reads_an_mxfp4_directory(tmp_path):
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
+def test_sharded_directory_with_a_pair_across_two_shards(tmp_path):
+    """An index over two shards, each blocks tensor in one and its scales in the other: the same tensors as
+    transformers' from_pretrained of that directory."""
+    source = tmp_path / "source"
+    source.mkdir()
+    tensors = tiny_gpt_oss_checkpoint(source)
+    (source / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    first, second = shards
+    for name, tensor in tensors.items():
+        shards[second if name.endswith("_scales") else first][name] = tensor
+    for file, part in shards.items():
+        save_file(part, str(source / file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: (second if n.endswith("_scales") else first) for n in tensors}}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    directory, expected = HFDirectory(source), _reference(source).state_dict()
+    assert set(directory) == set(expected)
+    for name in directory:
+        assert torch.equal(directory[name].float(), expected[name]), name
+
+
 def test_blocks_without_scales_name_the_file(tmp_path):
     source = tmp_path / "source"
     source.mkdir()
