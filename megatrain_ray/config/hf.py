@@ -8,6 +8,7 @@ from typing import Any
 
 from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
+from megatrain_ray.config.hf_quantization import check_quantization_config
 from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 from megatrain_ray.system.files import read_json_object
@@ -163,6 +164,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     """The ModelConfig of a Hugging Face config.json mapping; every field is checked before it is used
     (`where` names the file in errors)."""
     family = _family(hf)
+    check_quantization_config(hf, family, where)
     hidden, heads = _count(hf, "hidden_size", where), _count(hf, "num_attention_heads", where)
     if hidden % heads and not hf.get("head_dim"):
         raise CheckpointError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "

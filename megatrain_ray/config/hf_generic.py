@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatrain_ray.config.hf import UnsupportedArchitectureError, model_config_from_hf, read_hf_config
+from megatrain_ray.config.hf_quantization import check_quantization_config
 from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.exceptions import CheckpointError, excerpt
 from megatrain_ray.observe.log import get_logger
@@ -239,6 +240,7 @@ def generic_model_config(model_dir: str | Path) -> ModelConfig:
     """The ModelConfig of a directory run by the generic path (family generic, whatever its class): its shape as
     the planner reads it; the model itself is the meta model's."""
     where = str(Path(model_dir) / "config.json")
+    check_quantization_config(read_hf_config(model_dir), "generic", where)  # before transformers builds it
     arch = architecture(str(Path(model_dir).resolve()))
     config = arch.model.config
     hidden = _shape_value(config, "hidden_size", where)

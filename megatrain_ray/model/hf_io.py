@@ -27,6 +27,7 @@ from megatrain_ray.config.hf import hf_config_from_model, read_hf_config
 from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.model.hf_quant import MXFP4Pairs
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.model.moe_io import ExpertStacks
 from megatrain_ray.observe.log import get_logger
@@ -92,6 +93,10 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         self.on_disk = self.entries
         if self.stacks:
             self.entries = self.stacks.fused_entries(self.entries, str(self.dir))
+        # gpt-oss's released experts are MXFP4 pairs: seen here as the float tensors they dequantize to.
+        self.mxfp4 = MXFP4Pairs(self.entries, str(self.dir))
+        if self.mxfp4:
+            self.entries = self.mxfp4.dequantized_entries(self.entries)
 
     def _open(self, file: str):
         try:
@@ -101,12 +106,19 @@ class HFDirectory(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         fused = self.stacks.read(name, self._read) if self.stacks else None
-        return fused if fused is not None else self._read(name)
+        dequantized = self.mxfp4.read(name, self._read) if self.mxfp4 and fused is None else None
+        for found in (fused, dequantized):
+            if found is not None:
+                return found
+        return self._read(name)
 
     def _read(self, name: str) -> torch.Tensor:
         file = self.on_disk[name][0]
         with self._open(file) as f:
             return f.get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default reads (and dequantizes) the tensor
+        return name in self.entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
@@ -134,8 +146,9 @@ class HFDirectory(Mapping[str, torch.Tensor]):
                                           f"implies {list(slot.shape)}; the weights and config.json disagree")
                 if code not in FLOAT_CODES:
                     raise CheckpointError(f"{self.dir}: tensor {name!r} is stored as {code}, which cannot be "
-                                          f"converted to float master weights (quantized checkpoints are not "
-                                          f"supported; supported: {', '.join(sorted(FLOAT_CODES))})")
+                                          "converted to float master weights (of quantized checkpoints only "
+                                          "gpt-oss's MXFP4 is read; float dtypes read: "
+                                          f"{', '.join(sorted(FLOAT_CODES))})")
 
 
 def _derived(name: str, wanted: set[str]) -> bool:
@@ -214,6 +227,7 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
             hf = read_hf_config(model_cfg.path)
         else:
             hf.update(hf_config_from_model(model_cfg))
+        hf.pop("quantization_config", None)  # the weights written are plain floats (MXFP4 sources dequantized)
         # `dtype` for transformers 5, `torch_dtype` for readers on transformers 4 (serving stacks lag behind).
         hf.update(dtype=dtype, torch_dtype=dtype)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from megatrain_ray.exceptions import CheckpointError
-from megatrain_ray.quant.mxfp4 import dequantize_gpt_oss_experts, dequantize_mxfp4, find_mxfp4_tensors
+from megatrain_ray.model.mxfp4 import dequantize_gpt_oss_experts, dequantize_mxfp4, find_mxfp4_tensors
 
 transformers = pytest.importorskip("transformers")
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402

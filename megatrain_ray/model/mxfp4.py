@@ -76,10 +76,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 def dequantize_gpt_oss_experts(blocks: torch.Tensor, scales: torch.Tensor,
                                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """A gpt-oss expert tensor as transformers' GptOssExperts holds it: blocks (E, R, G, 16), scales (E, R, G)
-    -> (E, G * 32, R), contiguous."""
+    -> (E, G * 32, R), contiguous. One expert at a time: the temporary beyond the result is one expert's."""
     if blocks.dim() != 4:
         raise ValueError(f"gpt-oss expert blocks are 4-D (experts, rows, groups, 16), got {tuple(blocks.shape)}")
-    return dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2).contiguous()
+    experts, rows, groups, _ = blocks.shape
+    out = torch.empty(experts, groups * VALUES_PER_SCALE, rows, dtype=dtype, device=blocks.device)
+    for e in range(experts):
+        out[e].copy_(dequantize_mxfp4(blocks[e], scales[e], dtype).T)
+    return out
 
 
 def find_mxfp4_tensors(source: str | Path | Mapping[str, Sequence[int]]) -> list[MXFP4Tensor]:
