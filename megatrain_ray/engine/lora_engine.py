@@ -31,8 +31,7 @@ from megatrain_ray.engine.weights import WeightSlot
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.lora import SAVED_MODULES, is_adapter, layer_dropout_seed, saved_names
-from megatrain_ray.model.preference import preference_loss_and_grads
-from megatrain_ray.model.templates import HeadResult, head_loss_and_grads
+from megatrain_ray.model.templates import HeadResult
 from megatrain_ray.store.segments import HostStore
 
 
@@ -104,12 +103,8 @@ class LoraStreamEngine(StreamEngine):
         if trained:
             self.vocab_acc.zero_()
         lm_w, lm_grads = self._lm_weight(head_w, embed_w), self.vocab_acc if trained else None
-        if batch.preference is not None:
-            head = preference_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, batch.preference,
-                                             self.head_spec, self.engine_cfg.loss_chunk_tokens, lm_grads)
-        else:
-            head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
-                                       self.engine_cfg.loss_chunk_tokens, lm_grads, input_grad_only=not trained)
+        head = self._loss_head(x, head_w["model.norm.weight"], lm_w, labels, n_valid, batch, lm_grads,
+                               input_grad_only=not trained)
         self.weights.release(head_slot)
         if trained:
             self.adapters.set_saved_grad(SAVED_MODULES["lm_head"], self.vocab_acc)

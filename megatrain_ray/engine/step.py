@@ -303,6 +303,18 @@ class StreamEngine:
 
     # ------------------------------------------------------------------ head and backward
 
+    def _loss_head(self, x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor, labels: torch.Tensor,
+                   n_valid: int, batch: Batch, lm_grads: torch.Tensor | None,
+                   input_grad_only: bool = False) -> HeadResult:
+        """The batch's loss (cross-entropy, or DPO for preference pairs) and its gradients, the LM head's into
+        `lm_grads` (None with `input_grad_only`: a frozen head, the gradient of x only)."""
+        chunk = self.engine_cfg.loss_chunk_tokens
+        if batch.preference is not None:
+            return preference_loss_and_grads(x, norm_w, lm_w, labels, batch.preference, self.head_spec, chunk,
+                                             lm_grads)
+        return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec, chunk, lm_grads,
+                                   input_grad_only=input_grad_only)
+
     def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
               batch: Batch) -> HeadResult:
         """The loss and its gradients in token chunks (the LM head's weights were loaded after the last layer):
@@ -317,12 +329,7 @@ class StreamEngine:
             head, head_grads = self.generic.head_loss(x, head_w, embed_w, labels, n_valid,
                                                       self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
         else:
-            if batch.preference is not None:
-                head = preference_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, batch.preference,
-                                                 self.head_spec, self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
-            else:
-                head = head_loss_and_grads(x, head_w["model.norm.weight"], lm_w, labels, n_valid, self.head_spec,
-                                           self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
+            head = self._loss_head(x, head_w["model.norm.weight"], lm_w, labels, n_valid, batch, self.vocab_acc)
             head_grads = {"model.norm.weight": head.grad_norm_weight}
             if not layout.tied:
                 head_grads["lm_head.weight"] = self.vocab_acc
