@@ -16,7 +16,8 @@ weight decay applies), exactly as transformers 5's fused parameters do under tor
 gradient is not copied to the host (idle_expert_spans; the update dispatcher zeroes the host span).
 
 Expert compute: the token-expert pairs are sorted by expert (a stable sort, so each expert sees its tokens
-in order), each expert multiplies its rows, the outputs are weighted and added back per token. On CUDA in
+in order), each expert multiplies its rows, the outputs are weighted and summed per token (gathers by the sort's
+permutation and its inverse, forward and backward, so no index_add_ adds rows one by one with atomics). On CUDA in
 bfloat16 with sm90 the expert products go through torch._grouped_mm (one kernel per product for all
 experts); elsewhere a loop over the experts that received tokens.
 """
@@ -200,27 +201,74 @@ def _swiglu(gate_up: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class _Dispatch(torch.autograd.Function):
+    """rows = h[token_of]: each token's row once per pair, in the experts' order. Backward without atomics:
+    the pairs' gradients put back in token order (a gather by the inverse permutation), summed over the k."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, token_of: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return h.index_select(0, token_of)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        pairs = grad.index_select(0, inverse)
+        return pairs.view(-1, ctx.k, pairs.shape[-1]).sum(1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum of token t's k pair rows of y (in the experts' order): a gather by the inverse permutation
+    and a sum over k, where index_add_ would add them one by one with atomics. Backward: each pair row takes
+    its token's gradient (a gather)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, token_of: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(token_of)
+        pairs = y.index_select(0, inverse)
+        return pairs.view(-1, k, pairs.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (token_of,) = ctx.saved_tensors
+        return grad.index_select(0, token_of), None, None, None
+
+
 def experts(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, w: Mapping[str, torch.Tensor],
             spec: MoeSpec) -> torch.Tensor:
-    """The weighted sum of each row's k experts: h [T, hidden], weights and index [T, k]."""
+    """The weighted sum of each row's k experts: h [T, hidden], weights and index [T, k].
+
+    The routing weight multiplies the expert's SwiGLU output before the down projection where the weights are
+    in the rows' dtype and the expert has no output bias (Qwen3-MoE): the same sum as weighting the output, on
+    rows of the expert's width instead of the hidden size. Mixtral (float32 weights) and gpt-oss (output bias)
+    weight the output, as transformers does."""
     tokens, k = index.shape
     flat_expert = index.reshape(-1)
     order = torch.argsort(flat_expert, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
     token_of = order // k  # pair p = t * k + j belongs to token t
     counts_t = torch.bincount(flat_expert, minlength=spec.num_experts)
     offsets = torch.cumsum(counts_t, 0).to(torch.int32)
     grouped = grouped_mm_usable(h, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
     counts = [] if grouped else counts_t.tolist()  # the loop needs them on the host (a device sync)
-    rows = h[token_of]
+    rows = _Dispatch.apply(h, token_of, inverse, k)
     gate_up = _expert_products(rows, w["mlp.experts.gate_up_proj"], counts, offsets, spec.gpt_oss)
     sorted_expert = flat_expert[order]
     if spec.gpt_oss:
         gate_up = gate_up + w["mlp.experts.gate_up_proj_bias"][sorted_expert]
-    out = _expert_products(_swiglu(gate_up, spec), w["mlp.experts.down_proj"], counts, offsets, spec.gpt_oss)
+    act = _swiglu(gate_up, spec)
+    pair_weights = weights.reshape(-1)[order, None]
+    weight_first = not spec.gpt_oss and pair_weights.dtype == act.dtype
+    if weight_first:
+        act = act * pair_weights
+    out = _expert_products(act, w["mlp.experts.down_proj"], counts, offsets, spec.gpt_oss)
     if spec.gpt_oss:
         out = out + w["mlp.experts.down_proj_bias"][sorted_expert]
-    out = out * weights.reshape(-1)[order, None]
-    return torch.zeros_like(h).index_add_(0, token_of, out.to(h.dtype))
+    if not weight_first:
+        out = (out * pair_weights).to(h.dtype)
+    return _Combine.apply(out, token_of, inverse, k)
 
 
 def moe_mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
