@@ -593,8 +593,6 @@ def check_finetune(cfg: Config) -> None:
                "(full fine-tuning of MoE models works)")
     elif cfg.parallel.nodes != 1:
         why = "one node (parallel.nodes=1; several GPUs of one node are fine)"
-    elif cfg.engine.gpu_resident not in ("none", "auto", 0):
-        why = "engine.gpu_resident=none (the frozen base has no training state to keep on the device)"
     elif cfg.host.moments_tier != "ram":
         why = "host.moments_tier=ram (the adapters' moments live on the device, the host holds none)"
     elif cfg.finetune.lora.modules_to_save and cfg.model.tie_word_embeddings:
@@ -604,6 +602,10 @@ def check_finetune(cfg: Config) -> None:
         why = "no fault.drill kill:optimK (a LoRA run has no optimizer workers)"
     if why:
         _fail("finetune.method", "lora", f"needs {why}")
+    if cfg.finetune.lora.base_quantization != "none" and cfg.engine.gpu_resident not in ("none", "auto", 0):
+        _fail("engine.gpu_resident", cfg.engine.gpu_resident, "keeps decoder layers of a dense base on the GPU; "
+              "finetune.lora.base_quantization=nf4 streams them packed: set engine.gpu_resident=none, or "
+              "finetune.lora.base_quantization=none")
 
 
 def check_objective(cfg: Config, ranks: int | None = None) -> None:
