@@ -95,7 +95,8 @@ class GPUWorker(ActorBase):
 
     @property
     def _resident_bytes(self) -> int:
-        return self.engine.base.bytes if isinstance(self.engine, LoraStreamEngine) else self.engine.resident.bytes
+        engine = self.engine
+        return engine.resident_base_bytes if isinstance(engine, LoraStreamEngine) else engine.resident.bytes
 
     def rendezvous(self) -> str:
         """(Rank 0, ranks on several hosts) Where the others meet it: tcp://<this node's address>:<a free port>.

@@ -163,10 +163,9 @@ def resident_layer_count(cfg: Config, world: int) -> int:
 
 def resident_tier_refusal(cfg: Config, world: int) -> str:
     """What the GPU-resident tier needs and this config lacks ("" when it applies). A LoRA run keeps only the
-    frozen base's weights there (engine/resident_base.py), on each of its GPU workers."""
+    frozen base's weights there (engine/resident_base.py, packed for an NF4 base), on each of its GPU workers."""
     if cfg.finetune.method == "lora":
-        return "" if cfg.finetune.lora.base_quantization == "none" else \
-            "finetune.lora.base_quantization=none (an NF4 base streams its packed layers)"
+        return ""
     for refused, why in ((world > 1, "one GPU worker (parallel.gpus=1)"),
                          (cfg.host.moments_tier != "ram", "host.moments_tier=ram"),
                          (cfg.optimizer.moment_dtype != "float32", "optimizer.moment_dtype=float32")):

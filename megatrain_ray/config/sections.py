@@ -260,7 +260,8 @@ class EngineConfig:
     With finetune.method=lora the layers' frozen base alone stays on the device (in the compute dtype: 2 bytes
     per parameter in bf16), copied once from the host store, which keeps it, when the run starts (and on
     resume or restart); those layers cost no H2D copy; auto keeps every layer of a 32B base on a 141 GB H200
-    at 8k tokens per step. Every GPU worker holds its own copy; not with finetune.lora.base_quantization=nf4."""
+    at 8k tokens per step. Every GPU worker holds its own copy. An NF4 base (finetune.lora.base_quantization)
+    keeps its resident layers packed (about 0.56 bytes per parameter), dequantized at each use."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:
@@ -606,10 +607,6 @@ def check_finetune(cfg: Config) -> None:
         why = "no fault.drill kill:optimK (a LoRA run has no optimizer workers)"
     if why:
         _fail("finetune.method", "lora", f"needs {why}")
-    if cfg.finetune.lora.base_quantization != "none" and cfg.engine.gpu_resident not in ("none", "auto", 0):
-        _fail("engine.gpu_resident", cfg.engine.gpu_resident, "keeps decoder layers of a dense base on the GPU; "
-              "finetune.lora.base_quantization=nf4 streams them packed: set engine.gpu_resident=none, or "
-              "finetune.lora.base_quantization=none")
 
 
 def check_objective(cfg: Config, ranks: int | None = None) -> None:

@@ -11,7 +11,8 @@ The same forward, head and recompute-backward as StreamEngine, with three differ
 - after the backward the adapters take their AdamW step on the device, clipped by the exact global norm of
   their gradients (a non-finite norm or loss drops the step, whatever optimizer.grad_clip is).
 
-With engine.gpu_resident the first N layers' base stays on the device (engine/resident_base.py): no copy for them.
+With engine.gpu_resident the first N layers' base stays on the device (engine/resident_base.py; an NF4 base's
+packed, engine/packed_stream.py): no copy for them.
 The embedding's and LM head's weights stay in their slots from one step to the next (the base never changes).
 
 With lora_dropout > 0 each training step gives every layer a dropout seed (model/lora.layer_dropout_seed, from
@@ -90,6 +91,12 @@ class LoraStreamEngine(StreamEngine):
     def _bind(self, stage: StageLayout, slot: WeightSlot | None) -> dict[str, torch.Tensor]:
         weights = self.base.weights(stage) if slot is None else self.weights.bind(stage, slot)
         return {**weights, **self.adapters.layer(stage.index - 1)}
+
+    @property
+    def resident_base_bytes(self) -> int:
+        """Device memory of the resident layers' base: dense, or packed (an NF4 base)."""
+        packed = self.weights.packed
+        return self.base.bytes + (packed.resident_bytes if packed is not None else 0)
 
     def reload_base(self) -> None:
         """The host's base was overwritten (Trainer.load_weights): copy the resident layers again, load the rest."""

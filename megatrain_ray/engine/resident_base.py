@@ -9,7 +9,8 @@ Every pass reads it in place: no H2D copy and no weight slot for those layers. T
 is the one a streamed layer's weights take on the device (its slot's copy), so a resident layer computes on
 exactly the values it would have had streamed.
 
-An NF4 base (finetune.lora.base_quantization=nf4) is refused with engine.gpu_resident (config/resolved.py).
+An NF4 base's (finetune.lora.base_quantization=nf4) resident layers stay packed on the device instead, and are
+dequantized into a weight slot at each use (engine/packed_stream.py): this tier holds its dense stages only.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class ResidentBase:
         `store`: the host store that holds the base."""
         self.store = store
         self.stages = {stage.index: (stage, torch.empty(stage.numel, dtype=compute_dtype, device=device))
-                       for stage in layout.resident_stages(count)}
+                       for stage in layout.resident_stages(count) if store.has("master", stage.index)}
         self.reload()
 
     def reload(self) -> None:

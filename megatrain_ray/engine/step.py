@@ -114,7 +114,7 @@ class StreamEngine:
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0)
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
                                     self.compute_dtype, poison, parallel.gather_weights,
-                                    streams_layers=run.resident_layers < len(layout.layers), frozen=run.frozen_base)
+                                    run.resident_layers, frozen=run.frozen_base)
         # A frozen base (LoRA, engine/lora_engine.py) sends no gradients to the host: no sink, no vocabulary sums.
         self.grads = None if run.frozen_base else GradientSink(
             layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype, self.acc_dtype,

@@ -5,9 +5,10 @@ counts it), no moments, no gradient buffers, no optimizer workers. GPU: the two 
 embedding's and head's weights as in a full run; no gradient buffers and no vocabulary-sized float32 sums; the
 adapters (and modules_to_save) with their gradients and both AdamW moments (16 B per parameter), and with
 modules_to_save the float32 sums of their gradients; with engine.gpu_resident the resident layers' base in the
-compute dtype (engine/resident_base.py: 2 B/param in bf16), and no layer buffers once every layer is resident;
-the kept layer inputs; the larger of one layer's recompute-backward (the full run's estimate, which counts no weight gradient, plus what
-the adapters keep: model/lora.adapter_activation_bytes) and the loss head, which forms no LM-head gradient.
+compute dtype (engine/resident_base.py: 2 B/param in bf16; an NF4 base's packed, about 0.56 B/param), and no layer
+buffers once every dense layer is resident; the kept layer inputs; the larger of one layer's recompute-backward
+(the full run's estimate, which counts no weight gradient, plus what the adapters keep:
+model/lora.adapter_activation_bytes) and the loss head, which forms no LM-head gradient.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def lora_gpu_bytes(cfg: Config, run: RunSpec, offload: bool, per_slot: int, mlp_
 
 def resident_base_bytes(run: RunSpec, stages: tuple[StageLayout, ...]) -> int:
     """Device bytes of a frozen base's GPU-resident layers (engine/resident_base.py): their weights in the
-    compute dtype."""
-    return sum(s.numel for s in stages) * DTYPE_BYTES[run.compute_dtype]
+    compute dtype, or their packed bytes for an NF4 base (engine/packed_stream.py)."""
+    dense = DTYPE_BYTES[run.compute_dtype]
+    return sum(stage_format(s, run.compute_dtype).nbytes if packs_stage(run, s) else s.numel * dense for s in stages)
 
 
 def weight_buffer_bytes(run: RunSpec, layout: ModelLayout, per_slot: int) -> int:
@@ -71,12 +73,11 @@ def weight_buffer_bytes(run: RunSpec, layout: ModelLayout, per_slot: int) -> int
     buffer of the largest packed layer and the dequantization's temporaries (quant/nf4_stage.py's chunking),
     counted all the time: they live on the H2D stream while compute runs."""
     vocab = (layout.embed.numel + layout.head.numel) * per_slot
-    if run.resident_layers >= len(layout.layers):
-        return vocab
     if run.base_quantization != "nf4":
-        return 2 * layout.max_layer_numel * per_slot + vocab
+        return vocab + (2 * layout.max_layer_numel * per_slot if run.resident_layers < len(layout.layers) else 0)
     formats = [stage_format(s, run.compute_dtype) for s in layout.layers]
-    return (2 * layout.max_layer_numel * DTYPE_BYTES[run.compute_dtype] + vocab + max(f.nbytes for f in formats)
+    staging = max((f.nbytes for f in formats[run.resident_layers:]), default=0)  # resident layers need none
+    return (2 * layout.max_layer_numel * DTYPE_BYTES[run.compute_dtype] + vocab + staging
             + max(dequantize_workspace_bytes(f) for f in formats))
 
 

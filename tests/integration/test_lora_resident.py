@@ -1,7 +1,8 @@
 """LoRA with a GPU-resident base (finetune.method=lora, engine.gpu_resident) on the CPU device.
 
 References: the same LoRA run with every layer streamed, bit for bit (the resident layers compute on the very
-values a streamed layer's slot holds, through the same templates and adapters: no tolerance); peft's
+values a streamed layer's slot holds, through the same templates and adapters: no tolerance; an NF4 base's
+resident layers are dequantized from the same packed bytes by the same function); peft's
 training of the same adapters (tests/integration/test_lora_parity.py, its 1e-5); the copies counted by the
 engine (a resident layer is never copied after the start); resume and a fault restart against an
 uninterrupted run, bit for bit (the base is not in LoRA checkpoints: it is copied from the host store again).
@@ -69,6 +70,23 @@ def test_resident_layers_are_never_copied_and_the_embedding_and_head_stay(tmp_pa
     records, _ = lora_run(lora_config(tmp_path / "all", base, steps=2, engine={"gpu_resident": 3}))
     assert records[0]["h2d_bytes"] == (layout.embed.numel + layout.head.numel) * itemsize
     assert records[1]["h2d_bytes"] == 0
+
+
+def test_an_nf4_base_kept_packed_on_the_device_trains_bit_identically(tmp_path, base):
+    """finetune.lora.base_quantization=nf4: the resident layers' packed bytes stay on the device and are
+    dequantized at each use, by the same function from the same bytes as the streamed ones: equal runs, and after
+    the first step (embedding and head, dense float32) nothing is copied."""
+    nf4 = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "base_quantization": "nf4"}}
+    streamed = lora_run(lora_config(tmp_path / "none", base, steps=4, finetune=nf4))
+    cfg = lora_config(tmp_path / "all", base, steps=4, finetune=nf4, engine={"gpu_resident": 3})
+    with Trainer(cfg) as trainer:
+        layout = trainer.layout
+        records = [trainer.step(s) for s in range(cfg.train.steps)]
+        resident = records, trainer.adapters()
+    assert_bit_equal(resident, streamed)
+    assert records[0]["h2d_bytes"] == (layout.embed.numel + layout.head.numel) * 4
+    assert all(r["h2d_bytes"] == 0 for r in records[1:])
+    assert all(r["h2d_bytes"] > 0 for r in streamed[0])  # the packed layers cross every step when streamed
 
 
 def test_lora_with_every_layer_resident_matches_peft(tmp_path):
