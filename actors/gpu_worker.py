@@ -90,8 +90,13 @@ class GPUWorker(ActorBase):
                  cfg.engine.compile,
                  f"; rank {rank.rank} of {rank.world} (node {rank.node}, local rank {rank.local_rank})"
                  if rank.world > 1 else "",
-                 f"; {run.resident_layers} layers resident on the device "
-                 f"({self.engine.resident.bytes / 2**30:.2f} GiB)" if run.resident_layers else "")
+                 f"; {run.resident_layers} layers resident on the device ({self._resident_bytes / 2**30:.2f} GiB"
+                 f"{', the frozen base' if run.frozen_base else ''})" if run.resident_layers else "")
+
+    @property
+    def _resident_bytes(self) -> int:
+        engine = self.engine
+        return engine.resident_base_bytes if isinstance(engine, LoraStreamEngine) else engine.resident.bytes
 
     def rendezvous(self) -> str:
         """(Rank 0, ranks on several hosts) Where the others meet it: tcp://<this node's address>:<a free port>.
@@ -167,6 +172,10 @@ class GPUWorker(ActorBase):
         if isinstance(self.engine, LoraStreamEngine):  # the adapters and their AdamW state
             entries.append(self.engine.adapters.save(Path(directory), step))
         return entries
+
+    def reload_base(self) -> None:
+        """(LoRA) The host's base was overwritten: the device's copies of it are read again."""
+        self.engine.reload_base()
 
     def adapters(self) -> dict[str, torch.Tensor]:
         """(LoRA) The adapters by PEFT name, on the CPU, after every step taken."""

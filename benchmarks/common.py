@@ -51,7 +51,9 @@ VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
             "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"]),
             "megatrain-gather": ("megatrain", ["parallel.gather_weights=true"]),
             "megatrain-noclip-gather": ("megatrain", ["optimizer.grad_clip=0", "parallel.gather_weights=true"]),
-            "megatrain-lora": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto"])}
+            "megatrain-lora": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto"]),
+            "megatrain-lora-resident": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto",
+                                                      "engine.gpu_resident=auto"])}
 """benchmarks/run.py's variants: a system run with extra config overrides (the row keeps the variant's name)."""
 RESIDENT_SYSTEMS = ("resident", "resident-compile")
 """The GPU-resident baselines of benchmarks/run.py; ratios are over the faster of them."""

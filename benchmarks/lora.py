@@ -2,7 +2,9 @@
 target_modules) trained by megatrain and by the usual transformers + peft setups.
 
 - megatrain-lora (a variant, benchmarks/common.py): megatrain with finetune.method=lora, the base streamed
-  in bf16 (precision.stream_dtype=auto).
+  in bf16 (precision.stream_dtype=auto); megatrain-lora-resident: the same with engine.gpu_resident=auto, the
+  base's layers that fit the GPU kept there (all of a 32B base on an H200 at 8k tokens; the row's
+  resident_layers says how many).
 - peft-resident-compile: the Hugging Face model in bf16 on the GPU, frozen, with peft's LoRA adapters (float32,
   as peft keeps them over a bf16 base), each decoder layer through torch.compile, torch fused AdamW over the
   adapters and clip_grad_norm_; activation checkpointing only when the run with every activation kept does not
@@ -79,7 +81,8 @@ def run_peft_resident(spec: dict) -> dict:
     from benchmarks.run import _load, _timed_steps
 
     cfg = _load(spec)
-    model, _, train_step = peft_resident_model(cfg, compile_layers=False, checkpointing=True)
+    model, _, train_step = peft_resident_model(cfg, compile_layers=False, checkpointing=True,
+                                               device=spec.get("device", "cuda"))
     return _lora_row(_timed_steps(spec, cfg, train_step), cfg, model, compiled=False, checkpointing=True,
                      precision="bf16 frozen base, fp32 LoRA adapters and AdamW states on the GPU")
 
@@ -91,7 +94,8 @@ def run_peft_resident_compile(spec: dict) -> dict:
     cfg = _load(spec)
 
     def build(checkpointing: bool):
-        model, _, train_step = peft_resident_model(cfg, compile_layers=True, checkpointing=checkpointing)
+        model, _, train_step = peft_resident_model(cfg, compile_layers=True, checkpointing=checkpointing,
+                                                   device=spec.get("device", "cuda"))
         return model, train_step
 
     row, checkpointing, model = compiled_resident_run(build, lambda step: _timed_steps(spec, cfg, step))

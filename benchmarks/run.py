@@ -144,7 +144,7 @@ def run_megatrain(spec: dict) -> dict:
         "losses": [r["loss"] for r in records],
         "activation_offload": plan.offload,
         "plan": {"host_gib": plan.host_total / 2**30, "gpu_peak_gib": plan.gpu_peak / 2**30},
-        "finetune": cfg.finetune.method,
+        "finetune": cfg.finetune.method, "resident_layers": run.resident_layers,
         "h2d_gb_per_step": mean("h2d_gbps") * wall / len(measured),
     })
     import torch
@@ -166,23 +166,28 @@ def _hf_model(cfg):
 
 def _timed_steps(spec: dict, cfg, train_step) -> dict:
     """Run `train_step(input_ids) -> loss tensor` for warmup + measured steps on the harness's batches;
-    the row of a baseline (the same data, timing and figures for every system but megatrain)."""
+    the row of a baseline (the same data, timing and figures for every system but megatrain). The spec's
+    `device` is cuda (the default) or cpu (the harness's tests off the GPU machine)."""
     import torch
 
     from megatrain_ray.data.batches import TokenBatches
 
+    cuda = spec.get("device", "cuda") == "cuda"
     data = TokenBatches(cfg.data, cfg.model.vocab_size)
     times, losses = [], []
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for step in range(spec["warmup"] + spec["steps"]):
-        ids = data.tokens_of(step)[:, :-1].cuda()
-        torch.cuda.synchronize()
+        ids = data.tokens_of(step)[:, :-1].to(spec.get("device", "cuda"))
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         losses.append(train_step(ids).item())
         times.append(time.perf_counter() - t0)
     wall = sum(times[spec["warmup"]:])
     row = _common(cfg, spec["batch"] * cfg.data.seq_len * spec["steps"] / wall)
-    row.update({"device": torch.cuda.get_device_name(), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    row.update({"device": torch.cuda.get_device_name() if cuda else "cpu",
+                "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                 "step_seconds": wall / spec["steps"], "losses": losses})
     return row
 

@@ -65,7 +65,7 @@ class RunSpec:
     """Kept layer inputs live in pinned host memory (engine.activation_offload with auto decided by the plan)."""
     resident_layers: int = 0
     """Decoder layers kept whole on the compute device (engine.gpu_resident; model.layout.resident_stages
-    says which)."""
+    says which). With a frozen base (LoRA) only their base weights, which the host store keeps too."""
     frozen_base: bool = False
     """finetune.method=lora: the host holds the base once, in the streaming dtype (as its `master`, streamed
     directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py)."""
@@ -129,7 +129,8 @@ class RunSpec:
                 stream_is_master=True, grad_home="stream", grad_dtype=stream_dtype, moment_dtype=stream_dtype,
                 vocab_in_pieces=False, compiles=compiles,
                 layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
-                activation_offload=e.activation_offload is True, resident_layers=0, frozen_base=True,
+                activation_offload=e.activation_offload is True, resident_layers=resident_layer_count(cfg, ranks),
+                frozen_base=True,
                 base_quantization=cfg.finetune.lora.base_quantization)
         return cls(
             device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
@@ -161,7 +162,10 @@ def resident_layer_count(cfg: Config, world: int) -> int:
 
 
 def resident_tier_refusal(cfg: Config, world: int) -> str:
-    """What the GPU-resident tier needs and this config lacks ("" when it applies)."""
+    """What the GPU-resident tier needs and this config lacks ("" when it applies). A LoRA run keeps only the
+    frozen base's weights there (engine/resident_base.py, packed for an NF4 base), on each of its GPU workers."""
+    if cfg.finetune.method == "lora":
+        return ""
     for refused, why in ((world > 1, "one GPU worker (parallel.gpus=1)"),
                          (cfg.host.moments_tier != "ram", "host.moments_tier=ram"),
                          (cfg.optimizer.moment_dtype != "float32", "optimizer.moment_dtype=float32")):

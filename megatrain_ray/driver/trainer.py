@@ -437,7 +437,7 @@ class Trainer:
     @property
     def _resident_holder(self) -> Handle | None:
         """The GPU worker that holds the GPU-resident stages (engine.gpu_resident; none on the host), if any."""
-        return self.gpu if self.run_spec.resident_layers else None
+        return self.gpu if self.run_spec.resident_layers and not self.run_spec.frozen_base else None
 
     def _with_resident(self, host: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
         """`host` (the shards' tensors) with the GPU-resident stages' `kind`, in layout order."""
@@ -477,6 +477,9 @@ class Trainer:
             store.write_tensors(self.layout, tensors)  # the stages with segments there
         if self._resident_holder is not None:
             self._resident_holder.write_resident(tensors).result()
+        if self.run_spec.frozen_base:  # the base each GPU worker holds on its device is copied again
+            for done in [gpu.reload_base() for gpu in self.gpus]:
+                done.result()
 
     def adapters(self) -> dict[str, torch.Tensor]:
         """(finetune.method=lora) The adapters by PEFT name, after the steps run so far."""

@@ -11,6 +11,10 @@ The same forward, head and recompute-backward as StreamEngine, with three differ
 - after the backward the adapters take their AdamW step on the device, clipped by the exact global norm of
   their gradients (a non-finite norm or loss drops the step, whatever optimizer.grad_clip is).
 
+With engine.gpu_resident the first N layers' base stays on the device (engine/resident_base.py; an NF4 base's
+packed, engine/packed_stream.py): no copy for them.
+The embedding's and LM head's weights stay in their slots from one step to the next (the base never changes).
+
 With lora_dropout > 0 each training step gives every layer a dropout seed (model/lora.layer_dropout_seed, from
 the run seed, the AdamW step and the layer), from which the forward and the recompute draw the same masks.
 """
@@ -26,6 +30,7 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import EngineConfig, LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from megatrain_ray.engine.adapters import AdapterTier
 from megatrain_ray.engine.collective import Collectives, RankInfo
+from megatrain_ray.engine.resident_base import ResidentBase
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.engine.weights import WeightSlot
 from megatrain_ray.messages import Batch, StepResult
@@ -48,6 +53,7 @@ class LoraStreamEngine(StreamEngine):
             stage, slot = layout.stage_of(name)
             base[name] = store.get("master", stage.index)[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.adapters = AdapterTier(model, lora, optimizer, seed, device, base)
+        self.base = ResidentBase(layout, run.resident_layers, store, self.compute_dtype, device)
         if self.adapters.saved:  # their gradients: float32 sums of the vocabulary's size, as a full run's
             self.vocab_acc = torch.zeros((model.vocab_size, model.hidden_size), dtype=self.acc_dtype, device=device)
         self.seed = seed
@@ -79,8 +85,23 @@ class LoraStreamEngine(StreamEngine):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _load(self, stage: StageLayout) -> WeightSlot | None:
+        return None if self.base.holds(stage) else self.weights.load(stage)
+
     def _bind(self, stage: StageLayout, slot: WeightSlot | None) -> dict[str, torch.Tensor]:
-        return {**super()._bind(stage, slot), **self.adapters.layer(stage.index - 1)}
+        weights = self.base.weights(stage) if slot is None else self.weights.bind(stage, slot)
+        return {**weights, **self.adapters.layer(stage.index - 1)}
+
+    @property
+    def resident_base_bytes(self) -> int:
+        """Device memory of the resident layers' base: dense, or packed (an NF4 base)."""
+        packed = self.weights.packed
+        return self.base.bytes + (packed.resident_bytes if packed is not None else 0)
+
+    def reload_base(self) -> None:
+        """The host's base was overwritten (Trainer.load_weights): copy the resident layers again, load the rest."""
+        self.base.reload()
+        self.weights.invalidate()
 
     def _embed_weight(self, bound: dict[str, torch.Tensor]) -> torch.Tensor:
         saved = self.adapters.saved.get(SAVED_MODULES["embed_tokens"])
@@ -162,3 +183,4 @@ class LoraStreamEngine(StreamEngine):
     def close(self) -> None:
         super().close()
         self.adapters.close()
+        self.base.close()

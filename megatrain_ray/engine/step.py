@@ -113,14 +113,17 @@ class StreamEngine:
             if rank.local_world > 1 else None
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0)
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
-                                    self.compute_dtype, poison, parallel.gather_weights)
+                                    self.compute_dtype, poison, parallel.gather_weights,
+                                    run.resident_layers, frozen=run.frozen_base)
         # A frozen base (LoRA, engine/lora_engine.py) sends no gradients to the host: no sink, no vocabulary sums.
         self.grads = None if run.frozen_base else GradientSink(
             layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype, self.acc_dtype,
             host_grad_home, self.engine_cfg.grad_slabs, slab_numel, poison)
-        # Filled by the GPU worker (the run's initial state, a checkpoint), which has no host segments for it.
-        self.resident = ResidentTier(layout, run.resident_layers, optimizer, device, TORCH_DTYPES[run.master_dtype],
-                                     stream_dtype, self.compute_dtype, host_grad_dtype, poison)
+        # Filled by the GPU worker (the run's initial state, a checkpoint), which has no host segments for it. A
+        # frozen base keeps only its weights on the device (engine/resident_base.py, the LoRA engine's).
+        self.resident = ResidentTier(layout, 0 if run.frozen_base else run.resident_layers, optimizer, device,
+                                     TORCH_DTYPES[run.master_dtype], stream_dtype, self.compute_dtype,
+                                     host_grad_dtype, poison)
         v, h = self.model_cfg.vocab_size, self.model_cfg.hidden_size
         self.vocab_acc = None if run.frozen_base else torch.zeros((v, h), dtype=self.acc_dtype, device=device)
         self.trainable: Any = None

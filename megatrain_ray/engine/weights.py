@@ -81,8 +81,11 @@ class WeightSlot:
 class WeightStream:
     def __init__(self, layout: ModelLayout, store: HostStore, streams: DeviceStreams, telemetry: StepTelemetry,
                  updates: UpdateDispatch, rank: RankInfo, stream_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 poison: bool, gather_weights: bool):
-        """`poison`: fill the slots with NaN (engine.poison_buffers); `gather_weights`: parallel.gather_weights."""
+                 poison: bool, gather_weights: bool, resident_layers: int = 0, frozen: bool = False):
+        """`poison`: fill the slots with NaN (engine.poison_buffers); `gather_weights`: parallel.gather_weights;
+        `resident_layers`: the first layers are GPU-resident (RunSpec.resident_layers: no layer slots when every one
+        is, unless packed: an NF4 base keeps its resident layers packed and dequantizes them into the slots);
+        `frozen`: the weights never change (a LoRA base), so a slot's stage stays valid from one step to the next."""
         self.store = store
         self.streams = streams
         self.telemetry = telemetry
@@ -98,8 +101,11 @@ class WeightStream:
         self.checksum: float | None = None
         self.summed: set[int] = set()
         # An NF4 base (finetune.lora.base_quantization): its layers arrive packed and are dequantized on the device.
-        self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device)
-        self.layer_slots = [self._slot(layout.max_layer_numel, dense=self.packed is None) for _ in range(2)]
+        self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device, resident_layers)
+        self.frozen = frozen
+        streams_layers = resident_layers < len(layout.layers) or self.packed is not None
+        self.layer_slots = [self._slot(layout.max_layer_numel, dense=self.packed is None)
+                            for _ in range(2 if streams_layers else 0)]
         self.embed_slot = self._slot(layout.embed.numel)
         self.head_slot = self._slot(layout.head.numel)
 
@@ -130,7 +136,13 @@ class WeightStream:
 
     def end_step(self) -> None:
         self.gather = False  # evaluation runs on one rank: it must never wait for the others' pieces
-        # Weights change with the updates just ordered: nothing on the device is current any more.
+        # Weights change with the updates just ordered: nothing on the device is current. A frozen base's stay,
+        # unless gathered: then every rank must load (and gather) the same stages, and evaluation loads on one.
+        if not self.frozen or self.gather_weights:
+            self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget what the slots hold: the next load of every stage copies it again."""
         for slot in (*self.layer_slots, self.embed_slot, self.head_slot):
             slot.holds = -1
 

@@ -4,9 +4,11 @@ Host: the store is the base in the streaming dtype (store/segments.plan_segments
 counts it), no moments, no gradient buffers, no optimizer workers. GPU: the two layer buffers and the
 embedding's and head's weights as in a full run; no gradient buffers and no vocabulary-sized float32 sums; the
 adapters (and modules_to_save) with their gradients and both AdamW moments (16 B per parameter), and with
-modules_to_save the float32 sums of their gradients; the kept layer inputs; the
-larger of one layer's recompute-backward (the full run's estimate, which counts no weight gradient, plus what
-the adapters keep: model/lora.adapter_activation_bytes) and the loss head, which forms no LM-head gradient.
+modules_to_save the float32 sums of their gradients; with engine.gpu_resident the resident layers' base in the
+compute dtype (engine/resident_base.py: 2 B/param in bf16; an NF4 base's packed, about 0.56 B/param), and no layer
+buffers once every dense layer is resident; the kept layer inputs; the larger of one layer's recompute-backward
+(the full run's estimate, which counts no weight gradient, plus what the adapters keep:
+model/lora.adapter_activation_bytes) and the loss head, which forms no LM-head gradient.
 """
 
 from __future__ import annotations
@@ -53,26 +55,37 @@ def lora_gpu_bytes(cfg: Config, run: RunSpec, offload: bool, per_slot: int, mlp_
         "layer backward working set": layer_backward + adapters,
         "loss head working set": input_grad_head_bytes(chunk, m.vocab_size, compute_b)
         + 2 * tokens * m.hidden_size * acc_b,
-        "GPU-resident layers": 0,
+        "GPU-resident layers": resident_base_bytes(run, layout.resident_stages(run.resident_layers)),
         LORA_ADAPTERS: ADAPTER_STATE_BYTES * lora_params(cfg),
     }
 
 
+def resident_base_bytes(run: RunSpec, stages: tuple[StageLayout, ...]) -> int:
+    """Device bytes of a frozen base's GPU-resident layers (engine/resident_base.py): their weights in the
+    compute dtype, or their packed bytes for an NF4 base (engine/packed_stream.py)."""
+    dense = DTYPE_BYTES[run.compute_dtype]
+    return sum(stage_format(s, run.compute_dtype).nbytes if packs_stage(run, s) else s.numel * dense for s in stages)
+
+
 def weight_buffer_bytes(run: RunSpec, layout: ModelLayout, per_slot: int) -> int:
-    """The weight slots (engine/weights.py): two layers, the embedding, the head at `per_slot` bytes per element.
-    With an NF4 base (engine/packed_stream.py) the two layer slots hold the compute dtype only, beside one staging
+    """The weight slots (engine/weights.py): two layers (none when every layer is GPU-resident), the embedding, the
+    head at `per_slot` bytes per element. With an NF4 base (engine/packed_stream.py) the two layer slots hold the compute dtype only, beside one staging
     buffer of the largest packed layer and the dequantization's temporaries (quant/nf4_stage.py's chunking),
     counted all the time: they live on the H2D stream while compute runs."""
     vocab = (layout.embed.numel + layout.head.numel) * per_slot
     if run.base_quantization != "nf4":
-        return 2 * layout.max_layer_numel * per_slot + vocab
+        return vocab + (2 * layout.max_layer_numel * per_slot if run.resident_layers < len(layout.layers) else 0)
     formats = [stage_format(s, run.compute_dtype) for s in layout.layers]
-    return (2 * layout.max_layer_numel * DTYPE_BYTES[run.compute_dtype] + vocab + max(f.nbytes for f in formats)
+    staging = max((f.nbytes for f in formats[run.resident_layers:]), default=0)  # resident layers need none
+    return (2 * layout.max_layer_numel * DTYPE_BYTES[run.compute_dtype] + vocab + staging
             + max(dequantize_workspace_bytes(f) for f in formats))
 
 
-def streamed_bytes(run: RunSpec, stage: StageLayout) -> int:
-    """H2D bytes of one stage per pass of a LoRA run: its packed size for an NF4 layer, else its streaming copy."""
+def streamed_bytes(run: RunSpec, stage: StageLayout, resident: bool = False) -> int:
+    """H2D bytes of one stage per pass of a LoRA run: none for a GPU-resident layer, its packed size for an NF4
+    layer, else its streaming copy."""
+    if resident:
+        return 0
     if packs_stage(run, stage):
         return stage_format(stage, run.compute_dtype).nbytes
     return stage.numel * DTYPE_BYTES[run.stream_dtype]

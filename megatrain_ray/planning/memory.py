@@ -39,7 +39,7 @@ from megatrain_ray.model.flops import active_params
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.lora import lora_params
 from megatrain_ray.model.moe import expert_numel, moe_token_width
-from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, lora_tier_lines
+from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, lora_tier_lines, resident_base_bytes
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.profiles import SpeedProfile
 from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, SpeedEstimate, estimate, speed_lines
@@ -143,8 +143,9 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
                    * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + explicit_attention_bytes(cfg, tokens, compute_b)
     if run.frozen_base:  # LoRA: no gradient leaves the device, the vocabulary-sized sums do not exist
         return lora_gpu_bytes(cfg, run, offload, per_slot, mlp_tokens, backward)
+    layer_slots = 2 if run.resident_layers < len(layout.layers) else 0  # none when every layer is resident
     return {
-        "weight buffers": (2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
+        "weight buffers": (layer_slots * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
         "gradient buffers": grad_elems * grad_b,
         "vocabulary accumulator": v * h * acc_b,
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
@@ -169,7 +170,10 @@ def explicit_attention_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
 
 
 def resident_bytes(run: RunSpec, stages) -> int:
-    """Device bytes of the GPU-resident tier holding `stages` (engine/resident.py), its scratch included."""
+    """Device bytes of the GPU-resident tier holding `stages` (engine/resident.py), its scratch included; a frozen
+    base's (LoRA): their weights only."""
+    if run.frozen_base:
+        return resident_base_bytes(run, stages)
     if not stages:
         return 0
     return sum(run.resident_stage_bytes(s.numel) for s in stages) + run.resident_scratch_bytes(
@@ -498,15 +502,17 @@ def resident_lines(plan: Plan) -> list[str]:
     params = sum(s.numel for s in stages)
     tier = plan.gpu["GPU-resident layers"]
     first, last = stages[0].index - 1, stages[-1].index - 1
+    where = ("the frozen base, copied once from the host store (which keeps it), no H2D for them" if run.frozen_base
+             else "no host copy: the GPU worker checkpoints and exports them")
     lines = [head + f"layers {first}-{last} ({len(stages)} of {len(layout.layers)}, {human_count(params)} "
-             f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); no host copy: the "
-             "GPU worker checkpoints and exports them"]
+             f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); {where}"]
     profile = plan.profile
     if profile is not None:
         with_tier = plan.expected.tok_per_s
         without = estimate(cfg, profile, offload=plan.offload, resident=0).tok_per_s
-        lines.append(f"  expected {with_tier:,.0f} tok/s with them, {without:,.0f} tok/s with every layer streamed "
-                     f"(their updates on the GPU at {GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)")
+        lines.append(f"  expected {with_tier:,.0f} tok/s with them, {without:,.0f} tok/s with every layer streamed"
+                     + ("" if run.frozen_base else f" (their updates on the GPU at "
+                                                   f"{GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)"))
     return [*lines, ""]
 
 

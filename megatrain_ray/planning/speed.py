@@ -65,10 +65,8 @@ class StageCost:
     """Layers, with activation offload: the layer input that goes to host memory and comes back."""
     resident_update_seconds: float = 0.0
     """A GPU-resident layer (no copies, no CPU update): its update on the GPU; 0 for a streamed stage."""
-
-    @property
-    def resident(self) -> bool:
-        return self.resident_update_seconds > 0
+    resident: bool = False
+    """A GPU-resident layer: its weights are on the device (a LoRA one's frozen base: no update at all)."""
 
 
 def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelLayout,
@@ -89,13 +87,16 @@ def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelL
         fwd, bwd = (seconds / 4, 3 * seconds / 4) if stage.kind == "layer" else (seconds, 0.0)
         if run.frozen_base:  # LoRA: no weight gradients (planning/lora.py); nothing goes back to the host
             fwd, bwd = lora_stage_seconds(cfg, stage, fwd, bwd, tokens, rate)
-            costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, streamed_bytes(run, stage), 0,
-                                   activation if stage.kind == "layer" else 0))
+            on_device = stage.index in resident
+            costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd,
+                                   streamed_bytes(run, stage, on_device), 0,
+                                   activation if stage.kind == "layer" else 0, resident=on_device))
             continue
         copies = 0 if stage.index in resident else 1
         costs.append(StageCost(stage.index, stage.kind, stage.numel, fwd, bwd, copies * stage.numel * stream_b,
                                copies * stage.numel * grad_b, activation if stage.kind == "layer" else 0,
-                               stage.numel / update_rate if stage.index in resident else 0.0))
+                               stage.numel / update_rate if stage.index in resident else 0.0,
+                               resident=stage.index in resident))
     return costs
 
 
@@ -273,7 +274,8 @@ class _Replay:
                 self.update_on_gpu(costs[index])
         self.compute += self.device_update_seconds
         self.busy["compute"] += self.device_update_seconds
-        self.slot_holds.clear()  # the weights change with the updates just ordered
+        if not self.frozen:  # the weights change with the updates just ordered (a frozen base's stay)
+            self.slot_holds.clear()
         end = max(self.issue, self.compute, self.h2d, self.d2h)
         self.idle["D2H"] += end - self.compute  # the last gradients drain after the last compute
         self.issue = self.compute = end

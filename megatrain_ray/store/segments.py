@@ -21,7 +21,8 @@ layer has instead its `nf4` bytes (uint8, store/nf4_base.py).
 
 A stage of the GPU-resident tier (engine.gpu_resident, RunSpec.resident_layers) has none of these: its whole
 state lives on the compute device (engine/resident.py), and the GPU worker fills it, checkpoints it and
-serves its weights itself.
+serves its weights itself. A frozen base's resident layers keep their `master` here: the device copies it
+(engine/resident_base.py).
 
 Each shard also owns a `gate`: one int32 per stage of the model, set while a checkpoint still has
 to write that stage (megatrain_ray/store/checkpoint.py); optimizer workers wait on it. With several GPU
@@ -93,7 +94,8 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
     specs: list[SegmentSpec] = []
     home, ranks_per_node = run.grad_home, run.ranks_per_node
     moments, on_disk = run.moment_dtype, host.moments_tier == "disk"
-    resident = {s.index for s in layout.resident_stages(run.resident_layers)}
+    # A frozen base (LoRA) keeps its resident layers here too: the device copies them from the store.
+    resident = set() if run.frozen_base else {s.index for s in layout.resident_stages(run.resident_layers)}
     for index in stages:
         if index in resident:
             continue

@@ -54,3 +54,15 @@ def test_megatrain_lora_variant_streams_the_base_in_bf16():
     cfg = load_config(raw=tiny_raw(precision={"master_dtype": "float32", "compute_dtype": "bfloat16",
                                               "stream_dtype": "float32"}), overrides=overrides)
     assert base == "megatrain" and cfg.finetune.method == "lora" and cfg.precision.resolved_stream_dtype == "bfloat16"
+
+
+def test_megatrain_lora_resident_variant_keeps_the_base_on_the_gpu_where_it_fits():
+    from megatrain_ray.config.resolved import RunSpec
+
+    base, overrides = VARIANTS["megatrain-lora-resident"]
+    cfg = load_config(raw=tiny_raw(), overrides=overrides)
+    assert base == "megatrain" and cfg.finetune.method == "lora" and cfg.engine.gpu_resident == "auto"
+    assert RunSpec.resolve(cfg).frozen_base  # accepted with LoRA; planning.memory.resolve_run counts the layers
+    explicit = load_config(raw=tiny_raw(), overrides=[*VARIANTS["megatrain-lora"][1], "engine.gpu_resident=2"])
+    assert RunSpec.resolve(explicit, device_type="cpu").resident_layers == 2
+

@@ -100,8 +100,6 @@ def test_lora_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="finetune.method.*parallel.nodes=1"):
         load_config(raw=tiny_raw(finetune={"method": "lora"}, parallel={"gpus": 2, "nodes": 2},
                                  runtime={"mode": "ray"}))
-    with pytest.raises(ConfigError, match="finetune.method.*engine.gpu_resident=none"):
-        load_config(raw=tiny_raw(finetune={"method": "lora"}, engine={"gpu_resident": 1}))
     with pytest.raises(ConfigError, match="finetune.method.*tie_word_embeddings=false"):
         load_config(raw=tiny_raw(finetune={"method": "lora", "lora": {"modules_to_save": ["lm_head"]}},
                                  model={"tie_word_embeddings": True}))
