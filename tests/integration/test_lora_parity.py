@@ -21,6 +21,7 @@ workers (parallel.gpus=2) whose summed gradients must give peft's single-process
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,23 @@ def test_lora_matches_peft_through_ray(tmp_path, ray_session, family):
         tmp_path, family, runtime={"mode": "ray"}, host={"num_shards": 2})
     assert_lora_parity(ours, ref, initial, final, ref_final)
     assert_base_untouched(base, base_after)
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of a run's metrics.jsonl."""
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def assert_restart_is_exact(tmp_path: Path, base: Path, steps: int, drill: str, **common) -> None:
+    """A LoRA run whose process `drill` kills restarts from the adapters' checkpoint and ends bit-identical to an
+    uninterrupted run: the same per-step losses and the same final adapters."""
+    with Trainer(lora_config(tmp_path / "ref", base, steps=steps, **common)) as trainer:
+        trainer.train()
+        reference = trainer.adapters()
+    cfg = lora_config(tmp_path / "cut", base, steps=steps, fault={"max_restarts": 1, "drill": drill}, **common)
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        assert trainer.restarts == 1
+        adapters = trainer.adapters()
+    assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
+    assert all(torch.equal(adapters[k], reference[k]) for k in reference)

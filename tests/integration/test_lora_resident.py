@@ -10,7 +10,6 @@ uninterrupted run, bit for bit (the base is not in LoRA checkpoints: it is copie
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,14 @@ pytest.importorskip("peft")
 
 from megatrain_ray.driver.trainer import Trainer
 from tests.conftest import interrupted_and_resumed
-from tests.integration.test_lora_parity import assert_lora_parity, lora_config, make_base, run_both
+from tests.integration.test_lora_parity import (
+    assert_lora_parity,
+    assert_restart_is_exact,
+    lora_config,
+    losses,
+    make_base,
+    run_both,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +46,6 @@ def assert_bit_equal(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> 
     assert [(r["loss"], r["grad_norm"]) for r in records_a] == [(r["loss"], r["grad_norm"]) for r in records_b]
     assert adapters_a.keys() == adapters_b.keys()
     assert all(torch.equal(adapters_a[k], adapters_b[k]) for k in adapters_a)
-
-
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
@@ -132,14 +134,4 @@ def test_two_gpu_workers_each_with_a_resident_base_match_peft_and_survive_a_rest
     ray = {"runtime": {"mode": "ray"}, "parallel": {"gpus": 2}, "engine": {"gpu_resident": 3}}
     ours, ref, initial, final, ref_final, _, _ = run_both(tmp_path / "peft", "qwen2", world=2, **ray)
     assert_lora_parity(ours, ref, initial, final, ref_final)
-    common = {**ray, "checkpoint": {"every": 3}}
-    with Trainer(lora_config(tmp_path / "ref", base, steps=6, **common)) as trainer:
-        trainer.train()
-        reference = trainer.adapters()
-    cfg = lora_config(tmp_path / "cut", base, steps=6, fault={"max_restarts": 1, "drill": "kill:gpu1@4"}, **common)
-    with Trainer(cfg) as trainer:
-        trainer.train()
-        assert trainer.restarts == 1
-        adapters = trainer.adapters()
-    assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
-    assert all(torch.equal(adapters[k], reference[k]) for k in reference)
+    assert_restart_is_exact(tmp_path, base, 6, "kill:gpu1@4", checkpoint={"every": 3}, **ray)

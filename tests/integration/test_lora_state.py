@@ -25,14 +25,10 @@ from megatrain_ray.engine.adapters import ADAPTER_FILE, ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import interrupted_and_resumed
-from tests.integration.test_lora_parity import lora_config, make_base
+from tests.integration.test_lora_parity import assert_restart_is_exact, lora_config, losses, make_base
 
 LOGIT_TOL = 1e-5
 """Relative to the largest logit, float32: the same math in another order (measured: about 1e-7)."""
-
-
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +120,8 @@ def test_nan_gradient_drops_the_step_and_leaves_the_adapters(tmp_path, base):
 
 @pytest.mark.ray
 def test_a_killed_gpu_worker_restarts_from_the_adapters_checkpoint(tmp_path, base, ray_session):
-    common = {"runtime": {"mode": "ray"}, "checkpoint": {"every": 3}, "host": {"num_shards": 2}}
-    with Trainer(lora_config(tmp_path / "ref", base, steps=8, **common)) as trainer:
-        trainer.train()
-        reference = trainer.adapters()
-    cfg = lora_config(tmp_path / "cut", base, steps=8, fault={"max_restarts": 1, "drill": "kill:gpu@4"}, **common)
-    with Trainer(cfg) as trainer:
-        trainer.train()
-        assert trainer.restarts == 1
-        adapters = trainer.adapters()
-    assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
-    assert all(torch.equal(adapters[k], reference[k]) for k in reference)
+    assert_restart_is_exact(tmp_path, base, 8, "kill:gpu@4", runtime={"mode": "ray"}, checkpoint={"every": 3},
+                            host={"num_shards": 2})
 
 
 @pytest.mark.parametrize("saved", [[], ["embed_tokens", "lm_head"]], ids=["adapters", "modules_to_save"])
