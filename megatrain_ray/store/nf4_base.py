@@ -4,7 +4,9 @@ Each decoder layer's host segment is kind `nf4`: one uint8 buffer in quant/nf4_s
 64, double quantization; the vectors in the compute dtype), filled once at the start from the stage's dense
 weights (random initialisation or the Hugging Face checkpoint, in the master dtype of the run, that is
 precision.stream_dtype) and never written again. The embedding and the LM head keep their dense `master`, as
-QLoRA keeps them unquantized. The weight stream (engine/packed_stream.py) copies the packed bytes to the device
+QLoRA keeps them unquantized; in a mixture-of-experts layer the fused expert tensors are quantized too (blockwise,
+each as one matrix) and the router's weight and the experts' biases kept (quant/nf4_stage.quantized_slot). The
+weight stream (engine/packed_stream.py) copies the packed bytes to the device
 and dequantizes them there; export and tests read the base through DequantizedBase, the values the layers
 compute with.
 """
@@ -19,7 +21,7 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
-from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage
+from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage, quantized_slot
 from megatrain_ray.store.segments import HostStore
 from megatrain_ray.store.tensor_maps import DerivedTensors
 
@@ -117,6 +119,6 @@ class RequantizedBase(DerivedTensors):
         stage, slot = self.layout.stage_of(name)
         if stage.kind != "layer":
             return tensor
-        if len(slot.shape) < 2:
+        if not quantized_slot(slot):  # vectors, a MoE router, the experts' biases
             return tensor.to(self.compute_dtype)
         return dequantize_nf4(quantize_nf4(tensor, NF4_BLOCKSIZE, double_quant=True), self.compute_dtype)

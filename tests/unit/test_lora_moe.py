@@ -3,11 +3,18 @@ models), the refusals of what is not built, and (below) the NF4 base of a MoE la
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatrain_ray.config.load import load_config
 from megatrain_ray.exceptions import ConfigError
-from tests.conftest import tiny_raw
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.lora import lora_params
+from megatrain_ray.planning.machine import Machine
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.speed import stage_costs
+from tests.conftest import REPO, tiny_raw
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -66,3 +73,47 @@ def test_peft_all_linear_on_qwen3_moe_and_mixtral_also_adapts_router_and_experts
 def test_router_and_expert_targets_are_refused_naming_what_to_use(family, name):
     with pytest.raises(ConfigError, match=rf"finetune\.lora\.target_modules.*'{name}'.*q_proj, k_proj, v_proj, o_proj"):
         moe_lora(family, ["q_proj", name])
+
+
+# ----------------------------------------------------------------------------- gpt-oss-120b, 4-bit base, LoRA
+
+GPT_OSS_120B = os.path.join(REPO, "configs", "shapes", "gpt-oss-120b.yaml")
+QLORA_120B = ["finetune.method=lora", "finetune.lora.base_quantization=nf4", "finetune.lora.r=16"]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+def test_gpt_oss_120b_nf4_host_bytes_are_the_hand_count_from_its_published_dims():
+    """openai/gpt-oss-120b's config.json: hidden 2880, 64 query and 8 key/value heads of 64, 128 experts of width
+    2880, 36 layers, vocabulary 201088, untied head. Quantized (blocks of 64, double quantization: 32 code bytes
+    and 1 absmax code per block, a float32 scale per 256 blocks and an offset per matrix): q, k, v, o and the two
+    fused expert tensors; kept in bf16: the router's weight, the experts' biases, every vector. Each of the six
+    sections starts at a multiple of 256 bytes."""
+    h, q, kv, e, f, layers, vocab = 2880, 64 * 64, 8 * 64, 128, 2880, 36, 201088
+    matrices = [q * h, kv * h, kv * h, h * q, e * h * 2 * f, e * f * h]
+    kept = e * h + e * 2 * f + e * h  # router.weight, gate_up_proj_bias, down_proj_bias
+    vectors = q + kv + kv + h + 64 + e + h + h  # q/k/v/o biases, sinks, router bias, two norms (64-aligned already)
+    blocks = [n // 64 for n in matrices]
+    layer = (_aligned(32 * sum(blocks)) + _aligned(sum(blocks)) + _aligned(4 * sum(-(-k // 256) for k in blocks))
+             + _aligned(4 * len(matrices)) + _aligned(2 * kept) + _aligned(2 * vectors))
+    cfg = load_config(GPT_OSS_120B, overrides=[*QLORA_120B, "precision.stream_dtype=bfloat16"])
+    plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
+    assert plan.host["nf4"] == layers * layer
+    assert plan.host["master"] == 2 * (2 * vocab * h + h)  # embedding, LM head and final norm in bf16
+    assert abs(plan.host["nf4"] / 2**30 - 55.65) < 0.01  # 0.515 B per quantized value
+    assert 60e9 < plan.host_total < 66e9 and plan.fits  # the issue's "about 64 GB of host RAM"
+    assert lora_params(cfg) == layers * 16 * ((h + q) + 2 * (h + kv) + (q + h))  # q, k, v, o adapters only
+
+
+def test_gpt_oss_120b_lora_speed_counts_the_active_experts_only():
+    """The frozen base drops the weight gradients' FLOPs: a quarter of the matrix time of the experts a token
+    uses (top 4 of 128), not of all of them (which once made the GPU time negative)."""
+    plan = plan_run(load_config(GPT_OSS_120B, overrides=QLORA_120B), Machine.from_preset("h200-128gb"))
+    costs = stage_costs(plan.cfg, plan.run, plan.expected.profile, build_layout(plan.cfg.model))
+    layers = [c for c in costs if c.kind == "layer"]
+    assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in layers)
+    # backward = 3 x forward in a full run; LoRA drops the active matrices' weight gradients (2 of the 8 N)
+    assert all(2.0 < c.backward_seconds / c.forward_seconds < 3.0 for c in layers)
+    assert 0 < plan.expected.gpu_busy <= 1
