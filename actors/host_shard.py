@@ -19,14 +19,12 @@ from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
 from megatrain_ray.store.liveness import RunLock
-from megatrain_ray.store.nf4_base import NF4_KIND, fill_base_stage
+from megatrain_ray.store.nf4_base import NF4_KIND, fill_base_stage, fill_threads
 from megatrain_ray.store.segments import (
     HostStore,
     SegmentSpec,
     create_segment,
-    init_master,
     init_stage,
-    load_hf_master,
     load_hf_stage,
     plan_segments,
     segment_prefix,
@@ -74,8 +72,7 @@ class HostShard(ActorBase):
             elif cfg.model.path and run.base_quantization == "nf4":  # QLoRA: quantized as the stages load
                 source = HFDirectory(cfg.model.path)
                 self._each_stage(f"loaded from {cfg.model.path} (decoder layers quantized to NF4)",
-                                 lambda i: fill_base_stage(self.store, layout.stages[i], run,
-                                                           lambda flat, stage: load_hf_master(flat, stage, source)))
+                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, source, 0, 0.0))
             elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
                 source = HFDirectory(cfg.model.path)
                 self._each_stage(f"loaded from {cfg.model.path}",
@@ -83,8 +80,7 @@ class HostShard(ActorBase):
             elif run.base_quantization == "nf4":
                 seed, std = cfg.train.seed, cfg.model.initializer_range
                 self._each_stage("initialised (decoder layers quantized to NF4)",
-                                 lambda i: fill_base_stage(self.store, layout.stages[i], run,
-                                                           lambda flat, stage: init_master(flat, stage, seed, std)))
+                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, None, seed, std))
             else:
                 self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
                                                                      cfg.model.initializer_range))
@@ -113,15 +109,19 @@ class HostShard(ActorBase):
         """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress."""
         t0 = time.perf_counter()
         stages = self.held
-        threads = max(1, min(len(stages), len(os.sched_getaffinity(0))))
-        done = 0
-        with ThreadPoolExecutor(threads, thread_name_prefix="fill") as pool:
-            for future in as_completed([pool.submit(fill, i) for i in stages]):
-                future.result()
-                done += 1
-                if done % max(1, len(stages) // 5) == 0 or done == len(stages):
-                    log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard, what, done, len(stages),
-                             time.perf_counter() - t0)
+        threads, torch_threads = fill_threads(len(stages), len(os.sched_getaffinity(0)))
+        done, before = 0, torch.get_num_threads()
+        torch.set_num_threads(torch_threads)
+        try:
+            with ThreadPoolExecutor(threads, thread_name_prefix="fill") as pool:
+                for future in as_completed([pool.submit(fill, i) for i in stages]):
+                    future.result()
+                    done += 1
+                    if done % max(1, len(stages) // 5) == 0 or done == len(stages):
+                        log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard, what, done, len(stages),
+                                 time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(before)
 
     def _flats(self, stage: int) -> dict[str, torch.Tensor]:
         return {kind: self.store.get(kind, stage) for kind in ("master", *OPTIMIZER_KINDS)}  # type: ignore[misc]

@@ -26,7 +26,7 @@ plus the vectors at the compute dtype's size and at most 5 * (SECTION_ALIGN - 1)
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +39,7 @@ from megatrain_ray.quant.nf4 import (
     dequantize_dynamic_blockwise,
     dynamic_code_on,
     nf4_byte_table,
-    quantize_nf4,
+    quantize_nf4_pieces,
 )
 
 SECTION_ALIGN = 256
@@ -177,8 +177,16 @@ def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.
     a host segment, or a new one). `weights` is either the stage's tensors by slot name (Hugging Face names
     less the stage prefix) or its flat buffer in the StageLayout's order; matrices are quantized from the
     values as given (quantize from bf16 to reproduce QLoRA on a bf16 checkpoint)."""
+    tensors = _stage_tensors(fmt.stage, weights)
+    return pack_stage_pieces(fmt, lambda slot: [tensors[slot.name].reshape(-1)], out)
+
+
+def pack_stage_pieces(fmt: NF4StageFormat, pieces: Callable[[TensorSlot], Iterable[torch.Tensor]],
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """pack_stage from each slot's flat values given as consecutive pieces (`pieces(slot)`, each but the last of
+    whole 64-value blocks: quant/nf4.quantize_nf4_pieces), so that no slot need exist whole in a temporary; the
+    same bytes as pack_stage of the whole tensors."""
     stage = fmt.stage
-    tensors = _stage_tensors(stage, weights)
     if out is None:
         out = torch.zeros(fmt.nbytes, dtype=torch.uint8)
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != fmt.nbytes:
@@ -188,10 +196,11 @@ def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.
         out.zero_()  # the gaps between sections too: the bytes are a function of the weights alone
     codes, half_block = fmt.section(out, "codes"), fmt.blocksize // 2
     for i, m in enumerate(fmt.matrices):
-        q = quantize_nf4(tensors[m.slot.name], fmt.blocksize, fmt.double_quant)
         span = codes[m.first_block * half_block:(m.first_block + m.num_blocks) * half_block]
-        span[:q.packed.numel()] = q.packed
-        span[q.packed.numel():] = 0x77  # two codes of 0.0 per byte: the padding decodes to exact zeros
+        length = (m.slot.numel + 1) // 2
+        q = quantize_nf4_pieces(pieces(m.slot), m.slot.shape, fmt.compute_dtype, fmt.blocksize, fmt.double_quant,
+                                packed=span[:length])
+        span[length:] = 0x77  # two codes of 0.0 per byte: the padding decodes to exact zeros
         if fmt.double_quant:
             assert q.absmax_scales is not None and q.absmax_offset is not None
             fmt.section(out, "absmax")[m.first_block:m.first_block + m.num_blocks] = q.absmax
@@ -201,15 +210,22 @@ def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.
             fmt.section(out, "absmax", torch.float32)[m.first_block:m.first_block + m.num_blocks] = q.absmax
     kept, start = fmt.section(out, "kept", fmt.compute_dtype), 0
     for slot in fmt.kept:
-        kept[start:start + slot.numel] = tensors[slot.name].reshape(-1).to(fmt.compute_dtype)
+        kept[start:start + slot.numel] = _whole(pieces(slot), slot).to(fmt.compute_dtype)
         start += slot.numel
-    vectors = torch.zeros(stage.numel - stage.decay_numel, dtype=fmt.compute_dtype)
+    vectors = fmt.section(out, "vectors", fmt.compute_dtype)
     for slot in stage.slots:
         if not slot.decay:
             start = slot.offset - stage.decay_numel
-            vectors[start:start + slot.numel] = tensors[slot.name].reshape(-1).to(fmt.compute_dtype)
-    fmt.section(out, "vectors", fmt.compute_dtype).copy_(vectors)
+            vectors[start:start + slot.numel] = _whole(pieces(slot), slot).to(fmt.compute_dtype)
     return out
+
+
+def _whole(pieces: Iterable[torch.Tensor], slot: TensorSlot) -> torch.Tensor:
+    """An unquantized slot's values from its pieces (small tensors: vectors, routers, biases)."""
+    values = torch.cat([p.reshape(-1) for p in pieces])
+    if values.numel() != slot.numel:
+        raise ValueError(f"{slot.name}: {values.numel()} values for a tensor of shape {slot.shape}")
+    return values
 
 
 def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tensor | None = None) -> torch.Tensor:

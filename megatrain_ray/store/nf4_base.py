@@ -13,16 +13,17 @@ compute with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import TORCH_DTYPES
-from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.hf_io import HFDirectory, finite_or_refuse
+from megatrain_ray.model.layout import ModelLayout, StageLayout, TensorSlot
 from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
-from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage, quantized_slot
-from megatrain_ray.store.segments import HostStore
+from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage_pieces, quantized_slot
+from megatrain_ray.store.segments import HostStore, init_master, init_slot_pieces, load_hf_master
 from megatrain_ray.store.tensor_maps import DerivedTensors
 
 NF4_KIND = "nf4"
@@ -56,17 +57,41 @@ def _shared_format(slots: tuple, numel: int, decay_numel: int, dtype: torch.dtyp
     return found
 
 
-def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec,
-                    fill_dense: Callable[[torch.Tensor, StageLayout], None]) -> None:
-    """A frozen-base stage from its dense weights: `fill_dense(flat, stage)` (segments.init_master or
-    load_hf_master) writes them into a flat buffer of the master dtype; a packed stage takes them through a
-    temporary (one stage's dense weights per filling thread) and quantizes them into its segment."""
+def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec, source: HFDirectory | None, seed: int,
+                    std: float) -> None:
+    """A frozen-base stage from the Hugging Face `source` (or, when None, randomly initialised from `seed` and
+    `std` as segments.init_master does), in the master dtype of the run. A packed stage quantizes each tensor into
+    its segment as its values come (a checkpoint's tensor by tensor, random ones in pieces of
+    segments.INIT_PIECE values): one filling thread holds one tensor (or piece) and its block maxima, never the
+    stage's dense weights (6.4 GB for a gpt-oss-120b layer in bf16, times the threads)."""
     if not store.has(NF4_KIND, stage.index):
-        fill_dense(store.get("master", stage.index), stage)
+        master = store.get("master", stage.index)
+        if source is not None:
+            load_hf_master(master, stage, source)
+        else:
+            init_master(master, stage, seed, std)
         return
-    dense = torch.empty(stage.numel, dtype=TORCH_DTYPES[run.master_dtype])
-    fill_dense(dense, stage)
-    pack_stage(stage_format(stage, run.compute_dtype), dense, out=store.get(NF4_KIND, stage.index))
+    dtype = TORCH_DTYPES[run.master_dtype]
+
+    def pieces(slot: TensorSlot) -> Iterator[torch.Tensor]:
+        if source is None:
+            yield from init_slot_pieces(stage, slot, seed, std, dtype)
+            return
+        name = stage.hf_name(slot)
+        tensor = source[name]
+        finite_or_refuse(tensor, name, source.dir)
+        yield tensor.reshape(-1).to(dtype)
+
+    pack_stage_pieces(stage_format(stage, run.compute_dtype), pieces, out=store.get(NF4_KIND, stage.index))
+
+
+def fill_threads(stages: int, cores: int) -> tuple[int, int]:
+    """(threads that fill stages at once, torch threads each): a thread per stage up to the cores, torch's
+    intra-op threads divided among them. Each filling thread runs many small torch calls (quantization chunks
+    sized for a core's cache); with torch's default of a thread team per call per core, 16 filling threads
+    would run 256 threads on 16 cores."""
+    threads = max(1, min(stages, cores))
+    return threads, max(1, cores // threads)
 
 
 class DequantizedBase(Mapping[str, torch.Tensor]):
