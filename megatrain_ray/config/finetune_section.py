@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megatrain_ray.config.fields import refuse as _fail
-from megatrain_ray.config.lora_targets import LORA_PROJECTIONS, PHI3_LORA_PROJECTIONS, lora_targets  # noqa: F401
+from megatrain_ray.config.lora_targets import (  # noqa: F401
+    LORA_PROJECTIONS,
+    PHI3_LORA_PROJECTIONS,
+    lora_targets,
+    refuse_param_adapter_settings,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,9 +33,10 @@ class LoraConfig:
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The projections that get adapters: `all-linear` (every linear module of the decoder layers, not the LM head,
     as PEFT's all-linear), or a list of PEFT short names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj). Mixture-of-experts families: q_proj, k_proj,
-    v_proj, o_proj (gpt_oss: all-linear is those four; qwen3_moe and mixtral: name them, since PEFT's all-linear
-    there also adapts the router and the fused experts, which are not built; docs/fine-tuning.md)."""
+    down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj). Mixture-of-experts families, as peft 0.21:
+    gpt_oss q_proj, k_proj, v_proj, o_proj (all-linear is those four); qwen3_moe and mixtral also `gate` (the
+    router), gate_proj + up_proj (Mixtral w1 + w3: the fused experts' gate_up_proj, one adapter per expert) and
+    down_proj (w2), all of which all-linear includes (docs/fine-tuning.md)."""
     bias: Literal["none"] = "none"
     """PEFT's bias setting; only `none` (biases stay frozen)."""
     use_rslora: bool = False
@@ -69,7 +75,9 @@ class LoraConfig:
     def targets(self, family: str) -> tuple[str, ...]:
         """The targeted projections' short names for a model family, in the layer's order (config/lora_targets.py:
         on the mixture-of-experts families, the attention projections)."""
-        return lora_targets(family, self.target_modules, f"{self.SECTION}.target_modules")
+        targets = lora_targets(family, self.target_modules, f"{self.SECTION}.target_modules")
+        refuse_param_adapter_settings(family, targets, self.use_rslora, self.lora_dropout, self.SECTION)
+        return targets
 
 
 @dataclass(kw_only=True, slots=True)

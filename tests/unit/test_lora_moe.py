@@ -37,40 +37,66 @@ def moe_lora(family: str, target_modules, **lora):
         "method": "lora", "lora": {"target_modules": target_modules, **lora}}))
 
 
-def peft_adapted(family: str, target_modules) -> set[str]:
-    """The modules of layer 0 that peft 0.21.2 puts adapters on, by their short names (mlp.* kept whole)."""
+def test_gpt_oss_all_linear_is_the_attention_projections_as_in_peft():
+    assert moe_lora("gpt_oss", "all-linear").finetune.lora.targets("gpt_oss") == ("q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj")
+
+
+def peft_keys(family: str, target_modules, r: int = 4) -> dict[str, tuple[int, ...]]:
+    """Every adapter key of peft's model (the adapter name dropped, as peft saves them) with its shape."""
     config_cls, extra = HF_CONFIGS[family]
     config = getattr(transformers, config_cls)(vocab_size=64, hidden_size=16, intermediate_size=24,
                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                                head_dim=8, num_experts_per_tok=2, **extra)
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
-                                peft.LoraConfig(r=4, target_modules=target_modules))
-    prefix = "base_model.model.model.layers.0."
-    names = {k[len(prefix):].split(".lora_A.")[0] for k in model.state_dict() if k.startswith(prefix) and ".lora_A." in k}
-    return {n.removeprefix("self_attn.") for n in names}
+                                peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=target_modules))
+    return {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(model).items()}
 
 
-def test_gpt_oss_all_linear_is_the_attention_projections_as_in_peft():
-    assert moe_lora("gpt_oss", "all-linear").finetune.lora.targets("gpt_oss") == ("q_proj", "k_proj", "v_proj",
-                                                                                  "o_proj")
-    assert peft_adapted("gpt_oss", "all-linear") == {"q_proj", "k_proj", "v_proj", "o_proj"}
+def our_keys(family: str, target_modules, r: int = 4) -> dict[str, tuple[int, ...]]:
+    from megatrain_ray.model.lora import initial_adapters, peft_name
+
+    hidden = {"num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 16, "intermediate_size": 24,
+              "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 64}
+    model = {**MOE_MODELS[family], **hidden, **({"moe_intermediate_size": 12} if family == "qwen3_moe" else {})}
+    if family == "gpt_oss":
+        model["layer_types"] = ["sliding_attention", "full_attention"]
+    cfg = load_config(raw=tiny_raw(model=model, finetune={"method": "lora", "lora": {
+        "r": r, "lora_alpha": 2 * r, "target_modules": target_modules}}))
+    return {peft_name(i, n): tuple(t.shape) for i in range(2)
+            for n, t in initial_adapters(cfg.model, cfg.finetune.lora, 0, i).items()}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_peft_all_linear_on_qwen3_moe_and_mixtral_also_adapts_router_and_experts_so_it_is_refused(family):
-    adapted = peft_adapted(family, "all-linear")
-    assert {"q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate"} <= adapted and any("experts" in n for n in adapted)
-    with pytest.raises(ConfigError, match=r"finetune\.lora\.target_modules.*router.*q_proj, k_proj, v_proj, o_proj"):
-        moe_lora(family, "all-linear")
-    cfg = moe_lora(family, ["v_proj", "q_proj"])
-    assert cfg.finetune.lora.targets(family) == ("q_proj", "v_proj")
-    assert peft_adapted(family, ["q_proj", "v_proj"]) == {"q_proj", "v_proj"}
+@pytest.mark.parametrize("family,targets", [
+    ("gpt_oss", "all-linear"), ("qwen3_moe", "all-linear"), ("mixtral", "all-linear"),
+    ("qwen3_moe", ["gate_proj", "up_proj"]), ("qwen3_moe", ["down_proj", "q_proj"]), ("qwen3_moe", ["gate"]),
+    ("mixtral", ["w1", "w3", "w2"]), ("mixtral", ["w2", "v_proj"])])
+def test_adapters_have_peft_keys_and_shapes(family, targets):
+    """The adapters megatrain makes are exactly peft 0.21.2's on the transformers model: the same keys (the
+    router's `mlp.gate`, the experts' `mlp.experts` / `mlp.experts.base_layer` as peft nests them) and shapes
+    (an expert adapter stacks E ranks; gate_up_proj rank 2r)."""
+    assert our_keys(family, targets) == peft_keys(family, targets)
 
 
-@pytest.mark.parametrize("family,name", [("qwen3_moe", "gate"), ("qwen3_moe", "down_proj"), ("mixtral", "w1"),
-                                         ("mixtral", "w2"), ("gpt_oss", "router"), ("gpt_oss", "gate_up_proj"),
-                                         ("gpt_oss", "experts"), ("gpt_oss", "mlp"), ("qwen3_moe", "qkv_proj")])
-def test_router_and_expert_targets_are_refused_naming_what_to_use(family, name):
+@pytest.mark.parametrize("family,bad", [("qwen3_moe", ["gate_proj"]), ("mixtral", ["w1", "w2"])])
+def test_half_of_a_fused_pair_is_refused_as_peft_refuses_it(family, bad):
+    with pytest.raises(ValueError, match="fused"):
+        peft_keys(family, bad)
+    with pytest.raises(ConfigError, match=r"finetune\.lora\.target_modules.*both or neither"):
+        moe_lora(family, bad)
+
+
+def test_router_and_expert_adapters_refuse_dropout_and_rslora():
+    with pytest.raises(ConfigError, match=r"finetune\.lora\.lora_dropout"):
+        moe_lora("qwen3_moe", "all-linear", lora_dropout=0.1)
+    with pytest.raises(ConfigError, match=r"finetune\.lora\.use_rslora"):
+        moe_lora("mixtral", ["w2"], use_rslora=True)
+    assert moe_lora("qwen3_moe", ["q_proj"], lora_dropout=0.1, use_rslora=True)  # attention only: as dense
+
+
+@pytest.mark.parametrize("family,name", [("gpt_oss", "router"), ("gpt_oss", "gate_up_proj"), ("gpt_oss", "experts"),
+                                         ("gpt_oss", "mlp"), ("qwen3_moe", "qkv_proj"), ("mixtral", "gate_proj")])
+def test_targets_peft_cannot_adapt_are_refused_naming_what_to_use(family, name):
     with pytest.raises(ConfigError, match=rf"finetune\.lora\.target_modules.*'{name}'.*q_proj, k_proj, v_proj, o_proj"):
         moe_lora(family, ["q_proj", name])
 
