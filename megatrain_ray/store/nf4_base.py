@@ -85,13 +85,25 @@ def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec, source: 
     pack_stage_pieces(stage_format(stage, run.compute_dtype), pieces, out=store.get(NF4_KIND, stage.index))
 
 
-def fill_threads(stages: int, cores: int) -> tuple[int, int]:
-    """(threads that fill stages at once, torch threads each): a thread per stage up to the cores, torch's
+def fill_threads(stages: int, cores: int, thread_bytes: int = 0, available: int = 0) -> tuple[int, int]:
+    """(threads that fill stages at once, torch threads each): a thread per stage up to the cores, and, when each
+    holds `thread_bytes` of temporaries, no more than `available` RAM (with a quarter to spare) holds; torch's
     intra-op threads divided among them. Each filling thread runs many small torch calls (quantization chunks
     sized for a core's cache); with torch's default of a thread team per call per core, 16 filling threads
     would run 256 threads on 16 cores."""
     threads = max(1, min(stages, cores))
+    if thread_bytes and available:
+        threads = max(1, min(threads, int(0.75 * available) // thread_bytes))
     return threads, max(1, cores // threads)
+
+
+def checkpoint_fill_bytes(layout: ModelLayout, run: RunSpec) -> int:
+    """RAM a thread holds while it quantizes a checkpoint's decoder layer: its largest quantized tensor as read
+    (up to 4 bytes a value: float32 checkpoints; gpt-oss's MXFP4 experts are dequantized to bf16 beside their
+    packed bytes), its copy in the master dtype and its block maxima. gpt-oss-120b's gate_up_proj: 2.1 G values,
+    14.9 GB: on a 128 GB box, with the 58 GB store allocated, three threads at a time."""
+    largest = max((slot.numel for stage in layout.layers for slot in stage.slots if quantized_slot(slot)), default=0)
+    return largest * (4 + TORCH_DTYPES[run.master_dtype].itemsize + 1)
 
 
 class DequantizedBase(Mapping[str, torch.Tensor]):
