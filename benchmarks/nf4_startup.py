@@ -1,10 +1,10 @@
 """Start-up of a randomly initialised NF4 base (finetune.lora.base_quantization=nf4, no model.path): each host
 shard draws every decoder layer's weights (store/segments.init_slot_pieces, the values init_master writes) and
-packs them (quant/nf4_stage.pack_stage_pieces), layers in parallel threads with torch's threads divided among them
-as actors/host_shard.py does. This times that work for a few layers and extrapolates to the model's.
+packs them (quant/nf4_stage.pack_stage_pieces), layers in parallel threads, each running torch
+single-threaded, as actors/host_shard.py does. This times that work for a few layers and extrapolates to the model's.
 
-    python benchmarks/nf4_startup.py --config configs/shapes/gpt-oss-120b.yaml --threads 16 --layers 16
-    python benchmarks/nf4_startup.py --config configs/shapes/gpt-oss-120b.yaml --set model.num_experts=8 --threads 2
+    python benchmarks/nf4_startup.py --config configs/shapes/gpt-oss-120b-qlora.yaml --threads 16 --layers 16
+    python benchmarks/nf4_startup.py --config configs/shapes/gpt-oss-120b-qlora.yaml --set model.num_experts=8 --threads 2
 
 Not timed: allocating the segments (the kernel zero-fills them, in parallel threads) and pinning them for the GPU
 (about 0.43 s per GiB measured on the H200 box).

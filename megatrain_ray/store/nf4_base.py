@@ -87,14 +87,14 @@ def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec, source: 
 
 def fill_threads(stages: int, cores: int, thread_bytes: int = 0, available: int = 0) -> tuple[int, int]:
     """(threads that fill stages at once, torch threads each): a thread per stage up to the cores, and, when each
-    holds `thread_bytes` of temporaries, no more than `available` RAM (with a quarter to spare) holds; torch's
-    intra-op threads divided among them. Each filling thread runs many small torch calls (quantization chunks
-    sized for a core's cache); with torch's default of a thread team per call per core, 16 filling threads
-    would run 256 threads on 16 cores."""
+    holds `thread_bytes` of temporaries, no more than `available` RAM (with a quarter to spare) holds; each runs
+    torch single-threaded. A filling thread makes many small torch calls (quantization chunks sized for a core's
+    cache), too small for an OpenMP team: packing a layer took 200 ns a value with two torch threads on a busy
+    2-core VM, 8.5 with one."""
     threads = max(1, min(stages, cores))
     if thread_bytes and available:
         threads = max(1, min(threads, int(0.75 * available) // thread_bytes))
-    return threads, max(1, cores // threads)
+    return threads, 1
 
 
 def checkpoint_fill_bytes(layout: ModelLayout, run: RunSpec) -> int:

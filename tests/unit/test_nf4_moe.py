@@ -98,7 +98,7 @@ def test_random_init_in_pieces_is_init_master_and_packs_to_the_same_bytes(monkey
 def test_checkpoint_filling_threads_are_capped_by_free_ram():
     """gpt-oss-120b from a checkpoint: 14.9 GB of temporaries a thread (its gate_up_proj, 2.1 G values at up to 4 + 2
     + 1 bytes); with 60 GB free (a 128 GB box after the 58 GB store) 3 threads (0.75 of it), not 16; random init (no
-    per-thread bytes) takes every core; torch's threads are divided among the filling threads."""
+    per-thread bytes) takes every core; each runs torch single-threaded."""
     import os
 
     from megatrain_ray.config.load import load_config
@@ -109,6 +109,6 @@ def test_checkpoint_filling_threads_are_capped_by_free_ram():
     cfg = load_config(os.path.join(REPO, "configs", "shapes", "gpt-oss-120b-qlora.yaml"))
     per_thread = checkpoint_fill_bytes(build_layout(cfg.model), RunSpec.resolve(cfg, device_type="cpu"))
     assert per_thread == 128 * 2880 * 5760 * (4 + 2 + 1)
-    assert fill_threads(36, 16, per_thread, 60 * 10**9) == (3, 5)
-    assert fill_threads(36, 16) == (16, 1) and fill_threads(3, 16) == (3, 5)
-    assert fill_threads(36, 16, per_thread, 10**9) == (1, 16)  # never fewer than one
+    assert fill_threads(36, 16, per_thread, 60 * 10**9) == (3, 1)
+    assert fill_threads(36, 16) == (16, 1) and fill_threads(3, 16) == (3, 1)
+    assert fill_threads(36, 16, per_thread, 10**9) == (1, 1)  # never fewer than one
