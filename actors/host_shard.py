@@ -19,20 +19,19 @@ from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
 from megatrain_ray.store.liveness import RunLock
-from megatrain_ray.store.nf4_base import NF4_KIND, fill_base_stage
+from megatrain_ray.store.nf4_base import NF4_KIND, checkpoint_fill_bytes, fill_base_stage, fill_threads
 from megatrain_ray.store.segments import (
     HostStore,
     SegmentSpec,
     create_segment,
-    init_master,
     init_stage,
-    load_hf_master,
     load_hf_stage,
     plan_segments,
     segment_prefix,
     unlink_segment,
 )
 from megatrain_ray.system.guardian import Guardian
+from megatrain_ray.system.memory import host_memory
 from megatrain_ray.system.topology import bind_process
 
 log = get_logger(__name__)
@@ -74,8 +73,8 @@ class HostShard(ActorBase):
             elif cfg.model.path and run.base_quantization == "nf4":  # QLoRA: quantized as the stages load
                 source = HFDirectory(cfg.model.path)
                 self._each_stage(f"loaded from {cfg.model.path} (decoder layers quantized to NF4)",
-                                 lambda i: fill_base_stage(self.store, layout.stages[i], run,
-                                                           lambda flat, stage: load_hf_master(flat, stage, source)))
+                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, source, 0, 0.0),
+                                 thread_bytes=checkpoint_fill_bytes(layout, run))
             elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
                 source = HFDirectory(cfg.model.path)
                 self._each_stage(f"loaded from {cfg.model.path}",
@@ -83,8 +82,7 @@ class HostShard(ActorBase):
             elif run.base_quantization == "nf4":
                 seed, std = cfg.train.seed, cfg.model.initializer_range
                 self._each_stage("initialised (decoder layers quantized to NF4)",
-                                 lambda i: fill_base_stage(self.store, layout.stages[i], run,
-                                                           lambda flat, stage: init_master(flat, stage, seed, std)))
+                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, None, seed, std))
             else:
                 self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
                                                                      cfg.model.initializer_range))
@@ -109,19 +107,28 @@ class HostShard(ActorBase):
             for future in [pool.submit(create_segment, spec) for spec in self.specs]:
                 future.result()
 
-    def _each_stage(self, what: str, fill: Callable[[int], None]) -> None:
-        """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress."""
+    def _each_stage(self, what: str, fill: Callable[[int], None], thread_bytes: int = 0) -> None:
+        """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress; when each
+        thread holds `thread_bytes` of temporaries, only as many as the free RAM (the segments allocated) holds."""
         t0 = time.perf_counter()
         stages = self.held
-        threads = max(1, min(len(stages), len(os.sched_getaffinity(0))))
-        done = 0
-        with ThreadPoolExecutor(threads, thread_name_prefix="fill") as pool:
-            for future in as_completed([pool.submit(fill, i) for i in stages]):
-                future.result()
-                done += 1
-                if done % max(1, len(stages) // 5) == 0 or done == len(stages):
-                    log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard, what, done, len(stages),
-                             time.perf_counter() - t0)
+        available = host_memory()[1] if thread_bytes else 0
+        threads, torch_threads = fill_threads(len(stages), len(os.sched_getaffinity(0)), thread_bytes, available)
+        if thread_bytes and threads < min(len(stages), len(os.sched_getaffinity(0))):
+            log.info("shard %d: %d threads fill the stages (%.1f GB of temporaries each, %.1f GB of RAM free)",
+                     self.shard, threads, thread_bytes / 1e9, available / 1e9)
+        done, before = 0, torch.get_num_threads()
+        torch.set_num_threads(torch_threads)
+        try:
+            with ThreadPoolExecutor(threads, thread_name_prefix="fill") as pool:
+                for future in as_completed([pool.submit(fill, i) for i in stages]):
+                    future.result()
+                    done += 1
+                    if done % max(1, len(stages) // 5) == 0 or done == len(stages):
+                        log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard, what, done, len(stages),
+                                 time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(before)
 
     def _flats(self, stage: int) -> dict[str, torch.Tensor]:
         return {kind: self.store.get(kind, stage) for kind in ("master", *OPTIMIZER_KINDS)}  # type: ignore[misc]

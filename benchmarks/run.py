@@ -99,7 +99,9 @@ def run_megatrain(spec: dict) -> dict:
 
     cfg = _load(spec)
     plan = plan_run(cfg, Machine.detect(cfg.host.shm_dir))  # before the store takes the shared memory
+    started = time.perf_counter()
     with Trainer(cfg) as trainer:
+        startup_seconds = time.perf_counter() - started  # Ray, the host store filled (NF4: packed), the engine
         records = [trainer.step(s) for s in range(spec["warmup"] + spec["steps"])]
         trainer.flush()
         host_bytes = trainer.host_memory_bytes()
@@ -143,7 +145,9 @@ def run_megatrain(spec: dict) -> dict:
         "dram_bytes_per_param": mean("dram_bytes_per_param"),
         "losses": [r["loss"] for r in records],
         "activation_offload": plan.offload,
-        "plan": {"host_gib": plan.host_total / 2**30, "gpu_peak_gib": plan.gpu_peak / 2**30},
+        "plan": {"host_gib": plan.host_total / 2**30, "gpu_peak_gib": plan.gpu_peak / 2**30,
+                 "tok_per_s": plan.expected.tok_per_s if plan.expected else None},
+        "startup_seconds": startup_seconds,
         "finetune": cfg.finetune.method, "resident_layers": run.resident_layers,
         "h2d_gb_per_step": mean("h2d_gbps") * wall / len(measured),
     })

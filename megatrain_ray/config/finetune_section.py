@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megatrain_ray.config.fields import refuse as _fail
-
-LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The linear modules of a decoder layer by PEFT's short names (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
-PHI3_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+from megatrain_ray.config.lora_targets import (  # noqa: F401
+    LORA_PROJECTIONS,
+    PHI3_LORA_PROJECTIONS,
+    lora_targets,
+    refuse_param_adapter_settings,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,7 +33,10 @@ class LoraConfig:
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The projections that get adapters: `all-linear` (every linear module of the decoder layers, not the LM head,
     as PEFT's all-linear), or a list of PEFT short names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
+    down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj). Mixture-of-experts families, as peft 0.21:
+    gpt_oss q_proj, k_proj, v_proj, o_proj (all-linear is those four); qwen3_moe and mixtral also `gate` (the
+    router), gate_proj + up_proj (Mixtral w1 + w3: the fused experts' gate_up_proj, one adapter per expert) and
+    down_proj (w2), all of which all-linear includes (docs/fine-tuning.md)."""
     bias: Literal["none"] = "none"
     """PEFT's bias setting; only `none` (biases stay frozen)."""
     use_rslora: bool = False
@@ -68,17 +73,11 @@ class LoraConfig:
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
     def targets(self, family: str) -> tuple[str, ...]:
-        """The targeted projections' short names for a model family, in the layer's order."""
-        known = PHI3_LORA_PROJECTIONS if family == "phi3" else LORA_PROJECTIONS
-        if self.target_modules == "all-linear":
-            return known
-        unknown = [name for name in self.target_modules if name not in known]
-        if unknown:
-            _fail(f"{self.SECTION}.target_modules", self.target_modules,
-                  f"{unknown[0]!r} is not a linear module of a {family} layer; choose from {', '.join(known)}")
-        return tuple(name for name in known if name in self.target_modules)
-
-
+        """The targeted projections' short names for a model family, in the layer's order (config/lora_targets.py:
+        on the mixture-of-experts families, the attention projections)."""
+        targets = lora_targets(family, self.target_modules, f"{self.SECTION}.target_modules")
+        refuse_param_adapter_settings(family, targets, self.use_rslora, self.lora_dropout, self.SECTION)
+        return targets
 
 
 @dataclass(kw_only=True, slots=True)

@@ -593,9 +593,6 @@ def check_finetune(cfg: Config) -> None:
     if cfg.model.template == "generic":
         why = ("a native layer template (the adapters are bound into the native templates' projections; the generic "
                "path runs the model's own layer modules): model.template=generic cannot take them")
-    elif cfg.model.is_moe:
-        why = (f"a dense family: adapters on the fused expert tensors of {cfg.model.family} are not built yet "
-               "(full fine-tuning of MoE models works)")
     elif cfg.parallel.nodes != 1:
         why = "one node (parallel.nodes=1; several GPUs of one node are fine)"
     elif cfg.host.moments_tier != "ram":

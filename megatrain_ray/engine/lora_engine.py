@@ -81,6 +81,7 @@ class LoraStreamEngine(StreamEngine):
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
         self.weights.begin_step(training)
+        self.router_aux.begin(training)  # MoE: the load-balancing loss, whose gradient reaches the adapters too
         self.adapters.begin_step()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

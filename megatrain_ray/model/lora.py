@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config.sections import Config, LoraConfig, ModelConfig
+from megatrain_ray.model.lora_moe import param_adapters
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 _PEFT_PREFIX = "base_model.model."
@@ -36,18 +37,31 @@ def module_name(short: str) -> str:
 
 
 def adapter_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each targeted projection of a layer, by module name, in the layer's order."""
+    """(out_features, in_features) of each targeted linear projection of a layer, by module name, in the layer's
+    order (a MoE family's router and expert adapters: layer_adapter_shapes)."""
     h, f, hd = model.hidden_size, model.intermediate_size, model.resolved_head_dim
     q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
     dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "qkv_proj": (q + 2 * kv, h),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f), "gate_up_proj": (2 * f, h)}
-    return {module_name(short): dims[short] for short in lora.targets(model.family)}
+    linear = _ATTENTION if model.is_moe else dims  # a MoE family's MLP names are its router and experts
+    return {module_name(short): dims[short] for short in lora.targets(model.family) if short in linear}
+
+
+def layer_adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int) -> dict[str, tuple[tuple[int, int],
+                                                                                             tuple[int, int]]]:
+    """The shapes of A and B of every adapter of decoder layer `layer`, by module name (PEFT's), in the layer's
+    order: the linear projections' and, on a MoE layer, the router's and experts' (model/lora_moe.py)."""
+    shapes = {m: ((lora.r, inp), (out, lora.r)) for m, (out, inp) in adapter_shapes(model, lora).items()}
+    for p in param_adapters(model, lora.targets(model.family), lora.r, layer):
+        shapes[p.module] = (p.a_shape, p.b_shape)
+    return shapes
 
 
 def adapter_numel(model: ModelConfig, lora: LoraConfig) -> int:
-    """Adapter parameters of the whole model: r * (in + out) per targeted projection and layer."""
-    per_layer = sum(lora.r * (out + inp) for out, inp in adapter_shapes(model, lora).values())
-    return per_layer * model.num_layers
+    """Adapter parameters of the whole model: r * (in + out) per targeted projection and layer (a stacked
+    expert adapter: its experts' ranks)."""
+    return sum(a[0] * a[1] + b[0] * b[1] for layer in range(model.num_layers)
+               for a, b in layer_adapter_shapes(model, lora, layer).values())
 
 
 SAVED_MODULES = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
@@ -84,12 +98,12 @@ def initial_adapters(model: ModelConfig, lora: LoraConfig, seed: int, layer: int
                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """One layer's adapters at step 0 (CPU): A kaiming-uniform (a = sqrt(5)) as PEFT, B zeros."""
     out: dict[str, torch.Tensor] = {}
-    for module, (out_features, in_features) in adapter_shapes(model, lora).items():
+    for module, (a_shape, b_shape) in layer_adapter_shapes(model, lora, layer).items():
         gen = torch.Generator().manual_seed(_seed(seed, layer, module))
-        a = torch.empty(lora.r, in_features, dtype=dtype)
+        a = torch.empty(a_shape, dtype=dtype)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
         out[lora_a(module)] = a
-        out[lora_b(module)] = torch.zeros(out_features, lora.r, dtype=dtype)
+        out[lora_b(module)] = torch.zeros(b_shape, dtype=dtype)
     return out
 
 
@@ -161,14 +175,25 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalin
 def peft_adapter_config(model: ModelConfig, lora: LoraConfig, base: str) -> dict:
     """adapter_config.json as peft.LoraConfig.save_pretrained writes the keys that matter for loading."""
     alpha = int(lora.lora_alpha) if float(lora.lora_alpha).is_integer() else lora.lora_alpha
+    targets = lora.targets(model.family)
+    linear = [module.rpartition(".")[2] for module in adapter_shapes(model, lora)]
+    params = PEFT_PARAMETERS if model.is_moe else {}
+    # the router and experts as peft's conversion leaves them: target_parameters, gate_up_proj at rank 2r
+    fused = {r".*\.gate_up_proj": 2} if "gate_up_proj" in targets and model.is_moe else {}
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.r,
         "lora_alpha": alpha, "lora_dropout": lora.lora_dropout, "bias": lora.bias, "use_rslora": lora.use_rslora,
-        "target_modules": sorted(lora.targets(model.family)), "modules_to_save": list(lora.modules_to_save) or None,
+        "target_modules": sorted(linear), "modules_to_save": list(lora.modules_to_save) or None,
+        "target_parameters": sorted(params[t] for t in targets if t in params) or None,
         "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "use_dora": False, "layers_to_transform": None,
-        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
+        "layers_pattern": None, "rank_pattern": {k: n * lora.r for k, n in fused.items()},
+        "alpha_pattern": {k: n * alpha for k, n in fused.items()}, "revision": None,
     }
+
+
+PEFT_PARAMETERS = {"gate": "gate.weight", "gate_up_proj": "gate_up_proj", "down_proj": "down_proj"}
+"""A MoE family's router and expert targets as peft's target_parameters name them."""
 
 
 ADAPTER_STATE_BYTES = 16
@@ -179,9 +204,14 @@ def adapter_activation_bytes(model: ModelConfig, lora: LoraConfig, tokens: int, 
                              compute_bytes: int) -> int:
     """What the adapters add to one layer's recompute-backward (project): per targeted projection, autograd
     keeps the input cast to float32 (a copy unless the layer computes in float32) and the [tokens, r]
-    product with A. The MLP's projections see `mlp_tokens` at a time (engine.mlp_chunk_tokens)."""
+    product with A. The MLP's projections see `mlp_tokens` at a time (engine.mlp_chunk_tokens). A MoE layer's
+    router and expert adapters make the adapted tensor (its size in the compute dtype) and, in the backward, its
+    gradient (model/lora_moe.py)."""
     total = 0
     for module, (_, in_features) in adapter_shapes(model, lora).items():
         n = mlp_tokens if module.startswith("mlp.") else tokens
         total += n * ((in_features * 4 if compute_bytes != 4 else 0) + lora.r * 4)
-    return total
+    adapted = max((sum(p.experts * p.in_features * p.out_features for p in
+                       param_adapters(model, lora.targets(model.family), lora.r, layer))
+                   for layer in range(model.num_layers)), default=0)
+    return total + 2 * adapted * compute_bytes

@@ -30,6 +30,7 @@ from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
 from megatrain_ray.messages import IGNORE_INDEX
 from megatrain_ray.model.layout import StageLayout, token_chunks
 from megatrain_ray.model.lora import chunk_spec, project
+from megatrain_ray.model.lora_moe import with_param_adapters
 from megatrain_ray.model.moe import MoeSpec, RouterRecord, moe_mlp
 from megatrain_ray.model.sinks import sink_attention
 
@@ -407,6 +408,7 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
     """The second half: x + mlp(norm(x)), token by token (so it can run on any slice of tokens). A MoE layer's
     router statistics go to `router` when given (the load-balancing loss)."""
     if spec.moe is not None:
+        w = with_param_adapters(w, spec.lora_scaling)  # LoRA on the router or experts (model/lora_moe.py)
         return x + moe_mlp(rms_norm(x, w["post_attention_layernorm.weight"], spec.eps), w, spec.moe, router)
     if spec.gemma:  # norms before and after the GeLU-tanh MLP
         h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)

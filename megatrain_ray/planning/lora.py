@@ -20,6 +20,7 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.layout import ModelLayout, StageLayout, build_layout
 from megatrain_ray.model.lora import ADAPTER_STATE_BYTES, adapter_activation_bytes, adapter_shapes, lora_params
+from megatrain_ray.model.moe import active_fraction
 from megatrain_ray.quant.nf4_stage import dequantize_workspace_bytes
 from megatrain_ray.store.nf4_base import packs_stage, stage_format
 from megatrain_ray.units import human_count
@@ -127,7 +128,8 @@ def lora_stage_seconds(cfg: Config, stage: Any, forward: float, backward: float,
         return (forward if "lm_head" in cfg.finetune.lora.modules_to_save else forward * 4 / 6), backward
     if stage.kind != "layer":
         return forward, 0.0
-    matrices = sum(s.numel for s in stage.slots if s.decay)
+    # A MoE layer's expert matrices by the share a token uses (top-k of the experts), as the full run's FLOPs
+    matrices = sum(s.numel * active_fraction(cfg.model, s.name) for s in stage.slots if s.decay)
     weight_grads = 6.0 * matrices * tokens / rate / 4
     lora = cfg.finetune.lora
     adapters = 6.0 * sum(lora.r * (o + i) for o, i in adapter_shapes(cfg.model, lora).values()) * tokens / rate

@@ -7,18 +7,10 @@ import resource
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from megatrain_ray.config.load import parse_size
 from megatrain_ray.planning.profiles import SpeedProfile, preset, profile_for_gpu
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        text = Path(path).read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+from megatrain_ray.system.memory import host_memory
 
 
 @dataclass(frozen=True)
@@ -41,16 +33,7 @@ class Machine:
 
     @classmethod
     def detect(cls, shm_dir: str) -> "Machine":
-        meminfo = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            meminfo[key] = int(rest.split()[0]) * 1024
-        total, available = meminfo["MemTotal"], meminfo.get("MemAvailable", meminfo["MemFree"])
-        limit = _read_int("/sys/fs/cgroup/memory.max") or _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")
-        if limit and limit < total:
-            used = _read_int("/sys/fs/cgroup/memory.current") or _read_int(
-                "/sys/fs/cgroup/memory/memory.usage_in_bytes") or 0
-            total, available = limit, min(available, limit - used)
+        total, available = host_memory()
         if os.path.isdir(shm_dir):
             st = os.statvfs(shm_dir)
             shm_free = st.f_bavail * st.f_frsize

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,9 +37,12 @@ ABSMAX_BLOCKSIZE = 256
 NF4_OFFSET = 0.9677083
 """QLoRA's outermost quantile: the NF4 extremes are the normal quantiles at 1 - NF4_OFFSET and NF4_OFFSET."""
 
-# Values of one chunk of the host-side quantization: bounds its temporaries (about 20 bytes per value)
-# to ~0.3 GB whatever the tensor; a multiple of every block size.
-_QUANTIZE_CHUNK = 1 << 24
+# Values of one chunk of the host-side quantization: its temporaries (about 20 bytes per value, ~1.3 MB) stay
+# in a core's cache, so the host shards' fill threads (one per core) do not contend for DRAM bandwidth; large
+# enough that the per-chunk dispatch (about ten torch calls) costs well under a nanosecond per value; a multiple
+# of every block size.
+_QUANTIZE_CHUNK = 1 << 16
+_CODE_CELLS = 4096  # the cells of _nf4_codes's grid over [-1, 1]
 _DYNAMIC_LUT_SIZE = 65536  # bitsandbytes' CPU 8-bit quantizer: normalised value -> table index -> code
 
 
@@ -151,15 +155,51 @@ def quantize_nf4(tensor: torch.Tensor, blocksize: int = 64, double_quant: bool =
     check_blocksize(blocksize)
     if not tensor.is_floating_point() or tensor.numel() == 0:
         raise ValueError(f"NF4 quantizes a non-empty float tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}")
-    flat = tensor.detach().reshape(-1)
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError(f"NF4 cannot quantize a tensor with NaN or infinite values (shape {tuple(tensor.shape)}): "
+    return quantize_nf4_pieces([tensor.detach().reshape(-1)], tuple(tensor.shape), tensor.dtype, blocksize,
+                               double_quant)
+
+
+def quantize_nf4_pieces(pieces: Iterable[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+                        blocksize: int = 64, double_quant: bool = True,
+                        packed: torch.Tensor | None = None) -> NF4Tensor:
+    """quantize_nf4 of the tensor of `shape` whose flat values are the float `pieces`, end to end, made as they
+    are consumed (a tensor too large to hold whole in a temporary, e.g. one of a 120B MoE's fused expert tensors
+    being randomly initialised); every piece but the last holds whole blocks. The codes are written into `packed`
+    (uint8, ceil(numel / 2): e.g. a view of the packed stage) when given. Only the block maxima (4 bytes per
+    block) are held for the whole tensor: the double quantization needs their mean."""
+    check_blocksize(blocksize)
+    n = math.prod(shape)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
+    done = 0
+    for piece in pieces:
+        if packed is None:
+            packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=piece.device)
+        end = done + piece.numel()
+        if end > n or (end < n and end % blocksize):
+            raise ValueError(f"NF4 pieces: the piece ending at value {end} breaks a block of {blocksize} or passes "
+                             f"the tensor's {n} values")
+        absmax = absmax.to(piece.device)
+        _quantize_blocks(piece.reshape(-1), done, n, blocksize, packed, absmax)
+        done += piece.numel()
+    if done != n or packed is None:
+        raise ValueError(f"NF4 pieces gave {done} values for a tensor of shape {shape}")
+    # amax propagates NaN and infinity: a non-finite value makes its block's maximum non-finite (one pass over
+    # the maxima, not over the values).
+    if not bool(torch.isfinite(absmax).all()):
+        raise ValueError(f"NF4 cannot quantize a tensor with NaN or infinite values (shape {shape}): "
                          "check the checkpoint it came from")
-    n = flat.numel()
-    full = n - n % blocksize
-    codes = torch.empty(n + n % 2, dtype=torch.uint8, device=flat.device)
-    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=flat.device)
-    midpoints = _midpoints(flat.device)
+    if not double_quant:
+        return NF4Tensor(packed, absmax, None, None, shape, dtype, blocksize)
+    offset = absmax.mean()
+    absmax_codes, absmax_scales = _quantize_dynamic_blockwise(absmax - offset, ABSMAX_BLOCKSIZE)
+    return NF4Tensor(packed, absmax_codes, absmax_scales, offset, shape, dtype, blocksize)
+
+
+def _quantize_blocks(flat: torch.Tensor, first: int, n: int, blocksize: int, packed: torch.Tensor,
+                     absmax: torch.Tensor) -> None:
+    """Values [first, first + len(flat)) of a tensor of n values (first a whole number of blocks in) into their
+    codes in `packed` and their blocks' maxima in `absmax`."""
+    full = flat.numel() - (flat.numel() % blocksize if first + flat.numel() == n else 0)
     for start in range(0, full, _QUANTIZE_CHUNK):
         stop = min(start + _QUANTIZE_CHUNK, full)
         blocks = flat[start:stop].float().view(-1, blocksize)
@@ -167,22 +207,18 @@ def quantize_nf4(tensor: torch.Tensor, blocksize: int = 64, double_quant: bool =
         # bitsandbytes multiplies by the reciprocal (kept: it rounds differently from a division) and
         # guards an all-zero block against 1/0; absmax itself stays 0 there.
         scaled = (blocks * (1.0 / block_max.clamp(min=1e-38)).view(-1, 1)).clamp(-1, 1)
-        codes[start:stop] = torch.bucketize(scaled.view(-1), midpoints, out_int32=True).to(torch.uint8)
-        absmax[start // blocksize:stop // blocksize] = block_max
-    if full < n:  # the short last block: bitsandbytes divides here, and keeps the 1e-38 guard in absmax
+        codes = _nf4_codes(scaled.view(-1))
+        at = (first + start) // 2  # blocks are even-sized: a chunk starts on a byte
+        packed[at:at + (stop - start) // 2] = (codes[0::2] << 4) | codes[1::2]
+        absmax[(first + start) // blocksize:(first + stop) // blocksize] = block_max
+    if full < flat.numel():  # the short last block: bitsandbytes divides here, and keeps the 1e-38 guard in absmax
         tail = flat[full:].float()
         tail_max = tail.abs().max().clamp(min=1e-38)
-        codes[full:n] = torch.bucketize((tail / tail_max).clamp(-1, 1), midpoints, out_int32=True).to(torch.uint8)
+        codes = _nf4_codes((tail / tail_max).clamp(-1, 1))
+        if n % 2:  # the code of 0.0: bitsandbytes pads an odd count with a zero value
+            codes = torch.cat([codes, torch.full((1,), 7, dtype=torch.uint8, device=flat.device)])
+        packed[(first + full) // 2:] = (codes[0::2] << 4) | codes[1::2]
         absmax[-1] = tail_max
-    if n % 2:
-        codes[n] = 7  # the code of 0.0: bitsandbytes pads an odd count with a zero value
-    packed = (codes[0::2] << 4) | codes[1::2]
-    shape, dtype = tuple(tensor.shape), tensor.dtype
-    if not double_quant:
-        return NF4Tensor(packed, absmax, None, None, shape, dtype, blocksize)
-    offset = absmax.mean()
-    absmax_codes, absmax_scales = _quantize_dynamic_blockwise(absmax - offset, ABSMAX_BLOCKSIZE)
-    return NF4Tensor(packed, absmax_codes, absmax_scales, offset, shape, dtype, blocksize)
 
 
 def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None, device: torch.device | str | None = None
@@ -231,6 +267,34 @@ def _quantize_dynamic_blockwise(values: torch.Tensor, blocksize: int) -> tuple[t
     codes = _dynamic_lut().to(values.device)[grid]
     codes[zero] = 0
     return codes.view(-1)[:n].contiguous(), block_max
+
+
+def _nf4_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """The nearest NF4 code of each float32 value in [-1, 1] (ties to the lower code): what
+    torch.bucketize(scaled, midpoints) gives, in two table lookups and a comparison (bucketize's binary search
+    costs ~10x more): the value's cell of a uniform grid gives the codes below the cell and the one midpoint
+    inside it (_code_grid)."""
+    below, midpoint = _code_grid(scaled.device)
+    cell = scaled.mul(_CODE_CELLS // 2).add_(_CODE_CELLS // 2).long()  # (v + 1) * 2048 rounded once: exact scaling
+    cell.clamp_(0, _CODE_CELLS)  # a NaN (refused by the caller once its block's maximum shows it) indexes in bounds
+    return below.index_select(0, cell).add_(scaled > midpoint.index_select(0, cell))
+
+
+@functools.cache
+def _code_grid(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each cell g of _CODE_CELLS over [-1, 1] (cell g: [g / 2048 - 1, (g + 1) / 2048 - 1); one more for 1.0):
+    how many midpoints lie below it (uint8) and the midpoint inside it (+inf if none). The computed cell of a
+    value may be off by one where (v + 1) rounds across a cell edge (within 1.2e-7); no midpoint lies within
+    1e-6 of an edge and no cell holds two, so the count is exact anyway (checked here)."""
+    mid = _midpoints(torch.device("cpu")).double()
+    half = _CODE_CELLS // 2
+    edges = torch.arange(_CODE_CELLS + 1, dtype=torch.float64) / half - 1
+    cell_of_mid = ((mid + 1) * half).floor().long()
+    assert (mid[:, None] - edges[None, :]).abs().min() > 1e-6 and cell_of_mid.unique().numel() == mid.numel()
+    below = (mid[None, :] < edges[:, None]).sum(1).to(torch.uint8)
+    midpoint = torch.full((_CODE_CELLS + 1,), float("inf"), dtype=torch.float32)
+    midpoint[cell_of_mid] = mid.float()
+    return below.to(device), midpoint.to(device)
 
 
 @functools.cache

@@ -2,14 +2,17 @@
 copy to the GPU in one piece, where `dequantize_stage` turns it back into the stage's flat compute-dtype
 buffer in the StageLayout's order (the buffer the layer templates bind their views to).
 
-The matrices (2-D slots) are quantized one by one, each exactly as `quantize_nf4` (so as bitsandbytes)
-would quantize it alone; the vectors (norms, biases) stay in the compute dtype. The buffer has five
-sections, each starting at a multiple of SECTION_ALIGN bytes:
+The matrices (2-D slots, and a mixture-of-experts layer's fused [E, ...] expert tensors, flattened) are
+quantized one by one, each exactly as `quantize_nf4` (so as bitsandbytes) would quantize it alone; the vectors
+(norms, biases) stay in the compute dtype, and so do the few matrices `quantized_slot` keeps (a MoE router's
+weight, the experts' [E, width] biases). The buffer has six sections, each starting at a multiple of
+SECTION_ALIGN bytes:
 
     codes     uint8    the matrices' packed codes, each matrix padded to whole blocks with the code of 0.0
     absmax    uint8    the block maxima's 8-bit codes (float32 without double quantization)
     scales    float32  one per 256 block maxima of a matrix (double quantization only)
     offsets   float32  one per matrix: its mean block maximum (double quantization only)
+    kept      compute  the kept matrices, end to end in layout order (empty for a dense layer)
     vectors   compute  the layout's span [decay_numel, numel): the vectors and their padding
 
 Bytes per matrix of n values at blocksize B, with k = ceil(n / B) blocks:
@@ -23,7 +26,7 @@ plus the vectors at the compute dtype's size and at most 5 * (SECTION_ALIGN - 1)
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +39,7 @@ from megatrain_ray.quant.nf4 import (
     dequantize_dynamic_blockwise,
     dynamic_code_on,
     nf4_byte_table,
-    quantize_nf4,
+    quantize_nf4_pieces,
 )
 
 SECTION_ALIGN = 256
@@ -44,6 +47,16 @@ SECTION_ALIGN = 256
 # Blocks decoded at a time on the device: bounds the temporaries (an int64 index per byte and a float32
 # value per element, about 24 bytes per value) to ~0.4 GB whatever the stage.
 _DEQUANTIZE_CHUNK_VALUES = 1 << 24
+KEPT_MATRICES = ("mlp.router.weight", "mlp.gate.weight")
+"""The MoE routers' weights (gpt-oss, Qwen3-MoE / Mixtral), kept in the compute dtype: a few thousand values a
+layer whose rounding would change which experts a token goes to (bitsandbytes leaves them too: in transformers 5
+they are not nn.Linear)."""
+
+
+def quantized_slot(slot: TensorSlot) -> bool:
+    """Whether a slot is quantized: every matrix of a layer's linear maps and every fused expert tensor; not the
+    vectors, a router's weight or an expert tensor's biases ([E, width], `*_bias`)."""
+    return len(slot.shape) >= 2 and slot.name not in KEPT_MATRICES and not slot.name.endswith("_bias")
 
 
 def _aligned(nbytes: int) -> int:
@@ -85,15 +98,16 @@ class NF4StageFormat:
             raise ValueError(f"the compute dtype of an NF4 stage must be a float dtype, got {compute_dtype}")
         matrices, blocks, scales = [], 0, 0
         for slot in stage.slots:
-            if len(slot.shape) >= 2:
+            if quantized_slot(slot):
                 k = -(-slot.numel // blocksize)
                 s = -(-k // ABSMAX_BLOCKSIZE) if double_quant else 0
                 matrices.append(NF4Matrix(slot, blocks, k, scales, s))
                 blocks, scales = blocks + k, scales + s
         vector_elems = stage.numel - stage.decay_numel
+        kept_elems = sum(s.numel for s in stage.slots if s.decay and not quantized_slot(s))
         sizes = [("codes", blocks * blocksize // 2), ("absmax", blocks * (1 if double_quant else 4)),
                  ("scales", 4 * scales), ("offsets", 4 * len(matrices) if double_quant else 0),
-                 ("vectors", vector_elems * compute_dtype.itemsize)]
+                 ("kept", kept_elems * compute_dtype.itemsize), ("vectors", vector_elems * compute_dtype.itemsize)]
         sections, offset = [], 0
         for name, size in sizes:
             sections.append((name, offset, size))
@@ -105,11 +119,29 @@ class NF4StageFormat:
         return sum(m.num_blocks for m in self.matrices)
 
     @property
+    def kept(self) -> tuple[TensorSlot, ...]:
+        """The matrices kept in the compute dtype (quantized_slot false), in layout order."""
+        return tuple(s for s in self.stage.slots if s.decay and not quantized_slot(s))
+
+    @functools.cached_property
+    def padding(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) element spans of the matrix span [0, decay_numel) that no slot covers (the alignment
+        between slots): the dequantization zeroes them, not the whole span (gigabytes in a MoE layer)."""
+        spans, end = [], 0
+        for slot in (s for s in self.stage.slots if s.decay):
+            if slot.offset > end:
+                spans.append((end, slot.offset))
+            end = slot.offset + slot.numel
+        if self.stage.decay_numel > end:
+            spans.append((end, self.stage.decay_numel))
+        return tuple(spans)
+
+    @property
     def blocks_in_layout_order(self) -> bool:
         """The stage's blocks, end to end, are the layout's matrix span [0, decay_numel) itself: each matrix
         starts at first_block * blocksize and pads to the next one (true at blocksize 64, as the layout
         aligns slots to 64 elements), so the decoded values go to the output in one piece."""
-        return (self.num_blocks * self.blocksize == self.stage.decay_numel
+        return (not self.kept and self.num_blocks * self.blocksize == self.stage.decay_numel
                 and all(m.first_block * self.blocksize == m.slot.offset for m in self.matrices))
 
     def section(self, packed: torch.Tensor, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -145,8 +177,16 @@ def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.
     a host segment, or a new one). `weights` is either the stage's tensors by slot name (Hugging Face names
     less the stage prefix) or its flat buffer in the StageLayout's order; matrices are quantized from the
     values as given (quantize from bf16 to reproduce QLoRA on a bf16 checkpoint)."""
+    tensors = _stage_tensors(fmt.stage, weights)
+    return pack_stage_pieces(fmt, lambda slot: [tensors[slot.name].reshape(-1)], out)
+
+
+def pack_stage_pieces(fmt: NF4StageFormat, pieces: Callable[[TensorSlot], Iterable[torch.Tensor]],
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """pack_stage from each slot's flat values given as consecutive pieces (`pieces(slot)`, each but the last of
+    whole 64-value blocks: quant/nf4.quantize_nf4_pieces), so that no slot need exist whole in a temporary; the
+    same bytes as pack_stage of the whole tensors."""
     stage = fmt.stage
-    tensors = _stage_tensors(stage, weights)
     if out is None:
         out = torch.zeros(fmt.nbytes, dtype=torch.uint8)
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != fmt.nbytes:
@@ -156,10 +196,11 @@ def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.
         out.zero_()  # the gaps between sections too: the bytes are a function of the weights alone
     codes, half_block = fmt.section(out, "codes"), fmt.blocksize // 2
     for i, m in enumerate(fmt.matrices):
-        q = quantize_nf4(tensors[m.slot.name], fmt.blocksize, fmt.double_quant)
         span = codes[m.first_block * half_block:(m.first_block + m.num_blocks) * half_block]
-        span[:q.packed.numel()] = q.packed
-        span[q.packed.numel():] = 0x77  # two codes of 0.0 per byte: the padding decodes to exact zeros
+        length = (m.slot.numel + 1) // 2
+        q = quantize_nf4_pieces(pieces(m.slot), m.slot.shape, fmt.compute_dtype, fmt.blocksize, fmt.double_quant,
+                                packed=span[:length])
+        span[length:] = 0x77  # two codes of 0.0 per byte: the padding decodes to exact zeros
         if fmt.double_quant:
             assert q.absmax_scales is not None and q.absmax_offset is not None
             fmt.section(out, "absmax")[m.first_block:m.first_block + m.num_blocks] = q.absmax
@@ -167,13 +208,24 @@ def pack_stage(fmt: NF4StageFormat, weights: Mapping[str, torch.Tensor] | torch.
             fmt.section(out, "offsets", torch.float32)[i] = q.absmax_offset
         else:
             fmt.section(out, "absmax", torch.float32)[m.first_block:m.first_block + m.num_blocks] = q.absmax
-    vectors = torch.zeros(stage.numel - stage.decay_numel, dtype=fmt.compute_dtype)
+    kept, start = fmt.section(out, "kept", fmt.compute_dtype), 0
+    for slot in fmt.kept:
+        kept[start:start + slot.numel] = _whole(pieces(slot), slot).to(fmt.compute_dtype)
+        start += slot.numel
+    vectors = fmt.section(out, "vectors", fmt.compute_dtype)
     for slot in stage.slots:
-        if len(slot.shape) < 2:
+        if not slot.decay:
             start = slot.offset - stage.decay_numel
-            vectors[start:start + slot.numel] = tensors[slot.name].reshape(-1).to(fmt.compute_dtype)
-    fmt.section(out, "vectors", fmt.compute_dtype).copy_(vectors)
+            vectors[start:start + slot.numel] = _whole(pieces(slot), slot).to(fmt.compute_dtype)
     return out
+
+
+def _whole(pieces: Iterable[torch.Tensor], slot: TensorSlot) -> torch.Tensor:
+    """An unquantized slot's values from its pieces (small tensors: vectors, routers, biases)."""
+    values = torch.cat([p.reshape(-1) for p in pieces])
+    if values.numel() != slot.numel:
+        raise ValueError(f"{slot.name}: {values.numel()} values for a tensor of shape {slot.shape}")
+    return values
 
 
 def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,7 +248,8 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
     if fmt.blocks_in_layout_order:  # one run: all blocks straight into [0, decay_numel)
         runs = [(0, fmt.num_blocks, 0, stage.decay_numel)]
     else:
-        flat[:stage.decay_numel].zero_()  # the padding between matrices
+        for start, end in fmt.padding:  # the alignment between slots
+            flat[start:end].zero_()
         runs = [(m.first_block, m.num_blocks, m.slot.offset, m.slot.numel) for m in fmt.matrices]
     pairs = nf4_byte_table(device)
     chunk_blocks = max(1, _DEQUANTIZE_CHUNK_VALUES // bs)
@@ -207,6 +260,10 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
             values = pairs[chunk.long()].view(-1, bs).mul_(absmax[first_block + b0:first_block + b1].view(-1, 1))
             take = min(numel, b1 * bs) - b0 * bs
             flat[out_offset + b0 * bs:out_offset + b0 * bs + take].copy_(values.view(-1)[:take])
+    kept, start = fmt.section(packed, "kept", fmt.compute_dtype), 0
+    for slot in fmt.kept:
+        flat[slot.offset:slot.offset + slot.numel].copy_(kept[start:start + slot.numel])
+        start += slot.numel
     flat[stage.decay_numel:].copy_(fmt.section(packed, "vectors", fmt.compute_dtype))
     return out
 

@@ -34,6 +34,8 @@ from megatrain_ray.model.lora import (
     peft_adapter_config,
     peft_saved_name,
 )
+from megatrain_ray.model.lora_moe import DOWN, EXPERTS, GATE_UP, INNER, ROUTER, adapted_weight, which_param
+from megatrain_ray.model.moe import moe_mlp_tensors
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointInfo, model_config_of
 from megatrain_ray.store.nf4_base import RequantizedBase
@@ -43,6 +45,7 @@ from megatrain_ray.system.files import atomic_directory, refuse_existing
 log = get_logger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
+PARAM_ADAPTER_MODULES = (ROUTER, INNER, EXPERTS)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -50,20 +53,28 @@ class MergedWeights(DerivedTensors):
     """The base's tensors by Hugging Face name, with each adapted projection's weight merged on lookup and the
     modules_to_save replaced by their trained matrices."""
 
-    def __init__(self, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scaling: float):
+    def __init__(self, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scaling: float,
+                 expert_shapes: Mapping[str, tuple[int, ...]] | None = None):
+        """`expert_shapes`: a MoE layer's fused expert tensors' shapes by name inside the layer (model/moe.py)."""
         super().__init__(base)
         self.scaling = scaling
         self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.replaced = {hf: adapters[peft_saved_name(hf)] for hf in SAVED_MODULES.values()
                          if peft_saved_name(hf) in adapters}
+        by_module: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, value in adapters.items():
             if not is_adapter(key):
                 continue
             layer, name = from_peft_name(key)
             module, _, which = name.rpartition(".lora_")
-            target = f"model.layers.{layer}.{module}.weight"
-            a, b = self.pairs.get(target, (None, None))
-            self.pairs[target] = (value, b) if which.startswith("A") else (a, value)
+            by_module.setdefault((layer, module), {})[which[0]] = value
+        for (layer, module), ab in by_module.items():
+            prefix = f"model.layers.{layer}."
+            if module in PARAM_ADAPTER_MODULES:  # a MoE router or fused experts: the tensor is told by the shapes
+                target = prefix + which_param(module, ab["A"], ab["B"], expert_shapes or {})
+            else:
+                target = f"{prefix}{module}.weight"
+            self.pairs[target] = (ab["A"], ab["B"])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.replaced:
@@ -72,6 +83,9 @@ class MergedWeights(DerivedTensors):
         if name not in self.pairs:
             return weight
         a, b = self.pairs[name]
+        if name.endswith((GATE_UP, DOWN, f"{ROUTER}.weight")):  # as peft's ParamWrapper, in float32 (or wider)
+            work = torch.promote_types(weight.dtype, torch.float32)
+            return adapted_weight(weight.to(work), a.to(work), b.to(work), self.scaling)
         return merged_weight(weight, a, b, self.scaling)
 
 
@@ -94,7 +108,8 @@ def export_lora(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.T
     out.mkdir(parents=True)
     write_peft_adapter(adapters, model, lora, out / "adapter", model.path or "")
     log.info("export: the adapter in PEFT's format: %s (%d tensors)", out / "adapter", len(adapters))
-    export_hf(MergedWeights(base, adapters, lora.scaling), model, out / "merged", source_dir=source_dir, dtype=dtype,
+    experts = {name: shape for name, shape, _ in moe_mlp_tensors(model)} if model.is_moe else {}
+    export_hf(MergedWeights(base, adapters, lora.scaling, experts), model, out / "merged", source_dir=source_dir, dtype=dtype,
               shard_bytes=shard_bytes)
     return out
 

@@ -4,23 +4,26 @@ Each decoder layer's host segment is kind `nf4`: one uint8 buffer in quant/nf4_s
 64, double quantization; the vectors in the compute dtype), filled once at the start from the stage's dense
 weights (random initialisation or the Hugging Face checkpoint, in the master dtype of the run, that is
 precision.stream_dtype) and never written again. The embedding and the LM head keep their dense `master`, as
-QLoRA keeps them unquantized. The weight stream (engine/packed_stream.py) copies the packed bytes to the device
+QLoRA keeps them unquantized; in a mixture-of-experts layer the fused expert tensors are quantized too (blockwise,
+each as one matrix) and the router's weight and the experts' biases kept (quant/nf4_stage.quantized_slot). The
+weight stream (engine/packed_stream.py) copies the packed bytes to the device
 and dequantizes them there; export and tests read the base through DequantizedBase, the values the layers
 compute with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import TORCH_DTYPES
-from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.model.hf_io import HFDirectory, finite_or_refuse
+from megatrain_ray.model.layout import ModelLayout, StageLayout, TensorSlot
 from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
-from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage
-from megatrain_ray.store.segments import HostStore
+from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage_pieces, quantized_slot
+from megatrain_ray.store.segments import HostStore, init_master, init_slot_pieces, load_hf_master
 from megatrain_ray.store.tensor_maps import DerivedTensors
 
 NF4_KIND = "nf4"
@@ -54,17 +57,53 @@ def _shared_format(slots: tuple, numel: int, decay_numel: int, dtype: torch.dtyp
     return found
 
 
-def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec,
-                    fill_dense: Callable[[torch.Tensor, StageLayout], None]) -> None:
-    """A frozen-base stage from its dense weights: `fill_dense(flat, stage)` (segments.init_master or
-    load_hf_master) writes them into a flat buffer of the master dtype; a packed stage takes them through a
-    temporary (one stage's dense weights per filling thread) and quantizes them into its segment."""
+def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec, source: HFDirectory | None, seed: int,
+                    std: float) -> None:
+    """A frozen-base stage from the Hugging Face `source` (or, when None, randomly initialised from `seed` and
+    `std` as segments.init_master does), in the master dtype of the run. A packed stage quantizes each tensor into
+    its segment as its values come (a checkpoint's tensor by tensor, random ones in pieces of
+    segments.INIT_PIECE values): one filling thread holds one tensor (or piece) and its block maxima, never the
+    stage's dense weights (6.4 GB for a gpt-oss-120b layer in bf16, times the threads)."""
     if not store.has(NF4_KIND, stage.index):
-        fill_dense(store.get("master", stage.index), stage)
+        master = store.get("master", stage.index)
+        if source is not None:
+            load_hf_master(master, stage, source)
+        else:
+            init_master(master, stage, seed, std)
         return
-    dense = torch.empty(stage.numel, dtype=TORCH_DTYPES[run.master_dtype])
-    fill_dense(dense, stage)
-    pack_stage(stage_format(stage, run.compute_dtype), dense, out=store.get(NF4_KIND, stage.index))
+    dtype = TORCH_DTYPES[run.master_dtype]
+
+    def pieces(slot: TensorSlot) -> Iterator[torch.Tensor]:
+        if source is None:
+            yield from init_slot_pieces(stage, slot, seed, std, dtype)
+            return
+        name = stage.hf_name(slot)
+        tensor = source[name]
+        finite_or_refuse(tensor, name, source.dir)
+        yield tensor.reshape(-1).to(dtype)
+
+    pack_stage_pieces(stage_format(stage, run.compute_dtype), pieces, out=store.get(NF4_KIND, stage.index))
+
+
+def fill_threads(stages: int, cores: int, thread_bytes: int = 0, available: int = 0) -> tuple[int, int]:
+    """(threads that fill stages at once, torch threads each): a thread per stage up to the cores, and, when each
+    holds `thread_bytes` of temporaries, no more than `available` RAM (with a quarter to spare) holds; each runs
+    torch single-threaded. A filling thread makes many small torch calls (quantization chunks sized for a core's
+    cache), too small for an OpenMP team: packing a layer took 200 ns a value with two torch threads on a busy
+    2-core VM, 8.5 with one."""
+    threads = max(1, min(stages, cores))
+    if thread_bytes and available:
+        threads = max(1, min(threads, int(0.75 * available) // thread_bytes))
+    return threads, 1
+
+
+def checkpoint_fill_bytes(layout: ModelLayout, run: RunSpec) -> int:
+    """RAM a thread holds while it quantizes a checkpoint's decoder layer: its largest quantized tensor as read
+    (up to 4 bytes a value: float32 checkpoints; gpt-oss's MXFP4 experts are dequantized to bf16 beside their
+    packed bytes), its copy in the master dtype and its block maxima. gpt-oss-120b's gate_up_proj: 2.1 G values,
+    14.9 GB: on a 128 GB box, with the 58 GB store allocated, three threads at a time."""
+    largest = max((slot.numel for stage in layout.layers for slot in stage.slots if quantized_slot(slot)), default=0)
+    return largest * (4 + TORCH_DTYPES[run.master_dtype].itemsize + 1)
 
 
 class DequantizedBase(Mapping[str, torch.Tensor]):
@@ -117,6 +156,6 @@ class RequantizedBase(DerivedTensors):
         stage, slot = self.layout.stage_of(name)
         if stage.kind != "layer":
             return tensor
-        if len(slot.shape) < 2:
+        if not quantized_slot(slot):  # vectors, a MoE router, the experts' biases
             return tensor.to(self.compute_dtype)
         return dequantize_nf4(quantize_nf4(tensor, NF4_BLOCKSIZE, double_quant=True), self.compute_dtype)

@@ -361,6 +361,26 @@ def init_master(master: torch.Tensor, stage: StageLayout, seed: int, std: float)
             view.zero_()
 
 
+INIT_PIECE = 1 << 24
+"""Values per piece of init_slot_pieces (32 MB in bf16): a multiple of 16, which torch's normal_ fills in."""
+
+
+def init_slot_pieces(stage: StageLayout, slot: Any, seed: int, std: float, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """init_master's values of one slot, flat, in consecutive pieces of INIT_PIECE values: the same generator
+    continues from piece to piece, and torch's CPU normal_ draws a tensor in runs of 16 values, so the pieces are
+    the values init_master writes (tests/unit/test_lora_moe.py checks it). A frozen NF4 base quantizes them as
+    they come (store/nf4_base.py): a 120B MoE's expert tensor (2 G values) never exists whole."""
+    if slot.init != "normal":
+        yield torch.full((slot.numel,), 1.0 if slot.init == "ones" else 0.0, dtype=dtype)
+        return
+    gen = torch.Generator().manual_seed(tensor_seed(seed, stage.hf_name(slot)))
+    start = 0
+    while start < slot.numel:
+        stop = slot.numel if slot.numel - start < 2 * INIT_PIECE else start + INIT_PIECE  # no short last piece
+        yield torch.empty(stop - start, dtype=dtype).normal_(0.0, std, generator=gen)
+        start = stop
+
+
 def load_hf_master(master: torch.Tensor, stage: StageLayout, source: HFDirectory) -> None:
     """load_hf_stage's weights into one flat buffer (also the GPU-resident tier's)."""
     for slot in stage.slots:

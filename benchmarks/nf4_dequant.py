@@ -1,0 +1,62 @@
+"""How long the device takes to dequantize one packed decoder layer (engine/packed_stream.py runs it on the H2D
+stream, before the layer computes, once in the forward and once in the backward's recompute). The speed model
+does not count it yet: this measures it for a shape, to compare with the layer's H2D time.
+
+    python benchmarks/nf4_dequant.py --config configs/shapes/gpt-oss-120b-qlora.yaml            # on the GPU box
+    python benchmarks/nf4_dequant.py --config configs/shapes/gpt-oss-120b-qlora.yaml --set model.num_experts=8 \\
+        --device cpu                                                                             # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from megatrain_ray.config.load import load_config  # noqa: E402
+from megatrain_ray.dtypes import TORCH_DTYPES  # noqa: E402
+from megatrain_ray.model.layout import build_layout  # noqa: E402
+from megatrain_ray.quant.nf4_stage import dequantize_stage, pack_stage_pieces  # noqa: E402
+from megatrain_ray.store.nf4_base import stage_format  # noqa: E402
+from megatrain_ray.store.segments import init_slot_pieces  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    cfg = load_config(args.config, overrides=args.set)
+    layout = build_layout(cfg.model)
+    stage = max(layout.layers, key=lambda s: s.numel)
+    fmt = stage_format(stage, cfg.precision.compute_dtype)
+    torch.set_num_threads(1)  # as a host shard's filling thread (store/nf4_base.fill_threads)
+    t0 = time.perf_counter()
+    packed = pack_stage_pieces(fmt, lambda slot: init_slot_pieces(stage, slot, 0, 0.02, TORCH_DTYPES["bfloat16"]))
+    pack_seconds = time.perf_counter() - t0
+    device = torch.device(args.device)
+    staged = packed.to(device)
+    out = torch.empty(stage.numel, dtype=fmt.compute_dtype, device=device)
+    dequantize_stage(staged, fmt, out=out)  # warm-up: the cached index tensors, the allocator
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        dequantize_stage(staged, fmt, out=out)
+    sync()
+    seconds = (time.perf_counter() - t0) / args.repeats
+    passes = 2 * len(layout.layers)
+    print(f"layer {stage.index}: {stage.numel / 1e9:.2f} G values, {fmt.nbytes / 1e9:.2f} GB packed (packed on the "
+          f"CPU in {pack_seconds:.1f} s); dequantize on {device}: {seconds * 1e3:.1f} ms "
+          f"({stage.numel / seconds / 1e9:.1f} G values/s); x {passes} passes a step: {seconds * passes:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Start-up of a randomly initialised NF4 base (finetune.lora.base_quantization=nf4, no model.path): each host
+shard draws every decoder layer's weights (store/segments.init_slot_pieces, the values init_master writes) and
+packs them (quant/nf4_stage.pack_stage_pieces), layers in parallel threads, each running torch
+single-threaded, as actors/host_shard.py does. This times that work for a few layers and extrapolates to the model's.
+
+    python benchmarks/nf4_startup.py --config configs/shapes/gpt-oss-120b-qlora.yaml --threads 16 --layers 16
+    python benchmarks/nf4_startup.py --config configs/shapes/gpt-oss-120b-qlora.yaml --set model.num_experts=8 --threads 2
+
+Not timed: allocating the segments (the kernel zero-fills them, in parallel threads) and pinning them for the GPU
+(about 0.43 s per GiB measured on the H200 box).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from megatrain_ray.config.load import load_config  # noqa: E402
+from megatrain_ray.dtypes import TORCH_DTYPES  # noqa: E402
+from megatrain_ray.model.layout import build_layout  # noqa: E402
+from megatrain_ray.quant.nf4_stage import pack_stage_pieces  # noqa: E402
+from megatrain_ray.store.nf4_base import fill_threads, stage_format  # noqa: E402
+from megatrain_ray.store.segments import init_slot_pieces  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--layers", type=int, default=0, help="layers to fill (default: --threads)")
+    args = parser.parse_args()
+    cfg = load_config(args.config, overrides=["finetune.method=lora", "finetune.lora.base_quantization=nf4",
+                                              "precision.stream_dtype=bfloat16", *args.set])
+    layout = build_layout(cfg.model)
+    count = min(args.layers or args.threads, len(layout.layers))
+    stages = layout.layers[:count]
+    dtype, seed, std = TORCH_DTYPES["bfloat16"], cfg.train.seed, cfg.model.initializer_range
+    outs = [torch.empty(stage_format(s, cfg.precision.compute_dtype).nbytes, dtype=torch.uint8) for s in stages]
+
+    def fill(i: int) -> None:
+        stage = stages[i]
+        pack_stage_pieces(stage_format(stage, cfg.precision.compute_dtype),
+                          lambda slot: init_slot_pieces(stage, slot, seed, std, dtype), out=outs[i])
+
+    threads, torch_threads = fill_threads(count, args.threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fill, range(count)))
+    seconds = time.perf_counter() - t0
+    torch.set_num_threads(before)
+    filled = sum(s.numel for s in stages)
+    total = sum(s.numel for s in layout.layers)
+    rounds = -(-len(layout.layers) // threads)
+    print(f"{count} layers ({filled / 1e9:.2f} G values) in {seconds:.1f} s on {threads} threads x {torch_threads} "
+          f"torch threads: {seconds * threads / filled * 1e9:.2f} ns per value per thread")
+    print(f"the whole model's {len(layout.layers)} layers ({total / 1e9:.1f} G values) on {threads} threads: "
+          f"~{rounds * seconds * threads / count:.0f} s (rounds of {threads} layers; one layer per thread)")
+
+
+if __name__ == "__main__":
+    main()

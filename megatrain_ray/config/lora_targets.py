@@ -1,0 +1,97 @@
+"""Which projections of a decoder layer LoRA adapts (finetune.lora.target_modules), per family, as peft 0.21.2's
+get_peft_model chooses them on transformers 5.23's models.
+
+Dense families: every nn.Linear of a layer (all-linear) or the named ones. Mixture-of-experts families: the
+attention projections are nn.Linear as in a dense model; the experts are fused [E, ...] parameters and the router
+a module of its own, neither an nn.Linear, so PEFT adapts them only through `target_parameters`:
+- gpt_oss: all-linear is the four attention projections; naming the router or the experts fails in PEFT itself
+  (GptOssTopKRouter and GptOssExperts are not supported modules), so these four are all there is.
+- qwen3_moe, mixtral: PEFT 0.21 maps transformers 4's names onto transformers 5's fused tensors
+  (peft/utils/transformers_weight_conversion.py): `gate` (the router) becomes LoRA on `mlp.gate.weight`,
+  `gate_proj` + `up_proj` (Mixtral: `w1` + `w3`, both or neither) on each expert of `mlp.experts.gate_up_proj`,
+  `down_proj` (`w2`) on each expert of `down_proj` (model/lora_moe.py); all-linear is all of them and the
+  attention projections. A dense layer between MoE layers (Qwen3-MoE's mlp_only_layers) gets no MLP adapter, as
+  in peft.
+The resolved names: the attention projections, and `gate`, `gate_up_proj`, `down_proj` for the router and experts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from megatrain_ray.config.fields import refuse
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_PROJECTIONS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
+"""The linear modules of a dense decoder layer by PEFT's short names."""
+PHI3_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""Phi-3's fused projections."""
+
+ROUTER_AND_EXPERT_NAMES = {"qwen3_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
+                           "mixtral": ("gate", "w1", "w2", "w3"),
+                           "gpt_oss": ("router", "experts", "gate_up_proj", "down_proj")}
+"""The target_modules names that reach a MoE layer's router or fused experts in PEFT (gpt_oss: that PEFT refuses)."""
+PARAM_TARGETS = {"qwen3_moe": {"gate": "gate", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+                               "down_proj": "down_proj"},
+                 "mixtral": {"gate": "gate", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}}
+"""PEFT's transformers-4 names -> the resolved router / expert target (model/lora_moe.py)."""
+FUSED_PAIRS = {"qwen3_moe": ("gate_proj", "up_proj"), "mixtral": ("w1", "w3")}
+ROUTER_AND_EXPERTS = ("gate", "gate_up_proj", "down_proj")
+
+
+def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
+    """The targeted projections' short names for a family, in the layer's order; `key`: the config field, named
+    in the error when a target cannot be adapted."""
+    if family in ROUTER_AND_EXPERT_NAMES:
+        return _moe_targets(family, target_modules, key)
+    known = PHI3_LORA_PROJECTIONS if family == "phi3" else LORA_PROJECTIONS
+    if target_modules == "all-linear":
+        return known
+    unknown = [name for name in target_modules if name not in known]
+    if unknown:
+        refuse(key, target_modules,
+               f"{unknown[0]!r} is not a linear module of a {family} layer; choose from {', '.join(known)}")
+    return tuple(name for name in known if name in target_modules)
+
+
+def _moe_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
+    if family == "gpt_oss":
+        if target_modules == "all-linear":
+            return ATTENTION_PROJECTIONS
+        for name in target_modules:
+            if name not in ATTENTION_PROJECTIONS:
+                why = (f"{name!r} is gpt_oss's router or experts, which peft cannot adapt (GptOssTopKRouter and "
+                       "GptOssExperts are not nn.Linear); " if name in ROUTER_AND_EXPERT_NAMES[family]
+                       else f"{name!r} is not a linear module of a gpt_oss layer; ")
+                refuse(key, target_modules, why + f"choose from {', '.join(ATTENTION_PROJECTIONS)} (or all-linear, "
+                       "which is those four on gpt_oss)")
+        return tuple(name for name in ATTENTION_PROJECTIONS if name in target_modules)
+    mapping = PARAM_TARGETS[family]
+    if target_modules == "all-linear":
+        return (*ATTENTION_PROJECTIONS, *ROUTER_AND_EXPERTS)
+    for name in target_modules:
+        if name not in ATTENTION_PROJECTIONS and name not in mapping:
+            refuse(key, target_modules, f"{name!r} is not a module of a {family} layer peft adapts; choose from "
+                   f"{', '.join((*ATTENTION_PROJECTIONS, *mapping))} or all-linear")
+    pair = FUSED_PAIRS[family]
+    if (pair[0] in target_modules) != (pair[1] in target_modules):
+        refuse(key, target_modules, f"{pair[0]} and {pair[1]} are fused into {family}'s mlp.experts.gate_up_proj: "
+               "target both or neither (as peft requires)")
+    resolved = {mapping[name] for name in target_modules if name in mapping}
+    return (*(n for n in ATTENTION_PROJECTIONS if n in target_modules), *(n for n in ROUTER_AND_EXPERTS
+                                                                         if n in resolved))
+
+
+def refuse_param_adapter_settings(family: str, targets: tuple[str, ...], use_rslora: bool, lora_dropout: float,
+                                  section: str) -> None:
+    """peft's ParamWrapper (router and expert adapters) refuses lora_dropout; use_rslora would scale the
+    rank-2r gate_up_proj adapter by 2 lora_alpha / sqrt(2 r), which is not built: both refused with such targets."""
+    if family not in PARAM_TARGETS or not any(t in ROUTER_AND_EXPERTS for t in targets):
+        return
+    if lora_dropout:
+        refuse(f"{section}.lora_dropout", lora_dropout, "peft cannot apply dropout to adapters on the router or the "
+               f"fused experts ({section}.target_modules names them, or all-linear on this family); set it to 0 or "
+               "target the attention projections only")
+    if use_rslora:
+        refuse(f"{section}.use_rslora", use_rslora, "is not built with adapters on the router or the fused experts; "
+               "set it false or target the attention projections only")
