@@ -29,8 +29,7 @@ peft = pytest.importorskip("peft")
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
-from tests.integration.test_lora_parity import assert_lora_parity  # noqa: E402
-from tests.reference_llama import reference_lr  # noqa: E402
+from tests.integration.test_lora_parity import assert_lora_parity, train_peft  # noqa: E402
 from tests.unit.test_moe import hf_moe_model  # noqa: E402
 
 AUX_COEF = 0.02
@@ -75,30 +74,6 @@ def peft_moe_model(base: Path, cfg, adapters: dict[str, torch.Tensor], target_mo
     return model
 
 
-def train_peft_moe(model, cfg, batches, aux: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    o, s = cfg.optimizer, cfg.schedule
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                            foreach=False)
-    losses = []
-    for step, tokens in enumerate(batches):
-        for group in opt.param_groups:
-            group["lr"] = reference_lr(step, o.lr, len(batches), s.warmup_steps, s.kind, s.min_lr_ratio)
-        opt.zero_grad(set_to_none=True)
-        out = model(input_ids=tokens[:, :-1], output_router_logits=aux)
-        logits = out.logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(
-            logits.dtype, torch.float32)), tokens[:, 1:].reshape(-1))
-        if aux:
-            loss = loss + AUX_COEF * out.aux_loss
-        loss.backward()
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, peft.get_peft_model_state_dict(model)
-
-
 def run_both(tmp_path: Path, name: str, target_modules, aux: bool = True, dtype: str = "float32", **sections):
     base = make_moe_base(tmp_path / "base", name, aux)
     cfg = moe_lora_config(tmp_path, base, name, target_modules, dtype, **sections)
@@ -108,8 +83,8 @@ def run_both(tmp_path: Path, name: str, target_modules, aux: bool = True, dtype:
         records = [trainer.step(s) for s in range(cfg.train.steps)]
         final = trainer.adapters()
     assert all(("aux_loss" in r) == aux for r in records)
-    ref_losses, ref_final = train_peft_moe(peft_moe_model(base, cfg, initial, target_modules, getattr(torch, dtype)),
-                                           cfg, batches, aux)
+    ref_losses, ref_final = train_peft(peft_moe_model(base, cfg, initial, target_modules, getattr(torch, dtype)),
+                                       cfg, batches, AUX_COEF if aux else 0.0)
     return [r["loss"] for r in records], ref_losses, initial, final, ref_final
 
 

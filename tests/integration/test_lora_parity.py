@@ -84,7 +84,10 @@ def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor]):
     return model
 
 
-def train_peft(model, cfg, batches: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_peft(model, cfg, batches: list[torch.Tensor], aux_coef: float = 0.0
+               ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: torch.optim.AdamW over the peft model's trainable parameters, the run's schedule and
+    clipping; `aux_coef` > 0 adds the MoE router's load-balancing loss as transformers computes it."""
     o, s = cfg.optimizer, cfg.schedule
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
@@ -94,9 +97,12 @@ def train_peft(model, cfg, batches: list[torch.Tensor]) -> tuple[list[float], di
         for group in opt.param_groups:
             group["lr"] = reference_lr(step, o.lr, len(batches), s.warmup_steps, s.kind, s.min_lr_ratio)
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 tokens[:, 1:].reshape(-1))
+        out = model(input_ids=tokens[:, :-1], **({"output_router_logits": True} if aux_coef else {}))
+        logits = out.logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(
+            logits.dtype, torch.float32)), tokens[:, 1:].reshape(-1))
+        if aux_coef:
+            loss = loss + aux_coef * out.aux_loss
         loss.backward()
         if o.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
