@@ -27,7 +27,7 @@ from typing import Any
 # Exported lazily, so that a worker process importing tokenize.py never imports pyarrow (shards, pipeline).
 _EXPORTS = {"MANIFEST": "pipeline", "PrepareOptions": "pipeline", "prepare": "pipeline", "resolve_inputs": "pipeline",
             "FORMATS": "records", "BadRecord": "records", "Columns": "records", "read_records": "records",
-            "to_messages": "records", "Tokenizer": "tokenize", "span_mask": "tokenize"}
+            "to_messages": "records", "Tokenizer": "tokenize"}
 __all__ = sorted(_EXPORTS)
 
 
