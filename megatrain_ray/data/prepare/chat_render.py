@@ -94,14 +94,6 @@ def load_backend(spec: TokenizerSpec) -> Any:
     return Backend.from_str(spec.backend_json)
 
 
-def preload_renderer() -> None:
-    """Imports what ChatRenderer needs (in the worker processes' forkserver, once for all of them)."""
-    try:
-        import transformers.utils.chat_template_utils  # noqa: F401
-    except ImportError:  # reported where a chat format needs it
-        pass
-
-
 class ChatRenderer:
     """apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...) from a spec."""
 

@@ -1,8 +1,8 @@
 """Running `process_chunk` over the input: in this process, or in --workers processes, results in input order.
 
 Chat formats with several workers start them at once with the tokenizer as its files spell it
-(chat_render.spec_from_files), while this process loads transformers' AutoTokenizer on a thread
-(`SpecCheck`: the import and load take seconds) and compares the two specs. They agree for a plain
+(chat_render.spec_from_files), while one more process loads transformers' AutoTokenizer (`SpecCheck`:
+the import and load take seconds) and this one compares the two specs. They agree for a plain
 model directory; where they do not, `check` raises `SpecMismatch` and the run starts again with
 transformers' spec, so what is written always comes from transformers' reading of the directory.
 """
@@ -10,7 +10,6 @@ transformers' spec, so what is written always comes from transformers' reading o
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -31,32 +30,32 @@ class SpecMismatch(Exception):
         self.spec, self.vocab_size = spec, vocab_size
 
 
+def exact_spec(directory: str) -> tuple[TokenizerSpec, int]:
+    """transformers' own spec and vocabulary size of `directory` (what SpecCheck's process runs)."""
+    tok = load_tokenizer(directory)
+    return spec_from_tokenizer(tok), len(tok)
+
+
 class SpecCheck:
-    """transformers' own spec and vocabulary size of `directory`, loaded on a thread of this process."""
+    """exact_spec(directory) in a process of its own: the import of transformers and torch and the load take
+    seconds of CPU, which neither this process's thread feeding the workers nor the workers wait for."""
 
-    def __init__(self, directory: str):
-        self.spec: TokenizerSpec | None = None
-        self.vocab_size = 0
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._load, args=(directory,), daemon=True, name="tokenizer-check")
-        self.thread.start()
+    def __init__(self, directory: str, context: Any):
+        from concurrent.futures import ProcessPoolExecutor
 
-    def _load(self, directory: str) -> None:
-        try:
-            tok = load_tokenizer(directory)
-            self.vocab_size, self.spec = len(tok), spec_from_tokenizer(tok)
-        except BaseException as exc:  # raised in the main thread by result()
-            self.error = exc
+        self.pool = ProcessPoolExecutor(1, mp_context=context)
+        self.future = self.pool.submit(exact_spec, directory)
 
     def result(self, wait: bool) -> tuple[TokenizerSpec, int] | None:
-        if wait:
-            self.thread.join()
-        if self.thread.is_alive():
+        if not (wait or self.future.done()):
             return None
-        if self.error is not None:
-            raise self.error
-        assert self.spec is not None
-        return self.spec, self.vocab_size
+        try:
+            return self.future.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Tokenizing:
@@ -79,13 +78,13 @@ class Tokenizing:
         from megatrain_ray.data.prepare import worker  # lazy: importing it turns tokenizer threads off
 
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["megatrain_ray.data.prepare.worker"])
+        context.set_forkserver_preload(worker.FORKSERVER_PRELOAD)
         if spec is None:
             os.environ[worker.TOKENIZER_ENV] = directory  # read once, by the forkserver as it starts
         self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
                                         initargs=(directory, job, os.getpid(), spec))
         if spec is not None and vocab_size is None:
-            self.check_spec = SpecCheck(directory)
+            self.check_spec = SpecCheck(directory, context)
 
     def has_template(self) -> bool:
         """Whether chat records can be rendered: known at once where the workers have a spec."""
@@ -144,5 +143,7 @@ class Tokenizing:
             raise DataError("a tokenizing worker process died (out of memory?); try fewer --workers") from None
 
     def close(self) -> None:
+        if self.check_spec is not None:
+            self.check_spec.close()
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)

@@ -1,8 +1,9 @@
 """The tokenizing worker processes of `megatrain prepare`.
 
 They come from a forkserver (never a fork of the main process, which may run threads) that imports
-this module once. Chat formats: the workers get a TokenizerSpec (chat_render.py) and need only the
-Rust tokenizer, jinja2 and transformers' chat-template module, imported here once for all of them.
+this module once (FORKSERVER_PRELOAD). Chat formats: the workers get a TokenizerSpec (chat_render.py)
+and need only the Rust tokenizer, jinja2 and transformers' chat-template module, which the forkserver
+imports once for all of them (the main process never needs it).
 Text and preference formats use transformers' tokenizer: with MEGATRAIN_PREPARE_TOKENIZER set the
 forkserver loads it once, and every worker forked from it starts with it loaded instead of importing
 transformers and loading it again. Each worker tokenizes with one thread: the processes are the
@@ -18,10 +19,11 @@ import time
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-from megatrain_ray.data.prepare.chat_render import TokenizerSpec, preload_renderer  # noqa: E402
+from megatrain_ray.data.prepare.chat_render import TokenizerSpec  # noqa: E402
 from megatrain_ray.data.prepare.tokenize import Job, Result, Tokenizer, process_chunk  # noqa: E402
 
 TOKENIZER_ENV = "MEGATRAIN_PREPARE_TOKENIZER"
+FORKSERVER_PRELOAD = [__name__, "transformers.utils.chat_template_utils"]  # a missing one is skipped
 
 
 def _preload() -> Tokenizer | None:
@@ -32,7 +34,6 @@ def _preload() -> Tokenizer | None:
 
 
 _preloaded = _preload()
-preload_renderer()
 _worker: tuple[Tokenizer, Job] | None = None
 _error: BaseException | None = None
 
