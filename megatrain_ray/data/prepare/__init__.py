@@ -15,7 +15,8 @@ stops at the first instead). Tokenizing runs in --workers processes. The output 
 at once, complete, or not at all. A `dataset_info.json` registry in LLaMA-Factory's style can name
 files, format and columns.
 
-records.py reads and converts records, tokenize.py makes documents, shards.py writes them,
+records.py reads and converts records, tokenize.py makes documents (chat_render.py: chat records without
+transformers' per-call work), tokenizing.py runs it in worker processes, shards.py writes the documents,
 pipeline.py runs it all (its docstring explains the split and shuffle).
 """
 

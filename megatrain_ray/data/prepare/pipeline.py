@@ -1,7 +1,8 @@
 """The `megatrain prepare` pipeline: records in, shards out, in bounded memory.
 
     main process: read items (jsonl lines as bytes) -> chunks of CHUNK_RECORDS
-      -> workers (spawned processes, --workers): parse, render, tokenize, mask    [tokenize.py]
+      -> workers (forkserver processes, --workers): parse, render, tokenize, mask   [tokenizing.py, tokenize.py,
+                                                                                   chat_render.py]
       -> results in input order -> split by record -> shard writers              [shards.py]
 
 Why this shuffle and split: nothing ever holds all the documents. The eval split is an exact, seeded
