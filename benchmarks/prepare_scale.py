@@ -11,7 +11,8 @@ the commit to measure; default this tree). Peak memory is measured three ways: t
 its cpu_seconds are the main process's alone), and the whole process tree's summed RSS and summed PSS,
 sampled every 0.1 s from /proc (workers included; RSS counts pages that forked workers share with their
 forkserver in every process, PSS once). cpu_seconds_process_tree sums the CPU seconds of every process of
-the tree, workers included, as last sampled (up to 0.1 s before each one ends). Runs are merged into one results file per host and day,
+the tree, workers included, as last sampled (up to 0.1 s before each one ends); load_average_1min, the
+machine's before and after the run, says how much else ran (wall times on a shared box are noisy). Runs are merged into one results file per host and day,
 benchmarks/results/prepare-<host>-<date>.json, with the after/before ratios of every size measured by both.
 """
 
@@ -103,6 +104,7 @@ def run_prepare(tree: Path, tokenizer: str, data: Path, out: Path, extra: list[s
     cmd = [sys.executable, "-m", "megatrain_ray", "prepare", "--tokenizer", tokenizer, "--format", "messages",
            "--input", str(data), "--output", str(out), "--seed", "1", "--eval-fraction", "0.01", *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = [0, 0]
@@ -129,6 +131,7 @@ def run_prepare(tree: Path, tokenizer: str, data: Path, out: Path, extra: list[s
             "peak_pss_mb_process_tree": round(peak[1] / 2**20, 1),
             "cpu_seconds": round(usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime, 1),
             "cpu_seconds_process_tree": round(sum(cpu.values()), 1),
+            "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "documents": manifest["documents"],
             "tokens": sum(s["tokens"] for s in manifest["splits"].values()), "args": extra,
             "log_tail": output.strip().splitlines()[-1][-300:] if output.strip() else ""}

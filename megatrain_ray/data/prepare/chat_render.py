@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from megatrain_ray.data.prepare.records import BadRecord
+from megatrain_ray.exceptions import DataError
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names its special_tokens_map holds, so the template sees.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -98,12 +99,17 @@ class ChatRenderer:
     """apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...) from a spec."""
 
     def __init__(self, spec: TokenizerSpec):
-        # Only this module of transformers: no torch, no model classes.
-        from transformers.utils.chat_template_utils import (
-            _alias_reasoning_fields,
-            _compile_jinja_template,
-            _plain_template_data,
-        )
+        # Only this module of transformers: no torch, no model classes. Its private steps of apply_chat_template
+        # are used as they are, so the render is transformers' own (pyproject pins the version).
+        try:
+            from transformers.utils.chat_template_utils import (
+                _alias_reasoning_fields,
+                _compile_jinja_template,
+                _plain_template_data,
+            )
+        except ImportError as exc:
+            raise DataError(f"megatrain prepare needs transformers' chat-template steps ({exc}); install the "
+                            "version pyproject.toml pins: pip install -e '.[hf]'") from None
 
         self.spec = spec
         self._alias, self._compile, self._plain = _alias_reasoning_fields, _compile_jinja_template, _plain_template_data

@@ -18,8 +18,9 @@ from megatrain_ray.data.prepare.chat_render import TokenizerSpec, spec_from_toke
 from megatrain_ray.data.prepare.tokenize import Job, Result, Tokenizer, load_tokenizer, process_chunk
 from megatrain_ray.exceptions import DataError
 
-IN_FLIGHT_PER_WORKER = 2
-"""Chunks submitted and not yet taken, per worker: memory stays bounded whatever the input size."""
+IN_FLIGHT_PER_WORKER = 4
+"""Chunks submitted and not yet taken, per worker: memory stays bounded whatever the input size, and a worker
+has chunks queued while this process waits for a core."""
 
 
 class SpecMismatch(Exception):
@@ -49,8 +50,12 @@ class SpecCheck:
     def result(self, wait: bool) -> tuple[TokenizerSpec, int] | None:
         if not (wait or self.future.done()):
             return None
+        from concurrent.futures.process import BrokenProcessPool
+
         try:
             return self.future.result()
+        except BrokenProcessPool:
+            raise DataError("the process loading the tokenizer with transformers died (out of memory?)") from None
         finally:
             self.close()
 
