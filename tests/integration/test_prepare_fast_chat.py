@@ -24,6 +24,7 @@ from megatrain_ray.data.prepare import PrepareOptions, Tokenizer, pipeline, prep
 from megatrain_ray.data.prepare.chat_render import spec_from_files, spec_from_tokenizer
 from megatrain_ray.data.prepare.records import BadRecord, Columns, to_messages
 from megatrain_ray.data.prepare.tokenize import load_tokenizer, resolve_tokenizer
+from megatrain_ray.exceptions import DataError
 from tests.conftest import REPO
 
 sys.path.insert(0, str(Path(REPO) / "examples" / "finetune_qwen2"))
@@ -179,3 +180,23 @@ def test_worker_processes_write_one_process_shards(which, smollm2_dir, qwen2_dir
     tok = transformers.AutoTokenizer.from_pretrained(directory)
     expected = sorted(reference_document(tok, *to_messages(r, "messages", Columns(), "t")) for r in records)
     assert documents(outs[2]) == expected
+
+
+def test_a_failing_record_fails_the_run_as_in_one_process(qwen2_dirs, tmp_path, monkeypatch):
+    """--on-bad-record fail in worker processes (their spec found other than transformers' reading, so the run
+    starts again first): the error of one process, naming the record, and no output."""
+    monkeypatch.setattr(pipeline, "CHUNK_RECORDS", 2)
+    good = {"messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "5"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+                        {"role": "assistant", "content": "c"}]}
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good] * 5 + [bad] + [good] * 4))
+    errors = []
+    for workers in (1, 2):
+        with pytest.raises(DataError) as info:
+            prepare(PrepareOptions(qwen2_dirs["loop"], "messages", [str(path)], str(tmp_path / f"w{workers}"),
+                                   workers=workers, on_bad_record="fail"))
+        errors.append(str(info.value))
+        assert not (tmp_path / f"w{workers}").exists()
+    assert errors[0] == errors[1] and f"{path} record 5: the chat template cannot render" in errors[0]
+    assert "TemplateError: system not first" in errors[0]

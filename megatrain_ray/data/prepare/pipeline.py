@@ -251,6 +251,7 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
                     truncated += result[2]
                 else:
                     if opts.on_bad_record == "fail":
+                        tokenizing.check(wait=True)  # the workers' spec is transformers' reading: else start again
                         raise DataError(f"{result[2]} (--on-bad-record skip leaves such records out)")
                     skipped[result[1]] += 1
                     first_skipped = first_skipped or result[2]
