@@ -193,8 +193,9 @@ class _bad_template:
 
 def chat_documents(backend: Any, texts: list[str], spans: list[list[tuple[int, int]] | None]) -> list[tuple]:
     """Rendered conversations -> (ids int32, mask uint8) each; spans None: every token in the loss. A token is in
-    the loss iff its start offset falls in one of its conversation's spans: the spans are marked over the
-    chunk's concatenated characters (+1 at a start, -1 at an end, a running sum) and read at each token's start."""
+    the loss iff its start offset falls in one of its conversation's spans [a, b): with every position of the
+    chunk counted from its conversation's base, the spans with a <= start less those with b <= start (binary
+    searches over the sorted starts and ends; a <= b) are the spans holding it. Memory: the chunk's tokens."""
     if all(s is None for s in spans):
         encodings = getattr(backend, "encode_batch_fast", backend.encode_batch)(texts, add_special_tokens=False)
     else:
@@ -206,18 +207,16 @@ def chat_documents(backend: Any, texts: list[str], spans: list[list[tuple[int, i
     mask = np.ones(len(ids), dtype=np.uint8)
     masked = [d for d, s in enumerate(spans) if s is not None]
     if masked:
-        # Each conversation's characters from base[d]; one spare position each, so an end never meets the next start.
-        char_bounds = np.zeros(len(texts) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter((len(t) + 1 for t in texts), dtype=np.int64, count=len(texts)), out=char_bounds[1:])
-        edges = np.zeros(int(char_bounds[-1]) + 1, dtype=np.int32)
-        starts = [int(char_bounds[d]) + a for d in masked for a, _ in spans[d]]
-        ends = [int(char_bounds[d]) + b for d in masked for _, b in spans[d]]
-        np.add.at(edges, np.array(starts, dtype=np.int64), 1)
-        np.add.at(edges, np.array(ends, dtype=np.int64), -1)
-        inside = np.cumsum(edges) > 0
+        # Conversation d's positions from base[d], one spare each: a span's end never reaches the next conversation.
+        base = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter((len(t) + 1 for t in texts), dtype=np.int64, count=len(texts)), out=base[1:])
+        span_starts = np.sort(np.array([base[d] + a for d in masked for a, _ in spans[d]], dtype=np.int64))
+        span_ends = np.sort(np.array([base[d] + b for d in masked for _, b in spans[d]], dtype=np.int64))
         tokens = np.concatenate([np.arange(bounds[d], bounds[d + 1]) for d in masked])
         token_starts = np.fromiter((s for d in masked for s, _ in encodings[d].offsets), dtype=np.int64,
                                    count=len(tokens))
-        token_starts += np.repeat(char_bounds[masked], lengths[masked])
-        mask[tokens] = inside[token_starts]
+        token_starts += np.repeat(base[masked], lengths[masked])
+        holding = (np.searchsorted(span_starts, token_starts, side="right")
+                   - np.searchsorted(span_ends, token_starts, side="right"))
+        mask[tokens] = holding > 0
     return [(ids[bounds[d]:bounds[d + 1]], mask[bounds[d]:bounds[d + 1]]) for d in range(len(texts))]
