@@ -8,9 +8,11 @@ real BPE tokenizer (SmolLM2-135M-Instruct's), before and after, at several sizes
 Each run is `python -m megatrain_ray prepare --format messages` in TREE with PYTHONPATH=TREE (a `git worktree` of
 the commit to measure; default this tree). Peak memory is measured three ways: the largest single process
 (getrusage of the children, as /usr/bin/time reports it; the forkserver's workers are not its children, so
-its CPU seconds are the main process's alone), and the whole process tree's summed RSS and summed PSS,
+its cpu_seconds are the main process's alone), and the whole process tree's summed RSS and summed PSS,
 sampled every 0.1 s from /proc (workers included; RSS counts pages that forked workers share with their
-forkserver in every process, PSS once). Runs are merged into one results file per host and day,
+forkserver in every process, PSS once). cpu_seconds_process_tree sums the CPU seconds of every process of
+the tree, workers included, as last sampled (up to 0.1 s before each one ends); load_average_1min, the
+machine's before and after the run, says how much else ran (wall times on a shared box are noisy). Runs are merged into one results file per host and day,
 benchmarks/results/prepare-<host>-<date>.json, with the after/before ratios of every size measured by both.
 """
 
@@ -61,11 +63,14 @@ def make_conversations(path: Path, n: int, seed: int) -> None:
             f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
 
 
-def tree_memory(root_pid: int) -> tuple[int, int]:
-    """(summed RSS, summed PSS) in bytes of a process and its descendants, from /proc. RSS counts the pages
-    forked workers share with their forkserver once per process; PSS splits them between the sharers."""
+def tree_sample(root_pid: int, cpu: dict[int, float]) -> tuple[int, int]:
+    """(summed RSS, summed PSS) in bytes of a process and its descendants, from /proc; `cpu` gets each one's
+    CPU seconds so far (user + system). RSS counts the pages forked workers share with their forkserver once
+    per process; PSS splits them between the sharers."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
+    ticks: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -77,11 +82,14 @@ def tree_memory(root_pid: int) -> tuple[int, int]:
         pid = int(entry)
         children.setdefault(int(fields[1]), []).append(pid)
         rss[pid] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        ticks[pid] = (int(fields[11]) + int(fields[12])) / tick
     total = pss = 0
     todo = [root_pid]
     while todo:
         pid = todo.pop()
         total += rss.get(pid, 0)
+        if pid in ticks:
+            cpu[pid] = ticks[pid]
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 pss += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
@@ -96,13 +104,15 @@ def run_prepare(tree: Path, tokenizer: str, data: Path, out: Path, extra: list[s
     cmd = [sys.executable, "-m", "megatrain_ray", "prepare", "--tokenizer", tokenizer, "--format", "messages",
            "--input", str(data), "--output", str(out), "--seed", "1", "--eval-fraction", "0.01", *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = [0, 0]
+    cpu: dict[int, float] = {}
 
     def sample() -> None:
         while proc.poll() is None:
-            rss, pss = tree_memory(proc.pid)
+            rss, pss = tree_sample(proc.pid, cpu)
             peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
             time.sleep(0.1)
 
@@ -120,6 +130,8 @@ def run_prepare(tree: Path, tokenizer: str, data: Path, out: Path, extra: list[s
             "peak_rss_mb_process_tree": round(peak[0] / 2**20, 1),
             "peak_pss_mb_process_tree": round(peak[1] / 2**20, 1),
             "cpu_seconds": round(usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime, 1),
+            "cpu_seconds_process_tree": round(sum(cpu.values()), 1),
+            "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "documents": manifest["documents"],
             "tokens": sum(s["tokens"] for s in manifest["splits"].values()), "args": extra,
             "log_tail": output.strip().splitlines()[-1][-300:] if output.strip() else ""}

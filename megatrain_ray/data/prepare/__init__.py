@@ -15,7 +15,8 @@ stops at the first instead). Tokenizing runs in --workers processes. The output 
 at once, complete, or not at all. A `dataset_info.json` registry in LLaMA-Factory's style can name
 files, format and columns.
 
-records.py reads and converts records, tokenize.py makes documents, shards.py writes them,
+records.py reads and converts records, tokenize.py makes documents (chat_render.py: chat records without
+transformers' per-call work), tokenizing.py runs it in worker processes, shards.py writes the documents,
 pipeline.py runs it all (its docstring explains the split and shuffle).
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 # Exported lazily, so that a worker process importing tokenize.py never imports pyarrow (shards, pipeline).
 _EXPORTS = {"MANIFEST": "pipeline", "PrepareOptions": "pipeline", "prepare": "pipeline", "resolve_inputs": "pipeline",
             "FORMATS": "records", "BadRecord": "records", "Columns": "records", "read_records": "records",
-            "to_messages": "records", "Tokenizer": "tokenize", "span_mask": "tokenize"}
+            "to_messages": "records", "Tokenizer": "tokenize"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -1,7 +1,8 @@
 """The `megatrain prepare` pipeline: records in, shards out, in bounded memory.
 
     main process: read items (jsonl lines as bytes) -> chunks of CHUNK_RECORDS
-      -> workers (spawned processes, --workers): parse, render, tokenize, mask    [tokenize.py]
+      -> workers (forkserver processes, --workers): parse, render, tokenize, mask   [tokenizing.py, tokenize.py,
+                                                                                   chat_render.py]
       -> results in input order -> split by record -> shard writers              [shards.py]
 
 Why this shuffle and split: nothing ever holds all the documents. The eval split is an exact, seeded
@@ -20,8 +21,8 @@ import json
 import math
 import os
 import time
-from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,11 @@ from typing import Any
 import numpy as np
 
 from megatrain_ray.data.hub_datasets import hub_dataset_files
+from megatrain_ray.data.prepare.chat_render import spec_from_files
 from megatrain_ray.data.prepare.records import FORMATS, Columns, count_records, read_records
 from megatrain_ray.data.prepare.shards import SplitWriter
-from megatrain_ray.data.prepare.tokenize import (
-    NO_TEMPLATE,
-    Job,
-    Result,
-    Tokenizer,
-    process_chunk,
-    resolve_tokenizer,
-    tokenizer_hash,
-)
+from megatrain_ray.data.prepare.tokenize import NO_TEMPLATE, Job, resolve_tokenizer, tokenizer_hash
+from megatrain_ray.data.prepare.tokenizing import SpecMismatch, Tokenizing
 from megatrain_ray.exceptions import DataError
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
@@ -181,66 +176,6 @@ def chunks(files: list[Path]) -> Iterator[list]:
         yield chunk
 
 
-class Tokenizing:
-    """Each chunk's results in input order: here (one worker), or from `workers` forked-from-a-forkserver
-    processes with at most two chunks each in flight, so memory does not grow with the input."""
-
-    def __init__(self, directory: str, job: Job, workers: int):
-        self.job, self.workers, self.pool, self.tok = job, workers, None, None
-        if workers <= 1:
-            self.tok = Tokenizer(directory)
-            return
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        from megatrain_ray.data.prepare import worker  # lazy: importing it turns tokenizer threads off
-
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["megatrain_ray.data.prepare.worker"])
-        os.environ[worker.TOKENIZER_ENV] = directory  # read once, by the forkserver as it starts
-        self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
-                                        initargs=(directory, job, os.getpid()))
-
-    def info(self) -> tuple[int, bool]:
-        """(vocabulary size, has a chat template)."""
-        if self.tok is not None:
-            return self.tok.info()
-        from megatrain_ray.data.prepare import worker  # lazy: only with worker processes
-
-        try:
-            return self._result(self.pool.submit(worker.info))
-        finally:
-            os.environ.pop(worker.TOKENIZER_ENV, None)
-
-    def results(self, work_chunks: Iterable[list]) -> Iterator[list[Result]]:
-        if self.tok is not None:
-            for chunk in work_chunks:
-                yield process_chunk(self.tok, self.job, chunk)
-            return
-        from megatrain_ray.data.prepare import worker  # lazy: only with worker processes
-
-        pending: deque = deque()
-        for chunk in work_chunks:
-            pending.append(self.pool.submit(worker.work, chunk))
-            if len(pending) >= 2 * self.workers:
-                yield self._result(pending.popleft())
-        while pending:
-            yield self._result(pending.popleft())
-
-    @staticmethod
-    def _result(future: Any) -> Any:
-        from concurrent.futures.process import BrokenProcessPool
-
-        try:
-            return future.result()
-        except BrokenProcessPool:
-            raise DataError("a tokenizing worker process died (out of memory?); try fewer --workers") from None
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-
 def prepare(opts: PrepareOptions) -> dict[str, Any]:
     """Tokenize, split and write; returns the manifest."""
     t0 = time.perf_counter()
@@ -268,8 +203,16 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     directory = resolve_tokenizer(opts.tokenizer_dir, opts.revision)
     workers = min(opts.workers or available_cores(), math.ceil(total / CHUNK_RECORDS))
     job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs)
-    tokenizing = Tokenizing(directory, job, workers)
+    # Chat formats in worker processes: they start with the tokenizer files' spec, checked while they run.
+    spec = spec_from_files(directory) if workers > 1 and fmt not in ("text", "preference") else None
+    tokenizing = Tokenizing(directory, job, workers, spec)
     try:
+        return _prepare(opts, files, fmt, counts, directory, tokenizing, t0)
+    except SpecMismatch as mismatch:
+        log.info("prepare: transformers reads the tokenizer in %s otherwise than its files spell it; starting "
+                 "again with transformers' reading", directory)
+        tokenizing.close()
+        tokenizing = Tokenizing(directory, job, workers, mismatch.spec, mismatch.vocab_size)
         return _prepare(opts, files, fmt, counts, directory, tokenizing, t0)
     finally:
         tokenizing.close()
@@ -277,8 +220,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
 
 def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int], directory: str,
              tokenizing: Tokenizing, t0: float) -> dict[str, Any]:
-    vocab_size, has_template = tokenizing.info()
-    if fmt not in ("text", "preference") and not has_template:  # preference: its conversations say so, per record
+    if fmt not in ("text", "preference") and not tokenizing.has_template():  # preference: per record
         raise DataError(NO_TEMPLATE)
     total, out = sum(counts), Path(opts.output_dir)
     n_eval = min(total - 1, round(total * opts.eval_fraction)) if opts.eval_fraction else 0
@@ -309,10 +251,13 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
                     truncated += result[2]
                 else:
                     if opts.on_bad_record == "fail":
+                        tokenizing.check(wait=True)  # the workers' spec is transformers' reading: else start again
                         raise DataError(f"{result[2]} (--on-bad-record skip leaves such records out)")
                     skipped[result[1]] += 1
                     first_skipped = first_skipped or result[2]
             progress.update(records, writers["train"].documents + writers["eval"].documents)
+            tokenizing.check()
+        vocab_size, _ = tokenizing.info()
         documents = writers["train"].documents + writers["eval"].documents
         if not writers["train"].documents:
             left_out = f"dropped: {dict(dropped)}" + (f"; skipped: {dict(skipped)}, the first: {first_skipped}"

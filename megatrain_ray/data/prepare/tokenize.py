@@ -1,21 +1,28 @@
 """Tokenizing: records -> (input_ids, loss_mask) documents, a chunk of records at a time.
 
 `process_chunk` is what a worker process runs (and what one process runs with --workers 1), so the
-parallel and the single-process paths give the same documents by construction. The loss mask is
-vectorized: a token is in the loss iff its start offset falls in an assistant span, computed with
-numpy over the token offsets instead of a Python loop per token.
+parallel and the single-process paths give the same documents by construction. Chat records are
+rendered and tokenized from a TokenizerSpec (chat_render.py): transformers' own template rendering
+without its per-call work, one batched Rust tokenizer call a chunk, and the loss mask (a token is in
+the loss iff its start offset falls in an assistant span) placed with numpy for the whole chunk.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from megatrain_ray.data.prepare.chat_render import (
+    ChatRenderer,
+    TokenizerSpec,
+    chat_documents,
+    load_backend,
+    spec_from_tokenizer,
+)
 from megatrain_ray.data.prepare.preference import preference_chunk
 from megatrain_ray.data.prepare.records import BadRecord, Columns, Item, parse_item, record_text, to_messages
 from megatrain_ray.exceptions import DataError
@@ -25,16 +32,40 @@ NO_TEMPLATE = ("the tokenizer has no chat template (chat_template in tokenizer_c
 
 
 class Tokenizer:
-    """The model's tokenizer (transformers AutoTokenizer from a model directory, hub name or GGUF file) and
-    its chat template."""
+    """The model's tokenizer: chat records through a `TokenizerSpec` (chat_render.py), text and preference records
+    through transformers' AutoTokenizer (from a model directory, hub name or GGUF file), loaded when first needed.
+    Without `spec` the spec is taken from AutoTokenizer, so it is exact; a worker gets one checked against it."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, spec: TokenizerSpec | None = None):
         self.directory = directory
-        self.tok = load_tokenizer(directory)
+        self._tok = None if spec is not None else load_tokenizer(directory)
+        self.spec = spec if spec is not None else spec_from_tokenizer(self._tok)
+        self._chat: ChatRenderer | None = None
+        self._backend: Any = None
+
+    @property
+    def tok(self) -> Any:
+        """transformers' tokenizer (text and preference formats, the vocabulary size)."""
+        if self._tok is None:
+            self._tok = load_tokenizer(self.directory)
+        return self._tok
+
+    @property
+    def backend(self) -> Any:
+        """The Rust tokenizer that transformers' own call runs, truncation and padding off."""
+        if self._backend is None:
+            self._backend = load_backend(self.spec)
+        return self._backend
+
+    @property
+    def chat(self) -> ChatRenderer:
+        if self._chat is None:
+            self._chat = ChatRenderer(self.spec)
+        return self._chat
 
     def info(self) -> tuple[int, bool]:
         """(vocabulary size, whether it has a chat template)."""
-        return len(self.tok), bool(self.tok.chat_template)
+        return len(self.tok), self.spec.has_template
 
     def texts(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Text documents: every token in the loss, an EOS at the end so the model learns to stop."""
@@ -47,59 +78,15 @@ class Tokenizer:
         return docs
 
     def chat_documents(self, texts: list[str], spans: list[list[tuple[int, int]] | None]) -> list[tuple]:
-        """Rendered conversations -> (ids, mask); spans None: every token in the loss. The backend (Rust)
-        tokenizer directly: the ids and offsets transformers' own call returns, without its conversions."""
-        backend = self.backend
-        if all(s is None for s in spans):
-            fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets (tokenizers >= 0.21)
-            encodings = fast(texts, add_special_tokens=False)
-        else:
-            encodings = backend.encode_batch(texts, add_special_tokens=False)
-        docs = []
-        for encoding, turn_spans in zip(encodings, spans):
-            ids = np.array(encoding.ids, dtype=np.int32)
-            if turn_spans is None:
-                docs.append((ids, np.ones(len(ids), dtype=np.uint8)))
-            else:
-                starts = np.fromiter(chain.from_iterable(encoding.offsets), dtype=np.int64, count=2 * len(ids))[::2]
-                docs.append((ids, span_mask(starts, turn_spans)))
-        return docs
-
-    @property
-    def backend(self) -> Any:
-        backend = self.tok.backend_tokenizer
-        if backend.truncation is not None:  # transformers switches both off for a call without them
-            backend.no_truncation()
-        if backend.padding is not None:
-            backend.no_padding()
-        return backend
+        """Rendered conversations -> (ids, mask); spans None: every token in the loss."""
+        return chat_documents(self.backend, texts, spans)
 
     def spans(self, messages: list[dict[str, Any]], tools: list | None, where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans of its assistant turns: turn i spans from the end
-        of the conversation before it (with the generation prompt) to the end of the conversation through it."""
-        full = self.render(messages, tools, generation_prompt=False, where=where)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], tools, generation_prompt=True, where=where)
-            through = full if i == len(messages) - 1 else self.render(messages[:i + 1], tools, False, where)
-            if not (through.startswith(before) and full.startswith(through)):
-                raise BadRecord("template not a prefix", f"{where}: the chat template does not render a "
-                                "conversation as a prefix of its continuation, so the assistant turns cannot be "
-                                "located")
-            spans.append((len(before), len(through)))
-        return full, spans
+        """The rendered conversation and the character spans of its assistant turns (ChatRenderer.spans)."""
+        return self.chat.spans(messages, tools, where)
 
     def render(self, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool, where: str) -> str:
-        if not messages:
-            return ""
-        try:
-            return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                add_generation_prompt=generation_prompt)
-        except Exception as exc:  # the template's own raise_exception, or a field it cannot read
-            raise BadRecord("chat template error", f"{where}: the chat template cannot render the conversation: "
-                            f"{type(exc).__name__}: {str(exc)[:200]}") from None
+        return self.chat.render(messages, tools, generation_prompt, where)
 
 
 def load_tokenizer(directory: str) -> Any:
@@ -112,14 +99,6 @@ def load_tokenizer(directory: str) -> Any:
         raise DataError(f"the tokenizer in {directory} has no fast (tokenizer.json) version; prepare needs "
                         "token offsets to place the loss mask")
     return tok
-
-
-def span_mask(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 where a token's start offset falls in one of the [a, b) spans (uint8)."""
-    mask = np.zeros(len(starts), dtype=bool)
-    for a, b in spans:
-        mask |= (starts >= a) & (starts < b)
-    return mask.view(np.uint8)
 
 
 def resolve_tokenizer(source: str, revision: str | None) -> str:

@@ -1,10 +1,14 @@
 """The tokenizing worker processes of `megatrain prepare`.
 
 They come from a forkserver (never a fork of the main process, which may run threads) that imports
-this module once: with MEGATRAIN_PREPARE_TOKENIZER set, it also loads that tokenizer once, and every
-worker forked from it starts with it loaded instead of importing transformers and loading it again.
-Each worker tokenizes with one thread: the processes are the parallelism. A worker whose main process
-is gone (killed) exits within a second rather than wait on its queue for ever.
+this module once (FORKSERVER_PRELOAD). Chat formats: the workers get a TokenizerSpec (chat_render.py)
+and need only the Rust tokenizer, jinja2 and transformers' chat-template module, which the forkserver
+imports once for all of them (the main process never needs it).
+Text and preference formats use transformers' tokenizer: with MEGATRAIN_PREPARE_TOKENIZER set the
+forkserver loads it once, and every worker forked from it starts with it loaded instead of importing
+transformers and loading it again. Each worker tokenizes with one thread: the processes are the
+parallelism. A worker whose main process is gone (killed) exits within a second rather than wait on
+its queue for ever.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import time
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
+from megatrain_ray.data.prepare.chat_render import TokenizerSpec  # noqa: E402
 from megatrain_ray.data.prepare.tokenize import Job, Result, Tokenizer, process_chunk  # noqa: E402
 
 TOKENIZER_ENV = "MEGATRAIN_PREPARE_TOKENIZER"
+FORKSERVER_PRELOAD = [__name__, "transformers.utils.chat_template_utils"]  # a missing one is skipped
 
 
 def _preload() -> Tokenizer | None:
@@ -43,11 +49,17 @@ def _exit_with(main_pid: int) -> None:
             pass
 
 
-def init_worker(directory: str, job: Job, main_pid: int) -> None:
+def init_worker(directory: str, job: Job, main_pid: int, spec: TokenizerSpec | None) -> None:
+    """spec: chat formats (the Rust tokenizer loaded from it here); None: transformers' tokenizer."""
     global _worker, _error
     threading.Thread(target=_exit_with, args=(main_pid,), daemon=True, name="main-watch").start()
     try:
-        tok = _preloaded if _preloaded is not None and _preloaded.directory == directory else Tokenizer(directory)
+        if spec is not None:
+            tok = Tokenizer(directory, spec)
+        elif _preloaded is not None and _preloaded.directory == directory:
+            tok = _preloaded
+        else:
+            tok = Tokenizer(directory)
         _worker = (tok, job)
     except Exception as exc:  # kept for info(), so the main process raises the tokenizer's own error
         _error = exc

@@ -1,0 +1,222 @@
+"""Chat records -> (input_ids, loss_mask) documents without transformers' per-call work or its import.
+
+A `TokenizerSpec` is everything a chat document depends on: the Rust tokenizer (its JSON), the chat
+template (without and with tools) and the special tokens the template sees. Taken from transformers'
+AutoTokenizer (`spec_from_tokenizer`) it is exact by construction; read from the model directory's
+files (`spec_from_files`) it costs milliseconds and needs neither transformers' model classes nor torch,
+so a worker process starts in a fraction of a second. The pipeline starts its workers with the second
+and compares it with the first while they run (pipeline.py), so a directory whose files transformers
+reads differently is never used as read.
+
+`ChatRenderer` renders as `apply_chat_template(..., tokenize=False)` does (transformers'
+tokenization_utils_base.apply_chat_template and chat_template_utils.render_jinja_template, step for
+step, in transformers' own compiled jinja environment), once per conversation for the work shared by
+its prefixes: the messages are converted once and each prefix render is a slice of them (every step
+of the conversion is message by message). `chat_documents` tokenizes a chunk in one batched call and
+places the loss mask for the whole chunk with numpy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatrain_ray.data.prepare.records import BadRecord
+from megatrain_ray.exceptions import DataError
+
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the names its special_tokens_map holds, so the template sees.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    backend_json: str
+    """The Rust tokenizer (tokenizers.Tokenizer.to_str()), truncation and padding off."""
+    template: str | None
+    """get_chat_template() for a conversation without tools; None: it has none."""
+    tool_template: str | None
+    """get_chat_template() for a conversation with tools (a "tool_use" named template, if any)."""
+    has_template: bool
+    special_tokens: tuple[tuple[str, str], ...]
+    """special_tokens_map's items, which every render passes to the template."""
+
+
+def spec_from_tokenizer(tok: Any) -> TokenizerSpec:
+    """What transformers' own tokenizer `tok` renders and tokenizes with."""
+    backend = tok.backend_tokenizer
+    if backend.truncation is not None:  # transformers switches both off for a call without them
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+
+    def template(tools: list | None) -> str | None:
+        try:
+            return tok.get_chat_template(None, tools)
+        except ValueError:  # no template (or several and no default): every chat render fails
+            return None
+    return TokenizerSpec(backend.to_str(), template(None), template([]), bool(tok.chat_template),
+                         tuple(tok.special_tokens_map.items()))
+
+
+def spec_from_files(directory: str) -> TokenizerSpec | None:
+    """The spec as the directory's files spell it (tokenizer.json, chat_template.jinja, tokenizer_config.json),
+    or None where they do not say it plainly (no tokenizer.json, no template or several named ones)."""
+    from tokenizers import Tokenizer as Backend
+
+    root = Path(directory)
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+        backend = Backend.from_file(str(root / "tokenizer.json"))
+    except Exception:  # whatever it is (missing, not JSON, not a tokenizer), transformers' own reading decides
+        return None
+    jinja = root / "chat_template.jinja"
+    template = jinja.read_text(encoding="utf-8") if jinja.is_file() else config.get("chat_template")
+    if not isinstance(template, str) or not template or (root / "additional_chat_templates").exists():
+        return None
+    specials = []
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None:
+            specials.append((name, str(value)))
+    backend.no_truncation()
+    backend.no_padding()
+    return TokenizerSpec(backend.to_str(), template, template, True, tuple(specials))
+
+
+def load_backend(spec: TokenizerSpec) -> Any:
+    from tokenizers import Tokenizer as Backend
+
+    return Backend.from_str(spec.backend_json)
+
+
+class ChatRenderer:
+    """apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...) from a spec."""
+
+    def __init__(self, spec: TokenizerSpec):
+        # Only this module of transformers: no torch, no model classes. Its private steps of apply_chat_template
+        # are used as they are, so the render is transformers' own (pyproject pins the version).
+        try:
+            from transformers.utils.chat_template_utils import (
+                _alias_reasoning_fields,
+                _compile_jinja_template,
+                _plain_template_data,
+            )
+        except ImportError as exc:
+            raise DataError(f"megatrain prepare needs transformers' chat-template steps ({exc}); install the "
+                            "version pyproject.toml pins: pip install -e '.[hf]'") from None
+
+        self.spec = spec
+        self._alias, self._compile, self._plain = _alias_reasoning_fields, _compile_jinja_template, _plain_template_data
+        self.template_kwargs = _plain_template_data(dict(spec.special_tokens))
+
+    def _prepared(self, messages: list[dict[str, Any]], tools: list | None) -> tuple[Any, list, dict[str, Any]]:
+        """(compiled template, converted messages, the template's variables but messages and add_generation_prompt):
+        the work every prefix render shares."""
+        template = self.spec.tool_template if tools is not None else self.spec.template
+        if template is None:
+            raise ValueError("the tokenizer has no chat template for this conversation")
+        if tools is not None and not all(isinstance(tool, dict) for tool in tools):
+            raise ValueError("Tools should either be a JSON schema, or a callable function with type hints "
+                             "and a docstring suitable for auto-conversion to a schema.")
+        chat = self._plain([{k: v for k, v in m.items() if v is not None} for m in messages])
+        for message in chat:
+            if not isinstance(message, dict):
+                raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
+        compiled = self._compile(template)
+        # What Template.render(**variables) puts in a new context: its globals, overridden by the variables.
+        variables = {**compiled.globals, **self.template_kwargs,
+                     "tools": self._plain(list(tools) if tools is not None else None), "documents": None}
+        return compiled, self._alias(chat), variables
+
+    def render(self, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool, where: str) -> str:
+        if not messages:
+            return ""
+        with _bad_template(where):
+            template, chat, variables = self._prepared(messages, tools)
+            return self._render(template, chat, variables, generation_prompt)
+
+    @staticmethod
+    def _render(template: Any, chat: list, variables: dict[str, Any], generation_prompt: bool) -> str:
+        """Template.render(messages=chat, add_generation_prompt=..., **variables), without copying the variables
+        into a new dict with the template's globals on every render of a conversation's prefixes."""
+        if not chat:
+            return ""
+        context = template.new_context({**variables, "messages": chat, "add_generation_prompt": generation_prompt},
+                                       shared=True)
+        try:
+            return template.environment.concat(template.root_render_func(context))
+        except Exception:
+            template.environment.handle_exception()  # raises it, its traceback pointing into the template
+            raise
+
+    def spans(self, messages: list[dict[str, Any]], tools: list | None, where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns: turn i spans from the end
+        of the conversation before it (with the generation prompt) to the end of the conversation through it."""
+        with _bad_template(where):
+            template, chat, variables = self._prepared(messages, tools)
+            full = self._render(template, chat, variables, False)
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self._render(template, chat[:i], variables, True)
+                through = full if i == len(messages) - 1 else self._render(template, chat[:i + 1], variables, False)
+                if not (through.startswith(before) and full.startswith(through)):
+                    raise BadRecord("template not a prefix", f"{where}: the chat template does not render a "
+                                    "conversation as a prefix of its continuation, so the assistant turns cannot be "
+                                    "located")
+                spans.append((len(before), len(through)))
+        return full, spans
+
+
+class _bad_template:
+    """Any error of a render (the template's own raise_exception, a field it cannot read) -> BadRecord."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, BadRecord) or not isinstance(exc, Exception):
+            return False
+        raise BadRecord("chat template error", f"{self.where}: the chat template cannot render the conversation: "
+                        f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def chat_documents(backend: Any, texts: list[str], spans: list[list[tuple[int, int]] | None]) -> list[tuple]:
+    """Rendered conversations -> (ids int32, mask uint8) each; spans None: every token in the loss. A token is in
+    the loss iff its start offset falls in one of its conversation's spans [a, b): with every position of the
+    chunk counted from its conversation's base, the spans with a <= start less those with b <= start (binary
+    searches over the sorted starts and ends; a <= b) are the spans holding it. Memory: the chunk's tokens."""
+    if all(s is None for s in spans):
+        encodings = getattr(backend, "encode_batch_fast", backend.encode_batch)(texts, add_special_tokens=False)
+    else:
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+    lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+    bounds = np.zeros(len(encodings) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(bounds[-1]))
+    mask = np.ones(len(ids), dtype=np.uint8)
+    masked = [d for d, s in enumerate(spans) if s is not None]
+    if masked:
+        # Conversation d's positions from base[d], one spare each: a span's end never reaches the next conversation.
+        base = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter((len(t) + 1 for t in texts), dtype=np.int64, count=len(texts)), out=base[1:])
+        span_starts = np.sort(np.array([base[d] + a for d in masked for a, _ in spans[d]], dtype=np.int64))
+        span_ends = np.sort(np.array([base[d] + b for d in masked for _, b in spans[d]], dtype=np.int64))
+        tokens = np.concatenate([np.arange(bounds[d], bounds[d + 1]) for d in masked])
+        token_starts = np.fromiter((s for d in masked for s, _ in encodings[d].offsets), dtype=np.int64,
+                                   count=len(tokens))
+        token_starts += np.repeat(base[masked], lengths[masked])
+        holding = (np.searchsorted(span_starts, token_starts, side="right")
+                   - np.searchsorted(span_ends, token_starts, side="right"))
+        mask[tokens] = holding > 0
+    return [(ids[bounds[d]:bounds[d + 1]], mask[bounds[d]:bounds[d + 1]]) for d in range(len(texts))]

@@ -1,0 +1,154 @@
+"""Running `process_chunk` over the input: in this process, or in --workers processes, results in input order.
+
+Chat formats with several workers start them at once with the tokenizer as its files spell it
+(chat_render.spec_from_files), while one more process loads transformers' AutoTokenizer (`SpecCheck`:
+the import and load take seconds) and this one compares the two specs. They agree for a plain
+model directory; where they do not, `check` raises `SpecMismatch` and the run starts again with
+transformers' spec, so what is written always comes from transformers' reading of the directory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from megatrain_ray.data.prepare.chat_render import TokenizerSpec, spec_from_tokenizer
+from megatrain_ray.data.prepare.tokenize import Job, Result, Tokenizer, load_tokenizer, process_chunk
+from megatrain_ray.exceptions import DataError
+
+IN_FLIGHT_PER_WORKER = 4
+"""Chunks submitted and not yet taken, per worker: memory stays bounded whatever the input size, and a worker
+has chunks queued while this process waits for a core."""
+
+
+class SpecMismatch(Exception):
+    """The directory's files spell a tokenizer or template other than transformers loads: redo with `spec`."""
+
+    def __init__(self, spec: TokenizerSpec, vocab_size: int):
+        super().__init__("the tokenizer files differ from transformers' reading of them")
+        self.spec, self.vocab_size = spec, vocab_size
+
+
+def exact_spec(directory: str) -> tuple[TokenizerSpec, int]:
+    """transformers' own spec and vocabulary size of `directory` (what SpecCheck's process runs)."""
+    tok = load_tokenizer(directory)
+    return spec_from_tokenizer(tok), len(tok)
+
+
+class SpecCheck:
+    """exact_spec(directory) in a process of its own: the import of transformers and torch and the load take
+    seconds of CPU, which neither this process's thread feeding the workers nor the workers wait for."""
+
+    def __init__(self, directory: str, context: Any):
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.pool = ProcessPoolExecutor(1, mp_context=context)
+        self.future = self.pool.submit(exact_spec, directory)
+
+    def result(self, wait: bool) -> tuple[TokenizerSpec, int] | None:
+        if not (wait or self.future.done()):
+            return None
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return self.future.result()
+        except BrokenProcessPool:
+            raise DataError("the process loading the tokenizer with transformers died (out of memory?)") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Tokenizing:
+    """Each chunk's results in input order: here (one worker), or from `workers` forked-from-a-forkserver
+    processes with at most IN_FLIGHT_PER_WORKER chunks each in flight, so memory does not grow with the input.
+
+    spec: what the workers tokenize chat records with; None: transformers' tokenizer, loaded in each worker
+    (text and preference formats). vocab_size None with a spec: the spec is the files' and is checked."""
+
+    def __init__(self, directory: str, job: Job, workers: int, spec: TokenizerSpec | None = None,
+                 vocab_size: int | None = None):
+        self.job, self.workers, self.pool, self.tok = job, workers, None, None
+        self.spec, self.vocab_size, self.check_spec = spec, vocab_size, None
+        if workers <= 1:
+            self.tok = Tokenizer(directory, spec)
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        from megatrain_ray.data.prepare import worker  # lazy: importing it turns tokenizer threads off
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(worker.FORKSERVER_PRELOAD)
+        if spec is None:
+            os.environ[worker.TOKENIZER_ENV] = directory  # read once, by the forkserver as it starts
+        self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=worker.init_worker,
+                                        initargs=(directory, job, os.getpid(), spec))
+        if spec is not None and vocab_size is None:
+            self.check_spec = SpecCheck(directory, context)
+
+    def has_template(self) -> bool:
+        """Whether chat records can be rendered: known at once where the workers have a spec."""
+        return self.spec.has_template if self.spec is not None else self.info()[1]
+
+    def info(self) -> tuple[int, bool]:
+        """(vocabulary size, has a chat template); waits for the spec check, and raises SpecMismatch."""
+        if self.tok is not None:
+            return self.tok.info()
+        if self.spec is not None:
+            self.check(wait=True)
+            assert self.vocab_size is not None
+            return self.vocab_size, self.spec.has_template
+        from megatrain_ray.data.prepare import worker  # lazy: only with worker processes
+
+        try:
+            return self._result(self.pool.submit(worker.info))
+        finally:
+            os.environ.pop(worker.TOKENIZER_ENV, None)
+
+    def check(self, wait: bool = False) -> None:
+        """Raises SpecMismatch once the spec check finds transformers' spec other than the workers' one."""
+        if self.check_spec is None:
+            return
+        result = self.check_spec.result(wait)
+        if result is None:
+            return
+        self.check_spec = None
+        spec, vocab_size = result
+        if spec != self.spec:
+            raise SpecMismatch(spec, vocab_size)
+        self.vocab_size = vocab_size
+
+    def results(self, work_chunks: Iterable[list]) -> Iterator[list[Result]]:
+        if self.tok is not None:
+            for chunk in work_chunks:
+                yield process_chunk(self.tok, self.job, chunk)
+            return
+        from megatrain_ray.data.prepare import worker  # lazy: only with worker processes
+
+        pending: deque = deque()
+        for chunk in work_chunks:
+            pending.append(self.pool.submit(worker.work, chunk))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * self.workers:
+                yield self._result(pending.popleft())
+        while pending:
+            yield self._result(pending.popleft())
+
+    @staticmethod
+    def _result(future: Any) -> Any:
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            raise DataError("a tokenizing worker process died (out of memory?); try fewer --workers") from None
+
+    def close(self) -> None:
+        if self.check_spec is not None:
+            self.check_spec.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
