@@ -2,7 +2,7 @@
 
     python benchmarks/attention_backends.py [--seq-lens 8192,65536,262144] [--heads 32] [--kv-heads 8]
 
-The layers call SDPA without choosing a kernel (model/templates.py `_causal_attention`: is_causal, GQA
+The layers call SDPA without choosing a kernel (model/attention.py `_causal_attention`: is_causal, GQA
 inside the kernel), so torch picks one by its priority. This runs the same call, shapes and dtype as an
 8B-width layer (bf16, head_dim 128) under each kernel forced in turn (`sdpa_kernel`): the default pick,
 FlashAttention, cuDNN, memory-efficient. Per point: median milliseconds of forward + backward over
@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from benchmarks.common import provenance, write_result  # noqa: E402
-from megatrain_ray.model.templates import LayerSpec, _causal_attention  # noqa: E402
+from megatrain_ray.model.attention import _causal_attention  # noqa: E402
+from megatrain_ray.model.layer_spec import LayerSpec  # noqa: E402
 
 KERNELS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION}

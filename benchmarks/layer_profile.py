@@ -28,9 +28,11 @@ def main() -> int:
 
     from megatrain_ray.config.load import load_config
     from megatrain_ray.dtypes import TORCH_DTYPES
+    from megatrain_ray.model.layer_spec import LayerSpec
     from megatrain_ray.model.layout import build_layout
     from megatrain_ray.model.moe import RouterRecord
-    from megatrain_ray.model.templates import LayerSpec, bind, decoder_layer, decoder_layer_backward, rope_tables
+    from megatrain_ray.model.rope import rope_tables
+    from megatrain_ray.model.templates import bind, decoder_layer, decoder_layer_backward
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)

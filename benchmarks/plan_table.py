@@ -133,7 +133,7 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
 
 LEAN_LAYER_SINCE = "2026-11-23T18:15:00+00:00"
 """From when the measured GPU peaks are those of the engine the plan counts: eager layers whose norms keep
-no float32 copy and whose attention keeps k and v at their own width (model/templates.py). Eager rows
+no float32 copy and whose attention keeps k and v at their own width (model/norms.py, model/attention.py). Eager rows
 measured before kept more; compiled rows of models without GQA were not affected."""
 
 

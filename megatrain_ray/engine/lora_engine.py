@@ -34,9 +34,9 @@ from megatrain_ray.engine.resident_base import ResidentBase
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.engine.weights import WeightSlot
 from megatrain_ray.messages import Batch, StepResult
+from megatrain_ray.model.head import HeadResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.lora import SAVED_MODULES, is_adapter, layer_dropout_seed, saved_names
-from megatrain_ray.model.templates import HeadResult
 from megatrain_ray.store.segments import HostStore
 
 

@@ -47,25 +47,15 @@ from megatrain_ray.engine.telemetry import StepTelemetry, UpdateTrace
 from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
 from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
+from megatrain_ray.model.attention import DocumentBucket, document_buckets
 from megatrain_ray.model.generic_template import GenericTemplate, run_layer
+from megatrain_ray.model.head import HeadResult, HeadSpec, head_logits, head_loss_and_grads
+from megatrain_ray.model.layer_spec import layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
 from megatrain_ray.model.preference import preference_eval_loss, preference_logps, preference_loss_and_grads
-from megatrain_ray.model.templates import (
-    DocumentBucket,
-    HeadResult,
-    HeadSpec,
-    decoder_layer,
-    decoder_layer_backward,
-    document_buckets,
-    embed,
-    embed_scale,
-    head_logits,
-    head_loss_and_grads,
-    layer_specs,
-    rope_tables,
-    uses_long_factors,
-)
+from megatrain_ray.model.rope import rope_tables, uses_long_factors
+from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
 from megatrain_ray.store.segments import HostStore
 
 

@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from megatrain_ray.config.hf_generic import GenericArchitecture, UnsupportedModelError, build_architecture
 from megatrain_ray.config.sections import ModelConfig
-from megatrain_ray.model.templates import HeadResult, HeadSpec, head_loss_and_grads
+from megatrain_ray.model.head import HeadResult, HeadSpec, head_loss_and_grads
 
 LayerInputs = tuple[tuple[Any, ...], dict[str, Any]]
 """What the model's forward passes a decoder layer besides the hidden states: positional and keyword arguments."""
@@ -238,7 +238,7 @@ class GenericTemplate:
     def head_loss(self, x: torch.Tensor, head_w: Mapping[str, torch.Tensor], embed_w: torch.Tensor,
                   labels: torch.Tensor, n_valid: int, chunk_tokens: int,
                   grad_lm_acc: torch.Tensor | None) -> tuple[HeadResult, dict[str, torch.Tensor]]:
-        """The chunked loss (templates.head_loss_and_grads) after the model's own final norm; the logit factor
+        """The chunked loss (head.head_loss_and_grads) after the model's own final norm; the logit factor
         is folded into the normed states (logits = (s h) W^T). Returns the result and the head stage's
         gradients by name: the norm's, and grad_lm_acc for an untied LM head (none without grad_lm_acc)."""
         with_grads = grad_lm_acc is not None

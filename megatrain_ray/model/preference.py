@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.messages import IGNORE_INDEX, PreferenceRows
-from megatrain_ray.model.templates import HeadResult, HeadSpec, _norm_dtype, rms_norm
+from megatrain_ray.model.head import HeadResult, HeadSpec
+from megatrain_ray.model.norms import norm_dtype, rms_norm
 
 LOSS_TYPES = ("sigmoid", "robust")
 
@@ -92,7 +93,7 @@ def sequence_logps(normed: torch.Tensor, lm_weight: torch.Tensor, labels: torch.
     output, [rows, seq_len, hidden]), in float32 (float64 when the model computes in it)."""
     rows, seq_len, hidden = normed.shape
     flat, flat_labels = normed.reshape(-1, hidden), labels.reshape(-1)
-    dtype = _norm_dtype(normed.dtype)
+    dtype = norm_dtype(normed.dtype)
     out = torch.zeros(rows, dtype=dtype, device=normed.device)
     for start in range(0, flat.shape[0], chunk_tokens):
         lab = flat_labels[start:start + chunk_tokens]
@@ -121,7 +122,7 @@ def preference_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_wei
                               labels: torch.Tensor, pref: PreferenceRows, spec: HeadSpec, chunk_tokens: int,
                               grad_lm_acc: torch.Tensor | None) -> PreferenceHeadResult:
     """The DPO loss of the batch's pairs and its gradients (x, the final norm's weight, the LM head into
-    `grad_lm_acc`), the DPO counterpart of templates.head_loss_and_grads; see the module docstring.
+    `grad_lm_acc`), the DPO counterpart of head.head_loss_and_grads; see the module docstring.
     `grad_lm_acc=None` (a frozen head, LoRA): the gradient of x only."""
     rows, seq_len, hidden = x.shape
     if rows != pref.reference_logps.shape[0] or rows % 2:

@@ -31,7 +31,7 @@ LORA_ADAPTERS = "LoRA adapters (fp32, grads, AdamW)"
 
 def input_grad_head_bytes(chunk: int, vocab: int, compute_b: int) -> int:
     """The loss head's chunk tensors at their peak when only the input's gradient is formed
-    (templates.head_loss_and_grads with input_grad_only): the larger of the logsumexp's float32 temporary beside
+    (head.head_loss_and_grads with input_grad_only): the larger of the logsumexp's float32 temporary beside
     the chunk's float32 logits, and those logits turned into their gradient beside its copy in the compute
     dtype. No [vocab, hidden] product."""
     grad_copy = compute_b if compute_b != 4 else 0

@@ -197,7 +197,8 @@ def test_gqa_attention_runs_in_flash_attention_without_repeating_k_and_v():
     keeps, which must hold k and v at their own width."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megatrain_ray.model.templates import LayerSpec, _causal_attention
+    from megatrain_ray.model.attention import _causal_attention
+    from megatrain_ray.model.layer_spec import LayerSpec
 
     spec = LayerSpec(32, 8, 128, 1e-5, qk_norm=False, attention_bias=False, sliding_window=0)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -291,7 +291,8 @@ def test_document_attention_equals_attention_on_each_document_alone(window):
     gradients), with GQA, documents of many lengths, and a sliding window shorter than some of them."""
     import torch.nn.functional as F
 
-    from megatrain_ray.model.templates import LayerSpec, attention, document_buckets
+    from megatrain_ray.model.attention import attention, document_buckets
+    from megatrain_ray.model.layer_spec import LayerSpec
 
     spec = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=8, eps=1e-6, qk_norm=False, attention_bias=False,
                      sliding_window=window)

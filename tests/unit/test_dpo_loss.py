@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.messages import IGNORE_INDEX, PreferenceRows
+from megatrain_ray.model.head import HeadSpec
+from megatrain_ray.model.norms import rms_norm
 from megatrain_ray.model.preference import dpo_loss_and_row_grads, preference_logps, preference_loss_and_grads
-from megatrain_ray.model.templates import HeadSpec, rms_norm
 from tests.reference_dpo import trl_loss
 
 pytest.importorskip("trl")

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from megatrain_ray.config.load import load_config
-from megatrain_ray.model import templates
-from megatrain_ray.model.templates import LayerSpec, decoder_layer, decoder_layer_backward, document_buckets
+from megatrain_ray.model import norms
+from megatrain_ray.model.attention import document_buckets
+from megatrain_ray.model.layer_spec import LayerSpec
+from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.memory import GiB, plan_run
 from tests.conftest import saved_storage_bytes, tiny_raw
@@ -97,15 +99,15 @@ def test_lean_rms_norm_gradients_equal_plain_autograd(monkeypatch, shape, plus_o
     """The norm's own backward (rows in ragged slices: 40 elements a slice) against autograd through the
     plain operations, in float64; and in bfloat16 the same forward bit for bit, gradients to rounding.
     plus_one: Gemma's (1 + w) scaling, multiplied in float32 before the cast."""
-    monkeypatch.setattr(templates, "NORM_BACKWARD_ELEMENTS", 40)
+    monkeypatch.setattr(norms, "NORM_BACKWARD_ELEMENTS", 40)
     gen = torch.Generator().manual_seed(1)
     for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2e-2)):
         x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype).requires_grad_(True)
         w = (torch.randn(shape[-1], generator=gen, dtype=torch.float64) + 1).to(dtype).requires_grad_(True)
         grad = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-        lean = templates.rms_norm(x, w, 1e-6, plus_one)
+        lean = norms.rms_norm(x, w, 1e-6, plus_one)
         assert lean.grad_fn is not None and "LeanRMSNorm" in type(lean.grad_fn).__name__
-        plain = templates._plain_rms_norm(x, w, 1e-6, plus_one)
+        plain = norms._plain_rms_norm(x, w, 1e-6, plus_one)
         assert torch.equal(lean, plain)
         got = torch.autograd.grad(lean, (x, w), grad)
         want = torch.autograd.grad(plain, (x, w), grad)
@@ -128,8 +130,8 @@ def test_lean_rms_norm_keeps_only_its_input_and_a_scale_per_row():
         return sum(seen.values())
 
     rows = 4 * 64
-    assert saved_bytes(templates.rms_norm) == x.numel() * 2 + 32 * 2 + rows * 4
-    assert saved_bytes(templates._plain_rms_norm) >= x.numel() * (4 + 2)
+    assert saved_bytes(norms.rms_norm) == x.numel() * 2 + 32 * 2 + rows * 4
+    assert saved_bytes(norms._plain_rms_norm) >= x.numel() * (4 + 2)
 
 
 def _long_config(layers: int, seq: int, offload="auto"):

@@ -1,0 +1,108 @@
+"""Causal attention of a decoder layer: through SDPA (GQA inside the kernel, sliding windows), explicit for
+soft-capped scores (Gemma 2), and per document for packed rows (documents bucketed by length)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatrain_ray.model.layer_spec import LayerSpec
+
+
+def _sliding_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    return (j <= i) & (i - j < window)
+
+
+Segments = tuple[tuple[int, ...], ...]
+"""Per row of a packed batch, the lengths of its documents in order (they sum to the row length)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentBucket:
+    """Documents of about the same length, attended to as one padded SDPA batch."""
+
+    rows: torch.Tensor
+    """[n, 1] batch row of each document."""
+    positions: torch.Tensor
+    """[n, width] position in its row of each slot; padding repeats the document's last token."""
+    valid: torch.Tensor
+    """[n, width] True for the document's own tokens, False for padding."""
+
+
+def document_buckets(segments: Segments, device: torch.device) -> tuple[DocumentBucket, ...]:
+    """Group the documents of a packed batch by the power of two at or above their length: attention then
+    costs one SDPA call per bucket (O(log seq_len) per layer, at most twice the work of exact lengths),
+    not one per document and never a seq_len x seq_len mask. Built once per step, reused by every layer."""
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for row, lengths in enumerate(segments):
+        start = 0
+        for length in lengths:
+            groups.setdefault(1 << (length - 1).bit_length(), []).append((row, start, length))
+            start += length
+    buckets = []
+    for width, docs in sorted(groups.items()):
+        table = torch.tensor(docs, dtype=torch.int64).to(device, non_blocking=True)
+        rows, starts, lengths = table[:, :1], table[:, 1:2], table[:, 2:]
+        offsets = torch.arange(width, device=device)[None, :]
+        buckets.append(DocumentBucket(rows, starts + torch.minimum(offsets, lengths - 1), offsets < lengths))
+    return tuple(buckets)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,
+              documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
+    """Causal attention; with `documents` (packed rows), causal within each document and never across.
+
+    Each document is gathered into a padded batch of its bucket; padding follows the document's tokens,
+    so causal attention never lets a real token see it, and its outputs are dropped.
+    """
+    if documents is None:
+        return _causal_attention(q, k, v, spec)
+    out = torch.empty_like(q)
+    for bucket in documents:
+        def gather(t: torch.Tensor, bucket: DocumentBucket = bucket) -> torch.Tensor:
+            return t[bucket.rows, :, bucket.positions].transpose(1, 2)  # [n, heads, width, head_dim]
+
+        per_doc = _causal_attention(gather(q), gather(k), gather(v), spec).transpose(1, 2)  # [n, width, H, D]
+        rows = bucket.rows.expand_as(bucket.positions)[bucket.valid]
+        out[rows, :, bucket.positions[bucket.valid]] = per_doc[bucket.valid]
+    return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """Causal attention through SDPA (flash on GPU); q: [B, H, T, D], k and v: [B, H_kv, T, D]."""
+    seq_len = q.shape[2]
+    # GQA inside the kernel: k and v are never repeated to q's heads, so autograd keeps them at their own
+    # width (flash attention takes the groups as they are; tests/gpu/test_gpu.py forces it to show so).
+    gqa = spec.num_kv_heads != spec.num_heads
+    scale = spec.scale or spec.head_dim ** -0.5
+    if spec.softcap:
+        return _softcapped_attention(q, k, v, spec, scale)
+    if spec.sliding_window and seq_len > spec.sliding_window:
+        mask = _sliding_mask(seq_len, spec.sliding_window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,
+                          scale: float) -> torch.Tensor:
+    """Attention whose scores are soft-capped, cap * tanh(score / cap), before the mask and softmax (Gemma 2):
+    SDPA cannot do it, so explicit products over a [B, H, T, T] score tensor, as transformers' eager path
+    (k and v repeated to q's heads, the softmax in float32). Memory grows with T^2: for long sequences the
+    planner's attention estimate does not hold."""
+    groups = spec.num_heads // spec.num_kv_heads
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    seq_len = q.shape[2]
+    if spec.sliding_window and seq_len > spec.sliding_window:
+        allowed = _sliding_mask(seq_len, spec.sliding_window, q.device)
+    else:
+        allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -1,0 +1,55 @@
+"""The static facts a decoder layer's templates need (LayerSpec), one per layer, derived from the model config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.model.moe import MoeSpec
+from megatrain_ray.model.rope import uses_local_rope
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """The static facts a decoder layer template needs (derived from ModelConfig)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    qk_norm: bool
+    attention_bias: bool
+    sliding_window: int
+    """This layer's window (0: full causal attention)."""
+    gemma: bool = False
+    """Gemma's layer: (1 + weight) norms, post-attention and pre/post-feedforward norms, GeLU-tanh MLP."""
+    scale: float = 0.0
+    """The factor on q.k (0: head_dim ** -0.5)."""
+    softcap: float = 0.0
+    """Attention logit soft-cap, cap * tanh(score / cap) (0: off; on: explicit attention, not SDPA)."""
+    local_rope: bool = False
+    """The layer takes the local RoPE tables (Gemma 3's sliding layers)."""
+    lora_scaling: float = 0.0
+    """The factor on the LoRA adapters' output where adapters are bound (model/lora.py project)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (finetune.lora.lora_dropout), applied where lora_seed >= 0."""
+    lora_seed: int = -1
+    """This layer's dropout seed in this training step (model/lora.dropout_mask draws every mask from it, in the
+    forward and again in the recompute); -1: no dropout (evaluation)."""
+    moe: MoeSpec | None = None
+    """A mixture-of-experts layer's router and experts (model/moe.py); None: a dense MLP."""
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
+        """The spec of decoder layer `layer` (from 0): Gemma's layers differ in window and RoPE by layer_types."""
+        slides = cfg.layer_slides(layer)
+        return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.rms_norm_eps,
+                   cfg.qk_norm, cfg.attention_bias, cfg.sliding_window if slides else 0, gemma=cfg.is_gemma,
+                   scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping,
+                   local_rope=slides and uses_local_rope(cfg),
+                   moe=MoeSpec.from_config(cfg) if cfg.layer_is_moe(layer) else None)
+
+
+def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    """One spec per decoder layer (equal objects where the layers are alike)."""
+    return tuple(LayerSpec.from_config(cfg, i) for i in range(cfg.num_layers))
