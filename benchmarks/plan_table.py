@@ -161,7 +161,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "measured_points.json"
 TRACES = {"gpu-memory-peak-h200-20261123-182011.json": ("4",), "gpu-memory-peak-h200-20261123-181853.json": ("8",),
           "gpu-memory-peak-h200-20261123-181932.json": ("8",)}
 """The GPU traces the plan's activation terms come from, and the depths the tests plan."""
-ENGINE_SITES = ("stream_engine.py", "engine/step.py", "activations.py", "rope_tables")
+ENGINE_SITES = ("stream_engine.py", "engine/step.py", "activations.py", "rope_tables", "engine/rope_cache.py")
 """Allocation sites of the engine's own buffers, the layer input coming back and RoPE's tables: the activations
 of a trace are every other live byte at the peak."""
 ROW_FIGURES = ("tokens_per_step", "gpus", "compute_seconds", "gpu_busy", "optimizer_gparams_per_s", "d2h_gbps_link")

@@ -23,8 +23,9 @@ its piece of the sum, and only the node's first rank orders updates. With one ra
 The parts: weights in (engine/weights.py), gradients out (engine/grads.py), updates ordered
 (engine/updates.py), the stages kept whole on the device (engine/resident.py, engine.gpu_resident: no
 copies, their update on the device at the streamed stages' point of the step), the step's measurements
-(engine/telemetry.py). This class computes and wires them; the settings derived from the config are
-resolved here, once, and handed to them.
+(engine/telemetry.py), the RoPE tables (engine/rope_cache.py); the passes without gradients (logits, evaluation
+loss, DPO's reference log-probabilities) are its base class's (engine/forward_only.py). This class computes and
+wires them; the settings derived from the config are resolved here, once, and handed to them.
 """
 
 from __future__ import annotations
@@ -39,27 +40,28 @@ from megatrain_ray.config.sections import EngineConfig, ModelConfig, OptimizerCo
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals
+from megatrain_ray.engine.forward_only import ForwardOnlyPasses
 from megatrain_ray.engine.grads import GradientSink
 from megatrain_ray.engine.resident import ResidentTier
+from megatrain_ray.engine.rope_cache import RopeCache
 from megatrain_ray.engine.router_aux import RouterAux
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.engine.telemetry import StepTelemetry, UpdateTrace
 from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
-from megatrain_ray.messages import IGNORE_INDEX, Batch, StepResult
+from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.attention import DocumentBucket, document_buckets
 from megatrain_ray.model.generic_template import GenericTemplate, run_layer
-from megatrain_ray.model.head import HeadResult, HeadSpec, head_logits, head_loss_and_grads
+from megatrain_ray.model.head import HeadResult, HeadSpec, head_loss_and_grads
 from megatrain_ray.model.layer_spec import layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
-from megatrain_ray.model.preference import preference_eval_loss, preference_logps, preference_loss_and_grads
-from megatrain_ray.model.rope import rope_tables, uses_long_factors
+from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
 from megatrain_ray.store.segments import HostStore
 
 
-class StreamEngine:
+class StreamEngine(ForwardOnlyPasses):
     def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
                  run: RunSpec, layout: ModelLayout, store: HostStore, optimizers: list[Any], device: torch.device,
                  rank: RankInfo | None = None):
@@ -121,7 +123,7 @@ class StreamEngine:
         self._comm: Collectives | None = None
         self._nan_armed = False
         """Fault drill `nan_grad` armed for the next train_step (arm_nan_grad)."""
-        self._rope_cache: dict[tuple[int, bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rope_cache = RopeCache(model, self.specs, device, self.compute_dtype)
         # Pinned host buffers of offloaded layer inputs live as long as the engine: allocated once.
         self.activations = ActivationStash(self.streams, self.offload, len(layout.layers), self.telemetry.copied)
 
@@ -206,27 +208,6 @@ class StreamEngine:
 
     # ------------------------------------------------------------------ forward
 
-    def _rope(self, seq_len: int, positions: torch.Tensor | None) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """RoPE tables for positions 0..seq_len-1, or gathered per row for packed documents, by
-        LayerSpec.local_rope (Gemma 3's sliding layers have their own). LongRoPE takes its long factors when
-        the longest position is past the original context (as transformers given these position ids): for
-        packed rows, by their longest document."""
-        context = seq_len
-        if positions is not None and uses_long_factors(self.model_cfg, seq_len):
-            context = int(positions.max()) + 1  # host positions of the batch: no device sync
-        if positions is not None:
-            positions = positions.to(self.device, non_blocking=True)
-        tables = {}
-        for local in {spec.local_rope for spec in self.specs}:
-            key = (seq_len, uses_long_factors(self.model_cfg, context) and not local, local)
-            if key not in self._rope_cache:
-                self._rope_cache[key] = rope_tables(self.model_cfg, seq_len, self.device, self.compute_dtype, key[1],
-                                                    local)
-            cos, sin = self._rope_cache[key]
-            tables[local] = (cos, sin) if positions is None else (cos[positions].unsqueeze(1),
-                                                                  sin[positions].unsqueeze(1))
-        return tables
-
     def _layer(self, x: torch.Tensor, documents: Any) -> Any:
         """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
         runs in one piece, else the eager function."""
@@ -247,7 +228,7 @@ class StreamEngine:
             rope, embed_w = self.generic.layer_inputs(*ids.shape), self.generic.embed_matrix(embed_bound)
             x = self.generic.embed(ids, embed_bound)
         else:
-            rope, embed_w = self._rope(ids.shape[1], batch.positions), self._embed_weight(embed_bound)
+            rope, embed_w = self.rope_cache.tables(ids.shape[1], batch.positions), self._embed_weight(embed_bound)
             x = embed(ids, embed_w, self.embed_scale)
         x = self._forward_layers(x, rope, documents, keep)
         return x, embed_slot, embed_w, rope, documents
@@ -438,65 +419,6 @@ class StreamEngine:
         self.resident.apply_deferred(coef, not skipped, self.updates.lr, self.updates.adam_step)
         return skipped
 
-    # ------------------------------------------------------------------ without gradients
-
-    @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Full logits of a small batch through the same layer stream (tests, small inputs)."""
-        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
-            if self.generic is not None:
-                return self.generic.head_logits(x, head_w, embed_w).float().cpu()
-            return head_logits(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w),
-                               self.head_spec).float().cpu()
-
-        return self._forward_only(Batch(ids, torch.full_like(ids, IGNORE_INDEX)), head)
-
-    @torch.no_grad()
-    def eval_loss(self, batch: Batch) -> tuple[float, int]:
-        """Mean loss over the batch's loss tokens, and their number, without gradients or updates (DPO: the mean
-        loss over the batch's pairs, and their number)."""
-        n_valid = max(1, batch.loss_tokens)
-        labels = batch.labels.to(self.device, non_blocking=True)
-        if batch.preference is not None:
-            def dpo(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
-                return preference_eval_loss(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
-                                            batch.preference, self.head_spec, self.engine_cfg.loss_chunk_tokens)
-
-            return float(self._forward_only(batch, dpo)), batch.input_ids.shape[0] // 2
-
-        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
-            if self.generic is not None:
-                return self.generic.head_loss(x, head_w, embed_w, labels, n_valid, self.engine_cfg.loss_chunk_tokens,
-                                              None)[0].loss_sum
-            return head_loss_and_grads(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
-                                       n_valid, self.head_spec, self.engine_cfg.loss_chunk_tokens,
-                                       grad_lm_acc=None).loss_sum
-
-        return float(self._forward_only(batch, head)), batch.loss_tokens
-
-    @torch.no_grad()
-    def sequence_logps(self, batch: Batch) -> torch.Tensor:
-        """[rows] float64 sums of each row's label log-probabilities (labels != -100), forward only: DPO's
-        reference pass over the initial weights."""
-        labels = batch.labels.to(self.device, non_blocking=True)
-
-        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
-            return preference_logps(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
-                                    self.head_spec, self.engine_cfg.loss_chunk_tokens).double().cpu()
-
-        return self._forward_only(batch, head)
-
-    def _forward_only(self, batch: Batch, head: Any) -> Any:
-        """The forward of train_step (same stream, same templates) with `head(x, head_weights, embed_w)` at the end."""
-        self._begin(training=False)
-        x, embed_slot, embed_w, _, _ = self._forward(batch.input_ids.to(self.device), batch, None)
-        head_w = self.weights.bind(self.layout.head, self.weights.head_slot)
-        out = head(x, head_w, embed_w)
-        self.weights.release(self.weights.head_slot)
-        self.weights.release(embed_slot)
-        self.weights.end_step()
-        return out
-
     def flush(self) -> float:
         """Wait for every ordered update; returns the optimizer seconds they took."""
         return self.updates.flush()
@@ -512,5 +434,5 @@ class StreamEngine:
             self.grads.close()
         self.resident.close()
         self.vocab_acc = None
-        self._rope_cache.clear()
+        self.rope_cache.clear()
         self.activations.release()

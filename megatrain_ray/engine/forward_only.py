@@ -1,0 +1,74 @@
+"""The layer stream's passes without gradients: full logits, the evaluation loss, and DPO's reference
+log-probabilities, each the forward of a training step with its own head at the end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatrain_ray.messages import IGNORE_INDEX, Batch
+from megatrain_ray.model.head import head_logits, head_loss_and_grads
+from megatrain_ray.model.preference import preference_eval_loss, preference_logps
+
+
+class ForwardOnlyPasses:
+    """A base of StreamEngine: these passes run its forward (`_forward`, `_begin`), read its weights, head spec,
+    generic template and engine config, and update nothing."""
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full logits of a small batch through the same layer stream (tests, small inputs)."""
+        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+            if self.generic is not None:
+                return self.generic.head_logits(x, head_w, embed_w).float().cpu()
+            return head_logits(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w),
+                               self.head_spec).float().cpu()
+
+        return self._forward_only(Batch(ids, torch.full_like(ids, IGNORE_INDEX)), head)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        """Mean loss over the batch's loss tokens, and their number, without gradients or updates (DPO: the mean
+        loss over the batch's pairs, and their number)."""
+        n_valid = max(1, batch.loss_tokens)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        if batch.preference is not None:
+            def dpo(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+                return preference_eval_loss(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                            batch.preference, self.head_spec, self.engine_cfg.loss_chunk_tokens)
+
+            return float(self._forward_only(batch, dpo)), batch.input_ids.shape[0] // 2
+
+        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+            if self.generic is not None:
+                return self.generic.head_loss(x, head_w, embed_w, labels, n_valid, self.engine_cfg.loss_chunk_tokens,
+                                              None)[0].loss_sum
+            return head_loss_and_grads(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                       n_valid, self.head_spec, self.engine_cfg.loss_chunk_tokens,
+                                       grad_lm_acc=None).loss_sum
+
+        return float(self._forward_only(batch, head)), batch.loss_tokens
+
+    @torch.no_grad()
+    def sequence_logps(self, batch: Batch) -> torch.Tensor:
+        """[rows] float64 sums of each row's label log-probabilities (labels != -100), forward only: DPO's
+        reference pass over the initial weights."""
+        labels = batch.labels.to(self.device, non_blocking=True)
+
+        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+            return preference_logps(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                    self.head_spec, self.engine_cfg.loss_chunk_tokens).double().cpu()
+
+        return self._forward_only(batch, head)
+
+    def _forward_only(self, batch: Batch, head: Any) -> Any:
+        """The forward of train_step (same stream, same templates) with `head(x, head_weights, embed_w)` at the end."""
+        self._begin(training=False)
+        x, embed_slot, embed_w, _, _ = self._forward(batch.input_ids.to(self.device), batch, None)
+        head_w = self.weights.bind(self.layout.head, self.weights.head_slot)
+        out = head(x, head_w, embed_w)
+        self.weights.release(self.weights.head_slot)
+        self.weights.release(embed_slot)
+        self.weights.end_step()
+        return out
