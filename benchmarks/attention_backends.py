@@ -8,7 +8,7 @@ inside the kernel), so torch picks one by its priority. This runs the same call,
 FlashAttention, cuDNN, memory-efficient. Per point: median milliseconds of forward + backward over
 --repeats, the peak of torch's allocations above the inputs (what the layer's backward adds), and the
 output's and gradients' largest relative error against the flash kernel; a kernel that cannot take the
-shape records its error. Long-context memory in megatrain_ray/planning/memory.py counts the allocations of
+shape records its error. Long-context memory in megatrain_ray/planning/gpu_memory.py counts the allocations of
 FlashAttention-2's backward; this says whether the kernel torch picks makes the same.
 
 Output: benchmarks/results/attention-backends-<device>-<time>.json (device, commit, one row per point).

@@ -28,7 +28,8 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.config.resolved import RunSpec  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.planning.machine import Machine  # noqa: E402
-from megatrain_ray.planning.memory import GiB, plan_run  # noqa: E402
+from megatrain_ray.planning.memory import plan_run  # noqa: E402
+from megatrain_ray.units import GiB  # noqa: E402
 
 
 def timed_run(cfg) -> dict:

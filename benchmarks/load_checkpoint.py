@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.common import provenance, write_result
 from megatrain_ray.config.load import load_config
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.hf_io import export_hf
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.observe.metrics import rss_anon_bytes

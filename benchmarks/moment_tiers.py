@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from benchmarks.common import provenance, write_result
-from megatrain_ray.config.sections import OptimizerConfig
+from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.optim.adamw import FlatAdamW
 from megatrain_ray.store.disk_tier import (
     MOMENT_KINDS,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from benchmarks.common import provenance, write_result
-from megatrain_ray.config.sections import OptimizerConfig
+from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.observe.plot import Line, line_chart
 from megatrain_ray.optim.adamw import FlatAdamW, split_span
 from megatrain_ray.store.segments import SegmentSpec, create_segment, map_segment, unlink_segment

@@ -39,8 +39,10 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.config.resolved import RunSpec  # noqa: E402
 from megatrain_ray.config.sections import Config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
+from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES  # noqa: E402
 from megatrain_ray.planning.machine import Machine  # noqa: E402
-from megatrain_ray.planning.memory import GPU_RESERVE_BYTES, Plan, plan_run  # noqa: E402
+from megatrain_ray.planning.memory import plan_run  # noqa: E402
+from megatrain_ray.planning.plan import Plan  # noqa: E402
 from megatrain_ray.planning.profiles import (  # noqa: E402
     H100,
     H100_BOX,

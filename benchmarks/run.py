@@ -355,7 +355,7 @@ def adamw_bandwidth_gbs(params: int = 1 << 28, repeats: int = 3) -> float:
     core over `params` fp32 weights with bf16 gradients and copy (28 bytes per parameter)."""
     import torch
 
-    from megatrain_ray.config.sections import OptimizerConfig
+    from megatrain_ray.config.engine_sections import OptimizerConfig
     from megatrain_ray.optim.adamw import FlatAdamW
 
     adamw = FlatAdamW(OptimizerConfig(), torch.float32, threads=os.cpu_count() or 1)

@@ -33,7 +33,8 @@ from megatrain_ray.exceptions import ConfigError, MegatrainError
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.observe.plot import plot_run
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import format_plan, plan_run
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from megatrain_ray.planning.profiles import PRESETS
 from megatrain_ray.store.export import export_weights_dir
 from megatrain_ray.system.topology import detect_topology

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+GiB = 2**30
+
 
 def human_count(n: float) -> str:
     """999 -> '999', 12_345 -> '12.3 K', 593_000 -> '0.6 M', 134_515_008 -> '135 M', 7.6e9 -> '7.6 B'."""

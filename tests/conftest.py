@@ -74,7 +74,7 @@ def tiny_config(tmp_path, **sections):
 @pytest.fixture(scope="module")
 def ray_session():
     """A private local Ray for the module (about 5 s to start on 2 cores)."""
-    from megatrain_ray.config.sections import RuntimeConfig
+    from megatrain_ray.config.engine_sections import RuntimeConfig
     from megatrain_ray.driver.runtime import start_ray
 
     started = start_ray(RuntimeConfig(dashboard=False, object_store_mb=128))

@@ -2,7 +2,7 @@
 
     python -m megatrain_ray.config.docs > docs/config.md
 
-The attribute docstrings in megatrain_ray/config/sections.py are the one source; a test keeps the file current.
+The attribute docstrings of the section classes (megatrain_ray/config/*_section*.py) are the one source; a test keeps the file current.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ import inspect
 import re
 import typing
 
-from megatrain_ray.config import sections as config_module
+from megatrain_ray.config import engine_sections, finetune_section, loop_sections, model_section
 
 SECTIONS = {
-    "model": config_module.ModelConfig, "model.rope_scaling": config_module.RopeScalingConfig,
-    "data": config_module.DataConfig, "optimizer": config_module.OptimizerConfig,
-    "schedule": config_module.ScheduleConfig, "precision": config_module.PrecisionConfig,
-    "engine": config_module.EngineConfig, "host": config_module.HostConfig, "runtime": config_module.RuntimeConfig,
-    "parallel": config_module.ParallelConfig, "train": config_module.TrainConfig,
-    "checkpoint": config_module.CheckpointConfig,
-    "fault": config_module.FaultConfig,
-    "finetune": config_module.FinetuneConfig, "finetune.lora": config_module.LoraConfig,
-    "finetune.dpo": config_module.DPOConfig,
+    "model": model_section.ModelConfig, "model.rope_scaling": model_section.RopeScalingConfig,
+    "data": loop_sections.DataConfig, "optimizer": engine_sections.OptimizerConfig,
+    "schedule": loop_sections.ScheduleConfig, "precision": engine_sections.PrecisionConfig,
+    "engine": engine_sections.EngineConfig, "host": engine_sections.HostConfig, "runtime": engine_sections.RuntimeConfig,
+    "parallel": engine_sections.ParallelConfig, "train": loop_sections.TrainConfig,
+    "checkpoint": loop_sections.CheckpointConfig,
+    "fault": loop_sections.FaultConfig,
+    "finetune": finetune_section.FinetuneConfig, "finetune.lora": finetune_section.LoraConfig,
+    "finetune.dpo": finetune_section.DPOConfig,
 }
 
 
@@ -56,7 +56,8 @@ def _default(f: dataclasses.Field) -> str:
 
 def render() -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `megatrain_ray/config/sections.py` (and the section modules it imports) by `python -m megatrain_ray.config.docs`. "
+             "Generated from the section classes in `megatrain_ray/config/` (model_section.py, loop_sections.py, "
+             "engine_sections.py, finetune_section.py) by `python -m megatrain_ray.config.docs`. "
              "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)

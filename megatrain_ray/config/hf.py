@@ -9,7 +9,7 @@ from typing import Any
 from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
 from megatrain_ray.config.hf_quantization import check_quantization_config
-from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
+from megatrain_ray.config.model_section import ModelConfig, RopeScalingConfig
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 from megatrain_ray.system.files import read_json_object
 

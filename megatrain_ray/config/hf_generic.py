@@ -30,7 +30,7 @@ import torch
 
 from megatrain_ray.config.hf import UnsupportedArchitectureError, model_config_from_hf, read_hf_config
 from megatrain_ray.config.hf_quantization import check_quantization_config
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.exceptions import CheckpointError, excerpt
 from megatrain_ray.observe.log import get_logger
 

@@ -16,8 +16,10 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from megatrain_ray.config.fields import refuse as _fail
 from megatrain_ray.config.hf_generic import model_config_for_template
-from megatrain_ray.config.sections import Config, ModelConfig, _fail, _to_plain
+from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.config.sections import Config, _to_plain
 from megatrain_ray.exceptions import ConfigError, excerpt
 from megatrain_ray.system.files import read_text_file
 from megatrain_ray.system.model_sources import resolve_model_dir

@@ -106,7 +106,7 @@ class RunSpec:
                 nodes: int | None = None) -> "RunSpec":
         """The spec of `cfg` on a machine with `device_type`. `ranks_per_node`: GPUs per node once
         `parallel.gpus: auto` is known (default: the config's count, auto planned as 1). engine.activation_offload
-        auto reads as off here: planning.memory.resolve_run decides it from the GPU's memory."""
+        auto reads as off here: planning.gpu_memory.resolve_run decides it from the GPU's memory."""
         p, e, o = cfg.precision, cfg.engine, cfg.optimizer
         ranks = ranks_per_node if ranks_per_node is not None else \
             (cfg.parallel.gpus // cfg.parallel.nodes if cfg.parallel.gpus != "auto" else 1)
@@ -148,7 +148,7 @@ class RunSpec:
 
 def resident_layer_count(cfg: Config, world: int) -> int:
     """engine.gpu_resident as a number of layers, refused where the tier does not apply (yet). auto reads as
-    none here: planning.memory.resolve_run decides it from the GPU's memory."""
+    none here: planning.gpu_memory.resolve_run decides it from the GPU's memory."""
     choice = cfg.engine.gpu_resident
     count = 0 if choice in ("none", "auto") else int(choice)
     if count == 0:

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain_ray.config.sections import DataConfig, ModelConfig
+from megatrain_ray.config.loop_sections import DataConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.exceptions import ConfigError, DataError, excerpt
 from megatrain_ray.messages import IGNORE_INDEX, Batch
 from megatrain_ray.system.files import contained, read_json_object

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from megatrain_ray.config.sections import Config, parse_drill
+from megatrain_ray.config.loop_sections import parse_drill
+from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ActorFailedError, ConfigError, NonFiniteError
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo
@@ -128,7 +129,7 @@ def monitor_actors(interval_s: float, timeout_s: float, handles: dict[str, Any],
 
 
 class FaultDrills:
-    """The faults fault.drill asks for (megatrain_ray/config/sections.py parse_drill); each fires once
+    """The faults fault.drill asks for (megatrain_ray/config/loop_sections.py parse_drill); each fires once
     per process, at its step."""
 
     def __init__(self, cfg: Config):

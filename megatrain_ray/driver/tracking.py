@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatrain_ray.config.sections import TRACKERS, Config
+from megatrain_ray.config.loop_sections import TRACKERS
+from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError, MegatrainError
 from megatrain_ray.observe.log import get_logger
 

@@ -44,7 +44,8 @@ from megatrain_ray.observe.log import get_logger
 from megatrain_ray.observe.metrics import MetricsWriter, Progress, step_record
 from megatrain_ray.observe.ray_metrics import RayMetrics, ray_metrics_for
 from megatrain_ray.optim.schedule import lr_at
-from megatrain_ray.planning.memory import check_plan, resolve_run
+from megatrain_ray.planning.gpu_memory import resolve_run
+from megatrain_ray.planning.memory import check_plan
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
 from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.lora_export import export_lora

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from megatrain_ray.config.sections import LoraConfig, ModelConfig, OptimizerConfig
+from megatrain_ray.config.engine_sections import OptimizerConfig
+from megatrain_ray.config.finetune_section import LoraConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.lora import initial_adapters, peft_name, peft_saved_name, saved_names
 from megatrain_ray.store.safetensors_io import read_safetensors_into, write_safetensors

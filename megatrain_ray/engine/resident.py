@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.config.resolved import RESIDENT_UPDATE_CHUNK_ELEMS
-from megatrain_ray.config.sections import OptimizerConfig
 from megatrain_ray.engine.grads import _gaps
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import bind

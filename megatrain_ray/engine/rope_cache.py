@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.layer_spec import LayerSpec
 from megatrain_ray.model.rope import rope_tables, uses_long_factors
 

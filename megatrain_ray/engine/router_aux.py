@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.engine.collective import Collectives
 from megatrain_ray.model.moe import RouterRecord, load_balancing_loss
 

@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
+from megatrain_ray.config.engine_sections import EngineConfig, OptimizerConfig, ParallelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.resolved import RunSpec
-from megatrain_ray.config.sections import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals

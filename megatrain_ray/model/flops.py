@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatrain_ray.config.hf_generic import attention_width
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.model.moe import active_fraction
 

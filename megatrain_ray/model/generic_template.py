@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from megatrain_ray.config.hf_generic import GenericArchitecture, UnsupportedModelError, build_architecture
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.head import HeadResult, HeadSpec, head_loss_and_grads
 
 LayerInputs = tuple[tuple[Any, ...], dict[str, Any]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.moe import MoeSpec
 from megatrain_ray.model.rope import uses_local_rope
 

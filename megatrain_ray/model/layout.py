@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatrain_ray.config.hf_generic import architecture
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.moe import moe_mlp_tensors
 
 # Offsets are multiples of this many elements (256 bytes in fp32): vectorised loops and

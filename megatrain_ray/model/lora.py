@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config.sections import Config, LoraConfig, ModelConfig
+from megatrain_ray.config.finetune_section import LoraConfig
+from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.config.sections import Config
 from megatrain_ray.model.lora_moe import param_adapters
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")

@@ -30,7 +30,7 @@ from typing import Literal, Mapping
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 

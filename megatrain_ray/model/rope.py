@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from megatrain_ray.config.sections import ModelConfig, RopeScalingConfig
+from megatrain_ray.config.model_section import ModelConfig, RopeScalingConfig
 from megatrain_ray.model.norms import norm_dtype
 
 

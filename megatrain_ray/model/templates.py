@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.attention import DocumentBucket, attention
 from megatrain_ray.model.head import HeadSpec, head_logits
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megatrain_ray.config.sections import OptimizerConfig
+from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.observe.log import get_logger, warn_once
 from megatrain_ray.optim.kernels import KernelUnavailable, adamw_library

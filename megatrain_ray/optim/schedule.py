@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from megatrain_ray.config.sections import ScheduleConfig
+from megatrain_ray.config.loop_sections import ScheduleConfig
 
 
 def lr_at(step: int, peak_lr: float, total_steps: int, schedule: ScheduleConfig) -> float:

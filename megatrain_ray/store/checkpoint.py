@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.config.load import _build
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger

@@ -20,8 +20,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatrain_ray.config.engine_sections import PrecisionConfig
+from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.load import _build
-from megatrain_ray.config.sections import LoraConfig, ModelConfig, PrecisionConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype

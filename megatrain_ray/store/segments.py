@@ -42,8 +42,8 @@ from typing import Any, Literal
 
 import torch
 
+from megatrain_ray.config.engine_sections import HostConfig
 from megatrain_ray.config.resolved import RunSpec
-from megatrain_ray.config.sections import HostConfig
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.hf_io import HFDirectory, finite_or_refuse

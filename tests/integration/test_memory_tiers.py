@@ -18,9 +18,11 @@ from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import CheckpointError, ConfigError, HostMemoryError
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import GiB, format_plan, plan_run
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from megatrain_ray.store.checkpoint import CheckpointDir
 from megatrain_ray.store.disk_tier import MomentStager
+from megatrain_ray.units import GiB
 from tests.conftest import tiny_config, tiny_raw
 
 Run = namedtuple("Run", "weights exp_avg exp_avg_sq losses misses")

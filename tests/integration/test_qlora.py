@@ -121,7 +121,7 @@ def test_the_host_store_holds_what_the_plan_counts(tmp_path):
     against nf4_stage_bytes summed over the layers independently; the packed layers are NF4, not dense copies."""
     from megatrain_ray.config.resolved import RunSpec
     from megatrain_ray.model.layout import build_layout
-    from megatrain_ray.planning.memory import store_bytes
+    from megatrain_ray.planning.host_memory import store_bytes
     from megatrain_ray.quant.nf4_stage import nf4_stage_bytes
 
     base = make_base(tmp_path / "base", "llama")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_ray.config.sections import OptimizerConfig, ScheduleConfig
+from megatrain_ray.config.engine_sections import OptimizerConfig
+from megatrain_ray.config.loop_sections import ScheduleConfig
 from megatrain_ray.optim.adamw import FlatAdamW, noise_key, round_bf16_stochastic_, rounding_noise, split_span
 from megatrain_ray.optim.schedule import lr_at
 from tests.reference_llama import reference_lr

@@ -62,7 +62,7 @@ def test_megatrain_lora_resident_variant_keeps_the_base_on_the_gpu_where_it_fits
     base, overrides = VARIANTS["megatrain-lora-resident"]
     cfg = load_config(raw=tiny_raw(), overrides=overrides)
     assert base == "megatrain" and cfg.finetune.method == "lora" and cfg.engine.gpu_resident == "auto"
-    assert RunSpec.resolve(cfg).frozen_base  # accepted with LoRA; planning.memory.resolve_run counts the layers
+    assert RunSpec.resolve(cfg).frozen_base  # accepted with LoRA; planning.gpu_memory.resolve_run counts the layers
     explicit = load_config(raw=tiny_raw(), overrides=[*VARIANTS["megatrain-lora"][1], "engine.gpu_resident=2"])
     assert RunSpec.resolve(explicit, device_type="cpu").resident_layers == 2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatrain_ray.config.sections import DataConfig
+from megatrain_ray.config.loop_sections import DataConfig
 from megatrain_ray.data.batches import TokenBatches
 from megatrain_ray.exceptions import DataError
 

@@ -14,7 +14,8 @@ from megatrain_ray.model.attention import document_buckets
 from megatrain_ray.model.layer_spec import LayerSpec
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import GiB, plan_run
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.units import GiB
 from tests.conftest import saved_storage_bytes, tiny_raw
 
 
@@ -177,7 +178,7 @@ def test_offloaded_plan_is_flat_in_depth_and_at_most_linear_in_sequence_length()
 
 
 def test_plan_reports_memory_per_token():
-    from megatrain_ray.planning.memory import format_plan
+    from megatrain_ray.planning.plan_text import format_plan
 
     text = format_plan(_plan(32, 131072, 141, offload=True))
     line = next(ln for ln in text.splitlines() if "activations per token" in ln)

@@ -12,7 +12,8 @@ from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.lora import lora_params
 from megatrain_ray.planning.lora import LORA_ADAPTERS
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import format_plan, plan_run
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, estimate
 from megatrain_ray.units import human_count
 from tests.conftest import REPO, tiny_raw

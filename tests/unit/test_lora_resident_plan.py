@@ -11,8 +11,10 @@ import pytest
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.model.layout import build_layout
+from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES, RESIDENT_MARGIN_BYTES
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import GPU_RESERVE_BYTES, RESIDENT_MARGIN_BYTES, format_plan, plan_run
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from megatrain_ray.planning.speed import estimate, stage_costs
 from tests.unit.test_lora_plan import LAYER_PARAMS, H, L, V, qwen32b_lora
 

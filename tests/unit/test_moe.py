@@ -169,7 +169,8 @@ def test_moe_plan_counts_active_parameters_and_expert_flops():
     from megatrain_ray.config.load import load_config
     from megatrain_ray.model.flops import stage_flops_per_token
     from megatrain_ray.planning.machine import Machine
-    from megatrain_ray.planning.memory import format_plan, plan_run
+    from megatrain_ray.planning.memory import plan_run
+    from megatrain_ray.planning.plan_text import format_plan
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "shapes" / "mixtral-8x7b.yaml")
     layout = build_layout(cfg.model)
@@ -209,7 +210,7 @@ def test_gpt_oss_plan_counts_its_explicit_attention():
     from pathlib import Path
 
     from megatrain_ray.config.load import load_config
-    from megatrain_ray.planning.memory import gpu_bytes
+    from megatrain_ray.planning.gpu_memory import gpu_bytes
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "shapes" / "gpt-oss-20b.yaml")
     run = RunSpec.resolve(cfg)

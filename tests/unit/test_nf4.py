@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.quant.nf4 import (
     ABSMAX_BLOCKSIZE,

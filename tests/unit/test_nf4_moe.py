@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_ray.config.sections import ModelConfig
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.quant import nf4 as nf4_module
 from megatrain_ray.quant.nf4 import _midpoints, _nf4_codes, dequantize_nf4, quantize_nf4, quantize_nf4_pieces

@@ -12,7 +12,8 @@ from megatrain_ray.config.load import load_config
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import format_plan, plan_run
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from megatrain_ray.planning.speed import stage_costs
 from megatrain_ray.quant.nf4_stage import nf4_stage_bytes
 from tests.conftest import REPO, tiny_raw

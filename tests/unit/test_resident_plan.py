@@ -10,14 +10,10 @@ import pytest
 from megatrain_ray.__main__ import main
 from megatrain_ray.config.load import load_config
 from megatrain_ray.model.layout import build_layout
+from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES, RESIDENT_MARGIN_BYTES, resident_bytes
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import (
-    GPU_RESERVE_BYTES,
-    RESIDENT_MARGIN_BYTES,
-    format_plan,
-    plan_run,
-    resident_bytes,
-)
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from megatrain_ray.planning.speed import estimate
 from tests.conftest import REPO
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.resolved import RunSpec
-from megatrain_ray.config.sections import ModelConfig
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import DataError, HostMemoryError
 from megatrain_ray.model.layout import ALIGN_ELEMS, build_layout

@@ -18,7 +18,8 @@ from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.flops import model_flops_per_token, stage_flops_per_token
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import format_plan, plan_run
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from megatrain_ray.planning.profiles import H200, H200_BOX, PRESETS, SpeedProfile, preset, profile_for_gpu
 from megatrain_ray.planning.speed import estimate
 from tests.conftest import REPO
@@ -181,7 +182,7 @@ def test_the_compiled_working_set_factor_is_the_traced_ratio():
     """COMPILED_WORKING_SET: the activations at the peak (all live bytes but the engine's buffers, sites
     in the engine (recorded as stream_engine.py), the layer input coming back, activations.py, and RoPE's tables) of the compiled
     trace over the eager one."""
-    from megatrain_ray.planning.memory import COMPILED_WORKING_SET
+    from megatrain_ray.planning.gpu_memory import COMPILED_WORKING_SET
 
     def activations(name: str) -> float:
         return FIXTURE["traces"][name]["8"]["activations_mib"]

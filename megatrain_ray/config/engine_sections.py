@@ -1,0 +1,310 @@
+"""The sections of how a step runs on the machine: the CPU optimizer (`optimizer`), the number formats of
+each copy of the weights (`precision`), the layer stream (`engine`), the host store (`host`), how the actors
+launch (`runtime`) and data parallelism (`parallel`). Each checks its own values; checks across sections are
+with Config (config/sections.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from megatrain_ray.config.fields import DType
+from megatrain_ray.config.fields import refuse as _fail
+from megatrain_ray.dtypes import DTYPE_RANK
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW on the CPU optimizer workers (decoupled weight decay, as torch.optim.AdamW)."""
+
+    SECTION: ClassVar[str] = "optimizer"
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    beta1: float = 0.9
+    """Decay of the first moment (AdamW's beta1)."""
+    beta2: float = 0.95
+    """Decay of the second moment (AdamW's beta2)."""
+    eps: float = 1e-8
+    """Added to the square root of the second moment."""
+    weight_decay: float = 0.1
+    """Applied to matrices only (embeddings, projections, LM head); never to norms or biases."""
+    grad_clip: float = 1.0
+    """Exact global gradient-norm clipping threshold; 0 turns clipping off. With clipping on, updates
+    wait for the whole backward and then run in layer order, overlapped with the next forward."""
+    workers: int | Literal["auto"] = "auto"
+    """Number of OptimizerWorker actors; each owns a slice of every layer and pins itself to its own
+    cores. auto: min(2, usable cores // 2) on every NUMA node (CPU AdamW is bound by DRAM bandwidth,
+    so more workers on one socket add no throughput; see megatrain_ray/system/topology.py). The choice and
+    the core map are logged at start."""
+    kernel: Literal["auto", "native", "torch"] = "auto"
+    """native: a one-pass C++ AdamW (compiled on first use, cached in ~/.cache/megatrain_ray) that reads
+    the bf16 or fp32 gradient and writes the bf16 streaming copy in the same pass; torch: torch's fused
+    AdamW in cache-sized chunks; auto: native where it applies (fp32 master) and builds, else torch."""
+    chunk_elems: int = 1 << 18
+    """Elements per chunk of the torch kernel path: the cast of the gradient and the write of the
+    streaming copy happen while the chunk is still in cache."""
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Format of both AdamW moments (exp_avg, exp_avg_sq) in host memory. float32: full precision (the
+    moments have the master weights' format, float64 with a float64 master). bfloat16: NOT full
+    precision; saves 4 bytes per parameter of RAM (or disk) and of DRAM traffic per step. The update
+    still computes in float32 (moments widened in a cache-sized chunk) and rounds the new moments back
+    to bfloat16 stochastically, with noise that is a fixed hash of the step, stage and element (so runs
+    and resumes stay bit-reproducible): plain rounding to nearest would lose every change smaller than
+    half a bfloat16 step (0.2 to 0.4 %), e.g. the decay of exp_avg_sq with beta2 = 0.999. The master weights
+    stay full precision. Part of the saved state: a checkpoint resumes only with the same moment_dtype."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if not self.lr > 0:
+            _fail(f"{s}.lr", self.lr, "must be > 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"{s}.{name}", getattr(self, name), "must be in [0, 1)")
+        if not self.eps > 0:
+            _fail(f"{s}.eps", self.eps, "must be > 0")
+        if self.weight_decay < 0:
+            _fail(f"{s}.weight_decay", self.weight_decay, "must be >= 0")
+        if self.grad_clip < 0:
+            _fail(f"{s}.grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+        if self.workers != "auto" and self.workers < 1:
+            _fail(f"{s}.workers", self.workers, "must be >= 1, or auto to pick from the cores and NUMA nodes")
+        if self.chunk_elems < 1024:
+            _fail(f"{s}.chunk_elems", self.chunk_elems, "must be >= 1024")
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    """Number formats of each copy of the weights."""
+
+    SECTION: ClassVar[str] = "precision"
+    master_dtype: Literal["float32", "float64"] = "float32"
+    """Master weights and both AdamW moments in host RAM. float64 exists for exact CPU tests."""
+    compute_dtype: DType = "bfloat16"
+    """Format of the layer math on the device."""
+    stream_dtype: DType | Literal["auto"] = "auto"
+    """Format of the host copy streamed to the device each step. auto = compute_dtype. When it equals
+    master_dtype the master weights are streamed directly (no extra copy in RAM, twice the PCIe bytes
+    for bf16 compute); otherwise the optimizer writes the copy in the same pass as the update and the
+    layer's gradients land in it after backward."""
+    grad_dtype: DType | Literal["auto"] = "auto"
+    """Format of the gradients copied to the host when the master weights are streamed directly (with
+    a separate streaming copy they land in it, in its format). auto = compute_dtype: the device
+    computes them in that format, so a wider one only keeps the float32 sums of the embedding and LM
+    head (and of a chunked MLP) unrounded, at twice the PCIe, DRAM and RAM bytes."""
+
+    def __post_init__(self) -> None:
+        if DTYPE_RANK[self.compute_dtype] > DTYPE_RANK[self.master_dtype]:
+            _fail("precision.compute_dtype", self.compute_dtype,
+                  f"is more precise than precision.master_dtype={self.master_dtype}; raise master_dtype")
+        if self.resolved_stream_dtype not in DTYPE_RANK:
+            _fail("precision.stream_dtype", self.stream_dtype, f"must be one of {sorted(DTYPE_RANK)} or 'auto'")
+        if DTYPE_RANK[self.resolved_stream_dtype] > DTYPE_RANK[self.master_dtype]:
+            _fail("precision.stream_dtype", self.stream_dtype,
+                  f"is more precise than precision.master_dtype={self.master_dtype}")
+        if DTYPE_RANK[self.compute_dtype] > DTYPE_RANK[self.resolved_stream_dtype]:
+            _fail("precision.compute_dtype", self.compute_dtype,
+                  f"is more precise than the streamed copy ({self.resolved_stream_dtype}); it would only "
+                  "compute on rounded weights. Set precision.stream_dtype to match")
+        if self.resolved_grad_dtype not in DTYPE_RANK:
+            _fail("precision.grad_dtype", self.grad_dtype, f"must be one of {sorted(DTYPE_RANK)} or 'auto'")
+        if DTYPE_RANK[self.resolved_grad_dtype] > DTYPE_RANK[self.master_dtype]:
+            _fail("precision.grad_dtype", self.grad_dtype,
+                  f"is more precise than precision.master_dtype={self.master_dtype}")
+
+    @property
+    def resolved_stream_dtype(self) -> str:
+        return self.compute_dtype if self.stream_dtype == "auto" else self.stream_dtype
+
+    @property
+    def resolved_grad_dtype(self) -> str:
+        return self.compute_dtype if self.grad_dtype == "auto" else self.grad_dtype
+
+    @property
+    def stream_is_master(self) -> bool:
+        """The streaming copy is the master buffer itself (same format)."""
+        return self.resolved_stream_dtype == self.master_dtype
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The layer stream on the compute worker."""
+
+    SECTION: ClassVar[str] = "engine"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: the GPU when CUDA is available, else the CPU (same code path, copies are plain memcpy)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the LM-head loss: logits never exceed loss_chunk_tokens x vocab_size."""
+    mlp_chunk_tokens: int = 65536
+    """Tokens per chunk of each layer's MLP (forward and recomputed backward) when a step has more:
+    the [tokens, intermediate_size] tensors then exist for one chunk at a time (long sequences).
+    0 never chunks."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile the decoder-layer template (its forward, and the recomputed forward and backward):
+    fuses the norms, RoPE and SwiGLU around the matrix products. The first step of each shape pays the
+    compile time (the start-up log says when the layers compile); rows with packed documents, MoE models
+    (their expert groups change size with the routing) or a chunked MLP run eagerly. auto: on when the engine runs on a GPU (on the H200, 7B-width layers at 64k
+    tokens ran 1.24-1.25x faster compiled and peaked 5 GiB lower (docs/benchmarks.md); 1.08x at 32k with
+    clipping on, where
+    the optimizer bounds the step), off on the CPU; if torch.compile fails there (no Triton or C
+    compiler), auto warns once and runs eagerly. true: always, and a compile failure is an error."""
+    activation_offload: bool | Literal["auto"] = "auto"
+    """Where the layer inputs kept for the backward live. false: on the GPU (one [tokens, hidden]
+    tensor per layer); true: copied to pinned host memory during the forward and back during the
+    backward on the copy streams, so GPU memory no longer grows with depth; auto: true when
+    `megatrain plan` finds that keeping them on the GPU does not fit its memory."""
+    grad_slabs: int = 4
+    """Pinned host slabs for gradients in flight when the master weights are streamed directly and
+    clipping is off (otherwise gradients land in the streaming copy or per-layer buffers), each the
+    size of one layer's gradients."""
+    vocab_grad_pieces: bool = True
+    """With those slabs: the embedding's and LM head's gradients, when larger than a layer's (a large
+    vocabulary), go through the layer slabs in layer-sized pieces, each copied and updated on its own
+    (true), or through one slab of their own (false: on Llama-3-8B 1.05 GB more RAM, 0.13 bytes per
+    parameter, and the layers never wait for their updates). Pieces need one GPU per node and the
+    moments in RAM; otherwise the slab of their own is used."""
+    update_trace: str | None = None
+    """A directory (a relative path is from where megatrain runs): every GPU worker appends a JSON-lines
+    timeline of each stage's update hand-offs there
+    (gradients queued and on the host, update ordered, run and published, waits for it;
+    megatrain_ray/engine/telemetry.py), and `python benchmarks/update_trace.py DIR` says which link keeps
+    the optimizer from overlapping the backward. A few hundred bytes per stage and step."""
+    poison_buffers: bool = False
+    """Fill device and gradient buffers with NaN before first use, so that a read of memory nothing
+    wrote fails loudly (tests)."""
+    gpu_resident: int | Literal["none", "auto"] = "none"
+    """Decoder layers whose whole training state lives on the compute device (the GPU-resident tier):
+    their master weights, both AdamW moments and gradients stay there and they update there (torch's
+    fused AdamW, the same math, step order and exact global-norm clipping as the streamed stages), so
+    they cost no host->device or device->host copies and no CPU optimizer time. N: the first N layers
+    (their updates are the ones the next forward needs first, and their backward comes last, so the CPU
+    optimizer finishes the streamed layers' updates meanwhile). none: every stage streams. auto: as many
+    layers as fit the GPU memory the plan leaves after its peak, the reserve and a margin (`megatrain plan`
+    prints them and the expected tok/s); none on the CPU, or where the tier does not apply. About 16 bytes
+    of device memory per resident parameter (fp32 master and moments, the gradient and compute copy in
+    the streaming format), and no host memory: their segments are never allocated; the GPU worker fills
+    them (initialisation, fine-tuning, resume, restart), writes their checkpoint files and serves them to
+    export. One GPU worker, moments in RAM at the master's precision (not optimizer.moment_dtype=bfloat16).
+    With finetune.method=lora the layers' frozen base alone stays on the device (in the compute dtype: 2 bytes
+    per parameter in bf16), copied once from the host store, which keeps it, when the run starts (and on
+    resume or restart); those layers cost no H2D copy; auto keeps every layer of a 32B base on a 141 GB H200
+    at 8k tokens per step. Every GPU worker holds its own copy. An NF4 base (finetune.lora.base_quantization)
+    keeps its resident layers packed (about 0.56 bytes per parameter), dequantized at each use."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:
+            _fail("engine.gpu_resident", self.gpu_resident, "must be none, auto or a number of layers >= 0")
+        if self.loss_chunk_tokens < 1:
+            _fail("engine.loss_chunk_tokens", self.loss_chunk_tokens, "must be >= 1")
+        if self.grad_slabs < 2:
+            _fail("engine.grad_slabs", self.grad_slabs, "must be >= 2 (one written, one read)")
+        if self.mlp_chunk_tokens < 0:
+            _fail("engine.mlp_chunk_tokens", self.mlp_chunk_tokens, "must be >= 0 (0 never chunks)")
+
+
+@dataclass(kw_only=True, slots=True)
+class HostConfig:
+    """The host store: shared-memory segments owned by HostShard actors."""
+
+    SECTION: ClassVar[str] = "host"
+    num_shards: int = 1
+    """HostShard actors; each owns a contiguous range of stages (one per NUMA node is the intent)."""
+    shm_dir: str = "/dev/shm"
+    """Directory of the shared-memory segments; must be a tmpfs large enough for the whole store."""
+    moments_tier: Literal["ram", "disk"] = "ram"
+    """Where the AdamW moments live. ram: shared-memory segments like the rest of the store. disk: files
+    in host.disk_dir: 8 bytes of RAM per parameter fewer (4 with optimizer.moment_dtype=bfloat16). Each
+    optimizer worker reads its share of a stage's moments ahead of the update, in update order, and
+    writes them back behind it, through two buffers of its share of one decoder layer (the embedding and
+    head go in layer-sized pieces): the staging RAM `megatrain plan` shows. Every step then reads and writes all
+    moments on the disk (16 bytes per parameter, 8 with optimizer.moment_dtype=bfloat16): the disk's
+    bandwidth bounds the optimizer (benchmarks/moment_tiers.py measures it). Results are bit-identical
+    to ram; checkpoints move freely between the tiers. Master weights and the streaming copy stay in RAM."""
+    disk_dir: str = ""
+    """Directory for host.moments_tier=disk, on a fast local disk (NVMe), not a tmpfs or network share.
+    Checked before allocating: it must exist, be writable and have room for both moments (the files are
+    allocated in full at start and removed at the end)."""
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            _fail("host.num_shards", self.num_shards, "must be >= 1")
+        if self.moments_tier == "disk" and not self.disk_dir:
+            _fail("host.disk_dir", self.disk_dir, "is required with host.moments_tier=disk: a directory on a fast "
+                  "local disk")
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """How the actors are launched."""
+
+    SECTION: ClassVar[str] = "runtime"
+    mode: Literal["ray", "local"] = "ray"
+    """ray: actors in a Ray cluster; local: the same classes in this process (debugging, fast tests)."""
+    address: str = ""
+    """Ray cluster to attach to. Empty: RAY_ADDRESS if set, else a cluster started with `ray start`
+    on this machine, else a private local Ray bound to 127.0.0.1."""
+    dashboard: bool = True
+    """Start the Ray dashboard with a private local Ray (127.0.0.1 only)."""
+    allow_unauthenticated: bool = False
+    """Let a private local Ray start without token auth when RAY_AUTH_MODE says so (anyone who can reach
+    its ports could then run code as you). By default that is refused before Ray starts."""
+    object_store_mb: int = 512
+    """Object store of a private local Ray. Bulk tensors never go through it, so it stays small."""
+    heartbeat_interval_s: float = 5.0
+    """Seconds between health checks of the actors (Ray mode); 0 turns them off."""
+    heartbeat_timeout_s: float = 30.0
+    """An actor that has not answered a heartbeat for this long is logged as slow, by name."""
+
+    def __post_init__(self) -> None:
+        if self.object_store_mb < 64:
+            _fail("runtime.object_store_mb", self.object_store_mb, "must be >= 64")
+        if self.heartbeat_interval_s < 0:
+            _fail("runtime.heartbeat_interval_s", self.heartbeat_interval_s, "must be >= 0 (0 turns checks off)")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            _fail("runtime.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                  f"must exceed runtime.heartbeat_interval_s={self.heartbeat_interval_s}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Data parallelism: one GPUWorker (rank) per GPU, each streaming its slice of the batch through the
+    same layers of its node's host store; gradients are summed over the ranks layer by layer before the
+    node's optimizer workers see them (megatrain_ray/engine/parallel.py). The global batch, the loss,
+    the schedule and the checkpoints are the same whatever the number of GPUs."""
+
+    SECTION: ClassVar[str] = "parallel"
+    gpus: int | Literal["auto"] = 1
+    """GPU workers (ranks) of the run, over all nodes; each takes data.batch_size / gpus sequences of every
+    step, so data.batch_size must be divisible by it. auto: every GPU the Ray cluster offers on the nodes
+    used (one rank per node on a CPU-only cluster). More than 1 needs runtime.mode=ray."""
+    nodes: int = 1
+    """Ray nodes the ranks are spread over, gpus / nodes on each. Every node keeps its own host store and
+    optimizer workers (weights are stored once per node, never per GPU); each node's first rank orders the
+    updates of its copy and the copies are compared by a checksum every step. Checkpoints are written by
+    the first node and read by all: on several machines checkpoint.dir must be on a shared filesystem."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend of the gradient sums: auto = nccl on GPUs, gloo on the CPU."""
+    gather_weights: bool = False
+    """Several GPUs on a node: each copies only its 1/gpus-per-node piece of a stage's weights from host memory
+    and the GPUs of the node exchange the pieces (an all-gather over NVLink), instead of each copying the
+    whole stage. Host DRAM then serves every weight byte once per pass whatever the number of GPUs (the
+    CPU optimizer shares that bandwidth), and each GPU's PCIe link carries 1/gpus of the weights. Training
+    steps only: evaluation runs on the first GPU and copies whole stages. On two H200s (3.5B, 32k tokens per
+    GPU): it helped while the GPU workers' threads ran on AdamW's cores (clipping on, 1.89x one GPU against
+    1.83x, data-parallel-x2-h200-20261123-221348); with each GPU worker on cores of its own it gains nothing
+    (1.98x and 1.99x against 2.00x and 1.99x, data-parallel-x2-h200-20261123-232913 and -233902). Off by
+    default; measure it on more GPUs per node."""
+    timeout_s: float = 600.0
+    """Seconds a rank waits for the process group to form, for a collective, or for another rank's
+    gradients or its node's update of a stage, before it stops the run with an error."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if self.gpus != "auto" and self.gpus < 1:
+            _fail(f"{s}.gpus", self.gpus, "must be >= 1, or auto for every GPU Ray offers")
+        if self.nodes < 1:
+            _fail(f"{s}.nodes", self.nodes, "must be >= 1")
+        if self.gpus != "auto" and self.gpus % self.nodes:
+            _fail(f"{s}.gpus", self.gpus, f"must be a multiple of parallel.nodes={self.nodes} (the same number "
+                  "of GPUs on every node)")
+        if not self.timeout_s > 0:
+            _fail(f"{s}.timeout_s", self.timeout_s, "must be > 0")

@@ -1,0 +1,195 @@
+"""GPU side of the memory plan: the bytes one GPU's torch allocations reach, and the choices made from them.
+
+From the engine's buffers (exact) plus activations (a count of the tensors alive at the peak, per token):
+- kept layer inputs: one [tokens, hidden] tensor per layer, kept from forward for recompute;
+- the backward of one layer (`layer_backward_bytes`, from GPU traces at 64K and 128K tokens): the
+  attention half's saved tensors per token, plus the larger of one MLP chunk's tensors and gradients
+  and the attention half's gradients per token; with the layer compiled (engine.compile), that times
+  COMPILED_WORKING_SET;
+- the loss head (`loss_head_bytes`): the larger of its two phases over one chunk of logits (the
+  logsumexp, and the LM head's gradient, which forms a [vocab, hidden] product beside the chunk's
+  logits), plus the final hidden states and their gradient.
+The choices: engine.activation_offload=auto and engine.gpu_resident=auto (`resolve_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
+from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.moe import expert_numel, moe_token_width
+from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, resident_base_bytes
+from megatrain_ray.units import GiB
+
+GPU_RESERVE_BYTES = int(1.5 * GiB)
+"""GPU memory outside torch's allocations: CUDA context, cuBLAS workspaces, allocator fragmentation."""
+
+
+RESIDENT_MARGIN_BYTES = 2 * GiB
+"""What engine.gpu_resident=auto leaves free beyond the plan's peak and GPU_RESERVE_BYTES: the activation
+terms are estimates (a few per cent off at the measured points), and the resident stages are allocated
+before the first step, so an overrun would end the run in its first backward."""
+
+
+COMPILED_WORKING_SET = 0.797
+"""A compiled layer's recompute and backward working set over the eager one's: 10,782 / 13,535 MiB of
+activations at the peak (all but the engine's buffers, the layer input coming back and RoPE's tables)
+in two GPU traces of the same step, 8 layers of 7B width at 64K tokens on the H200 (eager and compiled;
+docs/benchmarks.md lists the traces): Inductor fuses
+the norms' and RoPE's intermediates and the MLP's activation away. Compiled rows have at most
+engine.mlp_chunk_tokens tokens (config/resolved.takes_compiled_layer), so no longer sequence depends on it."""
+
+
+def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int]:
+    """The engine's device buffers and the activation terms of the module docstring, in bytes (one GPU)."""
+    layout = build_layout(cfg.model)
+    m = cfg.model
+    stream_b = DTYPE_BYTES[run.stream_dtype]
+    compute_b = DTYPE_BYTES[run.compute_dtype]
+    grad_b = DTYPE_BYTES[run.grad_dtype]
+    acc_b = max(4, compute_b)
+    per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
+    tokens = run.rank_tokens
+    h, f, v = m.hidden_size, moe_token_width(m), m.vocab_size
+    q = m.num_attention_heads * m.resolved_head_dim
+    kv = m.num_key_value_heads * m.resolved_head_dim
+    chunk = min(cfg.engine.loss_chunk_tokens, tokens)
+    mlp_tokens = min(cfg.engine.mlp_chunk_tokens or tokens, tokens)
+    # Chunked MLP backward: float32 sums of its three matrices' gradients.
+    mlp_sums = max(3 * h * m.intermediate_size, *(expert_numel(s.slots) for s in layout.layers)) * acc_b \
+        if mlp_tokens < tokens else 0
+    grad_elems = 2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel
+    ranks = run.ranks_per_node
+    grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
+    backward = int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
+                   * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + explicit_attention_bytes(cfg, tokens, compute_b)
+    if run.frozen_base:  # LoRA: no gradient leaves the device, the vocabulary-sized sums do not exist
+        return lora_gpu_bytes(cfg, run, offload, per_slot, mlp_tokens, backward)
+    layer_slots = 2 if run.resident_layers < len(layout.layers) else 0  # none when every layer is resident
+    return {
+        "weight buffers": (layer_slots * layout.max_layer_numel + layout.embed.numel + layout.head.numel) * per_slot,
+        "gradient buffers": grad_elems * grad_b,
+        "vocabulary accumulator": v * h * acc_b,
+        # Offloaded: the input in use and the next one coming back (or going out in the forward).
+        "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
+        "layer backward working set": backward + mlp_sums,
+        "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
+        + 2 * tokens * h * acc_b,
+        "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
+    }
+
+
+def peak_allocated(g: dict[str, int]) -> int:
+    """Peak of torch's allocations on the GPU from the terms of gpu_bytes: the fixed buffers and kept inputs,
+    plus the larger of the layer backward and the loss head."""
+    return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
+            + g["GPU-resident layers"] + g.get(LORA_ADAPTERS, 0)
+            + max(g["layer backward working set"], g["loss head working set"]))
+
+
+def explicit_attention_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
+    """Attention through explicit products (gpt-oss's sinks, Gemma 2's soft-cap) keeps [rows, heads, T, T]
+    tensors for its backward: the scores, the softmax's input (gpt-oss: with the sink column) and its
+    output, in the compute dtype, and a T x T mask (counted, not measured). 0 for SDPA's attention."""
+    m = cfg.model
+    if m.family != "gpt_oss" and not m.attn_logit_softcapping:
+        return 0
+    seq = cfg.data.seq_len
+    rows = max(1, tokens // seq)
+    return 3 * rows * m.num_attention_heads * seq * (seq + 1) * compute_b + seq * seq
+
+
+def resident_bytes(run: RunSpec, stages) -> int:
+    """Device bytes of the GPU-resident tier holding `stages` (engine/resident.py), its scratch included; a frozen
+    base's (LoRA): their weights only."""
+    if run.frozen_base:
+        return resident_base_bytes(run, stages)
+    if not stages:
+        return 0
+    return sum(run.resident_stage_bytes(s.numel) for s in stages) + run.resident_scratch_bytes(
+        max(s.numel for s in stages))
+
+
+def resolve_gpu_resident(cfg: Config, run: RunSpec, gpu_memory: int | None) -> int:
+    """engine.gpu_resident=auto: the layers that fit the GPU memory left after the plan's peak (without
+    them), GPU_RESERVE_BYTES and RESIDENT_MARGIN_BYTES; none without a GPU or where the tier does not apply."""
+    if not gpu_memory or cfg.engine.device == "cpu" or run.device_type != "cuda" \
+            or resident_tier_refusal(cfg, run.world):
+        return 0
+    layout = build_layout(cfg.model)
+    base = dataclasses.replace(run, resident_layers=0)
+    free = gpu_memory - peak_allocated(gpu_bytes(cfg, base, run.activation_offload)) - GPU_RESERVE_BYTES \
+        - RESIDENT_MARGIN_BYTES
+    count = 0
+    while count < len(layout.layers) and resident_bytes(run, layout.resident_stages(count + 1)) <= free:
+        count += 1
+    return count
+
+
+def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int, softcap: bool = False) -> int:
+    """The loss head's chunk tensors at their peak (head.head_loss_and_grads), the larger of two phases:
+    - the logsumexp over a chunk's float32 logits, which allocates a temporary of their size;
+    - the LM head's gradient: the float32 logits (turned in place into their gradient) stay referenced
+      while their copy in the compute dtype feeds the product with the chunk's hidden states, a
+      [vocab, hidden] matrix in the compute dtype, upcast to the accumulator's dtype before it is added.
+    Read from the measured peaks of the Qwen2.5-14B width (vocab 152064; qwen14b-x2 and largest-x2,
+    20261123-20*), where the head, not a layer, leads: the old count (2 x chunk x vocab float32) was
+    2.7 GiB under them. With a final logit soft-cap (Gemma 2) the chunk's float32 tanh stays through both
+    phases, for its derivative: one more chunk x vocab float32 tensor (counted, not measured)."""
+    logsumexp = 2 * chunk * vocab * 4
+    grad_copy = compute_b if compute_b != 4 else 0  # .to(compute dtype) is the same tensor in float32
+    upcast = acc_b if acc_b != compute_b else 0
+    lm_grad = chunk * vocab * (4 + grad_copy) + vocab * h * (compute_b + upcast)
+    return max(logsumexp, lm_grad) + (chunk * vocab * 4 if softcap else 0)
+
+
+def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int) -> int:
+    """Activation bytes of one layer's recompute and backward at its peak, as traced on the GPU at 64K and
+    128K tokens (benchmarks/gpu_memory_peak.py: the live tensors by source line; `(outside megatrain)`
+    there is the autograd engine's own thread, i.e. the gradients of the backward in progress).
+
+    The attention half's saved tensors live through the whole layer backward: the norm's output (its
+    input is the layer input, counted with the kept inputs, and it keeps one float32 scale per token),
+    the rotated q and k and the v at their own widths, the attention output, the half's output and (MLP
+    in pieces) its gradient. On top of them, the larger of two phases:
+    - an MLP piece (`mlp_tokens`, one chunk): gate, up and the activation, their gradients in progress,
+      and four h-wide tensors (the norm's output, the piece's output and the gradients of its input);
+    - the attention half's own backward over the whole sequence: the output's gradient and a contiguous
+      copy of it, dq with a float32 accumulator, and dk and dv formed at q's width before each group is
+      summed (and then at their own), as FlashAttention-2's backward allocates them, though torch picks
+      cuDNN's kernel on the H200, which allocates 23 % less (attention-backends-h200-20261123-203436.json).
+      It leads past about 220K tokens of an 8B layer; not traced, but its
+      60 KiB per token read the measured peaks at 256K and 512K tokens (long-context-*-20261123-18*.json)
+      to -0.9 % and -0.8 %.
+    No float32 tensor of [tokens, hidden] is kept (norms._LeanRMSNorm): the engine before it also kept
+    each norm's float32 upcast and normalised copy, and k and v at q's width.
+    """
+    half_grad = h if mlp_tokens < tokens else 0  # the half's output gradient, assembled piece by piece
+    saved = tokens * ((2 * h + half_grad + 2 * q + 2 * kv) * compute_b + 4)
+    mlp_piece = mlp_tokens * (6 * f + 4 * h) * compute_b
+    attention_grads = tokens * ((5 * q + 2 * kv) * compute_b + 4 * q)
+    return saved + max(mlp_piece, attention_grads)
+
+
+def resolve_activation_offload(cfg: Config, run: RunSpec, gpu_memory: int | None) -> bool:
+    """engine.activation_offload with `auto` decided: offload when the kept layer inputs would not fit."""
+    choice = cfg.engine.activation_offload
+    if choice != "auto":
+        return bool(choice)
+    if not gpu_memory or cfg.engine.device == "cpu":
+        return False
+    return peak_allocated(gpu_bytes(cfg, run, offload=False)) + GPU_RESERVE_BYTES > gpu_memory
+
+
+def resolve_run(cfg: Config, gpu_memory: int | None, device_type: str = "cuda", ranks_per_node: int | None = None,
+                nodes: int | None = None) -> RunSpec:
+    """The run's RunSpec on a machine whose GPU has `gpu_memory` bytes (None: none or unknown): the
+    config's derived settings, with engine.activation_offload=auto decided by this plan."""
+    run = RunSpec.resolve(cfg, device_type=device_type, ranks_per_node=ranks_per_node, nodes=nodes)
+    run = dataclasses.replace(run, activation_offload=resolve_activation_offload(cfg, run, gpu_memory))
+    if cfg.engine.gpu_resident == "auto":  # from what the plan leaves once the layer inputs' place is decided
+        run = dataclasses.replace(run, resident_layers=resolve_gpu_resident(cfg, run, gpu_memory))
+    return run

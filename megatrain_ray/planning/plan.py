@@ -1,0 +1,69 @@
+"""The memory plan's record (`Plan`): the host, disk and GPU bytes by kind, the settings resolved for the
+machine, and the problems found; planning/memory.py fills it, planning/plan_text.py prints it."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.config.sections import Config
+from megatrain_ray.planning.gpu_memory import peak_allocated
+from megatrain_ray.planning.machine import Machine
+from megatrain_ray.planning.profiles import SpeedProfile
+from megatrain_ray.planning.speed import SpeedEstimate, estimate
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    machine: Machine
+    host: dict[str, int] = field(default_factory=dict)
+    """Shared-memory segments by kind."""
+    disk: dict[str, int] = field(default_factory=dict)
+    """Disk-tier files by kind (host.moments_tier=disk)."""
+    staging: int = 0
+    """RAM of the optimizers' disk-tier staging buffers."""
+    workers: int = 1
+    processes: int = 0
+    pinned: int = 0
+    gpu: dict[str, int] = field(default_factory=dict)
+    offload: bool = False
+    """Layer inputs offloaded to pinned host memory (engine.activation_offload, resolved)."""
+    offloaded: int = 0
+    """Bytes of the pinned host buffers holding the offloaded layer inputs."""
+    run: RunSpec | None = None
+    """The settings derived from the config on this machine (plan_run resolves them)."""
+    problems: list[str] = field(default_factory=list)
+    host_fixes: list[str] = field(default_factory=list)
+    """When the host store does not fit: each change that shrinks it, with what it saves on its own."""
+
+    @property
+    def shm_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def host_total(self) -> int:
+        return self.shm_total + self.staging + self.processes + self.offloaded
+
+    @property
+    def gpu_peak(self) -> int:
+        """Peak of torch's allocations on the GPU (what torch.cuda.max_memory_allocated reports)."""
+        return peak_allocated(self.gpu)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def profile(self) -> SpeedProfile | None:
+        """The measured rates the speed model uses: none on the CPU device or for a GPU without them."""
+        return self.machine.profile if self.cfg.engine.device != "cpu" else None
+
+    @functools.cached_property
+    def expected(self) -> SpeedEstimate | None:
+        """The speed model's estimate of this run (offload and GPU-resident layers as resolved), computed once
+        for every part of the printout that quotes it."""
+        if self.profile is None:
+            return None
+        return estimate(self.cfg, self.profile, offload=self.offload, resident=self.run.resident_layers)

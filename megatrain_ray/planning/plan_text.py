@@ -1,0 +1,220 @@
+"""The memory plan as `megatrain plan` prints it: the host, disk and GPU figures (`format_plan`), the memory
+tiers to pick from (`tier_lines`), the GPU-resident tier, the time a stop takes, and the changes that shrink
+a host store that does not fit (`host_fixes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
+from megatrain_ray.model.flops import active_params
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.lora import lora_params
+from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
+from megatrain_ray.planning.host_memory import store_bytes, without_refused_tier
+from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_tier_lines
+from megatrain_ray.planning.plan import Plan
+from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, estimate, speed_lines
+from megatrain_ray.units import GiB, human_count
+
+GRAD_HOMES = {"stream": "gradients land in the streaming copy", "stage": "gradients in per-stage buffers",
+              "pool": "gradients in a pool of layer-sized slabs"}
+"""Where the GPU's gradients land on the host (RunSpec.grad_home), as plan prints it."""
+
+_LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg_sq": "AdamW second moment",
+           "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
+           "gate": "checkpoint gates", "sync": "data-parallel counters", "nf4": "frozen base layers (NF4)"}
+
+
+CHECKPOINT_WRITE_GBPS = 1.0
+"""Disk write rate assumed for the stop time: a checkpoint is one sequential write per stage file."""
+
+
+def format_plan(plan: Plan) -> str:
+    cfg, machine, run, g = plan.cfg, plan.machine, plan.run, GiB
+    layout = build_layout(cfg.model)
+    active = f" ({human_count(active_params(cfg.model, layout))} active per token)" if cfg.model.is_moe else ""
+    lines = [f"megatrain plan: {cfg.model.family}, {human_count(layout.num_params)} parameters{active}"
+             + ("" if cfg.model.path else " (random init: model.path is empty)") + ", "
+             f"{cfg.model.num_layers} layers, {cfg.data.tokens_per_step:,} tokens/step "
+             f"(batch {cfg.data.batch_size} x {cfg.data.seq_len})",
+             f"machine{' (as described)' if machine.described else ''}: {machine.host_memory / g:.1f} GiB RAM "
+             f"({machine.host_available / g:.1f} available), {machine.shm_free / g:.1f} GiB free in "
+             f"{cfg.host.shm_dir}, GPU "
+             + (f"{machine.gpu_name or ''} {machine.gpu_memory / g:.1f} GiB".strip() if machine.gpu_memory
+                else "none visible"),
+             *([f"data parallel: {run.ranks_per_node} GPU(s) on each of {run.nodes} node(s), "
+                f"{cfg.data.batch_size // run.world} rows per GPU: host figures per "
+                "node, GPU figures per GPU"] if run.world > 1 else []),
+             "", "host (shared memory, per kind):"]
+    dtypes = {"master": run.master_dtype, "exp_avg": run.moment_dtype, "exp_avg_sq": run.moment_dtype,
+              "stream": run.stream_dtype, "nf4": "nf4"}
+    for kind, nbytes in plan.host.items():
+        if nbytes >= 2**20:
+            label = (("frozen embedding, LM head" if run.base_quantization == "nf4" else "frozen base (streamed)")
+                     if run.frozen_base and kind == "master" else _LABELS[kind])
+            lines.append(f"  {label:<28}{dtypes.get(kind, run.grad_dtype):>9} {nbytes / g:10.2f} GiB")
+    params = layout.num_params
+    lines += [f"  {'shared memory total':<38}{plan.shm_total / g:10.2f} GiB  ({plan.shm_total / params:.1f} B/param)"]
+    if plan.disk:
+        lines.append(f"  {'disk-tier staging (optimizers)':<38}{plan.staging / g:10.2f} GiB")
+    lines += [f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
+              *([f"  {'offloaded layer inputs (pinned)':<38}{plan.offloaded / g:10.2f} GiB"] if plan.offload else []),
+              f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
+              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  ({'the frozen base, streamed as it is' if run.frozen_base else GRAD_HOMES[run.grad_home]})",
+              ""]
+    if plan.disk:
+        lines.append(f"disk (host.disk_dir={cfg.host.disk_dir}):")
+        for kind, nbytes in plan.disk.items():
+            lines.append(f"  {_LABELS[kind]:<28}{dtypes[kind]:>9} {nbytes / g:10.2f} GiB")
+        total = sum(plan.disk.values())
+        lines += [f"  {'disk total':<38}{total / g:10.2f} GiB  ({total / 1e9:.1f} GB)", ""]
+    lines += [*tier_lines(plan), "",
+              f"GPU (torch allocations; layer inputs {'offloaded to host' if plan.offload else 'kept on the GPU'}, "
+              f"engine.activation_offload={str(cfg.engine.activation_offload).lower()}):"]
+    for name, nbytes in plan.gpu.items():
+        lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
+    fixed = sum(plan.gpu.get(k, 0) for k in ("weight buffers", "gradient buffers", "vocabulary accumulator",
+                                             "GPU-resident layers", LORA_ADAPTERS))
+    per_token = (plan.gpu_peak - fixed) / run.rank_tokens
+    lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
+              f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB",
+              f"  {'activations per token (one GPU)':<38}{per_token / 1024:10.1f} KiB"
+              + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
+                 if plan.offload else ""), ""]
+    lines += resident_lines(plan)
+    lines += speed_lines(cfg, plan.expected, gpu_visible=bool(machine.gpu_memory))
+    lines += stop_lines(plan, params)
+    lines.append("(what each line means: docs/reading-the-plan.md)")
+    if plan.fits:
+        lines.append("fits.")
+    else:
+        lines += ["does NOT fit:", *(f"  - {p}" for p in plan.problems)]
+        if plan.host_fixes:
+            lines += ["to shrink the host store (each change on its own):",
+                      *(f"  - {fix}" for fix in plan.host_fixes)]
+    return "\n".join(lines) + "\n"
+
+
+def tier_lines(plan: Plan) -> list[str]:
+    """The host RAM of the configured memory tier, and what each other choice of moment format and tier
+    would change (same shape, precision and workers): what `plan` prints for users to pick from."""
+    cfg, g = plan.cfg, GiB
+    params = build_layout(cfg.model).num_params
+    if plan.run.frozen_base:
+        return lora_tier_lines(plan, params)
+    configured = (cfg.optimizer.moment_dtype, cfg.host.moments_tier)
+    ram_now = plan.shm_total + plan.staging
+    disk_now = sum(plan.disk.values())
+    lines = [f"memory tiers (optimizer.moment_dtype={configured[0]}, host.moments_tier={configured[1]}): "
+             f"store {ram_now / g:.2f} GiB RAM ({ram_now / params:.1f} B/param)"
+             + (f" + {disk_now / 1e9:.1f} GB disk ({disk_now / params:.1f} B/param)" if disk_now else "")]
+    profile = plan.profile
+    if profile is not None:
+        lines[0] += f"; expected {plan.expected.tok_per_s:,.0f} tok/s"
+    alternatives = []
+    for dtype in ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",):
+        for tier in ("ram", "disk"):
+            if (dtype, tier) == configured:
+                continue
+            label = "moments" + (f" {dtype}" if dtype != configured[0] else "") \
+                + ((" on disk" if tier == "disk" else " in RAM") if tier != configured[1] else "")
+            alternatives.append((label, dataclasses.replace(
+                cfg, optimizer=dataclasses.replace(cfg.optimizer, moment_dtype=dtype),
+                host=dataclasses.replace(cfg.host, moments_tier=tier, disk_dir=cfg.host.disk_dir or "DISK_DIR"))))
+    # The streaming copy: its own bf16 copy in RAM, or the fp32 master streamed (RAM for PCIe bytes).
+    stream = cfg.precision.master_dtype if not cfg.precision.stream_is_master else cfg.precision.compute_dtype
+    if stream != cfg.precision.resolved_stream_dtype:
+        alternatives.append((f"streaming copy {'none (master streamed)' if stream == cfg.precision.master_dtype else stream}",
+                             dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, stream_dtype=stream))))
+    for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
+        ram, disk, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
+        d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
+        change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
+        speed = f"  {estimate(other, profile, offload=plan.offload).tok_per_s:9,.0f} tok/s" if profile else ""
+        lines.append(f"  {label + ':':<40}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
+                     + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else ""))
+    if profile is not None:
+        lines.append(f"  (tok/s: the speed model; AdamW scaled by DRAM bytes per parameter, the disk tier at "
+                     f"{profile.host.disk_gbps:g} GB/s read + write, an assumption unless --disk-gbps)")
+    return lines
+
+
+def resident_lines(plan: Plan) -> list[str]:
+    """The GPU-resident tier (engine.gpu_resident other than none): which layers, their GPU memory, and the
+    expected tok/s with and without them (the speed model: no copies and no CPU update for them)."""
+    cfg, run, g = plan.cfg, plan.run, GiB
+    if cfg.engine.gpu_resident == "none":
+        return []
+    layout = build_layout(cfg.model)
+    stages = layout.resident_stages(run.resident_layers)
+    head = f"GPU-resident tier (engine.gpu_resident={cfg.engine.gpu_resident}): "
+    if not stages:
+        why = resident_tier_refusal(cfg, run.world) or ("no GPU" if not plan.machine.gpu_memory
+                                                        or cfg.engine.device == "cpu" else
+                                                        "no layer fits the GPU memory the plan leaves")
+        return [head + f"none ({why})", ""]
+    params = sum(s.numel for s in stages)
+    tier = plan.gpu["GPU-resident layers"]
+    first, last = stages[0].index - 1, stages[-1].index - 1
+    where = ("the frozen base, copied once from the host store (which keeps it), no H2D for them" if run.frozen_base
+             else "no host copy: the GPU worker checkpoints and exports them")
+    lines = [head + f"layers {first}-{last} ({len(stages)} of {len(layout.layers)}, {human_count(params)} "
+             f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); {where}"]
+    profile = plan.profile
+    if profile is not None:
+        with_tier = plan.expected.tok_per_s
+        without = estimate(cfg, profile, offload=plan.offload, resident=0).tok_per_s
+        lines.append(f"  expected {with_tier:,.0f} tok/s with them, {without:,.0f} tok/s with every layer streamed"
+                     + ("" if run.frozen_base else f" (their updates on the GPU at "
+                                                   f"{GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)"))
+    return [*lines, ""]
+
+
+def stop_lines(plan: Plan, params: int) -> list[str]:
+    """How long a stop takes (SIGTERM: finish the step, write a checkpoint), for RAY_JOB_STOP_WAIT_TIME_S."""
+    checkpoint = plan.run.checkpoint_bytes(params, lora_params(plan.cfg))
+    write_s = checkpoint / (CHECKPOINT_WRITE_GBPS * 1e9)
+    step_s = plan.expected.step_seconds if plan.expected else None
+    wait_s = int(2 * (write_s + (step_s or 60.0))) + 30
+    return [f"stop (SIGTERM, ray job stop): the step ends ({f'~{step_s:.1f} s' if step_s else 'its time: 60 s assumed'}), "
+            f"then a "
+            f"checkpoint of {checkpoint / 1e9:.1f} GB (~{write_s:.0f} s at {CHECKPOINT_WRITE_GBPS:g} GB/s, an assumption); "
+            f"submit with RAY_JOB_STOP_WAIT_TIME_S={wait_s} in the job's runtime env", ""]
+
+
+def host_fixes(plan: Plan) -> list[str]:
+    """The changes that shrink the host store, each with the RAM it saves on its own, computed from the
+    store this config would have (so a change that saves nothing here is left out: with clipping on,
+    the streaming copy doubles as the gradients' landing place, and streaming the master keeps it)."""
+    cfg, g = plan.cfg, GiB
+    precision, optimizer, host = cfg.precision, cfg.optimizer, cfg.host
+    candidates = []
+    if plan.run.frozen_base:  # LoRA: the store is the base in the streaming dtype, nothing else to drop
+        return ["train a smaller model, or use a machine with more RAM"]
+    if not precision.stream_is_master:
+        candidates.append((f"precision.stream_dtype={precision.master_dtype} (stream the master weights: no separate "
+                           "streaming copy, twice the PCIe bytes per step)",
+                           dataclasses.replace(cfg, precision=dataclasses.replace(
+                               precision, stream_dtype=precision.master_dtype))))
+    if precision.master_dtype == "float64":
+        candidates.append(("precision.master_dtype=float32", dataclasses.replace(
+            cfg, precision=dataclasses.replace(precision, master_dtype="float32"))))
+    else:
+        if optimizer.moment_dtype == "float32":
+            candidates.append(("optimizer.moment_dtype=bfloat16 (not full precision)", dataclasses.replace(
+                cfg, optimizer=dataclasses.replace(optimizer, moment_dtype="bfloat16"))))
+        if host.moments_tier == "ram":
+            candidates.append(("host.moments_tier=disk with host.disk_dir on an NVMe disk (slower: see the memory "
+                               "tiers above)", dataclasses.replace(cfg, host=dataclasses.replace(
+                                   host, moments_tier="disk", disk_dir=host.disk_dir or "DISK_DIR"))))
+    ram_now = plan.shm_total + plan.staging
+    fixes = []
+    for text, other in [(text, without_refused_tier(other)) for text, other in candidates]:
+        ram, _, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
+        saved = ram_now - sum(ram.values()) - staging
+        if saved >= GiB // 100:
+            fixes.append(f"{text}: saves {saved / g:.1f} GiB")
+    fixes.append("train a smaller model, or use a machine with more RAM (`megatrain plan --host-memory 1TB` shows "
+                 "what a larger one needs)")
+    return fixes
