@@ -29,7 +29,11 @@ peft = pytest.importorskip("peft")
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
-from tests.integration.test_lora_parity import assert_lora_parity, train_peft  # noqa: E402
+from tests.integration.test_lora_parity import (  # noqa: E402
+    assert_lora_parity,
+    exported_adapter_logits,
+    train_peft,
+)
 from tests.unit.test_moe import hf_moe_model  # noqa: E402
 
 AUX_COEF = 0.02
@@ -134,7 +138,6 @@ def test_moe_lora_export_loads_in_peft_and_merged_in_transformers_with_the_same_
     missing or unexpected key, no warning of either), the merged one with transformers, both with megatrain's
     logits within 1e-5 of the largest (float32, measured about 1e-7)."""
     import json
-    import warnings
 
     base = make_moe_base(tmp_path / "base", name, aux=True)
     cfg = moe_lora_config(tmp_path, base, name, targets, optimizer={"lr": 1e-2}, train={
@@ -147,20 +150,7 @@ def test_moe_lora_export_loads_in_peft_and_merged_in_transformers_with_the_same_
     adapter_dir, merged_dir = tmp_path / "export" / "adapter", tmp_path / "export" / "merged"
     assert sorted(json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"]) == sorted(ATTENTION)
     assert set(peft.utils.load_peft_weights(str(adapter_dir))) == set(trainer_adapters)
-    fresh = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                                peft.PeftConfig.from_pretrained(adapter_dir))
-    result = peft.set_peft_model_state_dict(fresh, peft.utils.load_peft_weights(str(adapter_dir)))
-    assert not result.unexpected_keys and not [k for k in result.missing_keys if "lora_" in k], result
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
-                                                                    attn_implementation="eager")
-        model = peft.PeftModel.from_pretrained(hf_base, adapter_dir).eval()
-    assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
-    with torch.no_grad():
-        theirs = model(ids).logits
-        with model.disable_adapter():
-            plain = model(ids).logits
+    theirs, plain = exported_adapter_logits(base, adapter_dir, ids, attn_implementation="eager")
     scale = theirs.abs().max()
     assert (ours - theirs).abs().max() <= 1e-5 * scale
     assert (ours - plain).abs().max() > 1e-3 * scale  # the adapters change the logits

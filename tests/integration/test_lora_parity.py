@@ -22,6 +22,7 @@ workers (parallel.gpus=2) whose summed gradients must give peft's single-process
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -311,3 +312,24 @@ def assert_restart_is_exact(tmp_path: Path, base: Path, steps: int, drill: str, 
         adapters = trainer.adapters()
     assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
     assert all(torch.equal(adapters[k], reference[k]) for k in reference)
+
+
+def exported_adapter_logits(base: Path, adapter_dir: Path, ids: torch.Tensor, **hf_kwargs
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load megatrain's PEFT export on the Hugging Face base as a user would, checking that peft's own model has
+    exactly the saved adapter keys and that PeftModel.from_pretrained warns of no missing or unexpected key;
+    returns the logits of `ids` with the adapters and without them (float32)."""
+    def hf_base():
+        return transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **hf_kwargs)
+    fresh = peft.get_peft_model(hf_base(), peft.PeftConfig.from_pretrained(adapter_dir))
+    result = peft.set_peft_model_state_dict(fresh, peft.utils.load_peft_weights(str(adapter_dir)))
+    assert not result.unexpected_keys and not [k for k in result.missing_keys if "lora_" in k], result
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(hf_base(), adapter_dir).eval()
+    assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
+    with torch.no_grad():
+        theirs = model(ids).logits
+        with model.disable_adapter():
+            plain = model(ids).logits
+    return theirs, plain

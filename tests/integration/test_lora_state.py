@@ -9,7 +9,6 @@ keys, logits within 1e-5 of megatrain's) and transformers (the merged directory,
 from __future__ import annotations
 
 import json
-import warnings
 import zlib
 from pathlib import Path
 
@@ -25,7 +24,13 @@ from megatrain_ray.engine.adapters import ADAPTER_FILE, ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import interrupted_and_resumed
-from tests.integration.test_lora_parity import assert_restart_is_exact, lora_config, losses, make_base
+from tests.integration.test_lora_parity import (
+    assert_restart_is_exact,
+    exported_adapter_logits,
+    lora_config,
+    losses,
+    make_base,
+)
 
 LOGIT_TOL = 1e-5
 """Relative to the largest logit, float32: the same math in another order (measured: about 1e-7)."""
@@ -144,19 +149,7 @@ def test_export_loads_in_peft_and_merged_in_transformers_with_the_same_logits(tm
     assert (config["modules_to_save"] or []) == saved
 
     # The saved keys are exactly those peft's own model has, and it loads them all.
-    fresh = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                                peft.PeftConfig.from_pretrained(adapter_dir))
-    result = peft.set_peft_model_state_dict(fresh, peft.utils.load_peft_weights(str(adapter_dir)))
-    assert not result.unexpected_keys and not [k for k in result.missing_keys if "lora_" in k], result
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = peft.PeftModel.from_pretrained(
-            transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter_dir).eval()
-    assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
-    with torch.no_grad():
-        theirs = model(ids).logits
-        with model.disable_adapter():
-            plain = model(ids).logits
+    theirs, plain = exported_adapter_logits(base, adapter_dir, ids)
     scale = theirs.abs().max()
     assert (ours - theirs).abs().max() <= LOGIT_TOL * scale
     assert (ours - plain).abs().max() > 100 * LOGIT_TOL * scale  # the adapters change the logits
