@@ -324,6 +324,30 @@ def child(system: str, spec: dict) -> None:
 # ----------------------------------------------------------------------------- the invocation (parent)
 
 
+TIMEOUT_LOG_LINES = 40
+"""Lines of a timed-out point's log kept in its row: where its time went (start-up, a step) is then on record."""
+
+
+def run_child(command: list[str], timeout: float) -> dict:
+    """One point's process: its result row, or an error row (its exit and log; the kernel's OOM evidence when
+    it was killed for host memory; on a timeout, the last TIMEOUT_LOG_LINES lines it logged)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        lines = (stdout + stderr).splitlines()
+        return {"status": "error", "error": f"timed out after {timeout} s", "log_tail": lines[-TIMEOUT_LOG_LINES:]}
+    found = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if found:
+        return json.loads(found[-1][len(RESULT_TAG):])
+    if proc.returncode == -9 and (evidence := kernel_oom_lines(proc.pid)):
+        return {"status": "oom", "error": "killed by the kernel's OOM killer (host memory): " + evidence[-1],
+                "kernel_log": evidence}
+    return {"status": "error", "error": f"exit {proc.returncode}: {stderr[-2000:]}"}
+
+
 def kernel_oom_lines(pid: int) -> list[str]:
     """The kernel log's lines about OOM-killing process `pid` (a child that exited on SIGKILL without a
     result), or [] when there are none or the log cannot be read (dmesg needs privileges on many hosts)."""
@@ -514,20 +538,7 @@ def main() -> int:
             spec = {"config": args.config, "overrides": overrides, "batch": batch, "layers": depth,
                     "steps": args.steps, "warmup": args.warmup, "run_dir": str(Path(tmp) / "run"), "gpus": gpus}
             t0 = time.perf_counter()
-            proc = subprocess.Popen([sys.executable, __file__, "--child", system, json.dumps(spec)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            try:
-                stdout, stderr = proc.communicate(timeout=args.timeout)
-                found = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
-                row = json.loads(found[-1][len(RESULT_TAG):]) if found else {
-                    "status": "error", "error": f"exit {proc.returncode}: {stderr[-2000:]}"}
-                if not found and proc.returncode == -9 and (evidence := kernel_oom_lines(proc.pid)):
-                    row = {"status": "oom", "error": "killed by the kernel's OOM killer (host memory): "
-                                                     + evidence[-1], "kernel_log": evidence}
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                row = {"status": "error", "error": f"timed out after {args.timeout} s"}
+            row = run_child([sys.executable, __file__, "--child", system, json.dumps(spec)], args.timeout)
         row.update(system=system, layers=depth, batch=batch, gpus=gpus, seq_len=seq,
                    tokens_per_step=batch * gpus * seq, wall_seconds=time.perf_counter() - t0)
         if row.get("gpu_peak_gib"):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 
-from benchmarks.run import derive, kernel_oom_lines
+from benchmarks.run import TIMEOUT_LOG_LINES, derive, kernel_oom_lines, run_child
 
 # As the kernel printed them on nvidia-h200-x2 when DeepSpeed ran out of host memory (qwen14b, 48 layers).
 KERNEL_LOG = """\
@@ -83,3 +84,19 @@ def test_a_lora_row_is_compared_with_the_lora_baselines_and_bounded_by_its_h2d_s
     assert ours["roofline_bound"] == "h2d" and abs(ours["roofline_seconds"] - 1.28) < 1e-12
     assert abs(ours["roofline_fraction"] - 0.8) < 1e-12
     assert rows[2]["vs_resident_system"] == "peft-resident-compile" and rows[1]["vs_resident_system"] == "resident-compile"
+
+
+def test_a_point_that_times_out_keeps_the_end_of_its_log():
+    """A point stopped at --timeout records where it was: its last lines (stdout and stderr), not only the time."""
+    script = ("import sys, time\n"
+              "for i in range(100):\n"
+              "    print(f'log line {i}', file=sys.stderr, flush=True)\n"
+              "time.sleep(60)\n")
+    row = run_child([sys.executable, "-c", script], timeout=3)
+    assert row["status"] == "error" and row["error"] == "timed out after 3 s"
+    assert row["log_tail"] == [f"log line {i}" for i in range(100 - TIMEOUT_LOG_LINES, 100)]
+
+
+def test_a_point_that_exits_without_a_result_reports_its_exit_and_log():
+    row = run_child([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], timeout=30)
+    assert row == {"status": "error", "error": "exit 3: boom\n"}
