@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.common import provenance, write_result  # noqa: E402
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.dtypes import TORCH_DTYPES  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--layers", type=int, default=0, help="layers to fill (default: --threads)")
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     args = parser.parse_args()
     cfg = load_config(args.config, overrides=["finetune.method=lora", "finetune.lora.base_quantization=nf4",
                                               "precision.stream_dtype=bfloat16", *args.set])
@@ -62,10 +64,16 @@ def main() -> None:
     filled = sum(s.numel for s in stages)
     total = sum(s.numel for s in layout.layers)
     rounds = -(-len(layout.layers) // threads)
+    row = {"config": args.config, "overrides": args.set, "layers_filled": count, "values_filled": filled,
+           "seconds": seconds, "threads": threads, "torch_threads": torch_threads,
+           "ns_per_value_per_thread": seconds * threads / filled * 1e9, "model_layers": len(layout.layers),
+           "model_values": total, "extrapolated_seconds": rounds * seconds * threads / count}
     print(f"{count} layers ({filled / 1e9:.2f} G values) in {seconds:.1f} s on {threads} threads x {torch_threads} "
-          f"torch threads: {seconds * threads / filled * 1e9:.2f} ns per value per thread")
+          f"torch threads: {row['ns_per_value_per_thread']:.2f} ns per value per thread")
     print(f"the whole model's {len(layout.layers)} layers ({total / 1e9:.1f} G values) on {threads} threads: "
-          f"~{rounds * seconds * threads / count:.0f} s (rounds of {threads} layers; one layer per thread)")
+          f"~{row['extrapolated_seconds']:.0f} s (rounds of {threads} layers; one layer per thread)")
+    kwargs = {"out": args.out} if args.out else {}
+    write_result(f"nf4-startup-{Path(args.config).stem}", {**provenance("cpu"), "rows": [row]}, **kwargs)
 
 
 if __name__ == "__main__":
