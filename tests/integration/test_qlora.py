@@ -43,6 +43,28 @@ def random_adapters(adapters: dict[str, torch.Tensor], seed: int) -> dict[str, t
     return {name: torch.randn(t.shape, generator=g) * 0.1 for name, t in adapters.items()}
 
 
+def assert_nf4_logits_match_the_dequantized_model(cfg, base: Path, reference_base: Path, ids: torch.Tensor,
+                                                   peft_logits) -> None:
+    """The engine's fp32 logits with random non-zero adapters on an NF4 base within 1e-5 absolute of peft's on the
+    dequantized model `reference_base`, and far (100x that) from peft's on the original `base` (the base really
+    streams in 4 bits); the base the run reports (and exports) is the dequantized one, exactly.
+    `peft_logits(model_dir, adapters, ids)`: peft's float32 logits on a model directory."""
+    with Trainer(cfg) as trainer:
+        adapters = random_adapters(trainer.adapters(), seed=3)
+        trainer.set_adapters(adapters)
+        ours = trainer.logits(ids)
+        base_seen = trainer.master_weights()
+    with torch.no_grad():
+        ref = peft_logits(reference_base, adapters, ids)
+        dense = peft_logits(base, adapters, ids)
+    err = float((ours - ref).abs().max())
+    assert err <= 1e-5, f"max |logits - reference| = {err:.2e}"
+    assert float((dense - ref).abs().max()) > 100 * 1e-5, "NF4 changed nothing: the test would prove nothing"
+    reference_state = transformers.AutoModelForCausalLM.from_pretrained(reference_base, dtype=torch.float32).state_dict()
+    for name, value in base_seen.items():
+        assert torch.equal(value, reference_state[name]), name
+
+
 def test_nf4_lora_logits_equal_transformers_on_the_dequantized_model(tmp_path):
     """fp32 compute: the engine's logits against peft's on the dequantized model, within 1e-5 absolute (float32
     sums in another order, ~1e-7 relative on logits of size ~1); against the original base they differ far more,
@@ -52,21 +74,9 @@ def test_nf4_lora_logits_equal_transformers_on_the_dequantized_model(tmp_path):
     reference_base = dequantized_copy(base, tmp_path / "dequantized")
     cfg = lora_config(tmp_path, base, steps=2, finetune=NF4)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
-    with Trainer(cfg) as trainer:
-        adapters = random_adapters(trainer.adapters(), seed=3)
-        trainer.set_adapters(adapters)
-        ours = trainer.logits(ids)
-        base_seen = trainer.master_weights()
-    with torch.no_grad():
-        ref = peft_model(reference_base, cfg, adapters)(input_ids=ids).logits.float()
-        dense = peft_model(base, cfg, adapters)(input_ids=ids).logits.float()
-    err = float((ours - ref).abs().max())
-    assert err <= 1e-5, f"max |logits - reference| = {err:.2e}"
-    assert float((dense - ref).abs().max()) > 100 * 1e-5, "NF4 changed nothing: the test would prove nothing"
-    # The base the run reports (and exports) is the dequantized one, exactly.
-    reference_state = transformers.AutoModelForCausalLM.from_pretrained(reference_base, dtype=torch.float32).state_dict()
-    for name, value in base_seen.items():
-        assert torch.equal(value, reference_state[name]), name
+    assert_nf4_logits_match_the_dequantized_model(
+        cfg, base, reference_base, ids,
+        lambda model_dir, adapters, ids: peft_model(model_dir, cfg, adapters)(input_ids=ids).logits.float())
 
 
 def lora_losses(tmp_path: Path, base: Path, quantization: str, steps: int, **sections) -> list[float]:

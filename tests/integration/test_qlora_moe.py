@@ -21,7 +21,10 @@ peft = pytest.importorskip("peft")
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4  # noqa: E402
 from tests.integration.test_lora_moe_parity import ATTENTION, make_moe_base, moe_lora_config, peft_moe_model  # noqa: E402
-from tests.integration.test_qlora import assert_tracks, random_adapters  # noqa: E402
+from tests.integration.test_qlora import (  # noqa: E402
+    assert_nf4_logits_match_the_dequantized_model,
+    assert_tracks,
+)
 
 QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "experts.gate_up_proj",
              "experts.down_proj")
@@ -54,22 +57,11 @@ def test_nf4_moe_lora_logits_equal_peft_on_the_dequantized_model(tmp_path, name,
                                                                "target_modules": targets,
                                                                "base_quantization": "nf4"}})
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
-    with Trainer(cfg) as trainer:
-        adapters = random_adapters(trainer.adapters(), seed=3)
-        trainer.set_adapters(adapters)
-        ours = trainer.logits(ids)
-        base_seen = trainer.master_weights()
-    with torch.no_grad():
-        ref = peft_moe_model(reference_base, cfg, adapters, targets, torch.float32)(input_ids=ids).logits
-        dense = peft_moe_model(base, cfg, adapters, targets, torch.float32)(input_ids=ids).logits
-    err = float((ours - ref).abs().max())
-    print(name, "max |logits - reference|", err, "vs the original base", float((dense - ref).abs().max()))
-    assert err <= 1e-5
-    assert float((dense - ref).abs().max()) > 100 * 1e-5
-    # The base the run reports (and exports) is the dequantized one: experts quantized, router and biases not.
-    reference_state = transformers.AutoModelForCausalLM.from_pretrained(reference_base, dtype=torch.float32).state_dict()
-    for key, value in base_seen.items():
-        assert torch.equal(value, reference_state[key]), key
+    # The reported base is the dequantized one there too: experts quantized, router and biases not.
+    assert_nf4_logits_match_the_dequantized_model(
+        cfg, base, reference_base, ids,
+        lambda model_dir, adapters, ids: peft_moe_model(model_dir, cfg, adapters, targets, torch.float32)(
+            input_ids=ids).logits)
 
 
 def test_nf4_moe_lora_tracks_the_bf16_base(tmp_path):
