@@ -80,13 +80,8 @@ class LoraStreamEngine(StreamEngine):
     def adapters_dropout(self) -> bool:
         return bool(self.eval_specs and self.eval_specs[0].lora_dropout)
 
-    def _begin(self, training: bool) -> None:
-        self.telemetry.new_step()
-        self.weights.begin_step(training)
-        self.router_aux.begin(training)  # MoE: the load-balancing loss, whose gradient reaches the adapters too
-        self.adapters.begin_step()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+    def _begin_gradients(self) -> None:
+        self.adapters.begin_step()  # the frozen base has no gradient sinks
 
     def _load(self, stage: StageLayout) -> WeightSlot | None:
         return None if self.base.holds(stage) else self.weights.load(stage)

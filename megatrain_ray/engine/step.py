@@ -201,11 +201,15 @@ class StreamEngine(ForwardOnlyPasses):
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
-        self.grads.begin_step()
+        self._begin_gradients()
         self.weights.begin_step(training)
         self.router_aux.begin(training)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _begin_gradients(self) -> None:
+        """A step's gradient sinks start empty (LoRA's engine: its adapters' instead)."""
+        self.grads.begin_step()
 
     # ------------------------------------------------------------------ forward
 
