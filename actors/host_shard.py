@@ -3,9 +3,10 @@ init or a checkpoint) and writes its stages of each checkpoint."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +20,14 @@ from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
 from megatrain_ray.store.liveness import RunLock
-from megatrain_ray.store.nf4_base import NF4_KIND, checkpoint_fill_bytes, fill_base_stage, fill_threads
+from megatrain_ray.store.nf4_base import (
+    NF4_KIND,
+    checkpoint_fill_bytes,
+    fill_base_stage,
+    fill_base_stage_in_process,
+    fill_processes,
+    fill_threads,
+)
 from megatrain_ray.store.segments import (
     HostStore,
     SegmentSpec,
@@ -74,7 +82,8 @@ class HostShard(ActorBase):
                 source = HFDirectory(cfg.model.path)
                 self._each_stage(f"loaded from {cfg.model.path} (decoder layers quantized to NF4)",
                                  lambda i: fill_base_stage(self.store, layout.stages[i], run, source, 0, 0.0),
-                                 thread_bytes=checkpoint_fill_bytes(layout, run))
+                                 thread_bytes=checkpoint_fill_bytes(layout, run),
+                                 in_process=lambda i: self._nf4_fill_args(i, run, str(cfg.model.path), 0, 0.0))
             elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
                 source = HFDirectory(cfg.model.path)
                 self._each_stage(f"loaded from {cfg.model.path}",
@@ -82,7 +91,8 @@ class HostShard(ActorBase):
             elif run.base_quantization == "nf4":
                 seed, std = cfg.train.seed, cfg.model.initializer_range
                 self._each_stage("initialised (decoder layers quantized to NF4)",
-                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, None, seed, std))
+                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, None, seed, std),
+                                 in_process=lambda i: self._nf4_fill_args(i, run, "", seed, std))
             else:
                 self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
                                                                      cfg.model.initializer_range))
@@ -107,9 +117,12 @@ class HostShard(ActorBase):
             for future in [pool.submit(create_segment, spec) for spec in self.specs]:
                 future.result()
 
-    def _each_stage(self, what: str, fill: Callable[[int], None], thread_bytes: int = 0) -> None:
+    def _each_stage(self, what: str, fill: Callable[[int], None], thread_bytes: int = 0,
+                    in_process: Callable[[int], tuple] | None = None) -> None:
         """Stages in parallel threads (the torch kernels and file reads release the GIL), with progress; when each
-        thread holds `thread_bytes` of temporaries, only as many as the free RAM (the segments allocated) holds."""
+        thread holds `thread_bytes` of temporaries, only as many as the free RAM (the segments allocated) holds.
+        `in_process(i)` gives fill_base_stage_in_process's arguments for stage i: when given and the stages are
+        large enough (store/nf4_base.fill_processes), they are filled in as many processes instead."""
         t0 = time.perf_counter()
         stages = self.held
         available = host_memory()[1] if thread_bytes else 0
@@ -117,11 +130,20 @@ class HostShard(ActorBase):
         if thread_bytes and threads < min(len(stages), len(os.sched_getaffinity(0))):
             log.info("shard %d: %d threads fill the stages (%.1f GB of temporaries each, %.1f GB of RAM free)",
                      self.shard, threads, thread_bytes / 1e9, available / 1e9)
+        processes = fill_processes(threads, sum(self.layout.stages[i].numel for i in stages)) if in_process else 0
         done, before = 0, torch.get_num_threads()
         torch.set_num_threads(torch_threads)
         try:
-            with ThreadPoolExecutor(threads, thread_name_prefix="fill") as pool:
-                for future in as_completed([pool.submit(fill, i) for i in stages]):
+            if processes:
+                log.info("shard %d: %d processes fill the stages", self.shard, processes)
+                # spawn, not fork: this process runs Ray's threads.
+                pool: Executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+                futures = [pool.submit(fill_base_stage_in_process, *in_process(i)) for i in stages]  # type: ignore[misc]
+            else:
+                pool = ThreadPoolExecutor(threads, thread_name_prefix="fill")
+                futures = [pool.submit(fill, i) for i in stages]
+            with pool:
+                for future in as_completed(futures):
                     future.result()
                     done += 1
                     if done % max(1, len(stages) // 5) == 0 or done == len(stages):
@@ -129,6 +151,11 @@ class HostShard(ActorBase):
                                  time.perf_counter() - t0)
         finally:
             torch.set_num_threads(before)
+
+    def _nf4_fill_args(self, stage: int, run: RunSpec, model_path: str, seed: int, std: float) -> tuple:
+        """fill_base_stage_in_process's arguments: the stage's own segments, mapped again in the filling process."""
+        specs = [s for s in self.specs if s.stage == stage and s.kind in (NF4_KIND, "master") and not s.on_disk]
+        return specs, self.layout.stages[stage], run, model_path, seed, std
 
     def _flats(self, stage: int) -> dict[str, torch.Tensor]:
         return {kind: self.store.get(kind, stage) for kind in ("master", *OPTIMIZER_KINDS)}  # type: ignore[misc]

@@ -195,3 +195,23 @@ def test_resume_quantizes_the_base_again_and_continues_bit_identically(tmp_path)
     assert resumed_at == 3
     assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
     assert all(torch.equal(final[k], resumed[k]) for k in final)
+
+
+def test_a_base_packed_in_processes_equals_one_packed_in_threads(tmp_path, monkeypatch):
+    """A large base on many cores is loaded and packed by a process per stage (store/nf4_base.fill_processes; the
+    GIL bounds threads there): the host shard's process path, forced here on a tiny checkpoint, reports the same
+    dequantized base as its threads."""
+    import actors.host_shard
+
+    base = make_base(tmp_path / "base", "llama")
+
+    def reported_base(run_dir: Path) -> dict[str, torch.Tensor]:
+        with Trainer(lora_config(run_dir, base, steps=1, finetune=NF4)) as trainer:
+            return trainer.master_weights()
+
+    threads = reported_base(tmp_path / "threads")
+    monkeypatch.setattr(actors.host_shard, "fill_processes", lambda threads, values: 2)
+    processes = reported_base(tmp_path / "processes")
+    assert threads.keys() == processes.keys()
+    for name, value in threads.items():
+        assert torch.equal(value, processes[name]), name

@@ -112,3 +112,35 @@ def test_checkpoint_filling_threads_are_capped_by_free_ram():
     assert fill_threads(36, 16, per_thread, 60 * 10**9) == (3, 1)
     assert fill_threads(36, 16) == (16, 1) and fill_threads(3, 16) == (3, 1)
     assert fill_threads(36, 16, per_thread, 10**9) == (1, 1)  # never fewer than one
+
+
+def test_a_stage_packed_in_a_process_of_its_own_has_the_bytes_of_one_packed_here(tmp_path):
+    """fill_base_stage_in_process (the start-up of a large NF4 base: a process per stage, each with its own GIL)
+    maps the stage's segment from its spec in a spawned process and writes the bytes pack_stage_pieces gives here."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from types import SimpleNamespace
+
+    from megatrain_ray.store.nf4_base import NF4_KIND, fill_base_stage_in_process, stage_format
+    from megatrain_ray.store.segments import HostStore, SegmentSpec, create_segment
+
+    stage = gpt_oss_layer()
+    fmt = stage_format(stage, torch.bfloat16)
+    spec = SegmentSpec(str(tmp_path / "stage0.nf4"), "uint8", fmt.nbytes, NF4_KIND, stage.index)
+    create_segment(spec)
+    run = SimpleNamespace(master_dtype="bfloat16", compute_dtype="bfloat16")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(fill_base_stage_in_process, [spec], stage, run, "", 7, 0.02).result()
+    expected = pack_stage_pieces(fmt, lambda s: init_slot_pieces(stage, s, 7, 0.02, torch.bfloat16))
+    assert torch.equal(HostStore([spec]).get(NF4_KIND, stage.index), expected)
+
+
+def test_large_bases_are_packed_in_processes_and_small_ones_or_two_cores_in_threads():
+    """The GIL bounds 16 packing threads (store/nf4_base.fill_processes): a 70B base packs in processes on 16 cores,
+    in threads on a box of two cores or for a model of a few layers, whose processes' start would cost more."""
+    from megatrain_ray.store.nf4_base import PROCESS_FILL_VALUES, fill_processes
+
+    assert fill_processes(16, 70 * 10**9) == 16
+    assert fill_processes(3, 70 * 10**9) == 3
+    assert fill_processes(2, 70 * 10**9) == 0
+    assert fill_processes(16, PROCESS_FILL_VALUES - 1) == 0
