@@ -40,16 +40,18 @@ from megatrain_ray.store.segments import (
 )
 from megatrain_ray.system.guardian import Guardian
 from megatrain_ray.system.memory import host_memory
-from megatrain_ray.system.topology import bind_process
+from megatrain_ray.system.topology import bind_process, move_thread
 
 log = get_logger(__name__)
 
 
 class HostShard(ActorBase):
     def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, run_id: str, shard: int, stages: list[int],
-                 cores: tuple[int, ...] = (), numa_node: int | None = None, restore: CheckpointInfo | None = None):
+                 cores: tuple[int, ...] = (), numa_node: int | None = None, fill_cores: tuple[int, ...] = (),
+                 restore: CheckpointInfo | None = None):
         """`cores` and `numa_node` (Ray mode; see topology.plan_placement) bind the shard and the pages
-        it first touches to its node before any segment exists; in-process nothing is bound. `restore`
+        it first touches to its node before any segment exists; in-process nothing is bound. The stages are
+        filled on `fill_cores` (its share of the node's cores, idle at start-up; default: `cores`). `restore`
         fills the segments from a checkpoint instead of the random initialisation. With several GPU workers
         on the node (run.ranks_per_node), shard 0 also owns their counters."""
         init_logger(f"host{shard}")
@@ -64,6 +66,7 @@ class HostShard(ActorBase):
         self._guardian = Guardian()
         self._guardian.remove_on_exit([spec.path for spec in self.specs])
         self._locks: list[RunLock] = []
+        bound = move_thread(fill_cores)  # until the stages are filled
         try:
             # A lock held for this process's life tells other runs' sweeps that these segments live (store/liveness.py).
             for directory in sorted({os.path.dirname(spec.path) for spec in self.specs}):
@@ -103,6 +106,8 @@ class HostShard(ActorBase):
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            move_thread(bound)
         gib = sum(s.nbytes for s in self.specs if not s.on_disk) / 2**30
         disk = sum(s.nbytes for s in self.specs if s.on_disk)
         log.info("shard %d: %d stages, %d segments, %.2f GiB in %s%s; %s", shard, len(stages), len(self.specs), gib,
@@ -125,9 +130,10 @@ class HostShard(ActorBase):
         large enough (store/nf4_base.fill_processes), they are filled in as many processes instead."""
         t0 = time.perf_counter()
         stages = self.held
+        cores = len(os.sched_getaffinity(0))
         available = host_memory()[1] if thread_bytes else 0
-        threads, torch_threads = fill_threads(len(stages), len(os.sched_getaffinity(0)), thread_bytes, available)
-        if thread_bytes and threads < min(len(stages), len(os.sched_getaffinity(0))):
+        threads, torch_threads = fill_threads(len(stages), cores, thread_bytes, available)
+        if thread_bytes and threads < min(len(stages), cores):
             log.info("shard %d: %d threads fill the stages (%.1f GB of temporaries each, %.1f GB of RAM free)",
                      self.shard, threads, thread_bytes / 1e9, available / 1e9)
         processes = fill_processes(threads, sum(self.layout.stages[i].numel for i in stages)) if in_process else 0

@@ -28,7 +28,14 @@ from typing import Any
 from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.system.topology import Placement, Topology, detect_topology, node_cpus, plan_placement
+from megatrain_ray.system.topology import (
+    Placement,
+    Topology,
+    detect_topology,
+    node_cpus,
+    plan_placement,
+    shard_start_up_cores,
+)
 
 log = get_logger(__name__)
 
@@ -176,12 +183,13 @@ class RunPlacement:
         """Cores the GPU worker of `local_rank` pins itself to; none in-process."""
         return list(self.plan.gpu_cores[local_rank]) if self.in_ray else []
 
-    def shard_binding(self, index: int) -> tuple[tuple[int, ...], int | None]:
-        """(cores, NUMA node) HostShard `index` binds itself to; nothing in-process."""
+    def shard_binding(self, index: int) -> tuple[tuple[int, ...], int | None, tuple[int, ...]]:
+        """(cores, NUMA node, start-up cores: topology.shard_start_up_cores) of HostShard `index`; nothing
+        in-process."""
         if not self.in_ray:
-            return (), None
+            return (), None, ()
         slot = self.ray.slots[self.ray.index[f"host{index}"]]
-        return slot.cores, slot.node
+        return slot.cores, slot.node, shard_start_up_cores(self.plan, index)
 
     def close(self) -> None:
         if self.ray:

@@ -259,12 +259,34 @@ def node_cpus(placement: Placement, node: int) -> tuple[int, ...]:
     return next(n.cpus for n in placement.topology.nodes if n.index == node)
 
 
+def shard_start_up_cores(placement: Placement, index: int) -> tuple[int, ...]:
+    """The cores HostShard `index` fills its stages on at start-up: its share of its node's cores, split between the
+    node's shards. No optimizer or GPU worker exists yet, so the whole node is free; the shard's own cores (the GPU
+    workers' on the GPU's node: two) would leave a large store's start-up to two threads."""
+    node = placement.shard_nodes[index]
+    peers = [k for k, n in enumerate(placement.shard_nodes) if n == node]
+    cpus = node_cpus(placement, node)
+    share = max(1, len(cpus) // len(peers))
+    position = peers.index(index) % max(1, len(cpus) // share)
+    return tuple(cpus[position * share:(position + 1) * share])
+
+
 def _threads() -> list[int]:
     """This process's thread ids (0, this thread, where /proc is missing)."""
     try:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return [0]
+
+
+def move_thread(cores: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Put the calling thread on `cores` (the threads and processes it starts from now on inherit them); returns the
+    cores it had, to move it back. Nothing happens for no cores (in-process) or where affinity is not supported."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return ()
+    before = tuple(sorted(os.sched_getaffinity(0)))
+    os.sched_setaffinity(0, cores)
+    return before
 
 
 MPOL_PREFERRED = 1  # from <numaif.h>: allocate on the node, spill to others when it is full

@@ -129,3 +129,26 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_host_shards_fill_their_stages_on_their_share_of_the_node_and_then_keep_to_their_cores(tmp_path):
+    """At start-up no optimizer or GPU worker exists: a shard on the GPU's node (bound to the GPU worker's two
+    cores) fills its stages on the node's 16 (two shards of a node split them), and moves back afterwards."""
+    import os
+
+    from megatrain_ray.system.topology import move_thread, shard_start_up_cores
+
+    topo = detect_topology(fake_sysfs(tmp_path / "one", ["0-15"]), allowed=set(range(16)),
+                           cgroup_root=tmp_path / "nocgroup")
+    plan = plan_placement(topo, "auto", num_shards=1)
+    assert plan.reserved_cores == (0, 1) and shard_start_up_cores(plan, 0) == tuple(range(16))
+    plan = plan_placement(topo, "auto", num_shards=2)
+    assert [shard_start_up_cores(plan, k) for k in (0, 1)] == [tuple(range(8)), tuple(range(8, 16))]
+    plan = plan_placement(two_sockets(tmp_path), "auto", num_shards=2)
+    assert [shard_start_up_cores(plan, k) for k in (0, 1)] == [plan.topology.nodes[0].cpus,
+                                                                plan.topology.nodes[1].cpus]
+    mine = tuple(sorted(os.sched_getaffinity(0)))
+    before = move_thread(mine[:1])
+    assert before == mine and os.sched_getaffinity(0) == {mine[0]}
+    assert move_thread(before) == mine[:1] and tuple(sorted(os.sched_getaffinity(0))) == mine
+    assert move_thread(()) == ()  # in-process: nothing moves
