@@ -104,10 +104,10 @@ each, about 2 s) outweighs what the threads lose to the GIL."""
 
 def fill_processes(threads: int, values: int) -> int:
     """Processes to pack the stages in, instead of threads (0: threads). A filling thread makes about ten torch
-    calls per 64K values (quant/nf4.py's chunks, sized for a core's cache), each holding the GIL for its dispatch:
-    with 16 threads the GIL bounds them, not the cores. On the H200 box's 16 cores, 16 threads packed 16 of
-    Llama-3.1-70B's layers in 207 s (15 ns a value summed over the threads, against 8.5 ns on one thread). A
-    process per stage has a GIL of its own; on a box of two cores the threads lose little to it."""
+    calls per 64K values (quant/nf4.py's chunks, sized for a core's cache), each holding the GIL for its dispatch,
+    so threads contend for it as they grow in number; a process per stage has a GIL of its own. On the H200 box,
+    16 processes packed 16 of Llama-3.1-70B's layers at 12.6 times one thread's rate (45.4 ns a value each
+    against 35.9: benchmarks/results/nf4-startup-llama3-70b-cpu-*.json). On two cores threads lose little."""
     return threads if threads > 2 and values >= PROCESS_FILL_VALUES else 0
 
 

@@ -136,7 +136,7 @@ def test_a_stage_packed_in_a_process_of_its_own_has_the_bytes_of_one_packed_here
 
 
 def test_large_bases_are_packed_in_processes_and_small_ones_or_two_cores_in_threads():
-    """The GIL bounds 16 packing threads (store/nf4_base.fill_processes): a 70B base packs in processes on 16 cores,
+    """Packing threads contend for the GIL (store/nf4_base.fill_processes): a 70B base packs in processes on 16 cores,
     in threads on a box of two cores or for a model of a few layers, whose processes' start would cost more."""
     from megatrain_ray.store.nf4_base import PROCESS_FILL_VALUES, fill_processes
 
