@@ -35,12 +35,13 @@ class GpuProfile:
     """The same for a mixture-of-experts model (its active parameters' FLOPs; MoE layers run eagerly): grouped
     expert products of small width and the routing's element-wise work run below the dense layers' rate."""
     source: str
+    lora_rate_fraction: float = 1.0
+    """A LoRA run's layers reach this fraction of the rate (machines.yaml says how it was measured)."""
 
-    def tflops(self, compiled: bool, moe: bool = False) -> float:
-        """The achieved model TFLOPS of layers run compiled or eagerly, or of a MoE model's."""
-        if moe:
-            return self.moe_model_tflops
-        return self.compiled_model_tflops if compiled else self.model_tflops
+    def tflops(self, compiled: bool, moe: bool = False, lora: bool = False) -> float:
+        """The achieved model TFLOPS of layers run compiled or eagerly, or of a MoE model's; of a LoRA run's."""
+        rate = self.moe_model_tflops if moe else self.compiled_model_tflops if compiled else self.model_tflops
+        return rate * (self.lora_rate_fraction if lora else 1.0)
 
 
 REFERENCE_OPTIMIZER_BYTES = 28
@@ -105,7 +106,8 @@ class SpeedProfile:
 MACHINES = yaml.safe_load((Path(__file__).with_name("machines.yaml")).read_text())
 """The measured rates (machines.yaml), read once."""
 GPUS = {kind: GpuProfile(kind, g["name"], g["memory_mib"] * 2**20, g["model_tflops"], g["compiled_model_tflops"],
-                         g["moe_model_tflops"], " ".join(g["source"].split())) for kind, g in MACHINES["gpus"].items()}
+                         g["moe_model_tflops"], " ".join(g["source"].split()), MACHINES["lora_rate_fraction"])
+        for kind, g in MACHINES["gpus"].items()}
 HOSTS = {kind: HostProfile(h["name"], h2d_gbps=h["h2d_gbps"], h2d_loaded_gbps=h["h2d_loaded_gbps"],
                            d2h_gbps=h["d2h_gbps"], adamw_gparams=h["adamw_gparams"],
                            control_seconds=MACHINES["control_seconds"], source=" ".join(h["source"].split()),

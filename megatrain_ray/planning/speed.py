@@ -77,7 +77,7 @@ def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelL
     stream_b = DTYPE_BYTES[run.stream_dtype]
     grad_b = DTYPE_BYTES[run.grad_dtype]
 
-    rate = profile.gpu.tflops(run.layers_compiled, cfg.model.is_moe) * 1e12
+    rate = profile.gpu.tflops(run.layers_compiled, cfg.model.is_moe, lora=run.frozen_base) * 1e12
     activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[run.compute_dtype] if offload else 0
     resident = {s.index for s in layout.resident_stages(run.resident_layers)}
     update_rate = GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9 / gpu_adamw_bytes(run)
@@ -303,6 +303,8 @@ class SpeedEstimate:
     """The layers run compiled (engine.compile), at the GPU's compiled rate."""
     moe: bool = False
     """A mixture-of-experts model, at the GPU's MoE rate."""
+    lora: bool = False
+    """A LoRA run (a frozen base), at the GPU's LoRA fraction of that rate."""
 
     @property
     def tok_per_s(self) -> float:
@@ -348,7 +350,7 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     flops = sum(stage_flops_per_token(cfg.model, layout, cfg.data.seq_len))
     return SpeedEstimate(profile, cfg.data.tokens_per_step, end - start, flops, busy["compute"], busy["h2d"],
                          busy["d2h"], busy["optimizer"], dict(replay.idle), cfg.optimizer.grad_clip > 0,
-                         replay.adamw_gparams, run.layers_compiled, cfg.model.is_moe)
+                         replay.adamw_gparams, run.layers_compiled, cfg.model.is_moe, run.frozen_base)
 
 
 def format_speed(est: SpeedEstimate) -> list[str]:
@@ -359,8 +361,9 @@ def format_speed(est: SpeedEstimate) -> list[str]:
         f"{'on' if est.clip else 'off'}",
         f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)",
         f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: "
-        f"{p.gpu.tflops(est.compiled, est.moe):g} model TFLOPS on busy time, "
-        f"{'MoE layers' if est.moe else 'layers'} {'compiled' if est.compiled else 'eager'}; "
+        f"{p.gpu.tflops(est.compiled, est.moe, est.lora):.4g} model TFLOPS on busy time, "
+        f"{'MoE layers' if est.moe else 'layers'} {'compiled' if est.compiled else 'eager'}"
+        + (f", LoRA at {p.gpu.lora_rate_fraction:g} of that rate" if est.lora else "") + "; "
         f"busy {est.gpu_busy:.0%} of the step)",
         f"  {'H2D per step':<38}{est.h2d_seconds:10.2f} s    ({p.host.h2d_gbps:g} GB/s, "
         f"{p.host.h2d_loaded_gbps:g} while AdamW runs)",

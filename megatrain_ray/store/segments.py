@@ -377,8 +377,18 @@ def init_slot_pieces(stage: StageLayout, slot: Any, seed: int, std: float, dtype
     start = 0
     while start < slot.numel:
         stop = slot.numel if slot.numel - start < 2 * INIT_PIECE else start + INIT_PIECE  # no short last piece
-        yield torch.empty(stop - start, dtype=dtype).normal_(0.0, std, generator=gen)
+        yield normal_piece(stop - start, std, gen, dtype)
         start = stop
+
+
+def normal_piece(numel: int, std: float, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(numel, dtype=dtype).normal_(0, std, generator=gen), drawn in float32 and rounded where that gives
+    the same values: torch's CPU normal_ fills whole runs of 16 values alike in every float dtype (it differs in a
+    length's last 16 values otherwise), and draws a reduced float 3 to 5 times slower than float32 (25.8 against
+    8.5 ns a value on the H200 box)."""
+    if dtype in (torch.bfloat16, torch.float16) and numel % 16 == 0:
+        return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=gen).to(dtype)
+    return torch.empty(numel, dtype=dtype).normal_(0.0, std, generator=gen)
 
 
 def load_hf_master(master: torch.Tensor, stage: StageLayout, source: HFDirectory) -> None:

@@ -67,7 +67,7 @@ def test_modules_to_save_count_on_the_gpu_with_their_float32_gradient_sums():
     assert plan.run.checkpoint_bytes(PARAMS, lora_params(plan.cfg)) == 12 * (ADAPTERS_PER_LAYER * L + 2 * V * H)
 
 
-def test_speed_model_has_no_d2h_no_cpu_adamw_and_a_quarter_less_matrix_time():
+def test_speed_model_has_no_d2h_no_cpu_adamw_a_quarter_less_matrix_time_at_the_lora_rate():
     machine = Machine.from_preset("h100-512gb")
     lora, full = estimate(qwen32b_lora(), machine.profile), estimate(load_config(SHAPE), machine.profile)
     assert lora.d2h_seconds == 0 and lora.optimizer_seconds == 0
@@ -79,11 +79,13 @@ def test_speed_model_has_no_d2h_no_cpu_adamw_and_a_quarter_less_matrix_time():
     rate = machine.profile.gpu.tflops(lora.compiled) * 1e12
     saved = (L * 6 * (LAYER_PARAMS - Q - 2 * KV - 2 * H) / 4 + 2 * V * H) * tokens / rate
     added = L * 6 * ADAPTERS_PER_LAYER * tokens / rate
+    # At the LoRA rate: the measured fraction of the full rate (machines.yaml's lora_rate_fraction: what the FLOP
+    # count does not see, the adapters' float32 side path).
+    flop_seconds = (full.compute_seconds - saved + added) / machine.profile.gpu.lora_rate_fraction
     # The adapters' AdamW step on the device: 28 B of HBM traffic per fp32 parameter (weight, two moments read
     # and written, gradient read) at the speed model's assumed HBM rate.
-    added += L * ADAPTERS_PER_LAYER * 28 / (GPU_ADAMW_GBPS["h100"] * 1e9)
-    assert lora.compute_seconds == pytest.approx(full.compute_seconds - saved + added, rel=1e-6)
-    assert lora.tok_per_s > full.tok_per_s
+    adamw = L * ADAPTERS_PER_LAYER * 28 / (GPU_ADAMW_GBPS["h100"] * 1e9)
+    assert lora.compute_seconds == pytest.approx(flop_seconds + adamw, rel=1e-6)
 
 
 def test_lora_config_errors_name_the_key():

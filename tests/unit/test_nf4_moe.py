@@ -144,3 +144,16 @@ def test_large_bases_are_packed_in_processes_and_small_ones_or_two_cores_in_thre
     assert fill_processes(3, 70 * 10**9) == 3
     assert fill_processes(2, 70 * 10**9) == 0
     assert fill_processes(16, PROCESS_FILL_VALUES - 1) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_piece_drawn_in_float32_has_the_values_torch_draws_in_its_dtype(dtype):
+    """segments.normal_piece draws reduced floats in float32 where torch gives the same values (lengths of whole
+    runs of 16); the reference is torch's own normal_ in the dtype, from the same generator state, piece after
+    piece (the generator goes on from one to the next)."""
+    from megatrain_ray.store.segments import normal_piece
+
+    ours, ref = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    for numel in (16, 4096, 1 << 20, 1000, 17, 15, 8, 12296, 4096):
+        expected = torch.empty(numel, dtype=dtype).normal_(0.0, 0.02, generator=ref)
+        assert torch.equal(normal_piece(numel, 0.02, ours, dtype), expected), (numel, dtype)
