@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.common import provenance, write_result  # noqa: E402
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.dtypes import TORCH_DTYPES  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     args = parser.parse_args()
     cfg = load_config(args.config, overrides=args.set)
     layout = build_layout(cfg.model)
@@ -56,6 +58,12 @@ def main() -> None:
     print(f"layer {stage.index}: {stage.numel / 1e9:.2f} G values, {fmt.nbytes / 1e9:.2f} GB packed (packed on the "
           f"CPU in {pack_seconds:.1f} s); dequantize on {device}: {seconds * 1e3:.1f} ms "
           f"({stage.numel / seconds / 1e9:.1f} G values/s); x {passes} passes a step: {seconds * passes:.2f} s")
+    row = {"config": args.config, "overrides": args.set, "layer": stage.index, "values": stage.numel,
+           "packed_bytes": fmt.nbytes, "pack_seconds": pack_seconds, "dequantize_seconds": seconds,
+           "gvalues_per_s": stage.numel / seconds / 1e9, "passes_per_step": passes,
+           "dequantize_seconds_per_step": seconds * passes}
+    kwargs = {"out": args.out} if args.out else {}
+    write_result(f"nf4-dequant-{Path(args.config).stem}", {**provenance(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"), "rows": [row]}, **kwargs)
 
 
 if __name__ == "__main__":
