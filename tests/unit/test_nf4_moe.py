@@ -146,14 +146,19 @@ def test_large_bases_are_packed_in_processes_and_small_ones_or_two_cores_in_thre
     assert fill_processes(16, PROCESS_FILL_VALUES - 1) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_a_piece_drawn_in_float32_has_the_values_torch_draws_in_its_dtype(dtype):
-    """segments.normal_piece draws reduced floats in float32 where torch gives the same values (lengths of whole
-    runs of 16); the reference is torch's own normal_ in the dtype, from the same generator state, piece after
-    piece (the generator goes on from one to the next)."""
-    from megatrain_ray.store.segments import normal_piece
-
-    ours, ref = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
-    for numel in (16, 4096, 1 << 20, 1000, 17, 15, 8, 12296, 4096):
-        expected = torch.empty(numel, dtype=dtype).normal_(0.0, 0.02, generator=ref)
-        assert torch.equal(normal_piece(numel, 0.02, ours, dtype), expected), (numel, dtype)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_random_pieces_are_one_float32_draw_of_the_whole_tensor_rounded(dtype, monkeypatch):
+    """A slot's random values (init_slot_pieces, which init_master writes) in any dtype: torch's float32 normal_ of
+    the whole tensor from its seed, rounded to the dtype, on every torch version; the pieces (here of 4096 values,
+    the last longer) continue one generator."""
+    monkeypatch.setattr(segments, "INIT_PIECE", 4096)
+    stage = gpt_oss_layer()
+    for slot in (s for s in stage.slots if s.init == "normal"):
+        gen = torch.Generator().manual_seed(segments.tensor_seed(7, stage.hf_name(slot)))
+        whole = torch.empty(slot.numel, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
+        assert torch.equal(torch.cat(list(init_slot_pieces(stage, slot, 7, 0.02, dtype))), whole), slot.name
+    master = torch.empty(stage.numel, dtype=dtype)
+    init_master(master, stage, seed=7, std=0.02)
+    for slot in stage.slots:
+        pieces = torch.cat(list(init_slot_pieces(stage, slot, 7, 0.02, dtype)))
+        assert torch.equal(master[slot.offset:slot.offset + slot.numel], pieces), slot.name

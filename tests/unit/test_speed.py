@@ -62,6 +62,13 @@ POINTS = [Point(p["label"], p["source"], config_of(p["config"]), profile_for_gpu
           for p in FIXTURE["points"]]
 
 
+def explicit_attention(cfg: Config) -> bool:
+    """Attention through explicit [rows, heads, T, T] products (gpt-oss's sinks, Gemma 2's soft-cap; model/sinks.py):
+    element-wise traffic that grows with T^2, which the speed model's rates (from flash-attention layers) leave out.
+    Its rows are kept out of the rates' medians and listed in KNOWN_MISSES."""
+    return cfg.model.family == "gpt_oss" or bool(cfg.model.attn_logit_softcapping)
+
+
 def test_the_measured_points_cover_both_gpus():
     assert len(POINTS) >= 15
     assert {p.profile.gpu.kind for p in POINTS} == {"h100", "h200"}
@@ -92,6 +99,20 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
         "optimizer.workers=auto (2 workers of 7 cores): the CPU AdamW ran at 2.9 G params/s in the engine, the "
         "model takes the dense runs' 4.36 on this box; the same shape on the H200 box ran it at 4.0 "
         "(moe-qwen3-30b-a3b-4l-64k-h200-20261125-223158), within tolerance there"),
+    ("moe-gpt-oss-20b-9l-h200-20261126-012344.json", "megatrain L9 16k bfloat16 stream"): (
+        "gpt-oss-20b width, 9 layers (8.57 B parameters, the most a 128 GiB box holds at full precision), 4 x 4096 "
+        "tokens, clipping on: the CPU AdamW ran at 1.51 G params/s (the model 3.7 for its 33 DRAM bytes a "
+        "parameter; the box's RAM 114 of 125 GiB full) and the GPU waited 4.9 s of the 7.7 s step for it; the "
+        "layers' explicit attention with sinks (not modelled: see explicit_attention) took the GPU 2.77 s where "
+        "the model plans less at the Qwen3-MoE rate (planned 6,063 tok/s, measured 2,127)"),
+    ("gpt-oss-120b-qlora-h200-20261126-013243.json", "megatrain-lora L36 16k bfloat16 stream"): (
+        "gpt-oss-120b with an NF4 base and LoRA, 4 x 4096 tokens: the GPU computed 11.0 s of the 12.7 s step. "
+        "The layer profile of one of its layers (layer-profile-gpt-oss-120b-qlora-h200-20261126-013429/013440: "
+        "88 ms forward, 200 ms recompute + backward at 16k tokens, full training) is the explicit attention with "
+        "sinks: softmax, masked_fill, copies and the [4, 64, 4096, 4096] products lead, the experts' grouped "
+        "GEMM 3.8 %; and each pass dequantizes 3.2 G values (36 ms a layer, 2.6 s a step: "
+        "nf4-dequant-gpt-oss-120b-qlora-h200-20261126-013419) on the H2D stream beside it. The model plans the "
+        "layers at the Qwen3-MoE rate (planned 6,226 tok/s, measured 1,295)"),
     ("lora-70b-nf4-h200-h200-20261126-012003.json", "megatrain-lora L80 8k bfloat16 stream"): (
         "Llama-3.1-70B width with an NF4 base: the GPU computed 7.98 s of the 8.75 s step (busy 0.91), the model "
         "plans 7.91 s of compute and a GPU busy all the step (+10.6 % tok/s planned); the 0.77 s the GPU idled is "
@@ -116,6 +137,10 @@ PEAK_MISSES: dict[tuple[str, str], str] = {
         "index_add_ path"),
     ("moe-qwen3-30b-a3b-12l-64k-h200-20261125-223734.json", "megatrain L12 64k bfloat16 stream"): (
         "the same at 12 layers: 24.0 GiB measured, 30.2 planned (+26 %, on the safe side)"),
+    ("moe-gpt-oss-20b-9l-h200-20261126-012344.json", "megatrain L9 16k bfloat16 stream"): (
+        "gpt-oss-20b width, 9 layers, 4 x 4096 tokens: 47.7 GiB measured, 42.4 planned (-11 %, the unsafe side): "
+        "the plan counts three [4, 64, 4096, 4097] score-sized tensors of the explicit attention with sinks "
+        "(planning/gpu_memory.explicit_attention_bytes, 24 GiB); the step held about 5 GiB more, not analysed yet"),
 }
 """The same for the planned GPU peak."""
 
@@ -185,7 +210,8 @@ def test_the_compiled_working_set_factor_is_the_traced_ratio():
 
 def test_the_h200_rates_are_the_medians_of_the_measured_rows():
     """Each constant of the H200 GPU and box is what its docstring says: a median over the megatrain rows
-    (model TFLOPS apart for eager, compiled and MoE layers, over every full-training H200 row; the host's AdamW,
+    (model TFLOPS apart for eager, compiled and MoE layers, over every full-training H200 row but those with explicit
+    attention; the host's AdamW,
     over the dense rows
     it bounds, GPU busy under 90 %, and D2H over the rows of the 16-core box, not the 32-core x2 host)."""
     from megatrain_ray.config.resolved import RunSpec
@@ -197,6 +223,8 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
         r = p.row
         flops = model_flops_per_token(p.cfg.model, build_layout(p.cfg.model), p.cfg.data.seq_len)
         if p.cfg.finetune.method == "lora":  # LoRA rows: other FLOPs, no host optimizer (planning/lora.py)
+            continue
+        if explicit_attention(p.cfg):  # a cost the rates do not model (KNOWN_MISSES)
             continue
         rates = moe_tflops if p.cfg.model.is_moe else compiled_tflops if RunSpec.resolve(p.cfg).layers_compiled \
             else tflops
@@ -318,13 +346,14 @@ def test_plan_prices_each_memory_tier_in_ram_and_speed(capsys):
 
 def test_the_lora_rate_fraction_is_the_median_of_the_measured_lora_rows():
     """machines.yaml's lora_rate_fraction: per megatrain LoRA row, the GPU time the model plans at the full rate
-    (planning/lora.lora_stage_seconds' FLOPs) over the GPU time measured; their median."""
+    (planning/lora.lora_stage_seconds' FLOPs) over the GPU time measured; their median (rows with explicit attention
+    apart)."""
     from megatrain_ray.config.resolved import RunSpec
     from megatrain_ray.planning.speed import stage_costs
 
     ratios = []
     for p in POINTS:
-        if p.cfg.finetune.method != "lora":
+        if p.cfg.finetune.method != "lora" or explicit_attention(p.cfg):
             continue
         full_rate = replace(p.profile, gpu=replace(p.profile.gpu, lora_rate_fraction=1.0))
         costs = stage_costs(p.cfg, RunSpec.resolve(p.cfg), full_rate, build_layout(p.cfg.model))
