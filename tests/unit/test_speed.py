@@ -112,11 +112,11 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
         "sinks: softmax, masked_fill, copies and the [4, 64, 4096, 4096] products lead, the experts' grouped "
         "GEMM 3.8 %; and each pass dequantizes 3.2 G values (36 ms a layer, 2.6 s a step: "
         "nf4-dequant-gpt-oss-120b-qlora-h200-20261126-013419) on the H2D stream beside it. The model plans the "
-        "layers at the Qwen3-MoE rate (planned 6,226 tok/s, measured 1,295)"),
-    ("lora-70b-nf4-h200-h200-20261126-012003.json", "megatrain-lora L80 8k bfloat16 stream"): (
-        "Llama-3.1-70B width with an NF4 base: the GPU computed 7.98 s of the 8.75 s step (busy 0.91), the model "
-        "plans 7.91 s of compute and a GPU busy all the step (+10.6 % tok/s planned); the 0.77 s the GPU idled is "
-        "not profiled yet (the H2D stream carried 69 GB, 1.3 s at the link's rate)"),
+        "layers at the Qwen3-MoE rate (planned 6,193 tok/s, measured 1,295)"),
+    ("gpt-oss-120b-qlora-h200-20261126-014829.json", "megatrain-lora L36 16k bfloat16 stream"): (
+        "the same gpt-oss-120b point with the H2D stream at high priority (commit fee2a7a): the dequantization takes "
+        "SMs from the explicit attention, GPU busy 0.97, 12.6 s of compute a step (planned 6,193 tok/s, measured "
+        "1,258)"),
 }
 """(file, row label) of measured points the speed model misses by more than TOLERANCE, with the cause."""
 PEAK_MISSES: dict[tuple[str, str], str] = {
@@ -358,5 +358,5 @@ def test_the_lora_rate_fraction_is_the_median_of_the_measured_lora_rows():
         full_rate = replace(p.profile, gpu=replace(p.profile.gpu, lora_rate_fraction=1.0))
         costs = stage_costs(p.cfg, RunSpec.resolve(p.cfg), full_rate, build_layout(p.cfg.model))
         ratios.append(sum(c.forward_seconds + c.backward_seconds for c in costs) / p.row["compute_seconds"])
-    assert len(ratios) == 4
+    assert len(ratios) == 5
     assert H200.lora_rate_fraction == pytest.approx(statistics.median(ratios), rel=0.005), ratios
