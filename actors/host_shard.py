@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,7 @@ import torch
 from actors.base import ActorBase
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
+from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
@@ -23,6 +25,7 @@ from megatrain_ray.store.liveness import RunLock
 from megatrain_ray.store.nf4_base import (
     NF4_KIND,
     checkpoint_fill_bytes,
+    exit_with_parent,
     fill_base_stage,
     fill_base_stage_in_process,
     fill_processes,
@@ -143,18 +146,29 @@ class HostShard(ActorBase):
             if processes:
                 log.info("shard %d: %d processes fill the stages", self.shard, processes)
                 # spawn, not fork: this process runs Ray's threads.
-                pool: Executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+                pool: Executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                                     initializer=exit_with_parent, initargs=(os.getpid(),))
                 futures = [pool.submit(fill_base_stage_in_process, *in_process(i)) for i in stages]  # type: ignore[misc]
             else:
                 pool = ThreadPoolExecutor(threads, thread_name_prefix="fill")
                 futures = [pool.submit(fill, i) for i in stages]
             with pool:
-                for future in as_completed(futures):
-                    future.result()
-                    done += 1
-                    if done % max(1, len(stages) // 5) == 0 or done == len(stages):
-                        log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard, what, done, len(stages),
-                                 time.perf_counter() - t0)
+                try:
+                    for future in as_completed(futures):
+                        future.result()
+                        done += 1
+                        if done % max(1, len(stages) // 5) == 0 or done == len(stages):
+                            log.info("shard %d: %s %d/%d stages (%.0f s)", self.shard, what, done, len(stages),
+                                     time.perf_counter() - t0)
+                except BrokenProcessPool as err:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise HostMemoryError(
+                        f"shard {self.shard}: a process packing the NF4 base died ({err}), most often killed for "
+                        f"memory: {host_memory()[1] / 1e9:.1f} GB of RAM free now; `megatrain plan` shows the "
+                        "store's size against the machine") from err
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)  # the error now, not after every other stage
+                    raise
         finally:
             torch.set_num_threads(before)
 

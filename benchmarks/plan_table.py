@@ -299,7 +299,9 @@ def peak_errors(results: Path = RESULTS) -> list[float]:
 
 
 def markdown(rows: list[dict], validation: list[dict]) -> str:
-    worst = max(abs(v["error"]) for v in validation if v["gpus"] == 1)
+    one_gpu = [abs(v["error"]) for v in validation if v["gpus"] == 1]
+    worst = max(e for e in one_gpu if e <= TOLERANCE)
+    beyond = sum(e > TOLERANCE for e in one_gpu)
     several = ", ".join(f"{v['error']:+.1%} ({v['point']}, {v['gpus']} GPUs)" for v in validation if v["gpus"] != 1)
     errors = peak_errors()
     low, high = min(errors), max(errors)
@@ -330,8 +332,9 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         f"{H200_BOX.h2d_gbps:g} / {H100_BOX.h2d_gbps:g} GB/s ({H200_BOX.h2d_loaded_gbps:g} / "
         f"{H100_BOX.h2d_loaded_gbps:g} while AdamW runs), D2H {H200_BOX.d2h_gbps:g} GB/s, CPU AdamW "
         f"{H200_BOX.adamw_gparams:g} / {H100_BOX.adamw_gparams:g} G params/s. Against every measured "
-        f"megatrain point on one GPU (the table at the end) it is within {worst:.1%} (tests/unit/test_speed.py holds "
-        f"{TOLERANCE:.0%}, naming the misses); with several GPUs: {several}; the +27 % point ran before "
+        f"megatrain point on one GPU (the table at the end) it is within {worst:.1%}, but for {beyond} of the "
+        f"{len(one_gpu)} points, which miss by more than {TOLERANCE:.0%}: tests/unit/test_speed.py names each with "
+        f"its cause (MoE and explicit-attention models, mostly); with several GPUs: {several}; the +27 % point ran before "
         "a stall of the 2-GPU updates was fixed (docs/operations.md, data parallel). Compiled layers were measured at the 7B, "
         "Qwen2.5-14B and Qwen2.5-32B widths. Hosts of 512 GB-1.5 TB "
         "are assumed as fast as the measured 16-core VMs; a host with more DRAM channels runs AdamW faster, "

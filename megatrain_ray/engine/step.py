@@ -76,7 +76,7 @@ class StreamEngine(ForwardOnlyPasses):
         self.rank = rank = rank or RankInfo()
         self.layout = layout
         self.device = device
-        self.streams = DeviceStreams(device)
+        self.streams = DeviceStreams(device, dequantizes=run.base_quantization == "nf4")
         # One spec per layer (Gemma's sliding and global layers differ), the head's, the embedding's scale.
         self.specs = layer_specs(model)
         self.head_spec = HeadSpec.from_config(model)

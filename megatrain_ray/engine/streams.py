@@ -35,15 +35,16 @@ class NullEvent:
 
 
 class DeviceStreams:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, dequantizes: bool = False):
+        """`dequantizes`: an NF4 base's dequantization runs on the H2D stream (engine/packed_stream.py), which then
+        runs at high priority: at the default priority the compute kernels held the SMs and the next layer's
+        weights came late (the 70B NF4 run's H2D stream was busy 8.5 s of an 8.75 s step, the GPU idle 0.77 s).
+        Other runs keep the default (their H2D stream also casts and gathers, and was measured that way)."""
         self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.compute = torch.cuda.current_stream(device)
-            # High priority: an NF4 base's dequantization runs on the H2D stream (engine/packed_stream.py), and at
-            # the default priority the compute kernels held the SMs, so the next layer's weights came late (the
-            # 70B NF4 run's H2D stream was busy 8.5 s of an 8.75 s step). A dense run's H2D stream only copies.
-            self.h2d = torch.cuda.Stream(device, priority=-1)
+            self.h2d = torch.cuda.Stream(device, priority=-1 if dequantizes else 0)
             self.d2h = torch.cuda.Stream(device)
         else:
             self.compute = self.h2d = self.d2h = None

@@ -13,6 +13,7 @@ compute with.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -105,10 +106,23 @@ each, about 2 s) outweighs what the threads lose to the GIL."""
 def fill_processes(threads: int, values: int) -> int:
     """Processes to pack the stages in, instead of threads (0: threads). A filling thread makes about ten torch
     calls per 64K values (quant/nf4.py's chunks, sized for a core's cache), each holding the GIL for its dispatch,
-    so threads contend for it as they grow in number; a process per stage has a GIL of its own. On the H200 box,
+    so threads contend for it as they grow in number (not measured against processes on 16 free cores); a process
+    per stage has a GIL of its own. On the H200 box,
     16 processes packed 16 of Llama-3.1-70B's layers at 12.6 times one thread's rate (45.4 ns a value each
     against 35.9: benchmarks/results/nf4-startup-llama3-70b-cpu-*.json). On two cores threads lose little."""
     return threads if threads > 2 and values >= PROCESS_FILL_VALUES else 0
+
+
+def exit_with_parent(parent: int) -> None:
+    """A filling process's initializer: the kernel kills it when the shard that started it dies (a SIGKILL, the
+    OOM killer), instead of leaving it waiting for work with the store's pages mapped."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the shard died before the call above
+        os._exit(1)
 
 
 def fill_base_stage_in_process(specs: list[SegmentSpec], stage: StageLayout, run: RunSpec, model_path: str,

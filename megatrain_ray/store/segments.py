@@ -368,7 +368,7 @@ fills at once, so the pieces of a tensor are the values one call for the whole w
 
 def init_slot_pieces(stage: StageLayout, slot: Any, seed: int, std: float, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """The random initial values of one slot, flat, in consecutive pieces of INIT_PIECE values from one generator
-    (per tensor: tensor_seed), each drawn in float32 and rounded to `dtype` (normal_piece). init_master writes
+    (per tensor: tensor_seed), each drawn in float32 and converted to `dtype` (normal_piece). init_master writes
     them; a frozen NF4 base quantizes them as they come (store/nf4_base.py): a 120B MoE's expert tensor (2 G
     values) never exists whole."""
     if slot.init != "normal":
@@ -383,9 +383,10 @@ def init_slot_pieces(stage: StageLayout, slot: Any, seed: int, std: float, dtype
 
 
 def normal_piece(numel: int, std: float, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """numel normal values drawn in float32 from `gen` and rounded to `dtype`: the same values for every dtype's
-    run on every torch version (a reduced float's own normal_ draws other values on torch 2.11 than on 2.13, and
-    3 to 5 times slower than float32: 23.4 against 5.3 ns a value on the H200 box)."""
+    """numel normal values drawn in float32 from `gen` and converted to `dtype` (rounded for a reduced float): the
+    same values for every dtype's run on every torch version. A reduced float's own normal_ draws other values on
+    torch 2.11 than on 2.13, and several times slower than float32 on the H200 box's torch 2.11 (a one-off timing,
+    not a results file)."""
     values = torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=gen)
     return values if dtype == torch.float32 else values.to(dtype)
 

@@ -285,7 +285,12 @@ def move_thread(cores: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     if not cores or not hasattr(os, "sched_setaffinity"):
         return ()
     before = tuple(sorted(os.sched_getaffinity(0)))
-    os.sched_setaffinity(0, cores)
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as err:  # cores outside this process's cpuset (a node that differs from the driver's)
+        log.warning("could not move to cores %s (%s): staying on %s", format_cpus(tuple(cores)), err,
+                    format_cpus(before))
+        return ()
     return before
 
 
