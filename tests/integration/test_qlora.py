@@ -215,3 +215,24 @@ def test_a_base_packed_in_processes_equals_one_packed_in_threads(tmp_path, monke
     assert threads.keys() == processes.keys()
     for name, value in threads.items():
         assert torch.equal(value, processes[name]), name
+
+
+class _ExitsWhenUnpickled:
+    """Unpickled in a filling process, it ends that process at once, as the OOM killer would."""
+
+    def __reduce__(self):
+        return os._exit, (1,)
+
+
+def test_a_filling_process_that_dies_stops_the_start_up_with_a_memory_error(tmp_path, monkeypatch):
+    """A process packing the base that dies (here: at once, as a kill would) ends the shard's start-up with one
+    HostMemoryError naming the free RAM, instead of a bare BrokenProcessPool after every other stage."""
+    import actors.host_shard
+    from megatrain_ray.exceptions import HostMemoryError
+
+    base = make_base(tmp_path / "base", "llama")
+    monkeypatch.setattr(actors.host_shard, "fill_processes", lambda threads, values: 2)
+    monkeypatch.setattr(actors.host_shard.HostShard, "_nf4_fill_args", lambda self, *args: (_ExitsWhenUnpickled(),))
+    with pytest.raises(HostMemoryError, match="a process packing the NF4 base died"):
+        with Trainer(lora_config(tmp_path / "run", base, steps=1, finetune=NF4)):
+            pass
