@@ -90,16 +90,27 @@ def peak_allocated(g: dict[str, int]) -> int:
             + max(g["layer backward working set"], g["loss head working set"]))
 
 
+SINK_ATTENTION_SCORES = 4.07
+"""Score-sized tensors ([rows, heads, T, T + 1] in the compute dtype) that attention with sinks (model/sinks.py)
+holds at its peak, its backward's (the forward's saved softmax among them): measured on the H200 at 4 x 64 heads x
+4096 tokens, full and sliding (benchmarks/sink_attention_memory.py, sink-attention-memory-h200-20261126-020151.json:
+forward 3.05, backward 4.07)."""
+SOFTCAP_ATTENTION_SCORES = 3
+"""The same for Gemma 2's soft-capped attention: the scores, the softmax's input and its output (counted, not
+measured)."""
+
+
 def explicit_attention_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
-    """Attention through explicit products (gpt-oss's sinks, Gemma 2's soft-cap) keeps [rows, heads, T, T]
-    tensors for its backward: the scores, the softmax's input (gpt-oss: with the sink column) and its
-    output, in the compute dtype, and a T x T mask (counted, not measured). 0 for SDPA's attention."""
+    """Attention through explicit products (gpt-oss's sinks, Gemma 2's soft-cap) holds [rows, heads, T, T]
+    tensors: SINK_ATTENTION_SCORES or SOFTCAP_ATTENTION_SCORES of them, and a T x T mask. 0 for SDPA's
+    attention."""
     m = cfg.model
     if m.family != "gpt_oss" and not m.attn_logit_softcapping:
         return 0
     seq = cfg.data.seq_len
     rows = max(1, tokens // seq)
-    return 3 * rows * m.num_attention_heads * seq * (seq + 1) * compute_b + seq * seq
+    scores = SINK_ATTENTION_SCORES if m.family == "gpt_oss" else SOFTCAP_ATTENTION_SCORES
+    return int(scores * rows * m.num_attention_heads * seq * (seq + 1) * compute_b) + seq * seq
 
 
 def resident_bytes(run: RunSpec, stages) -> int:

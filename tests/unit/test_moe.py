@@ -205,8 +205,9 @@ def test_grouped_mm_call_matches_the_expert_loop(monkeypatch, transposed):
 
 
 def test_gpt_oss_plan_counts_its_explicit_attention():
-    """Attention with sinks is explicit (model/sinks.py): the plan's layer working set holds its three
-    [rows, heads, T, T + 1] tensors in bfloat16 (8 x 64 x 4096 x 4097 x 2 bytes each for gpt-oss-20b)."""
+    """Attention with sinks is explicit (model/sinks.py): the plan's layer working set holds the 4.07
+    [rows, heads, T, T + 1] tensors in bfloat16 (4 x 64 x 4096 x 4097 x 2 bytes each for gpt-oss-20b) measured at
+    its peak (planning/gpu_memory.SINK_ATTENTION_SCORES), beside the rest of the layer."""
     from pathlib import Path
 
     from megatrain_ray.config.load import load_config
@@ -214,8 +215,8 @@ def test_gpt_oss_plan_counts_its_explicit_attention():
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "shapes" / "gpt-oss-20b.yaml")
     run = RunSpec.resolve(cfg)
-    scores = 8 * 64 * 4096 * 4097 * 2
-    assert 3 * scores < gpu_bytes(cfg, run)["layer backward working set"] < 4 * scores
+    scores = 4 * 64 * 4096 * 4097 * 2
+    assert 4.07 * scores < gpu_bytes(cfg, run)["layer backward working set"] < 5 * scores
 
 
 def test_bad_moe_settings_are_one_clear_error(tmp_path):
