@@ -200,3 +200,152 @@ def test_a_failing_record_fails_the_run_as_in_one_process(qwen2_dirs, tmp_path, 
         assert not (tmp_path / f"w{workers}").exists()
     assert errors[0] == errors[1] and f"{path} record 5: the chat template cannot render" in errors[0]
     assert "TemplateError: system not first" in errors[0]
+
+
+# ----------------------------------------------------------------------------- templates rendered without Jinja
+
+CHATML = ("{% for message in messages %}"
+          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+          "{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# The shape chat_assembled.py recognises, spelled otherwise: attribute access, several outputs, newlines that
+# trim_blocks and lstrip_blocks remove, whitespace control, a default system message with unicode and quotes.
+ASSEMBLED_VARIANTS = {
+    "chatml": CHATML,
+    "dots": ("{% for m in messages %}{% if loop.first and messages[0].role != 'system' %}"
+             "{{ '<|im_start|>system\\nSé \"brief\" 東<|im_end|>\\n' }}{% endif %}"
+             "{{ '<|im_start|>' + m.role + '\\n' }}{{ m.content }}{{ '<|im_end|>\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    "lines": ("{% for message in messages %}\n"
+              "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}\n"
+              "{% endfor %}\n"
+              "{% if add_generation_prompt %}\n"
+              "    {{- '<|im_start|>assistant\\n' -}}\n"
+              "{% endif %}\n"),
+}
+# Near misses: each differs from the shape in one way that can change the render, so Jinja renders them.
+NOT_ASSEMBLED = {
+    "trim": CHATML.replace("message['content']", "message['content'] | trim"),
+    "name": CHATML.replace("message['role']", "message['name']"),
+    "second": ("{% for message in messages %}{% if loop.first and messages[1]['role'] != 'system' %}{{ 'S' }}"
+               "{% endif %}{{ message['role'] + message['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ 'P' }}{% endif %}"),
+    "last": ("{% for message in messages %}{% if loop.last and messages[0]['role'] != 'system' %}{{ 'S' }}"
+             "{% endif %}{{ message['role'] + message['content'] }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ 'P' }}{% endif %}"),
+    "else": CHATML.replace("{% endif %}", "{% else %}{{ 'X' }}{% endif %}"),
+    "tail": CHATML + "END",
+    "bos": "{{ bos_token }}" + CHATML,
+    "tools": TOOL_TEMPLATE,
+    "loop": LOOP_TEMPLATE,
+    "generation": CHATML.replace("message['content'] + '<|im_end|>' + '\\n' }}",
+                                 "'' }}{% generation %}{{ message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"),
+}
+VARIED = ["", " ", "\n", "  lead", "trail  ", "東京 🙂 e\u0301", "<|im_start|>user\nnot a turn<|im_end|>",
+          "{{ messages }} {% if %}", "'quote\" \\back", "\t\tx", "you're", "2 + 3 = 5"]
+
+
+def varied_messages(rng: random.Random) -> list[dict]:
+    """Conversations of any role order: assistant first, system late, tool and function results, empty and
+    special-token content, consecutive turns of one role, other fields beside role and content."""
+    roles = ["system", "user", "assistant", "tool", "function"]
+    messages = []
+    for _ in range(rng.randint(1, 7)):
+        message = {"role": rng.choice(roles), "content": "".join(rng.choice(VARIED) for _ in range(rng.randint(0, 4)))}
+        if rng.random() < 0.2:
+            message["name"] = "add"
+        messages.append(message)
+    if not any(m["role"] == "assistant" for m in messages):
+        messages.insert(rng.randint(0, len(messages)), {"role": "assistant", "content": rng.choice(VARIED)})
+    return messages
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_dir):
+    return transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def renderer_pair(tok, template: str):
+    """(ours, Jinja's) ChatRenderer of transformers' spec for `tok` with `template`."""
+    from megatrain_ray.data.prepare.chat_render import ChatRenderer
+
+    tok.chat_template = template
+    spec = spec_from_tokenizer(tok)
+    jinja_only = ChatRenderer(spec)
+    jinja_only._assembled = lambda messages, tools: None
+    return ChatRenderer(spec), jinja_only
+
+
+@pytest.mark.parametrize("name", ["smollm2", *ASSEMBLED_VARIANTS])
+def test_assembled_templates_render_as_transformers(name, smollm2_dir, smollm2_tok):
+    """Every recognised template: renders (with and without the generation prompt, every prefix) equal to
+    transformers' apply_chat_template, and spans and documents to the per-token definition, over conversations
+    of any role order, empty and unicode content and special tokens inside content."""
+    from megatrain_ray.data.prepare.chat_assembled import assembled_template
+
+    template = (Path(smollm2_dir) / "chat_template.jinja").read_text() if name == "smollm2" \
+        else ASSEMBLED_VARIANTS[name]
+    assert assembled_template(template) is not None
+    ours, jinja_only = renderer_pair(smollm2_tok, template)
+    rng = random.Random(5)
+    conversations = [varied_messages(rng) for _ in range(200)]
+    conversations += [to_messages(random_record(rng), "messages", Columns(), "t")[0] for _ in range(100)]
+    for messages in conversations:
+        assert ours._assembled(messages, None) is not None
+        for k in range(len(messages) + 1):
+            for prompt in (False, True):
+                expected = smollm2_tok.apply_chat_template(messages[:k], tokenize=False,
+                                                           add_generation_prompt=prompt) if k else ""
+                assert ours.render(messages[:k], None, prompt, "t") == expected
+        assert ours.spans(messages, None, "t") == jinja_only.spans(messages, None, "t")
+    tokenizer = Tokenizer(smollm2_dir, spec_from_tokenizer(smollm2_tok))
+    tokenizer._chat = ours
+    rendered = [ours.spans(messages, None, "t") for messages in conversations]
+    docs = tokenizer.chat_documents([full for full, _ in rendered], [spans for _, spans in rendered])
+    expected = [reference_document(smollm2_tok, messages, None) for messages in conversations]
+    assert [(ids.tobytes(), mask.tobytes()) for ids, mask in docs] == expected
+
+
+@pytest.mark.parametrize("name", sorted(NOT_ASSEMBLED))
+def test_other_templates_are_left_to_jinja(name, smollm2_tok):
+    from megatrain_ray.data.prepare.chat_assembled import assembled_template
+
+    assert assembled_template(NOT_ASSEMBLED[name]) is None
+
+
+def test_messages_assembly_cannot_read_go_to_jinja(smollm2_tok):
+    """A conversation with tools, or a message whose role or content is not a str, is rendered by Jinja (the same
+    errors and the same renders as before)."""
+    ours, jinja_only = renderer_pair(smollm2_tok, CHATML)
+    for messages in ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}],
+                     [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}],
+                     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "x"}],
+                     [{"role": "user"}, {"role": "assistant", "content": "x"}]):
+        assert ours._assembled(messages, None) is None
+        outcomes = []
+        for renderer in (ours, jinja_only):
+            try:
+                outcomes.append(renderer.spans(messages, None, "t"))
+            except BadRecord as exc:
+                outcomes.append(str(exc))
+        assert outcomes[0] == outcomes[1]
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    assert ours._assembled(messages, tools) is None
+    assert ours.spans(messages, tools, "t") == jinja_only.spans(messages, tools, "t")
+
+
+def test_a_prompt_that_is_no_prefix_of_the_turn_fails_as_with_jinja(smollm2_tok):
+    """A recognised template whose generation prompt is not how an assistant turn starts: the same BadRecord as
+    the Jinja path (an assistant turn first is fine: the conversation before it renders as nothing)."""
+    template = CHATML.replace("'<|im_start|>assistant\\n' }}{% endif %}", "'<|im_start|>model\\n' }}{% endif %}")
+    ours, jinja_only = renderer_pair(smollm2_tok, template)
+    first = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    assert ours.spans(first, None, "t") == jinja_only.spans(first, None, "t")
+    later = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    errors = []
+    for renderer in (ours, jinja_only):
+        with pytest.raises(BadRecord, match="does not render a conversation as a prefix") as info:
+            renderer.spans(later, None, "t")
+        errors.append((info.value.reason, str(info.value)))
+    assert errors[0] == errors[1]

@@ -12,8 +12,11 @@ reads differently is never used as read.
 tokenization_utils_base.apply_chat_template and chat_template_utils.render_jinja_template, step for
 step, in transformers' own compiled jinja environment), once per conversation for the work shared by
 its prefixes: the messages are converted once and each prefix render is a slice of them (every step
-of the conversion is message by message). `chat_documents` tokenizes a chunk in one batched call and
-places the loss mask for the whole chunk with numpy.
+of the conversion is message by message). A template of the ChatML family that chat_assembled.py
+recognises from its syntax tree (SmolLM2's, plain ChatML) is rendered without Jinja, as the
+concatenation of one piece per message, which is exactly the string Jinja renders; transformers'
+module is then never imported. `chat_documents` tokenizes a chunk in one batched call and places the
+loss mask for the whole chunk with numpy.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_ray.data.prepare.chat_assembled import assembled_template
 from megatrain_ray.data.prepare.records import BadRecord
 from megatrain_ray.exceptions import DataError
 
@@ -99,21 +103,35 @@ class ChatRenderer:
     """apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...) from a spec."""
 
     def __init__(self, spec: TokenizerSpec):
-        # Only this module of transformers: no torch, no model classes. Its private steps of apply_chat_template
-        # are used as they are, so the render is transformers' own (pyproject pins the version).
-        try:
-            from transformers.utils.chat_template_utils import (
-                _alias_reasoning_fields,
-                _compile_jinja_template,
-                _plain_template_data,
-            )
-        except ImportError as exc:
-            raise DataError(f"megatrain prepare needs transformers' chat-template steps ({exc}); install the "
-                            "version pyproject.toml pins: pip install -e '.[hf]'") from None
-
         self.spec = spec
-        self._alias, self._compile, self._plain = _alias_reasoning_fields, _compile_jinja_template, _plain_template_data
-        self.template_kwargs = _plain_template_data(dict(spec.special_tokens))
+        self._steps: tuple | None = None
+        self.template_kwargs: dict[str, Any] = {}
+
+    def _transformers_steps(self) -> tuple:
+        """transformers' private steps of apply_chat_template, imported on the first Jinja render: only this module
+        of transformers (no torch, no model classes); used as they are, so the render is transformers' own
+        (pyproject pins the version). A template chat_assembled.py renders never needs them."""
+        if self._steps is None:
+            try:
+                from transformers.utils.chat_template_utils import (
+                    _alias_reasoning_fields,
+                    _compile_jinja_template,
+                    _plain_template_data,
+                )
+            except ImportError as exc:
+                raise DataError(f"megatrain prepare needs transformers' chat-template steps ({exc}); install the "
+                                "version pyproject.toml pins: pip install -e '.[hf]'") from None
+            self.template_kwargs = _plain_template_data(dict(self.spec.special_tokens))
+            self._steps = (_alias_reasoning_fields, _compile_jinja_template, _plain_template_data)
+        return self._steps
+
+    def _assembled(self, messages: list[dict[str, Any]], tools: list | None) -> list[str] | None:
+        """Each message's piece of the render where the template is one chat_assembled.py renders exactly
+        (conversations without tools only); None: Jinja renders it."""
+        if tools is not None:
+            return None
+        assembled = assembled_template(self.spec.template)
+        return assembled.pieces(messages) if assembled is not None else None
 
     def _prepared(self, messages: list[dict[str, Any]], tools: list | None) -> tuple[Any, list, dict[str, Any]]:
         """(compiled template, converted messages, the template's variables but messages and add_generation_prompt):
@@ -124,19 +142,24 @@ class ChatRenderer:
         if tools is not None and not all(isinstance(tool, dict) for tool in tools):
             raise ValueError("Tools should either be a JSON schema, or a callable function with type hints "
                              "and a docstring suitable for auto-conversion to a schema.")
-        chat = self._plain([{k: v for k, v in m.items() if v is not None} for m in messages])
+        alias, compile_template, plain = self._transformers_steps()
+        chat = plain([{k: v for k, v in m.items() if v is not None} for m in messages])
         for message in chat:
             if not isinstance(message, dict):
                 raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
-        compiled = self._compile(template)
+        compiled = compile_template(template)
         # What Template.render(**variables) puts in a new context: its globals, overridden by the variables.
         variables = {**compiled.globals, **self.template_kwargs,
-                     "tools": self._plain(list(tools) if tools is not None else None), "documents": None}
-        return compiled, self._alias(chat), variables
+                     "tools": plain(list(tools) if tools is not None else None), "documents": None}
+        return compiled, alias(chat), variables
 
     def render(self, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool, where: str) -> str:
         if not messages:
             return ""
+        pieces = self._assembled(messages, tools)
+        if pieces is not None:
+            return "".join(pieces) + (assembled_template(self.spec.template).prompt if generation_prompt else "")
+        self._transformers_steps()  # its DataError is not the record's
         with _bad_template(where):
             template, chat, variables = self._prepared(messages, tools)
             return self._render(template, chat, variables, generation_prompt)
@@ -158,6 +181,10 @@ class ChatRenderer:
     def spans(self, messages: list[dict[str, Any]], tools: list | None, where: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns: turn i spans from the end
         of the conversation before it (with the generation prompt) to the end of the conversation through it."""
+        pieces = self._assembled(messages, tools)
+        if pieces is not None:
+            return self._assembled_spans(messages, pieces, where)
+        self._transformers_steps()
         with _bad_template(where):
             template, chat, variables = self._prepared(messages, tools)
             full = self._render(template, chat, variables, False)
@@ -173,6 +200,26 @@ class ChatRenderer:
                                     "located")
                 spans.append((len(before), len(through)))
         return full, spans
+
+    def _assembled_spans(self, messages: list[dict[str, Any]], pieces: list[str],
+                         where: str) -> tuple[str, list[tuple[int, int]]]:
+        """spans() from the messages' pieces, with the same renders in lengths: the render of messages[:k] is the
+        first k pieces joined ("" for none), with the generation prompt after it when asked (never after none:
+        an empty conversation renders as ""). So turn i's `before` is a prefix of its `through` iff piece i starts
+        with the prompt (or i is 0), and `through` is always a prefix of the whole."""
+        prompt = assembled_template(self.spec.template).prompt
+        spans = []
+        end = 0
+        for i, (message, piece) in enumerate(zip(messages, pieces)):
+            start, end = end, end + len(piece)
+            if message["role"] != "assistant":
+                continue
+            if i and not piece.startswith(prompt):
+                raise BadRecord("template not a prefix", f"{where}: the chat template does not render a "
+                                "conversation as a prefix of its continuation, so the assistant turns cannot be "
+                                "located")
+            spans.append((start + len(prompt) if i else 0, end))
+        return "".join(pieces), spans
 
 
 class _bad_template:
