@@ -349,3 +349,25 @@ def test_a_prompt_that_is_no_prefix_of_the_turn_fails_as_with_jinja(smollm2_tok)
             renderer.spans(later, None, "t")
         errors.append((info.value.reason, str(info.value)))
     assert errors[0] == errors[1]
+
+
+def test_workers_run_with_jemalloc_and_this_process_keeps_its_environment(smollm2_dir):
+    """The forkserver, and so every worker, has Ray's jemalloc preloaded (tokenizing.malloc_library); this process's
+    LD_PRELOAD is as before. test_worker_processes_write_one_process_shards checks the output against one process
+    (glibc's malloc)."""
+    import os
+
+    from megatrain_ray.data.prepare.tokenize import Job
+    from megatrain_ray.data.prepare.tokenizing import Tokenizing, malloc_library
+
+    library = malloc_library()
+    if library is None:
+        pytest.skip("no jemalloc (Ray's ray/core/libjemalloc.so) and MEGATRAIN_PREPARE_MALLOC not set")
+    before = os.environ.get("LD_PRELOAD")
+    tokenizing = Tokenizing(smollm2_dir, Job("messages", Columns(), 0, False), 2, spec_from_files(smollm2_dir))
+    try:
+        assert os.environ.get("LD_PRELOAD") == before
+        maps = tokenizing.pool.submit(Path("/proc/self/maps").read_text).result()
+        assert os.path.realpath(library) in maps
+    finally:
+        tokenizing.close()
