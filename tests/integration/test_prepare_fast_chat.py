@@ -371,3 +371,55 @@ def test_workers_run_with_jemalloc_and_this_process_keeps_its_environment(smollm
         assert os.path.realpath(library) in maps
     finally:
         tokenizing.close()
+
+
+def test_a_check_that_agreed_is_kept_and_any_change_checks_again(smollm2_dir, qwen2_dirs, tmp_path, monkeypatch):
+    """spec_check_cache.py: SmolLM2's directory is checked once (transformers reads it as its files spell it), a
+    second run starts without the check and writes the same shards and manifest; a copy with one byte of
+    tokenizer_config.json changed, or another transformers version, is checked again. The tiny Qwen2's own directory
+    (read otherwise by transformers: test_the_files_spec_is_transformers_reading_where_they_agree) is checked on
+    every run, never kept."""
+    from megatrain_ray.data.prepare import tokenizing
+
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "CHUNK_RECORDS", 16)
+    checks = []
+
+    class Counted(tokenizing.SpecCheck):
+        def __init__(self, directory, context):
+            checks.append(directory)
+            super().__init__(directory, context)
+    monkeypatch.setattr(tokenizing, "SpecCheck", Counted)
+    rng = random.Random(3)
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(random_record(rng), ensure_ascii=False) + "\n" for _ in range(60)),
+                    encoding="utf-8")
+    copy = tmp_path / "smollm2-copy"
+    shutil.copytree(smollm2_dir, copy)
+
+    def run(directory, name: str) -> Path:
+        out = tmp_path / name
+        prepare(PrepareOptions(str(directory), "messages", [str(path)], str(out), seed=4, eval_fraction=0.1,
+                               workers=2))
+        return out
+    first, second = run(smollm2_dir, "first"), run(smollm2_dir, "second")
+    assert checks == [smollm2_dir]
+    assert shard_bytes(first) == shard_bytes(second)
+    assert len(list((tmp_path / "cache" / "prepare-spec-checks").iterdir())) == 1
+    run(copy, "copy")  # another path: checked
+    run(copy, "copy-again")
+    assert checks == [smollm2_dir, str(copy)]
+    config = copy / "tokenizer_config.json"
+    config.write_text(config.read_text() + " ")
+    run(copy, "edited")
+    assert checks == [smollm2_dir, str(copy), str(copy)]
+    from importlib import metadata
+    versions = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.0.0" if name == "transformers" else versions(name))
+    run(copy, "other-transformers")
+    assert len(checks) == 4
+    monkeypatch.setattr(metadata, "version", versions)
+    for name in ("qwen-1", "qwen-2"):
+        run(qwen2_dirs["chatml"], name)
+    assert checks[4:] == [qwen2_dirs["chatml"]] * 2
+    assert shard_bytes(tmp_path / "qwen-1") == shard_bytes(tmp_path / "qwen-2")

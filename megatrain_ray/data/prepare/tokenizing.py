@@ -5,6 +5,8 @@ Chat formats with several workers start them at once with the tokenizer as its f
 the import and load take seconds) and this one compares the two specs. They agree for a plain
 model directory; where they do not, `check` raises `SpecMismatch` and the run starts again with
 transformers' spec, so what is written always comes from transformers' reading of the directory.
+A verdict of agreement is kept (spec_check_cache.py): a later run on the same files, with the same
+transformers and tokenizers, starts its workers without the check.
 
 The forkserver (and so every worker forked from it) runs with jemalloc preloaded where Ray's copy is installed
 (ray/core/libjemalloc.so, the allocator Ray preloads into its own processes): the Rust tokenizer allocates and
@@ -20,6 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from megatrain_ray.data.prepare import spec_check_cache
 from megatrain_ray.data.prepare.chat_render import TokenizerSpec, spec_from_tokenizer
 from megatrain_ray.data.prepare.tokenize import Job, Result, Tokenizer, load_tokenizer, process_chunk
 from megatrain_ray.exceptions import DataError
@@ -112,12 +115,14 @@ class Tokenizing:
     processes with at most IN_FLIGHT_PER_WORKER chunks each in flight, so memory does not grow with the input.
 
     spec: what the workers tokenize chat records with; None: transformers' tokenizer, loaded in each worker
-    (text and preference formats). vocab_size None with a spec: the spec is the files' and is checked."""
+    (text and preference formats). vocab_size None with a spec: the spec is the files' and is checked; a check
+    that finds it transformers' reading is kept under check_key (spec_check_cache.py)."""
 
     def __init__(self, directory: str, job: Job, workers: int, spec: TokenizerSpec | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, check_key: str | None = None):
         self.job, self.workers, self.pool, self.tok = job, workers, None, None
         self.spec, self.vocab_size, self.check_spec = spec, vocab_size, None
+        self.directory, self.check_key = directory, check_key
         if workers <= 1:
             self.tok = Tokenizer(directory, spec)
             return
@@ -167,6 +172,7 @@ class Tokenizing:
         if spec != self.spec:
             raise SpecMismatch(spec, vocab_size)
         self.vocab_size = vocab_size
+        spec_check_cache.store(self.check_key, spec, vocab_size, self.directory)
 
     def results(self, work_chunks: Iterable[list]) -> Iterator[list[Result]]:
         if self.tok is not None:
