@@ -423,3 +423,64 @@ def test_a_check_that_agreed_is_kept_and_any_change_checks_again(smollm2_dir, qw
         run(qwen2_dirs["chatml"], name)
     assert checks[4:] == [qwen2_dirs["chatml"]] * 2
     assert shard_bytes(tmp_path / "qwen-1") == shard_bytes(tmp_path / "qwen-2")
+
+
+# ----------------------------------------------------------------------------- token starts from byte lengths
+
+BYTE_TEXT = ["", " ", "\n", "  a", "東京", "🙂", "e\u0301", "ñ\U00040000", "<|im_start|>", "<|im_end|>\n", "you're",
+             "\t", "x=y+1", "é"]
+
+
+def test_token_byte_lengths_only_where_offsets_follow_from_them(smollm2_dir, qwen2_dirs):
+    """SmolLM2's tokenizer (no normalizer, ByteLevel, BPE, TemplateProcessing) qualifies; the tiny Qwen2's as
+    transformers reads it (an NFC normalizer) does not, nor SmolLM2's with any one change that moves offsets."""
+    from megatrain_ray.data.prepare.chat_render import token_byte_lengths
+
+    smollm2 = spec_from_files(smollm2_dir).backend_json
+    lengths = token_byte_lengths(smollm2)
+    assert lengths is not None and lengths[0] == len("<|endoftext|>")
+    assert token_byte_lengths(spec_from_tokenizer(load_tokenizer(qwen2_dirs["chatml"])).backend_json) is None
+    config = json.loads(smollm2)
+
+    def changed(edit) -> str:
+        copy = json.loads(smollm2)
+        edit(copy)
+        return json.dumps(copy)
+    edits = [lambda c: c.update(normalizer={"type": "NFC"}),
+             lambda c: c["pre_tokenizer"].update(add_prefix_space=True),
+             lambda c: c.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+                 {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False},
+                 config["pre_tokenizer"]]}),
+             lambda c: c.update(post_processor={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                                "use_regex": True}),
+             lambda c: c["added_tokens"][1].update(rstrip=True),
+             lambda c: c["model"].update(byte_fallback=True),
+             lambda c: c["model"].update(unk_token="<|endoftext|>"),  # with bytes missing from the vocabulary
+             lambda c: c["model"].update(type="WordPiece")]
+    for edit in edits:
+        assert token_byte_lengths(changed(edit)) is None
+    split_first = changed(lambda c: c.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\d"}, "behavior": "Isolated", "invert": False},
+        config["pre_tokenizer"]]}))
+    assert token_byte_lengths(split_first) is not None
+
+
+def test_starts_from_byte_lengths_are_the_offsets(smollm2_dir):
+    """chat_documents with token_byte_lengths (no offsets asked of the tokenizer) against the offsets, on texts of
+    multi-byte, combining and special-token characters with spans cut anywhere, one of them holding a character
+    whose byte the vocabulary lacks (left out by the tokenizer: the chunk is read again with offsets)."""
+    from megatrain_ray.data.prepare.chat_render import chat_documents, load_backend, token_byte_lengths
+
+    spec = spec_from_files(smollm2_dir)
+    backend, lengths = load_backend(spec), token_byte_lengths(spec.backend_json)
+    rng = random.Random(7)
+    for n in range(300):
+        texts, spans = [], []
+        for _ in range(rng.randint(1, 8)):
+            text = "".join(rng.choice(BYTE_TEXT[:7] if n % 2 else BYTE_TEXT) for _ in range(rng.randint(0, 10)))
+            cuts = sorted(rng.randint(0, len(text)) for _ in range(2 * rng.randint(0, 3)))
+            texts.append(text)
+            spans.append([(cuts[i], cuts[i + 1]) for i in range(0, len(cuts), 2)] if rng.random() < 0.9 else None)
+        expected = chat_documents(backend, texts, spans)
+        ours = chat_documents(backend, texts, spans, lengths)
+        assert [(i.tobytes(), m.tobytes()) for i, m in ours] == [(i.tobytes(), m.tobytes()) for i, m in expected]
