@@ -24,25 +24,23 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatrain_ray import __version__
-from megatrain_ray.config.load import config_to_yaml, load_config, parse_size
-from megatrain_ray.config.sections import Config
-from megatrain_ray.driver.placement import numa_resources
 from megatrain_ray.exceptions import ConfigError, MegatrainError
 from megatrain_ray.observe.log import get_logger, init_logger
-from megatrain_ray.observe.plot import plot_run
-from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.memory import plan_run
-from megatrain_ray.planning.plan_text import format_plan
-from megatrain_ray.planning.profiles import PRESETS
-from megatrain_ray.store.export import export_weights_dir
-from megatrain_ray.system.topology import detect_topology
+
+# The config, planning, driver and store modules import torch (a second of start-up): each command imports what it
+# needs, so `megatrain prepare` (and its worker processes' forkserver) never does.
+if TYPE_CHECKING:
+    from megatrain_ray.config.sections import Config
 
 log = get_logger(__name__)
 
 
 def _load(args: argparse.Namespace) -> Config:
+    from megatrain_ray.config.load import load_config  # lazy: start-up time (torch)
+
     overrides = list(args.set or [])
     if getattr(args, "address", None):
         overrides.append(f"runtime.address={args.address}")
@@ -109,6 +107,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the host RAM, shared memory, pinned memory and GPU memory the config needs, and the expected
     tok/s, against this machine (or one described by --machine and/or --host-memory/--gpu-memory/--shm);
     exit 2 when it does not fit."""
+    from megatrain_ray.planning.machine import Machine  # lazy: start-up time (torch)
+    from megatrain_ray.planning.memory import plan_run  # lazy: start-up time (torch)
+    from megatrain_ray.planning.plan_text import format_plan  # lazy: start-up time (torch)
+
     cfg = _load(args)
     machine = Machine.from_preset(args.machine) if args.machine else Machine.detect(cfg.host.shm_dir)
     machine = machine.override(host_memory=args.host_memory, gpu_memory=args.gpu_memory, shm=args.shm)
@@ -128,12 +130,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the config after defaults and overrides, as the run would use it."""
+    from megatrain_ray.config.load import config_to_yaml  # lazy: start-up time (torch)
+
     sys.stdout.write(config_to_yaml(_load(args)))
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw a run's loss and throughput (tok/s, model TFLOPS) curves from its metrics.jsonl to PNG."""
+    from megatrain_ray.observe.plot import plot_run  # lazy: start-up time
+
     for path in plot_run(Path(args.run_dir), Path(args.out) if args.out else None):
         log.info("wrote %s", path)
     return 0
@@ -141,6 +147,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_resources(args: argparse.Namespace) -> int:
     """Print this machine's NUMA nodes as Ray custom resources, for `ray start --head --resources=...`."""
+    from megatrain_ray.driver.placement import numa_resources  # lazy: start-up time (torch)
+    from megatrain_ray.system.topology import detect_topology  # lazy: start-up time
+
     sys.stdout.write(json.dumps(numa_resources(detect_topology())) + "\n")
     return 0
 
@@ -149,6 +158,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a Hugging Face model directory (safetensors shards, index, config.json, tokenizer files) from a
     run directory (its newest complete checkpoint), a checkpoint, or a directory of safetensors weights
     (train.export_dir, a Hugging Face model)."""
+    from megatrain_ray.config.load import parse_size  # lazy: start-up time (torch)
+    from megatrain_ray.store.export import export_weights_dir  # lazy: start-up time (torch)
+
     export_weights_dir(args.source, args.out_dir, dtype=args.dtype, shard_bytes=parse_size(args.shard_size, "--shard-size"))
     return 0
 
@@ -202,6 +214,8 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="continue from a checkpoint: a checkpoint directory, or auto for the newest complete "
                             "one under checkpoint.dir (starting afresh when there is none)")
     if name == "plan":
+        from megatrain_ray.planning.profiles import PRESETS  # lazy: start-up time (torch), only for plan's arguments
+
         p.add_argument("--machine", metavar="NAME", help="plan for a described machine instead of this one: "
                        f"{', '.join(PRESETS)} (GPU kind and installed host RAM; the flags below override its sizes)")
         for flag, what in (("--host-memory", "host RAM"), ("--gpu-memory", "GPU memory"), ("--shm", "/dev/shm size")):
@@ -285,21 +299,26 @@ EPILOGS = {"train": "Every config key, its type, default and meaning: docs/confi
            "config": "Every key explained: docs/config.md."}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; `only`: the command being run, the one whose arguments are added (all, when None)."""
     parser = argparse.ArgumentParser(
         prog="megatrain", description="Train and fine-tune LLMs on one GPU from host memory, with Ray actors.",
         epilog="Docs: README.md and docs/ (quick start, fine-tuning guide, operations on Ray, configuration).")
     parser.add_argument("--version", action="version", version=f"megatrain-ray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, fn in COMMANDS.items():
-        _add_arguments(name, sub.add_parser(name, help=_summary(fn.__doc__), description=" ".join(fn.__doc__.split()),
-                                            epilog=EPILOGS.get(name)))
+        command = sub.add_parser(name, help=_summary(fn.__doc__), description=" ".join(fn.__doc__.split()),
+                                 epilog=EPILOGS.get(name))
+        if only is None or name == only:
+            _add_arguments(name, command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     init_logger("driver", force=True)
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    # The command's arguments only: another command's may need imports (plan's --machine names, torch).
+    args = build_parser(words[0] if words and words[0] in COMMANDS else None).parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except MegatrainError as exc:

@@ -200,3 +200,287 @@ def test_a_failing_record_fails_the_run_as_in_one_process(qwen2_dirs, tmp_path, 
         assert not (tmp_path / f"w{workers}").exists()
     assert errors[0] == errors[1] and f"{path} record 5: the chat template cannot render" in errors[0]
     assert "TemplateError: system not first" in errors[0]
+
+
+# ----------------------------------------------------------------------------- templates rendered without Jinja
+
+CHATML = ("{% for message in messages %}"
+          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+          "{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# The shape chat_assembled.py recognises, spelled otherwise: attribute access, several outputs, newlines that
+# trim_blocks and lstrip_blocks remove, whitespace control, a default system message with unicode and quotes.
+ASSEMBLED_VARIANTS = {
+    "chatml": CHATML,
+    "dots": ("{% for m in messages %}{% if loop.first and messages[0].role != 'system' %}"
+             "{{ '<|im_start|>system\\nSé \"brief\" 東<|im_end|>\\n' }}{% endif %}"
+             "{{ '<|im_start|>' + m.role + '\\n' }}{{ m.content }}{{ '<|im_end|>\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    "lines": ("{% for message in messages %}\n"
+              "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}\n"
+              "{% endfor %}\n"
+              "{% if add_generation_prompt %}\n"
+              "    {{- '<|im_start|>assistant\\n' -}}\n"
+              "{% endif %}\n"),
+}
+# Near misses: each differs from the shape in one way that can change the render, so Jinja renders them.
+NOT_ASSEMBLED = {
+    "trim": CHATML.replace("message['content']", "message['content'] | trim"),
+    "name": CHATML.replace("message['role']", "message['name']"),
+    "second": ("{% for message in messages %}{% if loop.first and messages[1]['role'] != 'system' %}{{ 'S' }}"
+               "{% endif %}{{ message['role'] + message['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ 'P' }}{% endif %}"),
+    "last": ("{% for message in messages %}{% if loop.last and messages[0]['role'] != 'system' %}{{ 'S' }}"
+             "{% endif %}{{ message['role'] + message['content'] }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ 'P' }}{% endif %}"),
+    "else": CHATML.replace("{% endif %}", "{% else %}{{ 'X' }}{% endif %}"),
+    "tail": CHATML + "END",
+    "bos": "{{ bos_token }}" + CHATML,
+    "tools": TOOL_TEMPLATE,
+    "loop": LOOP_TEMPLATE,
+    "generation": CHATML.replace("message['content'] + '<|im_end|>' + '\\n' }}",
+                                 "'' }}{% generation %}{{ message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"),
+}
+VARIED = ["", " ", "\n", "  lead", "trail  ", "東京 🙂 e\u0301", "<|im_start|>user\nnot a turn<|im_end|>",
+          "{{ messages }} {% if %}", "'quote\" \\back", "\t\tx", "you're", "2 + 3 = 5"]
+
+
+def varied_messages(rng: random.Random) -> list[dict]:
+    """Conversations of any role order: assistant first, system late, tool and function results, empty and
+    special-token content, consecutive turns of one role, other fields beside role and content."""
+    roles = ["system", "user", "assistant", "tool", "function"]
+    messages = []
+    for _ in range(rng.randint(1, 7)):
+        message = {"role": rng.choice(roles), "content": "".join(rng.choice(VARIED) for _ in range(rng.randint(0, 4)))}
+        if rng.random() < 0.2:
+            message["name"] = "add"
+        messages.append(message)
+    if not any(m["role"] == "assistant" for m in messages):
+        messages.insert(rng.randint(0, len(messages)), {"role": "assistant", "content": rng.choice(VARIED)})
+    return messages
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_dir):
+    return transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def renderer_pair(tok, template: str):
+    """(ours, Jinja's) ChatRenderer of transformers' spec for `tok` with `template`."""
+    from megatrain_ray.data.prepare.chat_render import ChatRenderer
+
+    tok.chat_template = template
+    spec = spec_from_tokenizer(tok)
+    jinja_only = ChatRenderer(spec)
+    jinja_only._assembled = lambda messages, tools: None
+    return ChatRenderer(spec), jinja_only
+
+
+@pytest.mark.parametrize("name", ["smollm2", *ASSEMBLED_VARIANTS])
+def test_assembled_templates_render_as_transformers(name, smollm2_dir, smollm2_tok):
+    """Every recognised template: renders (with and without the generation prompt, every prefix) equal to
+    transformers' apply_chat_template, and spans and documents to the per-token definition, over conversations
+    of any role order, empty and unicode content and special tokens inside content."""
+    from megatrain_ray.data.prepare.chat_assembled import assembled_template
+
+    template = (Path(smollm2_dir) / "chat_template.jinja").read_text() if name == "smollm2" \
+        else ASSEMBLED_VARIANTS[name]
+    assert assembled_template(template) is not None
+    ours, jinja_only = renderer_pair(smollm2_tok, template)
+    rng = random.Random(5)
+    conversations = [varied_messages(rng) for _ in range(200)]
+    conversations += [to_messages(random_record(rng), "messages", Columns(), "t")[0] for _ in range(100)]
+    for messages in conversations:
+        assert ours._assembled(messages, None) is not None
+        for k in range(len(messages) + 1):
+            for prompt in (False, True):
+                expected = smollm2_tok.apply_chat_template(messages[:k], tokenize=False,
+                                                           add_generation_prompt=prompt) if k else ""
+                assert ours.render(messages[:k], None, prompt, "t") == expected
+        assert ours.spans(messages, None, "t") == jinja_only.spans(messages, None, "t")
+    tokenizer = Tokenizer(smollm2_dir, spec_from_tokenizer(smollm2_tok))
+    tokenizer._chat = ours
+    rendered = [ours.spans(messages, None, "t") for messages in conversations]
+    docs = tokenizer.chat_documents([full for full, _ in rendered], [spans for _, spans in rendered])
+    expected = [reference_document(smollm2_tok, messages, None) for messages in conversations]
+    assert [(ids.tobytes(), mask.tobytes()) for ids, mask in docs] == expected
+
+
+@pytest.mark.parametrize("name", sorted(NOT_ASSEMBLED))
+def test_other_templates_are_left_to_jinja(name, smollm2_tok):
+    from megatrain_ray.data.prepare.chat_assembled import assembled_template
+
+    assert assembled_template(NOT_ASSEMBLED[name]) is None
+
+
+def test_messages_assembly_cannot_read_go_to_jinja(smollm2_tok):
+    """A conversation with tools, or a message whose role or content is not a str, is rendered by Jinja (the same
+    errors and the same renders as before)."""
+    ours, jinja_only = renderer_pair(smollm2_tok, CHATML)
+    for messages in ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}],
+                     [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}],
+                     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "x"}],
+                     [{"role": "user"}, {"role": "assistant", "content": "x"}]):
+        assert ours._assembled(messages, None) is None
+        outcomes = []
+        for renderer in (ours, jinja_only):
+            try:
+                outcomes.append(renderer.spans(messages, None, "t"))
+            except BadRecord as exc:
+                outcomes.append(str(exc))
+        assert outcomes[0] == outcomes[1]
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    assert ours._assembled(messages, tools) is None
+    assert ours.spans(messages, tools, "t") == jinja_only.spans(messages, tools, "t")
+
+
+def test_a_prompt_that_is_no_prefix_of_the_turn_fails_as_with_jinja(smollm2_tok):
+    """A recognised template whose generation prompt is not how an assistant turn starts: the same BadRecord as
+    the Jinja path (an assistant turn first is fine: the conversation before it renders as nothing)."""
+    template = CHATML.replace("'<|im_start|>assistant\\n' }}{% endif %}", "'<|im_start|>model\\n' }}{% endif %}")
+    ours, jinja_only = renderer_pair(smollm2_tok, template)
+    first = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    assert ours.spans(first, None, "t") == jinja_only.spans(first, None, "t")
+    later = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    errors = []
+    for renderer in (ours, jinja_only):
+        with pytest.raises(BadRecord, match="does not render a conversation as a prefix") as info:
+            renderer.spans(later, None, "t")
+        errors.append((info.value.reason, str(info.value)))
+    assert errors[0] == errors[1]
+
+
+def test_workers_run_with_jemalloc_and_this_process_keeps_its_environment(smollm2_dir):
+    """The forkserver, and so every worker, has Ray's jemalloc preloaded (tokenizing.malloc_library); this process's
+    LD_PRELOAD is as before. test_worker_processes_write_one_process_shards checks the output against one process
+    (glibc's malloc)."""
+    import os
+
+    from megatrain_ray.data.prepare.tokenize import Job
+    from megatrain_ray.data.prepare.tokenizing import Tokenizing, malloc_library
+
+    library = malloc_library()
+    if library is None:
+        pytest.skip("no jemalloc (Ray's ray/core/libjemalloc.so) and MEGATRAIN_PREPARE_MALLOC not set")
+    before = os.environ.get("LD_PRELOAD")
+    tokenizing = Tokenizing(smollm2_dir, Job("messages", Columns(), 0, False), 2, spec_from_files(smollm2_dir))
+    try:
+        assert os.environ.get("LD_PRELOAD") == before
+        maps = tokenizing.pool.submit(Path("/proc/self/maps").read_text).result()
+        assert os.path.realpath(library) in maps
+    finally:
+        tokenizing.close()
+
+
+def test_a_check_that_agreed_is_kept_and_any_change_checks_again(smollm2_dir, qwen2_dirs, tmp_path, monkeypatch):
+    """spec_check_cache.py: SmolLM2's directory is checked once (transformers reads it as its files spell it), a
+    second run starts without the check and writes the same shards and manifest; a copy with one byte of
+    tokenizer_config.json changed, or another transformers version, is checked again. The tiny Qwen2's own directory
+    (read otherwise by transformers: test_the_files_spec_is_transformers_reading_where_they_agree) is checked on
+    every run, never kept."""
+    from megatrain_ray.data.prepare import tokenizing
+
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "CHUNK_RECORDS", 16)
+    checks = []
+
+    class Counted(tokenizing.SpecCheck):
+        def __init__(self, directory, context):
+            checks.append(directory)
+            super().__init__(directory, context)
+    monkeypatch.setattr(tokenizing, "SpecCheck", Counted)
+    rng = random.Random(3)
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(random_record(rng), ensure_ascii=False) + "\n" for _ in range(60)),
+                    encoding="utf-8")
+    copy = tmp_path / "smollm2-copy"
+    shutil.copytree(smollm2_dir, copy)
+
+    def run(directory, name: str) -> Path:
+        out = tmp_path / name
+        prepare(PrepareOptions(str(directory), "messages", [str(path)], str(out), seed=4, eval_fraction=0.1,
+                               workers=2))
+        return out
+    first, second = run(smollm2_dir, "first"), run(smollm2_dir, "second")
+    assert checks == [smollm2_dir]
+    assert shard_bytes(first) == shard_bytes(second)
+    assert len(list((tmp_path / "cache" / "prepare-spec-checks").iterdir())) == 1
+    run(copy, "copy")  # another path: checked
+    run(copy, "copy-again")
+    assert checks == [smollm2_dir, str(copy)]
+    config = copy / "tokenizer_config.json"
+    config.write_text(config.read_text() + " ")
+    run(copy, "edited")
+    assert checks == [smollm2_dir, str(copy), str(copy)]
+    from importlib import metadata
+    versions = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.0.0" if name == "transformers" else versions(name))
+    run(copy, "other-transformers")
+    assert len(checks) == 4
+    monkeypatch.setattr(metadata, "version", versions)
+    for name in ("qwen-1", "qwen-2"):
+        run(qwen2_dirs["chatml"], name)
+    assert checks[4:] == [qwen2_dirs["chatml"]] * 2
+    assert shard_bytes(tmp_path / "qwen-1") == shard_bytes(tmp_path / "qwen-2")
+
+
+# ----------------------------------------------------------------------------- token starts from byte lengths
+
+BYTE_TEXT = ["", " ", "\n", "  a", "東京", "🙂", "e\u0301", "ñ\U00040000", "<|im_start|>", "<|im_end|>\n", "you're",
+             "\t", "x=y+1", "é"]
+
+
+def test_token_byte_lengths_only_where_offsets_follow_from_them(smollm2_dir, qwen2_dirs):
+    """SmolLM2's tokenizer (no normalizer, ByteLevel, BPE, TemplateProcessing) qualifies; the tiny Qwen2's as
+    transformers reads it (an NFC normalizer) does not, nor SmolLM2's with any one change that moves offsets."""
+    from megatrain_ray.data.prepare.chat_render import token_byte_lengths
+
+    smollm2 = spec_from_files(smollm2_dir).backend_json
+    lengths = token_byte_lengths(smollm2)
+    assert lengths is not None and lengths[0] == len("<|endoftext|>")
+    assert token_byte_lengths(spec_from_tokenizer(load_tokenizer(qwen2_dirs["chatml"])).backend_json) is None
+    config = json.loads(smollm2)
+
+    def changed(edit) -> str:
+        copy = json.loads(smollm2)
+        edit(copy)
+        return json.dumps(copy)
+    edits = [lambda c: c.update(normalizer={"type": "NFC"}),
+             lambda c: c["pre_tokenizer"].update(add_prefix_space=True),
+             lambda c: c.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+                 {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False},
+                 config["pre_tokenizer"]]}),
+             lambda c: c.update(post_processor={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                                "use_regex": True}),
+             lambda c: c["added_tokens"][1].update(rstrip=True),
+             lambda c: c["model"].update(byte_fallback=True),
+             lambda c: c["model"].update(unk_token="<|endoftext|>"),  # with bytes missing from the vocabulary
+             lambda c: c["model"].update(type="WordPiece")]
+    for edit in edits:
+        assert token_byte_lengths(changed(edit)) is None
+    split_first = changed(lambda c: c.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\d"}, "behavior": "Isolated", "invert": False},
+        config["pre_tokenizer"]]}))
+    assert token_byte_lengths(split_first) is not None
+
+
+def test_starts_from_byte_lengths_are_the_offsets(smollm2_dir):
+    """chat_documents with token_byte_lengths (no offsets asked of the tokenizer) against the offsets, on texts of
+    multi-byte, combining and special-token characters with spans cut anywhere, one of them holding a character
+    whose byte the vocabulary lacks (left out by the tokenizer: the chunk is read again with offsets)."""
+    from megatrain_ray.data.prepare.chat_render import chat_documents, load_backend, token_byte_lengths
+
+    spec = spec_from_files(smollm2_dir)
+    backend, lengths = load_backend(spec), token_byte_lengths(spec.backend_json)
+    rng = random.Random(7)
+    for n in range(300):
+        texts, spans = [], []
+        for _ in range(rng.randint(1, 8)):
+            text = "".join(rng.choice(BYTE_TEXT[:7] if n % 2 else BYTE_TEXT) for _ in range(rng.randint(0, 10)))
+            cuts = sorted(rng.randint(0, len(text)) for _ in range(2 * rng.randint(0, 3)))
+            texts.append(text)
+            spans.append([(cuts[i], cuts[i + 1]) for i in range(0, len(cuts), 2)] if rng.random() < 0.9 else None)
+        expected = chat_documents(backend, texts, spans)
+        ours = chat_documents(backend, texts, spans, lengths)
+        assert [(i.tobytes(), m.tobytes()) for i, m in ours] == [(i.tobytes(), m.tobytes()) for i, m in expected]

@@ -16,8 +16,9 @@ at once, complete, or not at all. A `dataset_info.json` registry in LLaMA-Factor
 files, format and columns.
 
 records.py reads and converts records, tokenize.py makes documents (chat_render.py: chat records without
-transformers' per-call work), tokenizing.py runs it in worker processes, shards.py writes the documents,
-pipeline.py runs it all (its docstring explains the split and shuffle).
+transformers' per-call work; chat_assembled.py: ChatML-family templates without Jinja), tokenizing.py runs it in
+worker processes (spec_check_cache.py: the tokenizer check's verdict kept between runs), shards.py writes the
+documents, pipeline.py runs it all (its docstring explains the split and shuffle).
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@ reads differently is never used as read.
 tokenization_utils_base.apply_chat_template and chat_template_utils.render_jinja_template, step for
 step, in transformers' own compiled jinja environment), once per conversation for the work shared by
 its prefixes: the messages are converted once and each prefix render is a slice of them (every step
-of the conversion is message by message). `chat_documents` tokenizes a chunk in one batched call and
-places the loss mask for the whole chunk with numpy.
+of the conversion is message by message). A template of the ChatML family that chat_assembled.py
+recognises from its syntax tree (SmolLM2's, plain ChatML) is rendered without Jinja, as the
+concatenation of one piece per message, which is exactly the string Jinja renders; transformers'
+module is then never imported. `chat_documents` tokenizes a chunk in one batched call and places the
+loss mask for the whole chunk with numpy.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_ray.data.prepare.chat_assembled import assembled_template
 from megatrain_ray.data.prepare.records import BadRecord
 from megatrain_ray.exceptions import DataError
 
@@ -99,21 +103,35 @@ class ChatRenderer:
     """apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...) from a spec."""
 
     def __init__(self, spec: TokenizerSpec):
-        # Only this module of transformers: no torch, no model classes. Its private steps of apply_chat_template
-        # are used as they are, so the render is transformers' own (pyproject pins the version).
-        try:
-            from transformers.utils.chat_template_utils import (
-                _alias_reasoning_fields,
-                _compile_jinja_template,
-                _plain_template_data,
-            )
-        except ImportError as exc:
-            raise DataError(f"megatrain prepare needs transformers' chat-template steps ({exc}); install the "
-                            "version pyproject.toml pins: pip install -e '.[hf]'") from None
-
         self.spec = spec
-        self._alias, self._compile, self._plain = _alias_reasoning_fields, _compile_jinja_template, _plain_template_data
-        self.template_kwargs = _plain_template_data(dict(spec.special_tokens))
+        self._steps: tuple | None = None
+        self.template_kwargs: dict[str, Any] = {}
+
+    def _transformers_steps(self) -> tuple:
+        """transformers' private steps of apply_chat_template, imported on the first Jinja render: only this module
+        of transformers (no torch, no model classes); used as they are, so the render is transformers' own
+        (pyproject pins the version). A template chat_assembled.py renders never needs them."""
+        if self._steps is None:
+            try:
+                from transformers.utils.chat_template_utils import (
+                    _alias_reasoning_fields,
+                    _compile_jinja_template,
+                    _plain_template_data,
+                )
+            except ImportError as exc:
+                raise DataError(f"megatrain prepare needs transformers' chat-template steps ({exc}); install the "
+                                "version pyproject.toml pins: pip install -e '.[hf]'") from None
+            self.template_kwargs = _plain_template_data(dict(self.spec.special_tokens))
+            self._steps = (_alias_reasoning_fields, _compile_jinja_template, _plain_template_data)
+        return self._steps
+
+    def _assembled(self, messages: list[dict[str, Any]], tools: list | None) -> list[str] | None:
+        """Each message's piece of the render where the template is one chat_assembled.py renders exactly
+        (conversations without tools only); None: Jinja renders it."""
+        if tools is not None:
+            return None
+        assembled = assembled_template(self.spec.template)
+        return assembled.pieces(messages) if assembled is not None else None
 
     def _prepared(self, messages: list[dict[str, Any]], tools: list | None) -> tuple[Any, list, dict[str, Any]]:
         """(compiled template, converted messages, the template's variables but messages and add_generation_prompt):
@@ -124,19 +142,24 @@ class ChatRenderer:
         if tools is not None and not all(isinstance(tool, dict) for tool in tools):
             raise ValueError("Tools should either be a JSON schema, or a callable function with type hints "
                              "and a docstring suitable for auto-conversion to a schema.")
-        chat = self._plain([{k: v for k, v in m.items() if v is not None} for m in messages])
+        alias, compile_template, plain = self._transformers_steps()
+        chat = plain([{k: v for k, v in m.items() if v is not None} for m in messages])
         for message in chat:
             if not isinstance(message, dict):
                 raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
-        compiled = self._compile(template)
+        compiled = compile_template(template)
         # What Template.render(**variables) puts in a new context: its globals, overridden by the variables.
         variables = {**compiled.globals, **self.template_kwargs,
-                     "tools": self._plain(list(tools) if tools is not None else None), "documents": None}
-        return compiled, self._alias(chat), variables
+                     "tools": plain(list(tools) if tools is not None else None), "documents": None}
+        return compiled, alias(chat), variables
 
     def render(self, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool, where: str) -> str:
         if not messages:
             return ""
+        pieces = self._assembled(messages, tools)
+        if pieces is not None:
+            return "".join(pieces) + (assembled_template(self.spec.template).prompt if generation_prompt else "")
+        self._transformers_steps()  # its DataError is not the record's
         with _bad_template(where):
             template, chat, variables = self._prepared(messages, tools)
             return self._render(template, chat, variables, generation_prompt)
@@ -158,6 +181,10 @@ class ChatRenderer:
     def spans(self, messages: list[dict[str, Any]], tools: list | None, where: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns: turn i spans from the end
         of the conversation before it (with the generation prompt) to the end of the conversation through it."""
+        pieces = self._assembled(messages, tools)
+        if pieces is not None:
+            return self._assembled_spans(messages, pieces, where)
+        self._transformers_steps()
         with _bad_template(where):
             template, chat, variables = self._prepared(messages, tools)
             full = self._render(template, chat, variables, False)
@@ -173,6 +200,26 @@ class ChatRenderer:
                                     "located")
                 spans.append((len(before), len(through)))
         return full, spans
+
+    def _assembled_spans(self, messages: list[dict[str, Any]], pieces: list[str],
+                         where: str) -> tuple[str, list[tuple[int, int]]]:
+        """spans() from the messages' pieces, with the same renders in lengths: the render of messages[:k] is the
+        first k pieces joined ("" for none), with the generation prompt after it when asked (never after none:
+        an empty conversation renders as ""). So turn i's `before` is a prefix of its `through` iff piece i starts
+        with the prompt (or i is 0), and `through` is always a prefix of the whole."""
+        prompt = assembled_template(self.spec.template).prompt
+        spans = []
+        end = 0
+        for i, (message, piece) in enumerate(zip(messages, pieces)):
+            start, end = end, end + len(piece)
+            if message["role"] != "assistant":
+                continue
+            if i and not piece.startswith(prompt):
+                raise BadRecord("template not a prefix", f"{where}: the chat template does not render a "
+                                "conversation as a prefix of its continuation, so the assistant turns cannot be "
+                                "located")
+            spans.append((start + len(prompt) if i else 0, end))
+        return "".join(pieces), spans
 
 
 class _bad_template:
@@ -191,12 +238,87 @@ class _bad_template:
                         f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def chat_documents(backend: Any, texts: list[str], spans: list[list[tuple[int, int]] | None]) -> list[tuple]:
+def _byte_level_alphabet() -> frozenset[str]:
+    """The 256 characters a byte-level tokenizer spells bytes with (GPT-2's bytes_to_unicode): one byte each."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return frozenset(chr(c) for c in [*kept, *(256 + k for k in range(len(moved)))])
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
+def token_byte_lengths(backend_json: str) -> np.ndarray | None:
+    """Each token id's length in bytes of the text, where the tokenizer provably cuts a text into tokens whose bytes
+    are the text's, in order, with offsets that say so: no normalizer; a pre-tokenizer of splits that remove
+    nothing (Split) then ByteLevel without a prefix space; a BPE model over the byte-level alphabet (no byte
+    fallback, dropout, prefix or suffix; with an unknown token, every one of the 256 characters a token, so it is
+    never used; without one, a character not in the vocabulary is left out, which chat_documents sees: the tokens
+    spell fewer bytes than the text, and it reads the offsets instead); added tokens that
+    absorb no whitespace (no lstrip, rstrip); a post-processor that leaves offsets as they are (TemplateProcessing,
+    which adds nothing without special tokens, or ByteLevel without trim_offsets). Then a token's start offset is
+    the character holding the first of its bytes, which the cumulated lengths give (chat_documents). -1: an id that
+    no such text produces; None: a tokenizer otherwise (its offsets are read from the tokenizer)."""
+    try:
+        config = json.loads(backend_json)
+        model = config["model"]
+        vocab = model["vocab"]
+        added = config.get("added_tokens") or []
+        if config.get("normalizer") is not None or not _splits_then_byte_level(config.get("pre_tokenizer")) \
+                or not _offsets_kept(config.get("post_processor")):
+            return None
+        if (model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout")
+                or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")
+                or not isinstance(vocab, dict)
+                or (model.get("unk_token") is not None and not all(c in vocab for c in BYTE_LEVEL_ALPHABET))):
+            return None
+        if any(token.get("lstrip") or token.get("rstrip") for token in added):
+            return None
+        lengths = np.full(max([*vocab.values(), *(token["id"] for token in added)], default=-1) + 1, -1, np.int64)
+        for token, i in vocab.items():
+            if all(c in BYTE_LEVEL_ALPHABET for c in token):
+                lengths[i] = len(token)
+        for token in added:
+            lengths[token["id"]] = len(token["content"].encode("utf-8"))
+        return lengths
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _splits_then_byte_level(pre: Any) -> bool:
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    if not steps or not all(isinstance(step, dict) for step in steps):
+        return False
+    last = steps[-1]
+    return (last.get("type") == "ByteLevel" and last.get("add_prefix_space") is False
+            and all(step.get("type") == "Split" and step.get("behavior") != "Removed" for step in steps[:-1]))
+
+
+def _offsets_kept(post: Any) -> bool:
+    if post is None:
+        return True
+    steps = post.get("processors") if isinstance(post, dict) and post.get("type") == "Sequence" else [post]
+    return isinstance(steps, list) and all(
+        isinstance(step, dict) and (step.get("type") == "TemplateProcessing"
+                                    or (step.get("type") == "ByteLevel" and step.get("trim_offsets") is False))
+        for step in steps)
+
+
+def chat_documents(backend: Any, texts: list[str], spans: list[list[tuple[int, int]] | None],
+                   byte_lengths: np.ndarray | None = None) -> list[tuple]:
     """Rendered conversations -> (ids int32, mask uint8) each; spans None: every token in the loss. A token is in
     the loss iff its start offset falls in one of its conversation's spans [a, b): with every position of the
     chunk counted from its conversation's base, the spans with a <= start less those with b <= start (binary
-    searches over the sorted starts and ends; a <= b) are the spans holding it. Memory: the chunk's tokens."""
-    if all(s is None for s in spans):
+    searches over the sorted starts and ends; a <= b) are the spans holding it. Memory: the chunk's tokens.
+
+    byte_lengths (token_byte_lengths): the tokenizer's offsets follow from the tokens' lengths, so the chunk is
+    tokenized without offsets (a quarter less time) and each start is placed in bytes: a token starting in the
+    character at c starts at a byte in [B(c), B(c + 1)), and spans end on characters, so its start is in [a, b)
+    iff its first byte is in [B(a), B(b)). Where a conversation's token bytes do not add up to its text's (never,
+    for such a tokenizer), the chunk is tokenized again with offsets."""
+    masked = [d for d, s in enumerate(spans) if s is not None]
+    if not masked or byte_lengths is not None:
         encodings = getattr(backend, "encode_batch_fast", backend.encode_batch)(texts, add_special_tokens=False)
     else:
         encodings = backend.encode_batch(texts, add_special_tokens=False)
@@ -205,18 +327,61 @@ def chat_documents(backend: Any, texts: list[str], spans: list[list[tuple[int, i
     np.cumsum(lengths, out=bounds[1:])
     ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(bounds[-1]))
     mask = np.ones(len(ids), dtype=np.uint8)
-    masked = [d for d, s in enumerate(spans) if s is not None]
     if masked:
-        # Conversation d's positions from base[d], one spare each: a span's end never reaches the next conversation.
-        base = np.zeros(len(texts) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter((len(t) + 1 for t in texts), dtype=np.int64, count=len(texts)), out=base[1:])
-        span_starts = np.sort(np.array([base[d] + a for d in masked for a, _ in spans[d]], dtype=np.int64))
-        span_ends = np.sort(np.array([base[d] + b for d in masked for _, b in spans[d]], dtype=np.int64))
         tokens = np.concatenate([np.arange(bounds[d], bounds[d + 1]) for d in masked])
-        token_starts = np.fromiter((s for d in masked for s, _ in encodings[d].offsets), dtype=np.int64,
-                                   count=len(tokens))
-        token_starts += np.repeat(base[masked], lengths[masked])
+        located = None
+        if byte_lengths is not None:
+            located = _byte_starts(texts, spans, masked, ids[tokens], lengths[masked], byte_lengths)
+            if located is None:
+                encodings = backend.encode_batch(texts, add_special_tokens=False)  # the same ids, with offsets
+        if located is None:
+            located = _char_starts(texts, spans, masked, encodings, lengths[masked])
+        token_starts, span_starts, span_ends = located
         holding = (np.searchsorted(span_starts, token_starts, side="right")
                    - np.searchsorted(span_ends, token_starts, side="right"))
         mask[tokens] = holding > 0
     return [(ids[bounds[d]:bounds[d + 1]], mask[bounds[d]:bounds[d + 1]]) for d in range(len(texts))]
+
+
+def _char_starts(texts: list[str], spans: list, masked: list[int], encodings: list,
+                 counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token starts, sorted span starts, sorted span ends) in characters, the tokens' from their offsets."""
+    # Conversation d's positions from base[d], one spare each: a span's end never reaches the next conversation.
+    base = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter((len(t) + 1 for t in texts), dtype=np.int64, count=len(texts)), out=base[1:])
+    span_starts = np.sort(np.array([base[d] + a for d in masked for a, _ in spans[d]], dtype=np.int64))
+    span_ends = np.sort(np.array([base[d] + b for d in masked for _, b in spans[d]], dtype=np.int64))
+    token_starts = np.fromiter((s for d in masked for s, _ in encodings[d].offsets), dtype=np.int64,
+                               count=int(counts.sum()))
+    token_starts += np.repeat(base[masked], counts)
+    return token_starts, span_starts, span_ends
+
+
+def _byte_starts(texts: list[str], spans: list, masked: list[int], token_ids: np.ndarray, counts: np.ndarray,
+                 byte_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """_char_starts in bytes from the tokens' byte lengths (chat_documents); None where a conversation's tokens do not
+    spell exactly its text's bytes."""
+    if len(token_ids) and int(token_ids.max()) >= len(byte_lengths):
+        return None
+    token_bytes = byte_lengths[token_ids]
+    if len(token_bytes) and int(token_bytes.min()) < 0:
+        return None
+    ends = np.zeros(len(token_bytes) + 1, dtype=np.int64)
+    np.cumsum(token_bytes, out=ends[1:])
+    first = np.zeros(len(masked) + 1, dtype=np.int64)
+    np.cumsum(counts, out=first[1:])
+    text_bytes = np.fromiter((len(texts[d].encode("utf-8")) for d in masked), dtype=np.int64, count=len(masked))
+    if not np.array_equal(ends[first[1:]] - ends[first[:-1]], text_bytes):
+        return None
+    # Conversation k's positions from base[k] (its bytes after those before it), one spare each, as _char_starts.
+    spare = np.arange(len(masked), dtype=np.int64)
+    base = ends[first[:-1]] + spare
+    token_starts = ends[:-1] + np.repeat(spare, counts)
+
+    def byte_at(text: str, char: int) -> int:
+        return char if text.isascii() else len(text[:char].encode("utf-8"))
+    span_starts = np.sort(np.array([base[k] + byte_at(texts[d], a) for k, d in enumerate(masked) for a, _ in spans[d]],
+                                   dtype=np.int64))
+    span_ends = np.sort(np.array([base[k] + byte_at(texts[d], b) for k, d in enumerate(masked) for _, b in spans[d]],
+                                 dtype=np.int64))
+    return token_starts, span_starts, span_ends

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from megatrain_ray.data.hub_datasets import hub_dataset_files
+from megatrain_ray.data.prepare import spec_check_cache
 from megatrain_ray.data.prepare.chat_render import spec_from_files
 from megatrain_ray.data.prepare.records import FORMATS, Columns, count_records, read_records
 from megatrain_ray.data.prepare.shards import SplitWriter
@@ -205,7 +206,10 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs)
     # Chat formats in worker processes: they start with the tokenizer files' spec, checked while they run.
     spec = spec_from_files(directory) if workers > 1 and fmt not in ("text", "preference") else None
-    tokenizing = Tokenizing(directory, job, workers, spec)
+    # ... unless an earlier run's check found the same files (and versions) read as this spec: spec_check_cache.py.
+    check_key = spec_check_cache.directory_key(directory) if spec is not None else None
+    vocab_size = spec_check_cache.stored_vocab_size(check_key, spec) if spec is not None else None
+    tokenizing = Tokenizing(directory, job, workers, spec, vocab_size, check_key)
     try:
         return _prepare(opts, files, fmt, counts, directory, tokenizing, t0)
     except SpecMismatch as mismatch:

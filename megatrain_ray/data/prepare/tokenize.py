@@ -22,6 +22,7 @@ from megatrain_ray.data.prepare.chat_render import (
     chat_documents,
     load_backend,
     spec_from_tokenizer,
+    token_byte_lengths,
 )
 from megatrain_ray.data.prepare.preference import preference_chunk
 from megatrain_ray.data.prepare.records import BadRecord, Columns, Item, parse_item, record_text, to_messages
@@ -42,6 +43,7 @@ class Tokenizer:
         self.spec = spec if spec is not None else spec_from_tokenizer(self._tok)
         self._chat: ChatRenderer | None = None
         self._backend: Any = None
+        self._byte_lengths: np.ndarray | None | bool = False  # False: not taken yet
 
     @property
     def tok(self) -> Any:
@@ -79,7 +81,9 @@ class Tokenizer:
 
     def chat_documents(self, texts: list[str], spans: list[list[tuple[int, int]] | None]) -> list[tuple]:
         """Rendered conversations -> (ids, mask); spans None: every token in the loss."""
-        return chat_documents(self.backend, texts, spans)
+        if self._byte_lengths is False:
+            self._byte_lengths = token_byte_lengths(self.spec.backend_json)
+        return chat_documents(self.backend, texts, spans, self._byte_lengths)
 
     def spans(self, messages: list[dict[str, Any]], tools: list | None, where: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns (ChatRenderer.spans)."""

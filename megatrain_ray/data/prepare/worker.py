@@ -3,7 +3,8 @@
 They come from a forkserver (never a fork of the main process, which may run threads) that imports
 this module once (FORKSERVER_PRELOAD). Chat formats: the workers get a TokenizerSpec (chat_render.py)
 and need only the Rust tokenizer, jinja2 and transformers' chat-template module, which the forkserver
-imports once for all of them (the main process never needs it).
+imports once for all of them (the main process never needs it); with a template chat_assembled.py
+renders without Jinja, only the Rust tokenizer.
 Text and preference formats use transformers' tokenizer: with MEGATRAIN_PREPARE_TOKENIZER set the
 forkserver loads it once, and every worker forked from it starts with it loaded instead of importing
 transformers and loading it again. Each worker tokenizes with one thread: the processes are the
@@ -19,11 +20,20 @@ import time
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
+from megatrain_ray.data.prepare.chat_assembled import assembled_template  # noqa: E402
 from megatrain_ray.data.prepare.chat_render import TokenizerSpec  # noqa: E402
 from megatrain_ray.data.prepare.tokenize import Job, Result, Tokenizer, process_chunk  # noqa: E402
 
 TOKENIZER_ENV = "MEGATRAIN_PREPARE_TOKENIZER"
 FORKSERVER_PRELOAD = [__name__, "transformers.utils.chat_template_utils"]  # a missing one is skipped
+
+
+def forkserver_preload(spec: TokenizerSpec | None) -> list[str]:
+    """FORKSERVER_PRELOAD, less transformers' chat-template module where the workers never render with Jinja:
+    a template chat_assembled.py renders, in a conversation without tools (one with tools imports it then)."""
+    if spec is not None and spec.template == spec.tool_template and assembled_template(spec.template) is not None:
+        return [__name__]
+    return FORKSERVER_PRELOAD
 
 
 def _preload() -> Tokenizer | None:
