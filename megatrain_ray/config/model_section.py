@@ -320,6 +320,12 @@ class ModelConfig:
                   "swiglu_limit and swiglu_alpha are gpt_oss's (both > 0 there) and unset elsewhere")
 
     @property
+    def explicit_attention(self) -> bool:
+        """Attention through explicit [rows, heads, T, T] products rather than SDPA's fused kernels: gpt-oss's
+        sinks (model/sinks.py) and Gemma 2's logit soft-cap."""
+        return self.family == "gpt_oss" or bool(self.attn_logit_softcapping)
+
+    @property
     def is_moe(self) -> bool:
         """A mixture of experts (qwen3_moe, mixtral, gpt_oss): some or all layers route tokens to experts."""
         return self.num_experts > 0

@@ -105,7 +105,7 @@ def explicit_attention_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
     tensors: SINK_ATTENTION_SCORES or SOFTCAP_ATTENTION_SCORES of them, and a T x T mask. 0 for SDPA's
     attention."""
     m = cfg.model
-    if m.family != "gpt_oss" and not m.attn_logit_softcapping:
+    if not m.explicit_attention:
         return 0
     seq = cfg.data.seq_len
     rows = max(1, tokens // seq)

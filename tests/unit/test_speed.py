@@ -62,13 +62,6 @@ POINTS = [Point(p["label"], p["source"], config_of(p["config"]), profile_for_gpu
           for p in FIXTURE["points"]]
 
 
-def explicit_attention(cfg: Config) -> bool:
-    """Attention through explicit [rows, heads, T, T] products (gpt-oss's sinks, Gemma 2's soft-cap; model/sinks.py):
-    element-wise traffic that grows with T^2, which the speed model's rates (from flash-attention layers) leave out.
-    Its rows are kept out of the rates' medians and listed in KNOWN_MISSES."""
-    return cfg.model.family == "gpt_oss" or bool(cfg.model.attn_logit_softcapping)
-
-
 def test_the_measured_points_cover_both_gpus():
     assert len(POINTS) >= 15
     assert {p.profile.gpu.kind for p in POINTS} == {"h100", "h200"}
@@ -103,7 +96,7 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
         "gpt-oss-20b width, 9 layers (8.57 B parameters, the most a 128 GiB box holds at full precision), 4 x 4096 "
         "tokens, clipping on: the CPU AdamW ran at 1.51 G params/s (the model 3.7 for its 33 DRAM bytes a "
         "parameter; the box's RAM 114 of 125 GiB full) and the GPU waited 4.9 s of the 7.7 s step for it; the "
-        "layers' explicit attention with sinks (not modelled: see explicit_attention) took the GPU 2.77 s where "
+        "layers' explicit attention with sinks (not modelled: ModelConfig.explicit_attention) took the GPU 2.77 s where "
         "the model plans less at the Qwen3-MoE rate (planned 6,063 tok/s, measured 2,127)"),
     ("gpt-oss-120b-qlora-h200-20261126-013243.json", "megatrain-lora L36 16k bfloat16 stream"): (
         "gpt-oss-120b with an NF4 base and LoRA, 4 x 4096 tokens: the GPU computed 11.0 s of the 12.7 s step. "
@@ -226,7 +219,9 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
         flops = model_flops_per_token(p.cfg.model, build_layout(p.cfg.model), p.cfg.data.seq_len)
         if p.cfg.finetune.method == "lora":  # LoRA rows: other FLOPs, no host optimizer (planning/lora.py)
             continue
-        if explicit_attention(p.cfg):  # a cost the rates do not model (KNOWN_MISSES)
+        # Attention through explicit [rows, heads, T, T] products: element-wise traffic growing with T^2, which the
+        # rates (from flash-attention layers) leave out; its rows are listed in KNOWN_MISSES.
+        if p.cfg.model.explicit_attention:
             continue
         rates = moe_tflops if p.cfg.model.is_moe else compiled_tflops if RunSpec.resolve(p.cfg).layers_compiled \
             else tflops
@@ -355,7 +350,7 @@ def test_the_lora_rate_fraction_is_the_median_of_the_measured_lora_rows():
 
     ratios = []
     for p in POINTS:
-        if p.cfg.finetune.method != "lora" or explicit_attention(p.cfg):
+        if p.cfg.finetune.method != "lora" or p.cfg.model.explicit_attention:
             continue
         full_rate = replace(p.profile, gpu=replace(p.profile.gpu, lora_rate_fraction=1.0))
         costs = stage_costs(p.cfg, RunSpec.resolve(p.cfg), full_rate, build_layout(p.cfg.model))
