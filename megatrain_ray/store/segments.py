@@ -351,13 +351,9 @@ def init_master(master: torch.Tensor, stage: StageLayout, seed: int, std: float)
     """init_stage's weights into one flat buffer (also the GPU-resident tier's, engine/resident.py): per tensor
     seeds, so the values do not depend on where the stage lives; the values of init_slot_pieces."""
     for slot in stage.slots:
-        view = master[slot.offset:slot.offset + slot.numel]
-        if slot.init != "normal":
-            view.fill_(1.0 if slot.init == "ones" else 0.0)
-            continue
-        start = 0
+        start = slot.offset
         for piece in init_slot_pieces(stage, slot, seed, std, master.dtype):
-            view[start:start + piece.numel()].copy_(piece)
+            master[start:start + piece.numel()].copy_(piece)
             start += piece.numel()
 
 
