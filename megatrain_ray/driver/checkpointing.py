@@ -8,7 +8,6 @@ back (save_wait) and the manifest commits the directory.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,14 +24,9 @@ from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, check_compatible, read_manifest, rng_state
+from megatrain_ray.system.files import write_atomic
 
 log = get_logger(__name__)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def truncate_metrics(path: Path, next_step: int) -> None:

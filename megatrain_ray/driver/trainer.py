@@ -24,7 +24,6 @@ from megatrain_ray.driver.checkpointing import (
     ResidentTensors,
     find_checkpoint,
     truncate_metrics,
-    write_atomic,
 )
 from megatrain_ray.driver.cluster import Cluster, NodeActors, new_run_id
 from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonfinite
@@ -51,7 +50,7 @@ from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.lora_export import export_lora
 from megatrain_ray.store.nf4_base import NF4_KIND, DequantizedBase
 from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages
-from megatrain_ray.system.files import refuse_existing
+from megatrain_ray.system.files import refuse_existing, write_atomic
 from megatrain_ray.system.guardian import Guardian
 from megatrain_ray.system.model_sources import fetch_weights
 from megatrain_ray.units import human_count

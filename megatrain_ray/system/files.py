@@ -15,6 +15,18 @@ from typing import Any
 from megatrain_ray.exceptions import MegatrainError, excerpt
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` whole or not at all: written beside it (a name of this process's own, so concurrent
+    writers never share a temporary) and renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def read_text_file(path: Path, what: str, error: type[MegatrainError], limit: int = 64 << 20) -> str:
     """A UTF-8 text file of at most `limit` bytes (a config, a manifest), refused with its name otherwise."""
     try:

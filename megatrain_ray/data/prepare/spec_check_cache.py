@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from megatrain_ray.data.prepare.chat_render import TokenizerSpec
+from megatrain_ray.system.files import write_atomic
 
 FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npy",
@@ -82,9 +82,7 @@ def store(key: str | None, spec: TokenizerSpec, vocab_size: int, directory: str)
     path = _entry(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"spec_sha256": spec_digest(spec), "vocab_size": vocab_size,
-                                   "directory": str(Path(directory).resolve())}))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"spec_sha256": spec_digest(spec), "vocab_size": vocab_size,
+                                       "directory": str(Path(directory).resolve())}))
     except OSError:
         pass
