@@ -25,7 +25,6 @@ from megatrain_ray.store.liveness import RunLock
 from megatrain_ray.store.nf4_base import (
     NF4_KIND,
     checkpoint_fill_bytes,
-    exit_with_parent,
     fill_base_stage,
     fill_base_stage_in_process,
     fill_processes,
@@ -43,6 +42,7 @@ from megatrain_ray.store.segments import (
 )
 from megatrain_ray.system.guardian import Guardian
 from megatrain_ray.system.memory import host_memory
+from megatrain_ray.system.processes import exit_when_gone
 from megatrain_ray.system.topology import bind_process, move_thread
 
 log = get_logger(__name__)
@@ -146,8 +146,9 @@ class HostShard(ActorBase):
             if processes:
                 log.info("shard %d: %d processes fill the stages", self.shard, processes)
                 # spawn, not fork: this process runs Ray's threads.
+                # Each ends with the shard, however it ends (exit_when_gone), not waiting for work with the store mapped.
                 pool: Executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                                     initializer=exit_with_parent, initargs=(os.getpid(),))
+                                                     initializer=exit_when_gone, initargs=(os.getpid(),))
                 futures = [pool.submit(fill_base_stage_in_process, *in_process(i)) for i in stages]  # type: ignore[misc]
             else:
                 pool = ThreadPoolExecutor(threads, thread_name_prefix="fill")

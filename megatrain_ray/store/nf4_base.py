@@ -13,7 +13,6 @@ compute with.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -111,18 +110,6 @@ def fill_processes(threads: int, values: int) -> int:
     16 processes packed 16 of Llama-3.1-70B's layers at 12.6 times one thread's rate (45.4 ns a value each
     against 35.9: benchmarks/results/nf4-startup-llama3-70b-cpu-*.json). On two cores threads lose little."""
     return threads if threads > 2 and values >= PROCESS_FILL_VALUES else 0
-
-
-def exit_with_parent(parent: int) -> None:
-    """A filling process's initializer: the kernel kills it when the shard that started it dies (a SIGKILL, the
-    OOM killer), instead of leaving it waiting for work with the store's pages mapped."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the shard died before the call above
-        os._exit(1)
 
 
 def fill_base_stage_in_process(specs: list[SegmentSpec], stage: StageLayout, run: RunSpec, model_path: str,

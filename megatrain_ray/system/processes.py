@@ -1,12 +1,34 @@
-"""Processes as /proc shows them: who is whose child, when a process started, what it runs. Standard library
-only: the guardian (system/guardian.py) imports it and must start in milliseconds."""
+"""Processes as /proc shows them: who is whose child, when a process started, what it runs; and a helper
+process's watch on the one that started it. Standard library only: the guardian (system/guardian.py) imports it
+and must start in milliseconds."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 GUARDIAN_MODULE = "megatrain_ray.system.guardian"
+
+
+def exit_when_gone(pid: int) -> None:
+    """End this process (os._exit, from a daemon thread, whatever its main thread is doing) within a second of the
+    process `pid` ending, however it ends: a worker process that would otherwise outlive a SIGKILLed or OOM-killed
+    owner, waiting for work with its memory held (prepare's tokenizing workers, a host shard's NF4 filling
+    processes)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, another user's: cannot be ours after a pid reuse within a second
+                pass
+
+    threading.Thread(target=watch, daemon=True, name="owner-watch").start()
 
 
 def _stat_fields(pid: int) -> list[str] | None:

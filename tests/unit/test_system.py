@@ -134,3 +134,25 @@ def test_guardian_removes_files_and_kills_the_watched_tree_when_its_owner_is_kil
     while time.monotonic() < deadline and _alive(guardian_pid):
         time.sleep(0.05)
     assert not _alive(guardian_pid), "the guardian did not exit after its work"
+
+
+def test_a_worker_process_ends_within_seconds_of_the_owner_it_watches():
+    """system/processes.exit_when_gone (prepare's workers, a host shard's NF4 filling processes): the watcher ends
+    a process busy in its main thread once the process it watches is killed, and not before."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from megatrain_ray.system.processes import exit_when_gone\n"
+                               f"exit_when_gone({owner.pid})\n"
+                               "end = time.time() + 60\n"
+                               "while time.time() < end: sum(range(1000))"],
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        time.sleep(2.5)
+        assert worker.poll() is None, "the worker ended while its owner lived"
+        owner.kill()
+        owner.wait()
+        assert worker.wait(timeout=10) == 1
+    finally:
+        for proc in (owner, worker):
+            if proc.poll() is None:
+                proc.kill()

@@ -15,14 +15,13 @@ its queue for ever.
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 from megatrain_ray.data.prepare.chat_assembled import assembled_template  # noqa: E402
 from megatrain_ray.data.prepare.chat_render import TokenizerSpec  # noqa: E402
 from megatrain_ray.data.prepare.tokenize import Job, Result, Tokenizer, process_chunk  # noqa: E402
+from megatrain_ray.system.processes import exit_when_gone  # noqa: E402
 
 TOKENIZER_ENV = "MEGATRAIN_PREPARE_TOKENIZER"
 FORKSERVER_PRELOAD = [__name__, "transformers.utils.chat_template_utils"]  # a missing one is skipped
@@ -48,21 +47,10 @@ _worker: tuple[Tokenizer, Job] | None = None
 _error: BaseException | None = None
 
 
-def _exit_with(main_pid: int) -> None:
-    while True:
-        time.sleep(1.0)
-        try:
-            os.kill(main_pid, 0)
-        except ProcessLookupError:
-            os._exit(1)
-        except PermissionError:  # alive, another user's: cannot be ours after a pid reuse within a second
-            pass
-
-
 def init_worker(directory: str, job: Job, main_pid: int, spec: TokenizerSpec | None) -> None:
     """spec: chat formats (the Rust tokenizer loaded from it here); None: transformers' tokenizer."""
     global _worker, _error
-    threading.Thread(target=_exit_with, args=(main_pid,), daemon=True, name="main-watch").start()
+    exit_when_gone(main_pid)
     try:
         if spec is not None:
             tok = Tokenizer(directory, spec)
