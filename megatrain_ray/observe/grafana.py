@@ -11,10 +11,9 @@ tests/integration/test_job_flow.py.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
-
-from megatrain_ray.system.files import write_atomic
 
 DASHBOARD_FILE = "megatrain_grafana_dashboard.json"
 DASHBOARD_UID = "megatrain"
@@ -87,5 +86,7 @@ def install_dashboard(session_dir: str | Path) -> Path | None:
     if not directory.is_dir():
         return None
     path = directory / DASHBOARD_FILE
-    write_atomic(path, json.dumps(dashboard(), indent=1))
+    tmp = directory / f".{DASHBOARD_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(dashboard(), indent=1))
+    os.replace(tmp, path)
     return path
