@@ -1,13 +1,15 @@
 """Where one decoder layer's GPU time goes: forward, and recompute + backward, as the layer stream runs them.
 
     python benchmarks/layer_profile.py --config configs/shapes/qwen3-30b-a3b.yaml [--tokens 65536] [--seq-len 8192]
-        [--layer 0] [--repeats 5] [--top 25] [--out benchmarks/results]
+        [--layer 0] [--repeats 5] [--top 25] [--modes eager compiled] [--out benchmarks/results]
 
 One stage's weights are drawn at random in the compute dtype in one flat buffer, bound to the native template
 (model/templates.py, model/moe.py for a MoE layer) and run as engine/step.py runs a layer: decoder_layer under
 no_grad, then decoder_layer_backward (recompute, autograd) with the router's record where the layer has one.
 Times are CUDA-event medians; torch.profiler then records one repeat and the JSON keeps its heaviest CUDA
 kernels (self CUDA time) and the host-side time of the call, which shows synchronisations and launch overhead.
+`--modes`: one row per mode, side by side: the eager template, and the template through torch.compile as the
+engine runs it (engine.compile; its first calls compile, outside the timing), each with its peak GPU memory.
 Writes one JSON file naming the device and the commit.
 """
 
@@ -41,6 +43,7 @@ def main() -> int:
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
@@ -63,13 +66,6 @@ def main() -> int:
     rope = rope_tables(cfg.model, args.seq_len, device, dtype, local=spec.local_rope)
     moe = spec.moe is not None
 
-    def forward() -> None:
-        with torch.no_grad():
-            decoder_layer(x, w, rope, spec, router=RouterRecord() if moe else None)
-
-    def backward() -> None:
-        decoder_layer_backward(x, w, rope, spec, None, grad_y, router=RouterRecord() if moe else None)
-
     def timed(fn) -> float:
         fn()
         times = []
@@ -82,32 +78,52 @@ def main() -> int:
             times.append(start.elapsed_time(stop) / 1e3)
         return sorted(times)[len(times) // 2]
 
-    row = {"config": args.config, "layer": args.layer, "moe": moe, "tokens": args.tokens, "seq_len": args.seq_len,
-           "dtype": str(dtype).removeprefix("torch."), "params": stage.numel,
-           "forward_seconds": timed(forward), "recompute_backward_seconds": timed(backward)}
-    from torch.profiler import ProfilerActivity, profile
+    rows = []
+    for mode in args.modes:
+        layer = torch.compile(decoder_layer, dynamic=False) if mode == "compiled" else decoder_layer
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        forward()
-        backward()
+        def forward() -> None:
+            with torch.no_grad():
+                layer(x, w, rope, spec, None, 0, RouterRecord() if moe else None)
+
+        def backward() -> None:
+            decoder_layer_backward(x, w, rope, spec, None, grad_y, layer=layer,
+                                   router=RouterRecord() if moe else None)
+
+        forward(), backward()  # compiles (once per graph), outside the timing
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events)
-    row["profiled_cuda_seconds"] = total / 1e6
-    row["kernels"] = [{"name": e.key[:120], "calls": e.count, "cuda_seconds": e.self_device_time_total / 1e6,
-                       "share": e.self_device_time_total / total} for e in events[:args.top]]
-    syncs = [e for e in prof.key_averages() if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                         "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")]
-    row["host_calls"] = {e.key: {"calls": e.count, "cpu_seconds": e.cpu_time_total / 1e6} for e in syncs}
-    print(f"forward {row['forward_seconds'] * 1e3:.1f} ms, recompute+backward "
-          f"{row['recompute_backward_seconds'] * 1e3:.1f} ms ({args.tokens} tokens)")
-    for k in row["kernels"]:
-        print(f"  {k['cuda_seconds'] * 1e3:8.2f} ms {k['share']:6.1%} x{k['calls']:<4} {k['name']}")
-    print("  host:", row["host_calls"])
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        row = {"config": args.config, "layer": args.layer, "moe": moe, "mode": mode, "tokens": args.tokens,
+               "seq_len": args.seq_len, "dtype": str(dtype).removeprefix("torch."), "params": stage.numel,
+               "forward_seconds": timed(forward), "recompute_backward_seconds": timed(backward)}
+        row["peak_above_inputs_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            forward()
+            backward()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        total = sum(e.self_device_time_total for e in events)
+        row["profiled_cuda_seconds"] = total / 1e6
+        row["kernels"] = [{"name": e.key[:120], "calls": e.count, "cuda_seconds": e.self_device_time_total / 1e6,
+                           "share": e.self_device_time_total / total} for e in events[:args.top]]
+        syncs = [e for e in prof.key_averages() if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                             "cudaMemcpyAsync", "aten::item",
+                                                             "aten::_local_scalar_dense")]
+        row["host_calls"] = {e.key: {"calls": e.count, "cpu_seconds": e.cpu_time_total / 1e6} for e in syncs}
+        print(f"{mode}: forward {row['forward_seconds'] * 1e3:.1f} ms, recompute+backward "
+              f"{row['recompute_backward_seconds'] * 1e3:.1f} ms ({args.tokens} tokens), "
+              f"peak {row['peak_above_inputs_gib']:.2f} GiB above the inputs")
+        for k in row["kernels"]:
+            print(f"  {k['cuda_seconds'] * 1e3:8.2f} ms {k['share']:6.1%} x{k['calls']:<4} {k['name']}")
+        print("  host:", row["host_calls"])
+        rows.append(row)
     name = f"layer-profile-{Path(args.config).stem}"
-    write_result(name, {**provenance(torch.cuda.get_device_name()), "rows": [row]}, args.out)
+    write_result(name, {**provenance(torch.cuda.get_device_name()), "rows": rows}, args.out)
     return 0
 
 

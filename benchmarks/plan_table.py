@@ -86,10 +86,11 @@ def _as_measured(record: dict, compiled: bool = False) -> list[str]:
     (their records name no grad_dtype) kept the gradients of a streamed master in the master dtype
     (float32); runs from before engine.vocab_grad_pieces sent the embedding's and LM head's through a
     slab of their own; runs from before engine.compile=auto ran the layers eagerly unless their variant
-    compiled them (`compiled`)."""
+    compiled them (`compiled`); a record that names whether its layers compiled is replayed so (MoE layers
+    ran eagerly before they could compile)."""
     return ([] if "grad_dtype" in record else ["precision.grad_dtype=float32"]) + \
         ([] if "vocab_grad_pieces" in record else ["engine.vocab_grad_pieces=false"]) + \
-        ([] if "compiled" in record else [f"engine.compile={str(compiled).lower()}"])
+        [f"engine.compile={str(record.get('compiled', compiled)).lower()}"]
 
 
 def row_config(result: dict, r: dict, *later: str) -> Config:

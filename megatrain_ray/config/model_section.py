@@ -330,6 +330,17 @@ class ModelConfig:
         """A mixture of experts (qwen3_moe, mixtral, gpt_oss): some or all layers route tokens to experts."""
         return self.num_experts > 0
 
+    def layers_compile(self, compute_dtype: str) -> bool:
+        """Whether torch.compile can take this model's decoder layers (engine.compile). Dense layers can. MoE layers
+        can where their expert products go through torch._grouped_mm, whose shapes stay fixed whatever the routing
+        (bfloat16, hidden and expert widths multiples of 8; the GPU's sm90 is checked where a layer runs: the
+        per-expert loop elsewhere has a shape per routing). gpt-oss stays eager: its memory plan's attention with
+        sinks (planning/gpu_memory.SINK_ATTENTION_SCORES) was measured on the eager layer."""
+        if not self.is_moe:
+            return True
+        return self.family != "gpt_oss" and compute_dtype == "bfloat16" and \
+            self.hidden_size % 8 == 0 and self.expert_intermediate_size % 8 == 0
+
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has experts, as transformers decides (Qwen3-MoE's
         decoder_sparse_step and mlp_only_layers; every layer of Mixtral and gpt-oss)."""

@@ -115,10 +115,10 @@ class RunSpec:
         stream_dtype, stream_is_master = p.resolved_stream_dtype, p.stream_is_master
         grad_home: GradHome = "stream" if not stream_is_master else ("stage" if o.grad_clip > 0 else "pool")
         rank_tokens = cfg.data.batch_size // (ranks * nodes) * cfg.data.seq_len
-        # The generic path runs transformers' own layer class eagerly (model.template); MoE layers too: their
-        # expert groups change size with the routing.
+        # The generic path runs transformers' own layer class eagerly (model.template); MoE layers compile where
+        # their expert groups do not change the shapes (ModelConfig.layers_compile).
         compiles = (e.compile is True or (e.compile == "auto" and device == "cuda")) and \
-            cfg.model.template != "generic" and not cfg.model.is_moe
+            cfg.model.template != "generic" and cfg.model.layers_compile(p.compute_dtype)
         if cfg.finetune.method == "lora":
             compiles = compiles and not cfg.finetune.lora.lora_dropout  # the masks' generators run eagerly
             if nodes > 1:

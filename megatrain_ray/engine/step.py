@@ -54,9 +54,9 @@ from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.attention import DocumentBucket, document_buckets
 from megatrain_ray.model.generic_template import GenericTemplate, run_layer
 from megatrain_ray.model.head import HeadResult, HeadSpec, head_loss_and_grads
-from megatrain_ray.model.layer_spec import layer_specs
+from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
+from megatrain_ray.model.moe import RouterRecord, grouped_mm_usable, idle_expert_spans
 from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
 from megatrain_ray.store.segments import HostStore
@@ -213,11 +213,15 @@ class StreamEngine(ForwardOnlyPasses):
 
     # ------------------------------------------------------------------ forward
 
-    def _layer(self, x: torch.Tensor, documents: Any) -> Any:
+    def _layer(self, x: torch.Tensor, documents: Any, w: dict[str, torch.Tensor], spec: LayerSpec) -> Any:
         """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
-        runs in one piece, else the eager function."""
+        runs in one piece, and for a MoE layer whose expert products take torch._grouped_mm (fixed shapes);
+        else the eager function."""
         if self._compiled is None or self._compiled.failed or \
                 not self.run.runs_compiled(x.shape[0] * x.shape[1], self.mlp_chunk, documents is not None):
+            return decoder_layer
+        if spec.moe is not None and not grouped_mm_usable(x, w["mlp.experts.gate_up_proj"],
+                                                         w["mlp.experts.down_proj"]):
             return decoder_layer
         return self._compiled
 
@@ -255,7 +259,7 @@ class StreamEngine(ForwardOnlyPasses):
                 x = self.generic.layer(i, x, w, rope)
             else:
                 spec = self.specs[i]
-                x = self._layer(x, documents)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk,
+                x = self._layer(x, documents, w, spec)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk,
                                               self.router_aux.record(i))
             timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
@@ -348,7 +352,7 @@ class StreamEngine(ForwardOnlyPasses):
                 if spec.moe is not None and slot is not None and self._comm is None:
                     routing = RouterRecord()
                 grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents,
-                                                              grad_y, self.mlp_chunk, self._layer(x_in, documents),
+                                                              grad_y, self.mlp_chunk, self._layer(x_in, documents, w, spec),
                                                               self.trainable, router_grad=self.router_aux.layer_grad(i),
                                                               router=routing)
             del x_in

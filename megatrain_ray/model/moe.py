@@ -154,7 +154,9 @@ def route(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
     if record is not None:
         # As transformers' load_balancing_loss_func: softmax over every logit in their dtype, summed in float32;
         # its top-k picks the experts the routing picked.
-        counts = torch.bincount(index.reshape(-1), minlength=spec.num_experts).to(torch.float32)
+        flat = index.reshape(-1)  # index_add_, not bincount: a fixed shape, which torch.compile can trace
+        counts = torch.zeros(spec.num_experts, dtype=torch.float32, device=h.device).index_add_(
+            0, flat, torch.ones(flat.shape, dtype=torch.float32, device=h.device))
         record.add(counts, F.softmax(logits, dim=-1).float().sum(0), h.shape[0])
     return weights, index
 
@@ -249,13 +251,16 @@ def experts(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, w: Mapp
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     token_of = order // k  # pair p = t * k + j belongs to token t
-    counts_t = torch.bincount(flat_expert, minlength=spec.num_experts)
-    offsets = torch.cumsum(counts_t, 0).to(torch.int32)
+    sorted_expert = flat_expert[order]
+    # Cumulative rows per expert from the sorted experts: a fixed-shape result (bincount's shape depends on the
+    # data, which torch.compile cannot trace), and no atomics.
+    ends = torch.searchsorted(sorted_expert, torch.arange(spec.num_experts, device=h.device), right=True)
+    offsets = ends.to(torch.int32)
     grouped = grouped_mm_usable(h, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
-    counts = [] if grouped else counts_t.tolist()  # the loop needs them on the host (a device sync)
+    # The loop needs the counts on the host (a device sync).
+    counts = [] if grouped else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     rows = _Dispatch.apply(h, token_of, inverse, k)
     gate_up = _expert_products(rows, w["mlp.experts.gate_up_proj"], counts, offsets, spec.gpt_oss)
-    sorted_expert = flat_expert[order]
     if spec.gpt_oss:
         gate_up = gate_up + w["mlp.experts.gate_up_proj_bias"][sorted_expert]
     act = _swiglu(gate_up, spec)

@@ -163,7 +163,7 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
         if len(chunks) == 1:
             if router_grad is not None or router is not None:
                 record = router or RouterRecord()
-                y = decoder_layer(x, params, rope, spec, documents, router=record)
+                y = (layer or decoder_layer)(x, params, rope, spec, documents, 0, record)
                 outputs, grad_outputs = ([y, record.prob_sum], [grad_y, router_grad]) if router_grad is not None \
                     else (y, grad_y)
                 grads = torch.autograd.grad(outputs, [x, *(params[n] for n in wanted)], grad_outputs)

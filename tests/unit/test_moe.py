@@ -158,7 +158,8 @@ def test_moe_shapes_match_published_parameter_counts(name):
     if "non_embedding" in card:
         rest = layout.num_params - layout.embed.numel - layout.head.slot("lm_head.weight").numel
         assert _as_published(rest, card["non_embedding"], card["unit"], False), rest
-    assert cfg.model.is_moe and not RunSpec.resolve(cfg).compiles  # MoE layers run eagerly
+    # On a GPU the layers compile (torch._grouped_mm keeps their shapes fixed), but gpt-oss's (its attention with sinks)
+    assert cfg.model.is_moe and RunSpec.resolve(cfg).compiles == (cfg.model.family != "gpt_oss")
 
 
 def test_moe_plan_counts_active_parameters_and_expert_flops():
