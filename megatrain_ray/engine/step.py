@@ -53,7 +53,7 @@ from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLaye
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.attention import DocumentBucket, document_buckets
 from megatrain_ray.model.generic_template import GenericTemplate, run_layer
-from megatrain_ray.model.head import HeadResult, HeadSpec, head_loss_and_grads
+from megatrain_ray.model.head import HeadResult, HeadSpec, chunk_cross_entropy, head_loss_and_grads
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.moe import RouterRecord, grouped_mm_usable, idle_expert_spans
@@ -97,6 +97,9 @@ class StreamEngine(ForwardOnlyPasses):
         self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
         self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
+        # The loss head's chunks with the layers: upcast, softmax and gradient fused over the [tokens, vocab] logits.
+        self._chunk_loss = _CompiledLayer(chunk_cross_entropy, self.engine_cfg.compile == "auto",
+                                          "the loss head's chunk") if compiles else chunk_cross_entropy
         self.router_aux = RouterAux(model)
         poison = self.engine_cfg.poison_buffers
 
@@ -296,7 +299,7 @@ class StreamEngine(ForwardOnlyPasses):
             return preference_loss_and_grads(x, norm_w, lm_w, labels, batch.preference, self.head_spec, chunk,
                                              lm_grads)
         return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec, chunk, lm_grads,
-                                   input_grad_only=input_grad_only)
+                                   input_grad_only=input_grad_only, chunk_loss=self._chunk_loss)
 
     def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
               batch: Batch) -> HeadResult:

@@ -35,7 +35,8 @@ CHECKSUM_SAMPLES = 4096
 
 
 class _CompiledLayer:
-    """A layer function (decoder_layer) through torch.compile. Shapes are fixed per run (the weights of
+    """A layer function (decoder_layer), or the head's chunk loss (head.chunk_cross_entropy), through torch.compile.
+    Shapes are fixed per run (the weights of
     every layer are views at the same offsets), so one graph per sequence shape serves every layer (per
     sequence shape and layer kind for Gemma, whose sliding and global layers differ in their LayerSpec). With
     engine.compile auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in
@@ -43,11 +44,12 @@ class _CompiledLayer:
     propagates. It surfaces at the call that compiles, before the layer computed anything, so the eager
     function in its place loses nothing."""
 
-    def __init__(self, eager: Any, fall_back: bool) -> None:
+    def __init__(self, eager: Any, fall_back: bool, what: str = "the decoder layer") -> None:
         self.eager = eager
         self.fn = torch.compile(eager, dynamic=False)
         self.fall_back = fall_back
         self.failed = False
+        self.what = what
 
     def __call__(self, *args: Any) -> Any:
         try:
@@ -56,9 +58,9 @@ class _CompiledLayer:
             if not self.fall_back:
                 raise
             self.failed = True
-            warn_once(log, f"engine.compile=auto: torch.compile of the decoder layer failed "
+            warn_once(log, f"engine.compile=auto: torch.compile of {self.what} failed "
                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                           "the layer runs eagerly. Set engine.compile=false: that skips the attempt, and the "
+                           "it runs eagerly. Set engine.compile=false: that skips the attempt, and the "
                            "memory plan then budgets the GPU for eager layers, which need more")
             return self.eager(*args)
 

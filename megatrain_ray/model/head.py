@@ -48,9 +48,39 @@ class HeadResult:
     """Both None for a forward-only loss (evaluation)."""
 
 
+def chunk_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, n_valid: torch.Tensor, softcap: float,
+                        with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's cross-entropy summed over its valid labels and divided by `n_valid` (a 0-d tensor of the loss
+    dtype: a tensor, so that a compiled version of this function serves every step), and with `with_grads` its
+    gradient with respect to `logits` [tokens, vocab], in their dtype. The logits are upcast to float32 (float64
+    when computing in it) as Hugging Face's loss does; a final soft-cap (Gemma 2) is applied to the upcast logits
+    and its derivative, 1 - tanh^2, to their gradient. Eagerly the float32 tensor is reused in place; through
+    torch.compile (engine.compile) the upcast, softmax and gradient fuse into a few passes over the chunk."""
+    in_dtype, logits = logits.dtype, logits.to(n_valid.dtype)
+    capped = None
+    if softcap:  # tanh kept (as `capped`) for the derivative; logits become cap * tanh
+        capped = logits.div_(softcap).tanh_()
+        logits = capped * softcap
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - target, 0).sum() / n_valid
+    if not with_grads:
+        return loss, None
+    # d(loss)/d(logits) = (softmax - onehot) / n_valid on valid rows, 0 elsewhere; built in place.
+    grad_logits = logits.sub_(lse[:, None]).exp_()
+    grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(lse[:, None]))
+    grad_logits.mul_((valid.to(n_valid.dtype) / n_valid)[:, None])
+    if capped is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+        grad_logits.mul_(capped.square_().neg_().add_(1.0))
+    return loss, grad_logits.to(in_dtype)
+
+
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_weight: torch.Tensor,
                         labels: torch.Tensor, n_valid: int, eps: float | HeadSpec, chunk_tokens: int,
-                        grad_lm_acc: torch.Tensor | None, input_grad_only: bool = False) -> HeadResult:
+                        grad_lm_acc: torch.Tensor | None, input_grad_only: bool = False,
+                        chunk_loss=chunk_cross_entropy) -> HeadResult:
     """Mean cross-entropy over the valid labels and its gradients, in chunks of tokens.
 
     Logits exist for one chunk at a time (chunk_tokens x vocab, upcast to float32 as in Hugging
@@ -60,7 +90,7 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_we
     epsilon alone; `norm_weight=None`: x is normed already (no norm here). A final soft-cap (Gemma 2) is
     applied to the upcast logits, and its derivative, 1 - tanh^2, to their gradient (one more chunk-sized float32
     tensor while it is on). `input_grad_only` (a frozen head, LoRA): only the gradient of x, none of the weights
-    (grad_lm_acc unused).
+    (grad_lm_acc unused). `chunk_loss`: chunk_cross_entropy, or a compiled version of it.
     """
     spec = eps if isinstance(eps, HeadSpec) else HeadSpec(eps)
     batch, seq_len, hidden = x.shape
@@ -77,29 +107,14 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_we
     grad_flat = torch.empty_like(flat)
     loss_dtype = norm_dtype(x.dtype)
     loss = torch.zeros((), dtype=loss_dtype, device=x.device)
+    n_valid_t = torch.full((), n_valid, dtype=loss_dtype, device=x.device)  # a fill: no host-to-device copy
     for start in range(0, flat.shape[0], chunk_tokens):
         h = flat[start:start + chunk_tokens]
         lab = flat_labels[start:start + chunk_tokens]
-        logits = F.linear(h, lm_weight).to(loss_dtype)
-        capped = None
-        if spec.softcap:  # tanh kept (as `capped`) for the derivative; logits become cap * tanh
-            capped = logits.div_(spec.softcap).tanh_()
-            logits = capped * spec.softcap
-        valid = lab != IGNORE_INDEX
-        safe = torch.where(valid, lab, 0)
-        lse = torch.logsumexp(logits, dim=-1)
-        target = logits.gather(1, safe[:, None]).squeeze(1)
-        loss += torch.where(valid, lse - target, 0).sum() / n_valid
+        chunk_sum, grad_logits = chunk_loss(F.linear(h, lm_weight), lab, n_valid_t, spec.softcap, with_grads)
+        loss += chunk_sum
         if not with_grads:
             continue
-        # d(loss)/d(logits) = (softmax - onehot) / n_valid on valid rows, 0 elsewhere; built in place.
-        grad_logits = logits.sub_(lse[:, None]).exp_()
-        grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(lse[:, None]))
-        grad_logits.mul_((valid.to(loss_dtype) / n_valid)[:, None])
-        if capped is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
-            grad_logits.mul_(capped.square_().neg_().add_(1.0))
-            del capped
-        grad_logits = grad_logits.to(h.dtype)
         grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
         if not input_grad_only:
             grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
