@@ -82,15 +82,13 @@ def active_fraction(cfg: ModelConfig, name: str) -> float:
     return cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe and name.startswith("mlp.experts.") else 1.0
 
 
-def moe_token_width(cfg: ModelConfig) -> int:
-    """The per-token width of a layer's MLP intermediates for the memory plan: intermediate_size for a dense
-    layer; a MoE layer routes each token k times, its gathered rows and outputs (hidden each) and its
-    expert intermediates (expert_intermediate_size each) counted as one MLP of k * (that + hidden)
-    (an estimate, not a measured peak)."""
-    dense = cfg.intermediate_size if any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers)) else 0
+def moe_pair_width(cfg: ModelConfig) -> int:
+    """Elements per token of a MoE layer's token-expert pairs at one width each: each token is routed k times,
+    each pair has a row of the expert's width (its intermediates) and one of the hidden size (its gathered input
+    and its output); 0 for a dense model. The memory plan counts its tensors in these (planning/gpu_memory)."""
     if not cfg.is_moe:
-        return dense
-    return max(dense, cfg.num_experts_per_tok * (cfg.expert_intermediate_size + cfg.hidden_size))
+        return 0
+    return cfg.num_experts_per_tok * (cfg.expert_intermediate_size + cfg.hidden_size)
 
 
 def idle_expert_spans(stage_slots, counts: list[int]) -> list[tuple[int, int]]:

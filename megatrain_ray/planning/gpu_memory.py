@@ -20,7 +20,7 @@ from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.model.moe import expert_numel, moe_token_width
+from megatrain_ray.model.moe import expert_numel, moe_pair_width
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, resident_base_bytes
 from megatrain_ray.units import GiB
 
@@ -43,6 +43,23 @@ the norms' and RoPE's intermediates and the MLP's activation away. Compiled rows
 engine.mlp_chunk_tokens tokens (config/resolved.takes_compiled_layer), so no longer sequence depends on it."""
 
 
+MOE_PAIR_TENSORS = 3.6
+"""Tensors of a MoE MLP's token-expert pairs (model/moe.moe_pair_width per token, compute dtype) that its
+recompute and backward hold at the layer's peak, where a dense MLP holds 6 of [tokens, intermediate]: measured
+on one Qwen3-30B-A3B-width layer at 64K tokens on the H200, 12.53 GiB above the layer's inputs run eagerly
+(benchmarks/layer_profile.py, layer-profile-qwen3-30b-a3b-h200-20261126-034932.json), less the attention half's
+saved tensors and the four hidden-wide ones per token that layer_backward_bytes counts. The same layer compiled
+peaked at 9.38 GiB, which COMPILED_WORKING_SET puts at 9.98 (+6.4 %)."""
+
+
+def mlp_piece_width(cfg: Config) -> int:
+    """Elements per token of an MLP piece's tensors at the layer backward's peak (besides four hidden-wide ones):
+    the larger of a dense layer's 6 x intermediate and a MoE layer's MOE_PAIR_TENSORS x its pairs' width."""
+    m = cfg.model
+    dense = 6 * m.intermediate_size if any(not m.layer_is_moe(i) for i in range(m.num_layers)) else 0
+    return max(dense, int(MOE_PAIR_TENSORS * moe_pair_width(m)))
+
+
 def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int]:
     """The engine's device buffers and the activation terms of the module docstring, in bytes (one GPU)."""
     layout = build_layout(cfg.model)
@@ -53,7 +70,7 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
     acc_b = max(4, compute_b)
     per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
     tokens = run.rank_tokens
-    h, f, v = m.hidden_size, moe_token_width(m), m.vocab_size
+    h, mlp_width, v = m.hidden_size, mlp_piece_width(cfg), m.vocab_size
     q = m.num_attention_heads * m.resolved_head_dim
     kv = m.num_key_value_heads * m.resolved_head_dim
     chunk = min(cfg.engine.loss_chunk_tokens, tokens)
@@ -64,7 +81,7 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
     grad_elems = 2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel
     ranks = run.ranks_per_node
     grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
-    backward = int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, f, compute_b)
+    backward = int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, mlp_width, compute_b)
                    * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + explicit_attention_bytes(cfg, tokens, compute_b)
     if run.frozen_base:  # LoRA: no gradient leaves the device, the vocabulary-sized sums do not exist
         return lora_gpu_bytes(cfg, run, offload, per_slot, mlp_tokens, backward)
@@ -157,7 +174,8 @@ def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int, 
     return max(logsumexp, lm_grad) + (chunk * vocab * 4 if softcap else 0)
 
 
-def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, f: int, compute_b: int) -> int:
+def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, mlp_width: int,
+                         compute_b: int) -> int:
     """Activation bytes of one layer's recompute and backward at its peak, as traced on the GPU at 64K and
     128K tokens (benchmarks/gpu_memory_peak.py: the live tensors by source line; `(outside megatrain)`
     there is the autograd engine's own thread, i.e. the gradients of the backward in progress).
@@ -166,8 +184,9 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
     input is the layer input, counted with the kept inputs, and it keeps one float32 scale per token),
     the rotated q and k and the v at their own widths, the attention output, the half's output and (MLP
     in pieces) its gradient. On top of them, the larger of two phases:
-    - an MLP piece (`mlp_tokens`, one chunk): gate, up and the activation, their gradients in progress,
-      and four h-wide tensors (the norm's output, the piece's output and the gradients of its input);
+    - an MLP piece (`mlp_tokens`, one chunk): `mlp_width` elements per token (mlp_piece_width: a dense
+      MLP's gate, up and activation and their gradients in progress, 6 x intermediate), and four h-wide
+      tensors (the norm's output, the piece's output and the gradients of its input);
     - the attention half's own backward over the whole sequence: the output's gradient and a contiguous
       copy of it, dq with a float32 accumulator, and dk and dv formed at q's width before each group is
       summed (and then at their own), as FlashAttention-2's backward allocates them, though torch picks
@@ -180,7 +199,7 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
     """
     half_grad = h if mlp_tokens < tokens else 0  # the half's output gradient, assembled piece by piece
     saved = tokens * ((2 * h + half_grad + 2 * q + 2 * kv) * compute_b + 4)
-    mlp_piece = mlp_tokens * (6 * f + 4 * h) * compute_b
+    mlp_piece = mlp_tokens * (mlp_width + 4 * h) * compute_b
     attention_grads = tokens * ((5 * q + 2 * kv) * compute_b + 4 * q)
     return saved + max(mlp_piece, attention_grads)
 

@@ -32,15 +32,21 @@ class GpuProfile:
     compiled_model_tflops: float
     """The same with the layer template compiled (engine.compile)."""
     moe_model_tflops: float
-    """The same for a mixture-of-experts model (its active parameters' FLOPs; MoE layers run eagerly): grouped
-    expert products of small width and the routing's element-wise work run below the dense layers' rate."""
+    """The same for a mixture-of-experts model run eagerly (its active parameters' FLOPs): grouped expert products
+    of small width and the routing's element-wise work run below the dense layers' rate."""
+    moe_compiled_model_tflops: float
+    """The same with the MoE layer template compiled (engine.compile, where the expert products take
+    torch._grouped_mm)."""
     source: str
     lora_rate_fraction: float = 1.0
     """A LoRA run's layers reach this fraction of the rate (machines.yaml says how it was measured)."""
 
     def tflops(self, compiled: bool, moe: bool = False, lora: bool = False) -> float:
         """The achieved model TFLOPS of layers run compiled or eagerly, or of a MoE model's; of a LoRA run's."""
-        rate = self.moe_model_tflops if moe else self.compiled_model_tflops if compiled else self.model_tflops
+        if moe:
+            rate = self.moe_compiled_model_tflops if compiled else self.moe_model_tflops
+        else:
+            rate = self.compiled_model_tflops if compiled else self.model_tflops
         return rate * (self.lora_rate_fraction if lora else 1.0)
 
 
@@ -106,7 +112,7 @@ class SpeedProfile:
 MACHINES = yaml.safe_load((Path(__file__).with_name("machines.yaml")).read_text())
 """The measured rates (machines.yaml), read once."""
 GPUS = {kind: GpuProfile(kind, g["name"], g["memory_mib"] * 2**20, g["model_tflops"], g["compiled_model_tflops"],
-                         g["moe_model_tflops"], " ".join(g["source"].split()), MACHINES["lora_rate_fraction"])
+                         g["moe_model_tflops"], g["moe_compiled_model_tflops"], " ".join(g["source"].split()), MACHINES["lora_rate_fraction"])
         for kind, g in MACHINES["gpus"].items()}
 HOSTS = {kind: HostProfile(h["name"], h2d_gbps=h["h2d_gbps"], h2d_loaded_gbps=h["h2d_loaded_gbps"],
                            d2h_gbps=h["d2h_gbps"], adamw_gparams=h["adamw_gparams"],
