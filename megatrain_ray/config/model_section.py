@@ -319,11 +319,13 @@ class ModelConfig:
             _fail(f"{s}.swiglu_limit", (self.swiglu_limit, self.swiglu_alpha),
                   "swiglu_limit and swiglu_alpha are gpt_oss's (both > 0 there) and unset elsewhere")
 
-    @property
-    def explicit_attention(self) -> bool:
-        """Attention through explicit [rows, heads, T, T] products rather than SDPA's fused kernels: gpt-oss's
-        sinks (model/sinks.py) and Gemma 2's logit soft-cap."""
-        return self.family == "gpt_oss" or bool(self.attn_logit_softcapping)
+    def explicit_attention(self, compute_dtype: str) -> bool:
+        """Attention through explicit [rows, heads, T, T] products rather than fused kernels: Gemma 2's logit
+        soft-cap, and gpt-oss's sinks where their fused path does not apply on the GPU (a float32 or float64
+        compute dtype: model/sinks.fused_sink_attention_applies)."""
+        if self.family == "gpt_oss":
+            return compute_dtype not in ("bfloat16", "float16")
+        return bool(self.attn_logit_softcapping)
 
     @property
     def is_moe(self) -> bool:

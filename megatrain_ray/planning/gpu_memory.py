@@ -108,8 +108,8 @@ def peak_allocated(g: dict[str, int]) -> int:
 
 
 SINK_ATTENTION_SCORES = 4.07
-"""Score-sized tensors ([rows, heads, T, T + 1] in the compute dtype) that attention with sinks (model/sinks.py)
-holds at its peak, its backward's (the forward's saved softmax among them): measured on the H200 at 4 x 64 heads x
+"""Score-sized tensors ([rows, heads, T, T + 1] in the compute dtype) that the explicit attention with sinks
+(model/sinks.explicit_sink_attention) holds at its peak, its backward's (the forward's saved softmax among them): measured on the H200 at 4 x 64 heads x
 4096 tokens, full and sliding (benchmarks/sink_attention_memory.py, sink-attention-memory-h200-20261126-020151.json:
 forward 3.05, backward 4.07)."""
 SOFTCAP_ATTENTION_SCORES = 3
@@ -118,11 +118,12 @@ measured)."""
 
 
 def explicit_attention_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
-    """Attention through explicit products (gpt-oss's sinks, Gemma 2's soft-cap) holds [rows, heads, T, T]
-    tensors: SINK_ATTENTION_SCORES or SOFTCAP_ATTENTION_SCORES of them, and a T x T mask. 0 for SDPA's
-    attention."""
+    """Attention through explicit products (Gemma 2's soft-cap; gpt-oss's sinks in float32 on a GPU) holds
+    [rows, heads, T, T] tensors: SINK_ATTENTION_SCORES or SOFTCAP_ATTENTION_SCORES of them, and a T x T mask.
+    0 for fused attention (SDPA's, and the fused attention with sinks, whose extra tensors are [tokens, q]
+    sized like the rest of the attention half's)."""
     m = cfg.model
-    if not m.explicit_attention:
+    if not m.explicit_attention(cfg.precision.compute_dtype):
         return 0
     seq = cfg.data.seq_len
     rows = max(1, tokens // seq)

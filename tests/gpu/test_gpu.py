@@ -330,6 +330,50 @@ def test_lora_with_a_resident_base_on_cuda_tracks_the_streamed_run_and_copies_no
     assert all(r["h2d_bytes"] == 0 for r in runs["auto"][1:]) and runs["none"][1]["h2d_bytes"] > 0
 
 
+def test_compiled_moe_layers_track_the_eager_ones_on_the_gpu(tmp_path):
+    """engine.compile with MoE layers (Qwen3-MoE, torch._grouped_mm inside the compiled graph) and the compiled
+    loss head against the eager run from the same seed and batches: the first step's loss and every stage's
+    gradient, then the losses of the next steps. Routing in bf16 may differ for a few near-tied tokens."""
+    moe = {"family": "qwen3_moe", "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
+           "norm_topk_prob": True, "qk_norm": True}
+    common = dict(layers=2, hidden=1024, ffn=2816, batch=4, seq=2048, model=moe, precision={"stream_dtype": "float32"},
+                  optimizer={"grad_clip": 1.0, "workers": 2}, train={"steps": 6})
+    (a, ra), (b, rb), errors = _two_runs(tmp_path, compiled=dict(common, engine={"compile": True}),
+                                         eager=dict(common, engine={"compile": False}))
+    print(f"\ncompiled vs eager MoE layers: loss {a['loss']:.5f} vs {b['loss']:.5f}; per-stage gradient relative "
+          f"error max {max(errors):.2e}; losses of steps 1-5 {[round(x, 4) for x in ra]} vs "
+          f"{[round(x, 4) for x in rb]}; GPU peak {a['gpu_peak_gib']:.2f} vs {b['gpu_peak_gib']:.2f} GiB")
+    assert abs(a["loss"] - b["loss"]) <= 2e-3 * b["loss"]
+    assert max(errors) <= 5e-2
+    assert all(abs(x - y) <= 1e-2 * y for x, y in zip(ra, rb))
+
+
+@pytest.mark.parametrize("window", [0, 128], ids=["full", "sliding-128"])
+def test_fused_sink_attention_tracks_the_explicit_products_on_cuda(window):
+    """model/sinks.py on the GPU: flash attention's varlen kernel with GQA and the window, its log-sum-exp and the
+    backward through it, in bf16, against the explicit products in float32 on the same inputs: output and the
+    gradients of q, k, v and the sinks within bf16 rounding (2 % of the largest value)."""
+    from megatrain_ray.model.sinks import _FusedSinkAttention, explicit_sink_attention, fused_sink_attention_applies
+
+    gen = torch.Generator(device="cuda").manual_seed(window)
+    shape = (2, 640, 16, 64)  # [B, T, H, D], passed as [B, H, T, D] views as the layer does
+    q = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn((2, 640, 4, 64), device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+            for _ in range(2))
+    sinks = torch.randn(16, device="cuda", generator=gen).to(torch.bfloat16)
+    grad_out = torch.randn(q.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    assert fused_sink_attention_applies(q)
+    results = []
+    for attend, dtype in ((_FusedSinkAttention.apply, torch.bfloat16), (explicit_sink_attention, torch.float32)):
+        inputs = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v, sinks)]
+        out = attend(*inputs, 64 ** -0.5, window)
+        results.append([out, *torch.autograd.grad(out, inputs, grad_out.to(dtype))])
+    errors = {label: float((a.float() - b).abs().max() / b.abs().max())
+              for label, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), *results)}
+    print(f"fused sink attention (bf16) vs explicit (float32), window {window}: {errors}")
+    assert max(errors.values()) < 0.02, errors
+
+
 def test_moe_grouped_gemm_equals_the_expert_loop_on_cuda():
     """megatrain_ray/model/moe.py on the GPU: torch._grouped_mm (bf16, sm90) against the per-expert loop on the
     same MoE MLP (odd expert counts per row, some experts without rows), outputs and gradients within bf16
