@@ -74,7 +74,8 @@ class _FusedSinkAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         out, lse = kernel.forward(q, k, v, scale)  # out [B, H, T, D] (a view), lse [B, H, T]
         sigma = torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None])
-        y = (out.to(acc) * sigma[..., None]).to(q.dtype)
+        # In q's dtype: a float32 copy of [tokens, heads x width] would be the attention's largest tensor.
+        y = out * sigma.to(q.dtype)[..., None]
         del out
         ctx.kernel, ctx.scale = kernel, scale
         ctx.save_for_backward(q, k, v, y, sigma, sinks)
@@ -83,11 +84,11 @@ class _FusedSinkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         q, k, v, y, sigma, sinks = ctx.saved_tensors
-        acc = sigma.dtype
-        d_out = (dy.to(acc) * sigma[..., None]).to(dy.dtype)
+        d_out = dy * sigma.to(dy.dtype)[..., None]
         # y in place of the kernel's output: its rowsum(dO o y) is D - g (module docstring)
         dq, dk, dv = ctx.kernel.backward(d_out, q, k, v, y, ctx.scale)
-        g = (1 - sigma) * (dy.to(acc) * y.to(acc)).sum(-1)
+        # rowsum(dy o y) as a batched product (float32 accumulation), no float32 [tokens, heads x width] tensor
+        g = (1 - sigma) * torch.einsum("bhtd,bhtd->bht", dy, y).to(sigma.dtype)
         return dq, dk, dv, (-g.sum((0, 2))).to(sinks.dtype), None, None
 
 

@@ -187,22 +187,24 @@ def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch, tmp_pat
             for c in ("auto", True, False) for d in ("cuda", "cpu")] == [True, False, True, True, False, False]
     warnings = []
     monkeypatch.setattr(engine_weights, "warn_once", lambda _log, message: warnings.append(message))
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
 
     def layer(x, w):
         return torch.sin(x) * w + 1
 
     x, w = torch.randn(8), torch.randn(8)
-    for fall_back in (False, True):
-        torch._dynamo.reset()
-        compiled = engine_weights._CompiledLayer(layer, fall_back=fall_back)
-        if not fall_back:
-            with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
-                compiled(x, w)
-            assert not warnings
-            continue
-        assert torch.equal(compiled(x, w), layer(x, w)) and compiled.failed
-        assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and "runs eagerly" in warnings[0]
+    # The config's own patch, which restores it for the compiles of later tests (monkeypatch's undo left
+    # cpp.cxx hidden), and no cached graph, which would skip the compiler.
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
+        for fall_back in (False, True):
+            torch._dynamo.reset()
+            compiled = engine_weights._CompiledLayer(layer, fall_back=fall_back)
+            if not fall_back:
+                with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+                    compiled(x, w)
+                assert not warnings
+                continue
+            assert torch.equal(compiled(x, w), layer(x, w)) and compiled.failed
+            assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and "runs eagerly" in warnings[0]
     torch._dynamo.reset()
 
 
