@@ -43,21 +43,40 @@ the norms' and RoPE's intermediates and the MLP's activation away. Compiled rows
 engine.mlp_chunk_tokens tokens (config/resolved.takes_compiled_layer), so no longer sequence depends on it."""
 
 
-MOE_PAIR_TENSORS = 3.6
+MOE_PAIR_TENSORS = 3.19
 """Tensors of a MoE MLP's token-expert pairs (model/moe.moe_pair_width per token, compute dtype) that its
 recompute and backward hold at the layer's peak, where a dense MLP holds 6 of [tokens, intermediate]: measured
 on one Qwen3-30B-A3B-width layer at 64K tokens on the H200, 12.53 GiB above the layer's inputs run eagerly
 (benchmarks/layer_profile.py, layer-profile-qwen3-30b-a3b-h200-20261126-034932.json), less the attention half's
-saved tensors and the four hidden-wide ones per token that layer_backward_bytes counts. The same layer compiled
-peaked at 9.38 GiB, which COMPILED_WORKING_SET puts at 9.98 (+6.4 %)."""
+saved tensors and the four hidden-wide ones per token that layer_backward_bytes counts, and less the experts'
+weight gradients as autograd returns them (moe_weight_grad_bytes). The same layer compiled peaked at 9.38 GiB."""
+
+
+def moe_weight_grad_bytes(cfg: Config, run: RunSpec) -> int:
+    """A MoE layer's expert gradients as autograd returns them in the compute dtype, before they are written to
+    the gradient buffer: for a dense layer small beside its activations, for fused experts (hundreds of millions
+    of parameters a layer) not. None for a frozen base (LoRA)."""
+    if run.frozen_base or not cfg.model.is_moe:
+        return 0
+    return max(expert_numel(s.slots) for s in build_layout(cfg.model).layers) * DTYPE_BYTES[run.compute_dtype]
+
+
+MOE_PAIR_TENSORS_GPT_OSS = 5.04
+"""The same for gpt-oss, whose clamped SwiGLU over interleaved gate and up columns keeps more expert-wide
+tensors: fitted on one point, gpt-oss-20b width (9 layers, fused attention with sinks) at 32 x 4096 tokens on the
+H200, whose layer backward peaked at 44.69 GiB (moe-gpt-oss-20b-9l-fused-sinks-h200-20261126-042409 and -043311;
+MOE_PAIR_TENSORS planned 38.1). At 4 x 4096 tokens the loss head's working set is the larger (21.40 GiB measured,
+21.59 planned)."""
 
 
 def mlp_piece_width(cfg: Config) -> int:
     """Elements per token of an MLP piece's tensors at the layer backward's peak (besides four hidden-wide ones):
-    the larger of a dense layer's 6 x intermediate and a MoE layer's MOE_PAIR_TENSORS x its pairs' width."""
+    the larger of a dense layer's 6 x intermediate and a MoE layer's MOE_PAIR_TENSORS (gpt-oss:
+    MOE_PAIR_TENSORS_GPT_OSS) x its pairs' width."""
     m = cfg.model
     dense = 6 * m.intermediate_size if any(not m.layer_is_moe(i) for i in range(m.num_layers)) else 0
-    return max(dense, int(MOE_PAIR_TENSORS * moe_pair_width(m)))
+    pairs = MOE_PAIR_TENSORS_GPT_OSS if m.family == "gpt_oss" else MOE_PAIR_TENSORS
+    return max(dense, int(pairs * moe_pair_width(m)))
 
 
 def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int]:
@@ -92,7 +111,7 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         "vocabulary accumulator": v * h * acc_b,
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
-        "layer backward working set": backward + mlp_sums,
+        "layer backward working set": backward + mlp_sums + moe_weight_grad_bytes(cfg, run),
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
         + 2 * tokens * h * acc_b,
         "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
