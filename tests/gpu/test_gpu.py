@@ -175,18 +175,30 @@ def test_long_sequence_chunks_and_offload_match_the_unchunked_step(tmp_path):
     assert a["gpu_peak_gib"] < b["gpu_peak_gib"]
 
 
-def test_compiled_layer_tracks_the_eager_layer_on_the_gpu(tmp_path):
-    """engine.compile on the GPU (Inductor kernels, bf16) against the eager template from the same seed and
-    batches: the first step's loss and every stage's gradient, then the losses of the next steps."""
-    common = dict(layers=4, hidden=1024, ffn=2816, batch=4, seq=2048, precision={"stream_dtype": "float32"},
-                  optimizer={"grad_clip": 1.0, "workers": 2}, train={"steps": 6})
+QWEN3_MOE = {"family": "qwen3_moe", "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
+             "norm_topk_prob": True, "qk_norm": True}
+
+
+@pytest.mark.parametrize("kind, layers, model, gradient_bound", [
+    ("dense", 4, {}, 3e-2),
+    # At random initialisation the router's probabilities are nearly uniform, so bf16 rounding sends some
+    # near-tied tokens to other experts in the two runs: their experts' gradients move (6 % of a stage's gradient
+    # norm in a run at 1502a8a); the losses agree as tightly as the dense layers' do.
+    ("moe", 2, QWEN3_MOE, 0.1)], ids=["dense", "qwen3-moe"])
+def test_compiled_layers_track_the_eager_layers_on_the_gpu(tmp_path, kind, layers, model, gradient_bound):
+    """engine.compile on the GPU (Inductor kernels, bf16; MoE layers with torch._grouped_mm inside the graph, and
+    the loss head's chunks) against the eager run from the same seed and batches: the first step's loss and every
+    stage's gradient, then the losses of the next steps."""
+    common = dict(layers=layers, hidden=1024, ffn=2816, batch=4, seq=2048, model=model,
+                  precision={"stream_dtype": "float32"}, optimizer={"grad_clip": 1.0, "workers": 2},
+                  train={"steps": 6})
     (a, ra), (b, rb), errors = _two_runs(tmp_path, compiled=dict(common, engine={"compile": True}),
                                          eager=dict(common, engine={"compile": False}))
-    print(f"\ncompiled vs eager layer: loss {a['loss']:.5f} vs {b['loss']:.5f}; per-stage gradient relative "
+    print(f"\ncompiled vs eager {kind} layers: loss {a['loss']:.5f} vs {b['loss']:.5f}; per-stage gradient relative "
           f"error max {max(errors):.2e}; losses of steps 1-5 {[round(x, 4) for x in ra]} vs "
           f"{[round(x, 4) for x in rb]}; GPU peak {a['gpu_peak_gib']:.2f} vs {b['gpu_peak_gib']:.2f} GiB")
     assert abs(a["loss"] - b["loss"]) <= 2e-3 * b["loss"]
-    assert max(errors) <= 3e-2
+    assert max(errors) <= gradient_bound
     assert all(abs(x - y) <= 1e-2 * y for x, y in zip(ra, rb))
 
 
@@ -328,27 +340,6 @@ def test_lora_with_a_resident_base_on_cuda_tracks_the_streamed_run_and_copies_no
           f"{runs['auto'][1]['h2d_bytes']:,} vs {runs['none'][1]['h2d_bytes']:,}")
     assert worst < 1e-2
     assert all(r["h2d_bytes"] == 0 for r in runs["auto"][1:]) and runs["none"][1]["h2d_bytes"] > 0
-
-
-def test_compiled_moe_layers_track_the_eager_ones_on_the_gpu(tmp_path):
-    """engine.compile with MoE layers (Qwen3-MoE, torch._grouped_mm inside the compiled graph) and the compiled
-    loss head against the eager run from the same seed and batches: the first step's loss and every stage's
-    gradient, then the losses of the next steps. At random initialisation the router's probabilities are nearly
-    uniform, so bf16 rounding sends some near-tied tokens to other experts in the two runs: their experts'
-    gradients move (6 % of a stage's gradient norm in a run at 1502a8a), the losses agree as tightly as the dense
-    layers' do."""
-    moe = {"family": "qwen3_moe", "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
-           "norm_topk_prob": True, "qk_norm": True}
-    common = dict(layers=2, hidden=1024, ffn=2816, batch=4, seq=2048, model=moe, precision={"stream_dtype": "float32"},
-                  optimizer={"grad_clip": 1.0, "workers": 2}, train={"steps": 6})
-    (a, ra), (b, rb), errors = _two_runs(tmp_path, compiled=dict(common, engine={"compile": True}),
-                                         eager=dict(common, engine={"compile": False}))
-    print(f"\ncompiled vs eager MoE layers: loss {a['loss']:.5f} vs {b['loss']:.5f}; per-stage gradient relative "
-          f"error max {max(errors):.2e}; losses of steps 1-5 {[round(x, 4) for x in ra]} vs "
-          f"{[round(x, 4) for x in rb]}; GPU peak {a['gpu_peak_gib']:.2f} vs {b['gpu_peak_gib']:.2f} GiB")
-    assert abs(a["loss"] - b["loss"]) <= 2e-3 * b["loss"]
-    assert max(errors) <= 0.1
-    assert all(abs(x - y) <= 1e-2 * y for x, y in zip(ra, rb))
 
 
 @pytest.mark.parametrize("window", [0, 128], ids=["full", "sliding-128"])
