@@ -348,6 +348,24 @@ def run_child(command: list[str], timeout: float) -> dict:
     return {"status": "error", "error": f"exit {proc.returncode}: {stderr[-2000:]}"}
 
 
+SHM_WAIT_S = 90
+"""How long a point waits for the previous one's shared memory to come back (benchmarks/run.py wait_for_shm)."""
+
+
+def shm_free_bytes(shm_dir: str) -> int:
+    stat = os.statvfs(shm_dir)
+    return stat.f_bavail * stat.f_frsize
+
+
+def wait_for_shm(shm_dir: str, free_at_start: int, slack: int = 2**30) -> None:
+    """Wait (at most SHM_WAIT_S) until `shm_dir` has as much free space as when the harness started, less
+    `slack`: a point's segments are unlinked when it ends, but their space comes back only once the last of its
+    actor processes has exited, and a point started before that would be planned (and refused) on the rest."""
+    deadline = time.monotonic() + SHM_WAIT_S
+    while shm_free_bytes(shm_dir) < free_at_start - slack and time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
 def kernel_oom_lines(pid: int) -> list[str]:
     """The kernel log's lines about OOM-killing process `pid` (a child that exited on SIGKILL without a
     result), or [] when there are none or the log cannot be read (dmesg needs privileges on many hosts)."""
@@ -529,7 +547,9 @@ def main() -> int:
 
     points = [(seq, depth, batch, system, gpus) for seq in seq_lens for depth in layers for batch in batches
               for system, gpus in points]
+    shm_free = shm_free_bytes(base.host.shm_dir)
     for seq, depth, batch, system, gpus in points:
+        wait_for_shm(base.host.shm_dir, shm_free)
         overrides = args.set if seq == base.data.seq_len else [*args.set, *seq_len_overrides(base, seq)]
         if args.trace and system.startswith("megatrain"):
             trace_dir = Path(args.trace) / f"{system}-g{gpus}-b{batch}-l{depth}-s{seq}"  # load_config resolves it

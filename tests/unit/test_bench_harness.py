@@ -100,3 +100,24 @@ def test_a_point_that_times_out_keeps_the_end_of_its_log():
 def test_a_point_that_exits_without_a_result_reports_its_exit_and_log():
     row = run_child([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], timeout=30)
     assert row == {"status": "error", "error": "exit 3: boom\n"}
+
+
+def test_a_point_waits_for_the_previous_points_shared_memory(tmp_path, monkeypatch):
+    """wait_for_shm returns once the folder's free space is back to the harness's start (less the slack), and
+    gives up after SHM_WAIT_S when it does not come back."""
+    import time
+
+    from benchmarks import run
+
+    free = run.shm_free_bytes(str(tmp_path))
+    calls = []
+    space = iter([free - 5 * 2**30, free - 3 * 2**30, free])  # a previous point's 5 GiB coming back
+    monkeypatch.setattr(run, "shm_free_bytes", lambda _d: calls.append(1) or next(space))
+    monkeypatch.setattr(run.time, "sleep", lambda _s: None)
+    run.wait_for_shm(str(tmp_path), free)
+    assert len(calls) == 3
+    monkeypatch.setattr(run, "shm_free_bytes", lambda _d: free - 5 * 2**30)
+    monkeypatch.setattr(run, "SHM_WAIT_S", 0.05)
+    t0 = time.monotonic()
+    run.wait_for_shm(str(tmp_path), free)
+    assert 0.05 <= time.monotonic() - t0 < 5
