@@ -72,21 +72,21 @@ class _FusedSinkAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, scale: float, window: int):
         kernel = _CudaFlash(q, k, window) if q.is_cuda else _CpuFlash(q, k, window)
         acc = torch.promote_types(q.dtype, torch.float32)
-        out, lse = kernel.forward(q, k, v, scale)  # out [B, H, T, D] (a view), lse [B, H, T]
+        out, lse, kernel_saved = kernel.forward(q, k, v, scale)  # out [B, H, T, D] (a view), lse [B, H, T]
         sigma = torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None])
         # In q's dtype: a float32 copy of [tokens, heads x width] would be the attention's largest tensor.
         y = out * sigma.to(q.dtype)[..., None]
         del out
         ctx.kernel, ctx.scale = kernel, scale
-        ctx.save_for_backward(q, k, v, y, sigma, sinks)
+        ctx.save_for_backward(q, k, v, y, sigma, sinks, *kernel_saved)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, y, sigma, sinks = ctx.saved_tensors
+        q, k, v, y, sigma, sinks, *kernel_saved = ctx.saved_tensors
         d_out = dy * sigma.to(dy.dtype)[..., None]
         # y in place of the kernel's output: its rowsum(dO o y) is D - g (module docstring)
-        dq, dk, dv = ctx.kernel.backward(d_out, q, k, v, y, ctx.scale)
+        dq, dk, dv = ctx.kernel.backward(d_out, q, k, v, y, ctx.scale, kernel_saved)
         # rowsum(dy o y) as a batched product (float32 accumulation), no float32 [tokens, heads x width] tensor
         g = (1 - sigma) * torch.einsum("bhtd,bhtd->bht", dy, y).to(sigma.dtype)
         return dq, dk, dv, (-g.sum((0, 2))).to(sinks.dtype), None, None
@@ -107,13 +107,15 @@ class _CpuFlash:
         return t.repeat_interleave(self.groups, dim=1) if self.groups > 1 else t
 
     def forward(self, q, k, v, scale):
-        out, self.lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        """(output, lse [B, H, T], what the backward needs besides q, k, v and y)."""
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, self._repeat(k), self._repeat(v), 0.0, self.mask is None, attn_mask=self.mask, scale=scale)
-        return out, self.lse
+        return out, lse, (lse,)
 
-    def backward(self, d_out, q, k, v, y, scale):
+    def backward(self, d_out, q, k, v, y, scale, saved):
+        (lse,) = saved
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, self._repeat(k), self._repeat(v), y, self.lse, 0.0, self.mask is None, attn_mask=self.mask,
+            d_out, q, self._repeat(k), self._repeat(v), y, lse, 0.0, self.mask is None, attn_mask=self.mask,
             scale=scale)
         if self.groups > 1:  # the repeated heads' gradients summed back onto their key/value head
             b, h, t, d = dk.shape
@@ -154,14 +156,14 @@ class _CudaFlash:
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             self._pack(q), self._pack(k), self._pack(v), self.seq_bounds, self.seq_bounds, t, t, 0.0, True, False,
             scale=scale, window_size_left=self.left, window_size_right=self.right)
-        self.rng, self.unused, self.lse = rng, unused, lse
-        return self._unpack(out), self._lse(lse)
+        return self._unpack(out), self._lse(lse), (lse, rng, unused)
 
-    def backward(self, d_out, q, k, v, y, scale):
+    def backward(self, d_out, q, k, v, y, scale, saved):
         t = self.shape[2]
+        lse, rng, unused = saved
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            self._pack(d_out), self._pack(q), self._pack(k), self._pack(v), self._pack(y), self.lse,
-            self.seq_bounds, self.seq_bounds, t, t, 0.0, True, self.rng, self.unused, scale=scale,
+            self._pack(d_out), self._pack(q), self._pack(k), self._pack(v), self._pack(y), lse,
+            self.seq_bounds, self.seq_bounds, t, t, 0.0, True, rng, unused, scale=scale,
             window_size_left=self.left, window_size_right=self.right)
         b, h, s, d = self.shape
         kv_heads = k.shape[1]
