@@ -144,6 +144,7 @@ def run_megatrain(spec: dict) -> dict:
         "optimizer_gparams_per_s": params / opt_wall / 1e9 if opt_wall else None,
         "dram_bytes_per_param": mean("dram_bytes_per_param"),
         "losses": [r["loss"] for r in records],
+        "grad_norms": [r["grad_norm"] for r in records],  # before clipping: whether the clip acted
         "activation_offload": plan.offload,
         "plan": {"host_gib": plan.host_total / 2**30, "gpu_peak_gib": plan.gpu_peak / 2**30,
                  "tok_per_s": plan.expected.tok_per_s if plan.expected else None},
