@@ -143,8 +143,8 @@ class EngineConfig:
     fuses the norms, RoPE and SwiGLU around the matrix products. The first step of each shape pays the
     compile time (the start-up log says when the layers compile); rows with packed documents or a chunked MLP
     run eagerly. MoE layers compile where their expert products take torch._grouped_mm (bfloat16 on an sm90
-    GPU, widths multiples of 8: the shapes then stay fixed whatever the routing), else run eagerly, as gpt-oss
-    does. auto: on when the engine runs on a GPU (on the H200, 7B-width layers at 64k tokens ran 1.24-1.25x
+    GPU, widths multiples of 8: the shapes then stay fixed whatever the routing), else run eagerly, as gpt-oss's
+    do (compiled, its router got no gradient). auto: on when the engine runs on a GPU (on the H200, 7B-width layers at 64k tokens ran 1.24-1.25x
     faster compiled and peaked 5 GiB lower (docs/benchmarks.md); 1.08x at 32k with clipping on, where the
     optimizer bounds the step), off on the CPU; if torch.compile fails there (no Triton or C compiler), auto
     warns once and runs eagerly. true: always, and a compile failure is an error."""

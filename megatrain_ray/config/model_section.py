@@ -336,8 +336,9 @@ class ModelConfig:
         """Whether torch.compile can take this model's decoder layers (engine.compile). Dense layers can. MoE layers
         can where their expert products go through torch._grouped_mm, whose shapes stay fixed whatever the routing
         (bfloat16, hidden and expert widths multiples of 8; the GPU's sm90 is checked where a layer runs: the
-        per-expert loop elsewhere has a shape per routing). gpt-oss stays eager: its memory plan's attention with
-        sinks (planning/gpu_memory.SINK_ATTENTION_SCORES) was measured on the eager layer."""
+        per-expert loop elsewhere has a shape per routing). gpt-oss stays eager: through torch.compile its layer
+        (bfloat16, torch 2.13 on the CPU, no graph break) returned a zero gradient for the router's weight and
+        bias, where the eager layer's match transformers; not understood yet."""
         if not self.is_moe:
             return True
         return self.family != "gpt_oss" and compute_dtype == "bfloat16" and \

@@ -84,7 +84,7 @@ def test_compiled_moe_layer_matches_the_eager_template(monkeypatch, name):
 
 def test_which_moe_models_compile(tmp_path):
     """engine.compile takes Qwen3-MoE and Mixtral layers in bfloat16 (on a GPU with sm90: torch._grouped_mm);
-    gpt-oss (the memory plan's attention with sinks is the eager layer's) and a float32 model stay eager."""
+    gpt-oss (compiled, its router got no gradient: ModelConfig.layers_compile) and a float32 model stay eager."""
     def compiles(name: str, compute_dtype: str) -> bool:
         model = dataclasses.asdict(model_config_from_hf(hf_moe_model(name).config.to_dict()))
         cfg = tiny_config(tmp_path, model=model, data={"seq_len": 24}, engine={"compile": "auto"},
