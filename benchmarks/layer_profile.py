@@ -30,6 +30,7 @@ def main() -> int:
 
     from megatrain_ray.config.load import load_config
     from megatrain_ray.dtypes import TORCH_DTYPES
+    from megatrain_ray.engine.compiled import CompiledDecoderLayer
     from megatrain_ray.model.layer_spec import LayerSpec
     from megatrain_ray.model.layout import build_layout
     from megatrain_ray.model.moe import RouterRecord
@@ -80,7 +81,7 @@ def main() -> int:
 
     rows = []
     for mode in args.modes:
-        layer = torch.compile(decoder_layer, dynamic=False) if mode == "compiled" else decoder_layer
+        layer = CompiledDecoderLayer(fall_back=False) if mode == "compiled" else decoder_layer
 
         def forward() -> None:
             with torch.no_grad():

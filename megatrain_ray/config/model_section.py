@@ -322,9 +322,11 @@ class ModelConfig:
     def explicit_attention(self, compute_dtype: str) -> bool:
         """Attention through explicit [rows, heads, T, T] products rather than fused kernels: Gemma 2's logit
         soft-cap, and gpt-oss's sinks where their fused path does not apply on the GPU (a float32 or float64
-        compute dtype: model/sinks.fused_sink_attention_applies)."""
+        compute dtype, a head width flash attention does not take; the GPU taken as sm80 or later:
+        model/sinks.fused_sink_attention_applies)."""
         if self.family == "gpt_oss":
-            return compute_dtype not in ("bfloat16", "float16")
+            width = self.resolved_head_dim
+            return compute_dtype not in ("bfloat16", "float16") or width % 8 != 0 or width > 256
         return bool(self.attn_logit_softcapping)
 
     @property
@@ -336,9 +338,11 @@ class ModelConfig:
         """Whether torch.compile can take this model's decoder layers (engine.compile). Dense layers can. MoE layers
         can where their expert products go through torch._grouped_mm, whose shapes stay fixed whatever the routing
         (bfloat16, hidden and expert widths multiples of 8; the GPU's sm90 is checked where a layer runs: the
-        per-expert loop elsewhere has a shape per routing). gpt-oss stays eager: through torch.compile its layer
-        (bfloat16, torch 2.13 on the CPU, no graph break) returned a zero gradient for the router's weight and
-        bias, where the eager layer's match transformers; not understood yet."""
+        per-expert loop elsewhere has a shape per routing). gpt-oss stays eager: through torch.compile (bfloat16,
+        torch 2.13 on the CPU, no graph break) its layer returned no gradient for the router's weight and bias once
+        the routing record's summed probabilities were among the graph's outputs, as the recompute needs them; the
+        Qwen3-MoE and Mixtral layers match the eager template with and without the load-balancing loss
+        (tests/unit/test_moe_compile.py)."""
         if not self.is_moe:
             return True
         return self.family != "gpt_oss" and compute_dtype == "bfloat16" and \

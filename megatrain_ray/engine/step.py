@@ -41,6 +41,7 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals
+from megatrain_ray.engine.compiled import CompiledDecoderLayer, CompiledFunction
 from megatrain_ray.engine.forward_only import ForwardOnlyPasses
 from megatrain_ray.engine.grads import GradientSink
 from megatrain_ray.engine.resident import ResidentTier
@@ -49,7 +50,7 @@ from megatrain_ray.engine.router_aux import RouterAux
 from megatrain_ray.engine.streams import DeviceStreams
 from megatrain_ray.engine.telemetry import StepTelemetry, UpdateTrace
 from megatrain_ray.engine.updates import UpdateDispatch
-from megatrain_ray.engine.weights import WeightSlot, WeightStream, _CompiledLayer
+from megatrain_ray.engine.weights import WeightSlot, WeightStream
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.attention import DocumentBucket, document_buckets
 from megatrain_ray.model.generic_template import GenericTemplate, run_layer
@@ -59,7 +60,10 @@ from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.moe import RouterRecord, grouped_mm_usable, idle_expert_spans
 from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
+from megatrain_ray.observe.log import get_logger, warn_once
 from megatrain_ray.store.segments import HostStore
+
+log = get_logger(__name__)
 
 
 class StreamEngine(ForwardOnlyPasses):
@@ -96,10 +100,12 @@ class StreamEngine(ForwardOnlyPasses):
         self.embed_scale = embed_scale(model, self.compute_dtype)
         self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
-        self._compiled = _CompiledLayer(decoder_layer, fall_back=self.engine_cfg.compile == "auto") if compiles else None
-        # The loss head's chunks with the layers: upcast, softmax and gradient fused over the [tokens, vocab] logits.
-        self._chunk_loss = _CompiledLayer(chunk_cross_entropy, self.engine_cfg.compile == "auto",
-                                          "the loss head's chunk") if compiles else chunk_cross_entropy
+        fall_back = self.engine_cfg.compile == "auto"
+        self._compiled = CompiledDecoderLayer(fall_back) if compiles else None
+        # The loss head's chunks wherever engine.compile is on for this device, whatever the layers do: upcast,
+        # softmax and gradient fused over the [tokens, vocab] logits.
+        self._chunk_loss = CompiledFunction(chunk_cross_entropy, fall_back, "the loss head's chunk") \
+            if run.head_compiles else chunk_cross_entropy
         self.router_aux = RouterAux(model)
         poison = self.engine_cfg.poison_buffers
 
@@ -223,8 +229,10 @@ class StreamEngine(ForwardOnlyPasses):
         if self._compiled is None or self._compiled.failed or \
                 not self.run.runs_compiled(x.shape[0] * x.shape[1], self.mlp_chunk, documents is not None):
             return decoder_layer
-        if spec.moe is not None and not grouped_mm_usable(x, w["mlp.experts.gate_up_proj"],
+        if spec.moe is not None and not grouped_mm_usable(x.view(-1, x.shape[-1]), w["mlp.experts.gate_up_proj"],
                                                          w["mlp.experts.down_proj"]):
+            warn_once(log, "engine.compile: MoE layers run eagerly on this device (torch._grouped_mm needs bfloat16 "
+                           "on an sm90 GPU); the memory plan budgeted them compiled, which need less")
             return decoder_layer
         return self._compiled
 

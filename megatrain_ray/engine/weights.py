@@ -7,8 +7,6 @@ compute waits for the load by an event; a slot is overwritten only once compute 
 Several ranks per node with parallel.gather_weights: each rank copies its piece of the stage from the host
 and the pieces are all-gathered over the node's ranks. Several nodes: the leader sums a sample of every stage's
 host weights, which the step's totals compare across the nodes (their copies must stay equal).
-
-Also here: the decoder layer through torch.compile (_CompiledLayer), which runs on these weights.
 """
 
 from __future__ import annotations
@@ -25,44 +23,10 @@ from megatrain_ray.engine.telemetry import StepTelemetry
 from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import bind
-from megatrain_ray.observe.log import get_logger, warn_once
 from megatrain_ray.store.segments import HostStore
-
-log = get_logger(__name__)
 
 CHECKSUM_SAMPLES = 4096
 """Elements per stage (evenly strided) in the per-step checksum that compares the nodes' copies."""
-
-
-class _CompiledLayer:
-    """A layer function (decoder_layer), or the head's chunk loss (head.chunk_cross_entropy), through torch.compile.
-    Shapes are fixed per run (the weights of
-    every layer are views at the same offsets), so one graph per sequence shape serves every layer (per
-    sequence shape and layer kind for Gemma, whose sliding and global layers differ in their LayerSpec). With
-    engine.compile auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in
-    BackendCompilerFailed) is logged once and the eager function runs from then on; with true it
-    propagates. It surfaces at the call that compiles, before the layer computed anything, so the eager
-    function in its place loses nothing."""
-
-    def __init__(self, eager: Any, fall_back: bool, what: str = "the decoder layer") -> None:
-        self.eager = eager
-        self.fn = torch.compile(eager, dynamic=False)
-        self.fall_back = fall_back
-        self.failed = False
-        self.what = what
-
-    def __call__(self, *args: Any) -> Any:
-        try:
-            return self.fn(*args)
-        except torch._dynamo.exc.TorchDynamoException as exc:
-            if not self.fall_back:
-                raise
-            self.failed = True
-            warn_once(log, f"engine.compile=auto: torch.compile of {self.what} failed "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                           "it runs eagerly. Set engine.compile=false: that skips the attempt, and the "
-                           "memory plan then budgets the GPU for eager layers, which need more")
-            return self.eager(*args)
 
 
 @dataclass(slots=True)

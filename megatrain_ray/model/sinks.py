@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from megatrain_ray.exceptions import ConfigError
 
@@ -37,10 +38,11 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
 
 def fused_sink_attention_applies(q: torch.Tensor) -> bool:
     """The fused path: on the CPU always (torch's flash kernel takes every float dtype), on CUDA where flash
-    attention does (bfloat16 or float16, head width a multiple of 8 up to 256)."""
+    attention does (sm80 or later, bfloat16 or float16, head width a multiple of 8 up to 256)."""
     if not q.is_cuda:
         return True
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    return (torch.cuda.get_device_capability(q.device) >= (8, 0) and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
 
 
 def explicit_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
@@ -82,12 +84,14 @@ class _FusedSinkAttention(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the backward is the kernel's: no second derivative
     def backward(ctx, dy):
         q, k, v, y, sigma, sinks, *kernel_saved = ctx.saved_tensors
         d_out = dy * sigma.to(dy.dtype)[..., None]
         # y in place of the kernel's output: its rowsum(dO o y) is D - g (module docstring)
         dq, dk, dv = ctx.kernel.backward(d_out, q, k, v, y, ctx.scale, kernel_saved)
-        # rowsum(dy o y) as a batched product (float32 accumulation), no float32 [tokens, heads x width] tensor
+        # rowsum(dy o y) as a batched product: float32 accumulation, its result rounded to the compute dtype (it
+        # reaches only g and the sinks' gradient), and no float32 [tokens, heads x width] tensor
         g = (1 - sigma) * torch.einsum("bhtd,bhtd->bht", dy, y).to(sigma.dtype)
         return dq, dk, dv, (-g.sum((0, 2))).to(sinks.dtype), None, None
 

@@ -138,6 +138,17 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
     return out.view_as(x)
 
 
+def decoder_layer_routing(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                          spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None,
+                          mlp_chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """decoder_layer of a MoE layer, its routing recorded in a RouterRecord of its own: (output, the record's
+    expert counts, summed router probabilities and rows). A compiled version of it changes no object of its
+    caller's (engine/compiled.py)."""
+    record = RouterRecord()
+    y = decoder_layer(x, w, rope, spec, documents, mlp_chunk_tokens, record)
+    return y, record.counts, record.prob_sum, record.rows
+
+
 def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                            spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None, grad_y: torch.Tensor,
                            mlp_chunk_tokens: int = 0, layer=None,
@@ -163,12 +174,13 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
         if len(chunks) == 1:
             if router_grad is not None or router is not None:
                 record = router or RouterRecord()
-                y = (layer or decoder_layer)(x, params, rope, spec, documents, 0, record)
+                y = (layer or decoder_layer)(x, params, rope, spec, documents, mlp_chunk_tokens, record)
                 outputs, grad_outputs = ([y, record.prob_sum], [grad_y, router_grad]) if router_grad is not None \
                     else (y, grad_y)
                 grads = torch.autograd.grad(outputs, [x, *(params[n] for n in wanted)], grad_outputs)
             else:
-                y = (layer or decoder_layer)(x, params, rope, spec, documents)
+                # mlp_chunk_tokens as the forward passed it: one compiled graph for both (one piece either way)
+                y = (layer or decoder_layer)(x, params, rope, spec, documents, mlp_chunk_tokens)
                 grads = torch.autograd.grad(y, [x, *(params[n] for n in wanted)], grad_y)
             return grads[0], dict(zip(wanted, grads[1:]))
         mid = attention_block(x, params, rope, spec, documents)

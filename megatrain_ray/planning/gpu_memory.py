@@ -55,7 +55,7 @@ weight gradients as autograd returns them (moe_weight_grad_bytes). The same laye
 def moe_weight_grad_bytes(cfg: Config, run: RunSpec) -> int:
     """A MoE layer's expert gradients as autograd returns them in the compute dtype, before they are written to
     the gradient buffer: for a dense layer small beside its activations, for fused experts (hundreds of millions
-    of parameters a layer) not. None for a frozen base (LoRA)."""
+    of parameters a layer) not. 0 for a frozen base (LoRA)."""
     if run.frozen_base or not cfg.model.is_moe:
         return 0
     return max(expert_numel(s.slots) for s in build_layout(cfg.model).layers) * DTYPE_BYTES[run.compute_dtype]

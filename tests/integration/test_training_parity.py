@@ -177,16 +177,16 @@ def test_compiled_layer_template_matches_reference_to_1e10(tmp_path):
 
 def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch, tmp_path):
     """engine.compile: auto compiles on the GPU only; where torch.compile cannot build (here: no working
-    C++ compiler for Inductor) auto warns once and runs the eager function, true raises."""
+    C++ compiler for Inductor) auto warns once and runs the eager function from then on, true raises."""
     import torch._inductor.config as inductor_config
 
     from megatrain_ray.config.resolved import RunSpec
-    from megatrain_ray.engine import weights as engine_weights
+    from megatrain_ray.engine import compiled as engine_compiled
 
     assert [RunSpec.resolve(tiny_config(tmp_path, engine={"compile": c}), device_type=d).compiles
             for c in ("auto", True, False) for d in ("cuda", "cpu")] == [True, False, True, True, False, False]
     warnings = []
-    monkeypatch.setattr(engine_weights, "warn_once", lambda _log, message: warnings.append(message))
+    monkeypatch.setattr(engine_compiled, "warn_once", lambda _log, message: warnings.append(message))
 
     def layer(x, w):
         return torch.sin(x) * w + 1
@@ -197,7 +197,7 @@ def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch, tmp_pat
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
         for fall_back in (False, True):
             torch._dynamo.reset()
-            compiled = engine_weights._CompiledLayer(layer, fall_back=fall_back)
+            compiled = engine_compiled.CompiledFunction(layer, fall_back, "the test's layer")
             if not fall_back:
                 with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
                     compiled(x, w)
@@ -205,6 +205,9 @@ def test_compile_auto_runs_eagerly_when_torch_compile_fails(monkeypatch, tmp_pat
                 continue
             assert torch.equal(compiled(x, w), layer(x, w)) and compiled.failed
             assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and "runs eagerly" in warnings[0]
+            # From then on the eager function, with no new attempt to compile
+            compiled.fn = lambda *args: pytest.fail("compiled again after a failure")
+            assert torch.equal(compiled(x, w), layer(x, w))
     torch._dynamo.reset()
 
 

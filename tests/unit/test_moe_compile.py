@@ -4,7 +4,8 @@ On the GPU a MoE layer compiles where its expert products take torch._grouped_mm
 stay fixed whatever the routing. torch's CPU kernel of _grouped_mm takes bfloat16 too, so the same graph is
 traced and built here by Inductor (C++), forward and recompute + backward, and compared with the eager template
 and with a float64 run of it: the compiled layer must be as close to float64 as the eager one is (bfloat16
-rounding), with the same routing, no graph break and every gradient present.
+rounding), with the same routing, no graph break and every gradient present, with and without the
+load-balancing loss's gradient. gpt-oss layers stay eager (ModelConfig.layers_compile says why).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
 from megatrain_ray.config.resolved import RunSpec  # noqa: E402
+from megatrain_ray.engine.compiled import CompiledDecoderLayer  # noqa: E402
 from megatrain_ray.model import moe  # noqa: E402
 from megatrain_ray.model.layer_spec import LayerSpec  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
@@ -48,25 +50,30 @@ def _layer_inputs(name: str, dtype: torch.dtype):
     return x.to(dtype), grad_y.to(dtype), w, rope, spec
 
 
-def _run(layer, name: str, dtype: torch.dtype):
+def _run(layer, name: str, dtype: torch.dtype, aux_loss: bool):
+    """The layer's output, and its recompute's input and weight gradients and routing counts; with `aux_loss`, a
+    load-balancing loss's gradient on the summed router probabilities joins the backward (engine/router_aux.py)."""
     x, grad_y, w, rope, spec = _layer_inputs(name, dtype)
     with torch.no_grad():
         y = layer(x, w, rope, spec, None, 0, None)
     routing = RouterRecord()
-    grad_x, grads = decoder_layer_backward(x, w, rope, spec, None, grad_y, layer=layer, router=routing)
+    router_grad = torch.linspace(-1.0, 1.0, spec.moe.num_experts, dtype=torch.float32) if aux_loss else None
+    grad_x, grads = decoder_layer_backward(x, w, rope, spec, None, grad_y, layer=layer, router=routing,
+                                           router_grad=router_grad)
     return y, grad_x, grads, routing.counts
 
 
+@pytest.mark.parametrize("aux_loss", [False, True], ids=["routing", "routing-aux-loss"])
 @pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral-sliding"])
-def test_compiled_moe_layer_matches_the_eager_template(monkeypatch, name):
+def test_compiled_moe_layer_matches_the_eager_template(monkeypatch, name, aux_loss):
     from torch._dynamo.utils import counters
 
-    reference = _run(decoder_layer, name, torch.float64)  # the loop over experts, float64
+    reference = _run(decoder_layer, name, torch.float64, aux_loss)  # the loop over experts, float64
     monkeypatch.setattr(moe, "grouped_mm_usable", lambda *tensors: True)  # the GPU's path, on torch's CPU kernel
-    eager = _run(decoder_layer, name, torch.bfloat16)
+    eager = _run(decoder_layer, name, torch.bfloat16, aux_loss)
     torch._dynamo.reset()
     counters.clear()
-    compiled = _run(torch.compile(decoder_layer, dynamic=False), name, torch.bfloat16)
+    compiled = _run(CompiledDecoderLayer(fall_back=False), name, torch.bfloat16, aux_loss)
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
     torch._dynamo.reset()
 

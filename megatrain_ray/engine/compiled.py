@@ -1,0 +1,70 @@
+"""The engine's functions through torch.compile (engine.compile): the decoder layer and the loss head's chunk.
+
+Shapes are fixed per run (the weights of every layer are views at the same offsets), so one graph per sequence
+shape serves every layer (per sequence shape and layer kind for Gemma, whose sliding and global layers differ in
+their LayerSpec). With engine.compile auto, a failure to compile (no Triton or C compiler: Dynamo wraps it in
+BackendCompilerFailed) is logged once and the eager function runs from then on; with true it propagates. It
+surfaces at the call that compiles, before the function computed anything, so the eager function in its place
+loses nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatrain_ray.model.moe import RouterRecord
+from megatrain_ray.model.templates import decoder_layer, decoder_layer_routing
+from megatrain_ray.observe.log import get_logger, warn_once
+
+log = get_logger(__name__)
+
+
+class CompiledFunction:
+    """`eager` through torch.compile, or `eager` itself once compiling failed (engine.compile auto)."""
+
+    def __init__(self, eager: Any, fall_back: bool, what: str) -> None:
+        self.eager = eager
+        self.fn = torch.compile(eager, dynamic=False)
+        self.fall_back = fall_back
+        self.failed = False
+        self.what = what
+
+    def __call__(self, *args: Any) -> Any:
+        return self.eager(*args) if self.failed else self._compiled(self.fn, self.eager, *args)
+
+    def _compiled(self, fn: Any, eager: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if not self.fall_back:
+                raise
+            self.failed = True
+            warn_once(log, f"engine.compile=auto: torch.compile of {self.what} failed "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                           "it runs eagerly. Set engine.compile=false: that skips the attempt, and the "
+                           "memory plan then budgets the GPU for eager layers, which need more")
+            return eager(*args)
+
+
+class CompiledDecoderLayer(CompiledFunction):
+    """templates.decoder_layer through torch.compile, with decoder_layer's arguments. A MoE layer's routing record
+    (`router`) is never handed to the compiled code: templates.decoder_layer_routing records into a record of its
+    own and returns its tensors, which are added to `router` here, so the compiled code changes no object of its
+    caller's."""
+
+    def __init__(self, fall_back: bool) -> None:
+        super().__init__(decoder_layer, fall_back, "the decoder layer")
+        self.routing_fn = torch.compile(decoder_layer_routing, dynamic=False)
+
+    def __call__(self, x, w, rope, spec, documents=None, mlp_chunk_tokens: int = 0,
+                 router: RouterRecord | None = None) -> torch.Tensor:
+        if router is None:
+            return super().__call__(x, w, rope, spec, documents, mlp_chunk_tokens)
+        if self.failed:
+            return decoder_layer(x, w, rope, spec, documents, mlp_chunk_tokens, router)
+        y, counts, prob_sum, rows = self._compiled(self.routing_fn, decoder_layer_routing,
+                                                   x, w, rope, spec, documents, mlp_chunk_tokens)
+        router.add(counts, prob_sum, rows)
+        return y
