@@ -1,6 +1,7 @@
 """How long the device takes to dequantize one packed decoder layer (engine/packed_stream.py runs it on the H2D
-stream, before the layer computes, once in the forward and once in the backward's recompute). The speed model
-does not count it yet: this measures it for a shape, to compare with the layer's H2D time.
+stream, before the layer computes, once in the forward and once in the backward's recompute), eagerly and with its
+block decoding through torch.compile (as engine.compile runs it). The speed model does not count it yet: this
+measures it for a shape, to compare with the layer's H2D time.
 
     python benchmarks/nf4_dequant.py --config configs/shapes/gpt-oss-120b-qlora.yaml            # on the GPU box
     python benchmarks/nf4_dequant.py --config configs/shapes/gpt-oss-120b-qlora.yaml --set model.num_experts=8 \\
@@ -22,7 +23,7 @@ from benchmarks.common import provenance, write_result  # noqa: E402
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.dtypes import TORCH_DTYPES  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
-from megatrain_ray.quant.nf4_stage import dequantize_stage, pack_stage_pieces  # noqa: E402
+from megatrain_ray.quant.nf4_stage import decode_blocks, dequantize_stage, pack_stage_pieces  # noqa: E402
 from megatrain_ray.store.nf4_base import stage_format  # noqa: E402
 from megatrain_ray.store.segments import init_slot_pieces  # noqa: E402
 
@@ -46,24 +47,31 @@ def main() -> None:
     device = torch.device(args.device)
     staged = packed.to(device)
     out = torch.empty(stage.numel, dtype=fmt.compute_dtype, device=device)
-    dequantize_stage(staged, fmt, out=out)  # warm-up: the cached index tensors, the allocator
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.repeats):
-        dequantize_stage(staged, fmt, out=out)
-    sync()
-    seconds = (time.perf_counter() - t0) / args.repeats
     passes = 2 * len(layout.layers)
-    print(f"layer {stage.index}: {stage.numel / 1e9:.2f} G values, {fmt.nbytes / 1e9:.2f} GB packed (packed on the "
-          f"CPU in {pack_seconds:.1f} s); dequantize on {device}: {seconds * 1e3:.1f} ms "
-          f"({stage.numel / seconds / 1e9:.1f} G values/s); x {passes} passes a step: {seconds * passes:.2f} s")
-    row = {"config": args.config, "overrides": args.set, "layer": stage.index, "values": stage.numel,
-           "packed_bytes": fmt.nbytes, "pack_seconds": pack_seconds, "dequantize_seconds": seconds,
-           "gvalues_per_s": stage.numel / seconds / 1e9, "passes_per_step": passes,
-           "dequantize_seconds_per_step": seconds * passes}
+    rows, results = [], {}
+    # Eager, and the block decoding through torch.compile as the engine runs it with engine.compile
+    for mode, decode in (("eager", None), ("compiled", torch.compile(decode_blocks, dynamic=True))):
+        dequantize_stage(staged, fmt, out=out, decode=decode)  # warm-up: the cached index tensors, the allocator
+        sync()
+        results[mode] = out.clone()
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            dequantize_stage(staged, fmt, out=out, decode=decode)
+        sync()
+        seconds = (time.perf_counter() - t0) / args.repeats
+        print(f"{mode}: layer {stage.index}: {stage.numel / 1e9:.2f} G values, {fmt.nbytes / 1e9:.2f} GB packed "
+              f"(packed on the CPU in {pack_seconds:.1f} s); dequantize on {device}: {seconds * 1e3:.1f} ms "
+              f"({stage.numel / seconds / 1e9:.1f} G values/s); x {passes} passes a step: {seconds * passes:.2f} s")
+        rows.append({"mode": mode, "config": args.config, "overrides": args.set, "layer": stage.index,
+                     "values": stage.numel, "packed_bytes": fmt.nbytes, "pack_seconds": pack_seconds,
+                     "dequantize_seconds": seconds, "gvalues_per_s": stage.numel / seconds / 1e9,
+                     "passes_per_step": passes, "dequantize_seconds_per_step": seconds * passes})
+    rows[-1]["bitwise_equal_to_eager"] = bool(torch.equal(results["compiled"], results["eager"]))
+    print("compiled equals eager bit for bit:", rows[-1]["bitwise_equal_to_eager"])
     kwargs = {"out": args.out} if args.out else {}
-    write_result(f"nf4-dequant-{Path(args.config).stem}", {**provenance(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"), "rows": [row]}, **kwargs)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    write_result(f"nf4-dequant-{Path(args.config).stem}", {**provenance(name), "rows": rows}, **kwargs)
 
 
 if __name__ == "__main__":

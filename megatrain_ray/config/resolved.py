@@ -59,9 +59,9 @@ class RunSpec:
     their own, and the disk tier stages whole stage spans."""
     compiles: bool
     """The decoder-layer template goes through torch.compile on this device (engine.compile)."""
-    head_compiles: bool
-    """The loss head's chunks go through torch.compile: engine.compile is on for this device, whatever the
-    layers do (model/head.chunk_cross_entropy)."""
+    device_compiles: bool
+    """engine.compile is on for this device: the loss head's chunks (model/head.chunk_cross_entropy) and an NF4
+    base's dequantization (quant/nf4_stage.decode_blocks) go through torch.compile, whatever the layers do."""
     layers_compiled: bool
     """And this run's training rows take it (see takes_compiled_layer)."""
     activation_offload: bool
@@ -120,8 +120,8 @@ class RunSpec:
         rank_tokens = cfg.data.batch_size // (ranks * nodes) * cfg.data.seq_len
         # The generic path runs transformers' own layer class eagerly (model.template); MoE layers compile where
         # their expert groups do not change the shapes (ModelConfig.layers_compile).
-        head_compiles = e.compile is True or (e.compile == "auto" and device == "cuda")
-        compiles = head_compiles and cfg.model.template != "generic" and cfg.model.layers_compile(p.compute_dtype)
+        device_compiles = e.compile is True or (e.compile == "auto" and device == "cuda")
+        compiles = device_compiles and cfg.model.template != "generic" and cfg.model.layers_compile(p.compute_dtype)
         if cfg.finetune.method == "lora":
             compiles = compiles and not cfg.finetune.lora.lora_dropout  # the masks' generators run eagerly
             if nodes > 1:
@@ -130,7 +130,7 @@ class RunSpec:
                 device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
                 master_dtype=stream_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,
                 stream_is_master=True, grad_home="stream", grad_dtype=stream_dtype, moment_dtype=stream_dtype,
-                vocab_in_pieces=False, compiles=compiles, head_compiles=head_compiles,
+                vocab_in_pieces=False, compiles=compiles, device_compiles=device_compiles,
                 layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
                 activation_offload=e.activation_offload is True, resident_layers=resident_layer_count(cfg, ranks),
                 frozen_base=True,
@@ -143,7 +143,7 @@ class RunSpec:
             moment_dtype="bfloat16" if o.moment_dtype == "bfloat16" else p.master_dtype,
             vocab_in_pieces=(e.vocab_grad_pieces and grad_home == "pool" and ranks == 1
                              and cfg.host.moments_tier == "ram"),
-            compiles=compiles, head_compiles=head_compiles,
+            compiles=compiles, device_compiles=device_compiles,
             layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
             activation_offload=e.activation_offload is True,
             resident_layers=resident_layer_count(cfg, ranks * nodes))

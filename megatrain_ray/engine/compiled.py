@@ -1,4 +1,5 @@
-"""The engine's functions through torch.compile (engine.compile): the decoder layer and the loss head's chunk.
+"""The engine's functions through torch.compile (engine.compile): the decoder layer, the loss head's chunk and an NF4
+base's dequantization.
 
 Shapes are fixed per run (the weights of every layer are views at the same offsets), so one graph per sequence
 shape serves every layer (per sequence shape and layer kind for Gemma, whose sliding and global layers differ in
@@ -24,9 +25,10 @@ log = get_logger(__name__)
 class CompiledFunction:
     """`eager` through torch.compile, or `eager` itself once compiling failed (engine.compile auto)."""
 
-    def __init__(self, eager: Any, fall_back: bool, what: str) -> None:
+    def __init__(self, eager: Any, fall_back: bool, what: str, dynamic: bool = False) -> None:
+        """`dynamic`: one graph for every shape (torch.compile's dynamic shapes), where the shapes vary."""
         self.eager = eager
-        self.fn = torch.compile(eager, dynamic=False)
+        self.fn = torch.compile(eager, dynamic=dynamic)
         self.fall_back = fall_back
         self.failed = False
         self.what = what

@@ -13,6 +13,8 @@ at the start, and kept there; each use dequantizes them into the slot as above, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatrain_ray.model.layout import ModelLayout, StageLayout
@@ -23,10 +25,12 @@ from megatrain_ray.store.segments import HostStore
 
 class PackedArrival:
     def __init__(self, layout: ModelLayout, store: HostStore, compute_dtype: torch.dtype, device: torch.device,
-                 resident_layers: int = 0):
+                 resident_layers: int = 0, decode: Any = None):
         """The packed stages are those with an `nf4` segment in `store`; the first `resident_layers` layers
-        (RunSpec.resident_layers) keep their packed bytes on the device."""
+        (RunSpec.resident_layers) keep their packed bytes on the device; `decode`: the block decoding
+        (quant/nf4_stage.decode_blocks through torch.compile with engine.compile; None: eager)."""
         self.store = store
+        self.decode = decode
         self.formats: dict[int, NF4StageFormat] = {
             s.index: stage_format(s, compute_dtype) for s in layout.stages if store.has(NF4_KIND, s.index)}
         self.on_device = {s.index: store.get(NF4_KIND, s.index).to(device)
@@ -36,11 +40,11 @@ class PackedArrival:
 
     @classmethod
     def of(cls, layout: ModelLayout, store: HostStore, compute_dtype: torch.dtype, device: torch.device,
-           resident_layers: int = 0) -> PackedArrival | None:
+           resident_layers: int = 0, decode: Any = None) -> PackedArrival | None:
         """The arrival of the store's packed stages, or None when it holds none (every dense run)."""
         if not any(store.has(NF4_KIND, s.index) for s in layout.stages):
             return None
-        return cls(layout, store, compute_dtype, device, resident_layers)
+        return cls(layout, store, compute_dtype, device, resident_layers, decode)
 
     @property
     def resident_bytes(self) -> int:
@@ -55,9 +59,9 @@ class PackedArrival:
         copied."""
         fmt = self.formats[stage.index]
         if stage.index in self.on_device:
-            dequantize_stage(self.on_device[stage.index], fmt, out=dense)
+            dequantize_stage(self.on_device[stage.index], fmt, out=dense, decode=self.decode)
             return 0
         staged = self.staging[:fmt.nbytes]
         staged.copy_(self.store.get(NF4_KIND, stage.index), non_blocking=True)
-        dequantize_stage(staged, fmt, out=dense)
+        dequantize_stage(staged, fmt, out=dense, decode=self.decode)
         return fmt.nbytes

@@ -61,6 +61,7 @@ from megatrain_ray.model.moe import RouterRecord, grouped_mm_usable, idle_expert
 from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
 from megatrain_ray.observe.log import get_logger, warn_once
+from megatrain_ray.quant.nf4_stage import decode_blocks
 from megatrain_ray.store.segments import HostStore
 
 log = get_logger(__name__)
@@ -105,7 +106,7 @@ class StreamEngine(ForwardOnlyPasses):
         # The loss head's chunks wherever engine.compile is on for this device, whatever the layers do: upcast,
         # softmax and gradient fused over the [tokens, vocab] logits.
         self._chunk_loss = CompiledFunction(chunk_cross_entropy, fall_back, "the loss head's chunk") \
-            if run.head_compiles else chunk_cross_entropy
+            if run.device_compiles else chunk_cross_entropy
         self.router_aux = RouterAux(model)
         poison = self.engine_cfg.poison_buffers
 
@@ -116,7 +117,9 @@ class StreamEngine(ForwardOnlyPasses):
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0)
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
                                     self.compute_dtype, poison, parallel.gather_weights,
-                                    run.resident_layers, frozen=run.frozen_base)
+                                    run.resident_layers, frozen=run.frozen_base,
+                                    decode=CompiledFunction(decode_blocks, fall_back, "the NF4 dequantization",
+                                                            dynamic=True) if run.device_compiles else None)
         # A frozen base (LoRA, engine/lora_engine.py) sends no gradients to the host: no sink, no vocabulary sums.
         self.grads = None if run.frozen_base else GradientSink(
             layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype, self.acc_dtype,

@@ -47,11 +47,13 @@ class WeightSlot:
 class WeightStream:
     def __init__(self, layout: ModelLayout, store: HostStore, streams: DeviceStreams, telemetry: StepTelemetry,
                  updates: UpdateDispatch, rank: RankInfo, stream_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 poison: bool, gather_weights: bool, resident_layers: int = 0, frozen: bool = False):
+                 poison: bool, gather_weights: bool, resident_layers: int = 0, frozen: bool = False,
+                 decode: Any = None):
         """`poison`: fill the slots with NaN (engine.poison_buffers); `gather_weights`: parallel.gather_weights;
         `resident_layers`: the first layers are GPU-resident (RunSpec.resident_layers: no layer slots when every one
         is, unless packed: an NF4 base keeps its resident layers packed and dequantizes them into the slots);
-        `frozen`: the weights never change (a LoRA base), so a slot's stage stays valid from one step to the next."""
+        `frozen`: the weights never change (a LoRA base), so a slot's stage stays valid from one step to the next;
+        `decode`: an NF4 base's block decoding (quant/nf4_stage.decode_blocks compiled; None: eager)."""
         self.store = store
         self.streams = streams
         self.telemetry = telemetry
@@ -67,7 +69,7 @@ class WeightStream:
         self.checksum: float | None = None
         self.summed: set[int] = set()
         # An NF4 base (finetune.lora.base_quantization): its layers arrive packed and are dequantized on the device.
-        self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device, resident_layers)
+        self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device, resident_layers, decode)
         self.frozen = frozen
         streams_layers = resident_layers < len(layout.layers) or self.packed is not None
         self.layer_slots = [self._slot(layout.max_layer_numel, dense=self.packed is None)

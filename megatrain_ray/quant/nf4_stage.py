@@ -228,11 +228,22 @@ def _whole(pieces: Iterable[torch.Tensor], slot: TensorSlot) -> torch.Tensor:
     return values
 
 
-def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_blocks(codes: torch.Tensor, absmax: torch.Tensor, pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks' values: `codes` [blocks * B / 2] uint8, `absmax` [blocks] float32, `pairs` the byte table
+    (quant/nf4.nf4_byte_table) -> [blocks * B] values in `dtype`, each code * absmax in float32 rounded once.
+    Eagerly a table lookup by indexing and a broadcast multiply (float32 out, rounded by the caller's copy);
+    through torch.compile one pass that reads the codes and writes the values (engine/packed_stream.py)."""
+    values = pairs[codes.long()].view(absmax.numel(), -1)
+    return values.mul_(absmax.view(-1, 1)).view(-1).to(dtype)
+
+
+def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tensor | None = None,
+                     decode: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The stage's flat compute-dtype buffer (StageLayout order, padding zero) from its packed buffer, on
     the packed buffer's device, written into `out` if given (e.g. the GPU weight buffer the stage streams
-    into). Plain torch: table lookups by indexing and one broadcast multiply per chunk of blocks; each value
-    is code * absmax in float32 rounded once to the compute dtype, as bitsandbytes' dequantize_4bit."""
+    into). Per chunk of blocks `decode` (decode_blocks, or a compiled version of it, which then returns the
+    compute dtype); each value is code * absmax in float32 rounded once to the compute dtype, as bitsandbytes'
+    dequantize_4bit."""
     stage, bs, device = fmt.stage, fmt.blocksize, packed.device
     if packed.dtype != torch.uint8 or packed.numel() != fmt.nbytes:
         raise ValueError(f"the packed buffer of stage {stage.name} must be uint8 of {fmt.nbytes} bytes, "
@@ -253,13 +264,14 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
         runs = [(m.first_block, m.num_blocks, m.slot.offset, m.slot.numel) for m in fmt.matrices]
     pairs = nf4_byte_table(device)
     chunk_blocks = max(1, _DEQUANTIZE_CHUNK_VALUES // bs)
+    decode, dtype = (decode_blocks, torch.float32) if decode is None else (decode, fmt.compute_dtype)
     for first_block, num_blocks, out_offset, numel in runs:
         for b0 in range(0, num_blocks, chunk_blocks):
             b1 = min(b0 + chunk_blocks, num_blocks)
             chunk = codes[(first_block + b0) * bs // 2:(first_block + b1) * bs // 2]
-            values = pairs[chunk.long()].view(-1, bs).mul_(absmax[first_block + b0:first_block + b1].view(-1, 1))
+            values = decode(chunk, absmax[first_block + b0:first_block + b1], pairs, dtype)
             take = min(numel, b1 * bs) - b0 * bs
-            flat[out_offset + b0 * bs:out_offset + b0 * bs + take].copy_(values.view(-1)[:take])
+            flat[out_offset + b0 * bs:out_offset + b0 * bs + take].copy_(values[:take])
     kept, start = fmt.section(packed, "kept", fmt.compute_dtype), 0
     for slot in fmt.kept:
         flat[slot.offset:slot.offset + slot.numel].copy_(kept[start:start + slot.numel])

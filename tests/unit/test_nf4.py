@@ -26,7 +26,7 @@ from megatrain_ray.quant.nf4 import (
     nf4_nbytes,
     quantize_nf4,
 )
-from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, nf4_stage_bytes, pack_stage
+from megatrain_ray.quant.nf4_stage import NF4StageFormat, decode_blocks, dequantize_stage, nf4_stage_bytes, pack_stage
 
 try:  # bitsandbytes runs on the CPU from 0.44 on; a build that cannot skips the equality tests, saying why
     import bitsandbytes.functional as bnb_f
@@ -161,6 +161,9 @@ def test_round_trip_error_bound(double_quant):
     assert ratio.max() > 0.9  # and the bound is tight: some error comes close to it
 
 
+_COMPILED_DECODE = torch.compile(decode_blocks, dynamic=True)
+
+
 def llama_config(**kw) -> ModelConfig:
     shape = dict(vocab_size=97, hidden_size=80, intermediate_size=200, num_layers=1, num_attention_heads=4,
                  num_key_value_heads=2)
@@ -198,6 +201,8 @@ def test_stage_packing_equals_tensor_by_tensor(blocksize, double_quant):
         assert pack_stage(fmt, flat, out=segment) is segment and torch.equal(segment, packed)
         into = torch.full((stage.numel,), float("nan"), dtype=torch.bfloat16)
         assert dequantize_stage(packed, fmt, out=into) is into and torch.equal(into, expected)
+        # The block decoding through torch.compile (engine.compile; one graph for every chunk's shape): the same bits
+        assert torch.equal(dequantize_stage(packed, fmt, decode=_COMPILED_DECODE), expected), stage.name
 
 
 @needs_bnb
@@ -276,3 +281,5 @@ def test_dequantize_stage_on_cuda_equals_cpu():
         fmt = NF4StageFormat.for_stage(stage, torch.bfloat16, blocksize)
         packed = pack_stage(fmt, random_tensor((stage.numel,), torch.float32, seed=1))
         assert torch.equal(dequantize_stage(packed.cuda(), fmt).cpu(), dequantize_stage(packed, fmt))
+        assert torch.equal(dequantize_stage(packed.cuda(), fmt, decode=_COMPILED_DECODE).cpu(),
+                           dequantize_stage(packed, fmt))
