@@ -140,7 +140,8 @@ class EngineConfig:
     0 never chunks."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile the decoder-layer template (its forward, and the recomputed forward and backward):
-    fuses the norms, RoPE and SwiGLU around the matrix products. The first step of each shape pays the
+    fuses the norms, RoPE and SwiGLU around the matrix products. The loss head's chunks (upcast, softmax and
+    logits gradient) and an NF4 base's block decoding compile too wherever this is on, whatever the layers do. The first step of each shape pays the
     compile time (the start-up log says when the layers compile); rows with packed documents or a chunked MLP
     run eagerly. MoE layers compile where their expert products take torch._grouped_mm (bfloat16 on an sm90
     GPU, widths multiples of 8: the shapes then stay fixed whatever the routing), else run eagerly, as gpt-oss's
