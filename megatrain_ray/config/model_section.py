@@ -342,7 +342,8 @@ class ModelConfig:
         torch 2.13 on the CPU, no graph break) its layer returned no gradient for the router's weight and bias once
         the routing record's summed probabilities were among the graph's outputs, as the recompute needs them; the
         Qwen3-MoE and Mixtral layers match the eager template with and without the load-balancing loss
-        (tests/unit/test_moe_compile.py)."""
+        (tests/unit/test_moe_compile.py). On the CPU, computing the record's router logits apart from the routing's
+        gave the right gradient; not yet tried on the GPU."""
         if not self.is_moe:
             return True
         return self.family != "gpt_oss" and compute_dtype == "bfloat16" and \
