@@ -49,16 +49,8 @@ recompute and backward hold at the layer's peak, where a dense MLP holds 6 of [t
 on one Qwen3-30B-A3B-width layer at 64K tokens on the H200, 12.53 GiB above the layer's inputs run eagerly
 (benchmarks/layer_profile.py, layer-profile-qwen3-30b-a3b-h200-20261126-034932.json), less the attention half's
 saved tensors and the four hidden-wide ones per token that layer_backward_bytes counts, and less the experts'
-weight gradients as autograd returns them (moe_weight_grad_bytes). The same layer compiled peaked at 9.38 GiB."""
-
-
-def moe_weight_grad_bytes(cfg: Config, run: RunSpec) -> int:
-    """A MoE layer's expert gradients as autograd returns them in the compute dtype, before they are written to
-    the gradient buffer: for a dense layer small beside its activations, for fused experts (hundreds of millions
-    of parameters a layer) not. 0 for a frozen base (LoRA)."""
-    if run.frozen_base or not cfg.model.is_moe:
-        return 0
-    return max(expert_numel(s.slots) for s in build_layout(cfg.model).layers) * DTYPE_BYTES[run.compute_dtype]
+weight gradients as autograd returns them (gpu_bytes counts those apart). The same layer compiled peaked at
+9.38 GiB."""
 
 
 MOE_PAIR_TENSORS_GPT_OSS = 5.04
@@ -94,9 +86,9 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
     kv = m.num_key_value_heads * m.resolved_head_dim
     chunk = min(cfg.engine.loss_chunk_tokens, tokens)
     mlp_tokens = min(cfg.engine.mlp_chunk_tokens or tokens, tokens)
+    experts = max(expert_numel(s.slots) for s in layout.layers)  # a MoE layer's fused expert tensors (0: dense)
     # Chunked MLP backward: float32 sums of its three matrices' gradients.
-    mlp_sums = max(3 * h * m.intermediate_size, *(expert_numel(s.slots) for s in layout.layers)) * acc_b \
-        if mlp_tokens < tokens else 0
+    mlp_sums = max(3 * h * m.intermediate_size, experts) * acc_b if mlp_tokens < tokens else 0
     grad_elems = 2 * layout.max_layer_numel + layout.embed.numel + layout.head.numel
     ranks = run.ranks_per_node
     grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
@@ -111,7 +103,9 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         "vocabulary accumulator": v * h * acc_b,
         # Offloaded: the input in use and the next one coming back (or going out in the forward).
         "kept layer inputs": (2 if offload else m.num_layers) * tokens * h * compute_b,
-        "layer backward working set": backward + mlp_sums + moe_weight_grad_bytes(cfg, run),
+        # + the experts' gradients as autograd returns them, before they are written to the gradient buffer: for
+        # a dense layer small beside its activations, for fused experts (hundreds of millions of values) not
+        "layer backward working set": backward + mlp_sums + experts * compute_b,
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
         + 2 * tokens * h * acc_b,
         "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
