@@ -10,6 +10,12 @@ from typing import ClassVar, Literal
 from megatrain_ray.config.fields import refuse as _fail
 
 
+def flash_attention_takes(compute_dtype: str, head_width: int) -> bool:
+    """Whether flash attention's kernels take heads of this width in this compute dtype (on an sm80 or later GPU):
+    what the fused attention with sinks needs (model/sinks.py) and the plan assumes (ModelConfig.explicit_attention)."""
+    return compute_dtype in ("bfloat16", "float16") and head_width % 8 == 0 and head_width <= 256
+
+
 @dataclass(kw_only=True, slots=True)
 class RopeScalingConfig:
     """RoPE frequency scaling, as in the `rope_scaling` entry of a Hugging Face config."""
@@ -325,8 +331,7 @@ class ModelConfig:
         compute dtype, a head width flash attention does not take; the GPU taken as sm80 or later:
         model/sinks.fused_sink_attention_applies)."""
         if self.family == "gpt_oss":
-            width = self.resolved_head_dim
-            return compute_dtype not in ("bfloat16", "float16") or width % 8 != 0 or width > 256
+            return not flash_attention_takes(compute_dtype, self.resolved_head_dim)
         return bool(self.attn_logit_softcapping)
 
     @property

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megatrain_ray.config.model_section import flash_attention_takes
 from megatrain_ray.exceptions import ConfigError
 
 
@@ -41,8 +42,8 @@ def fused_sink_attention_applies(q: torch.Tensor) -> bool:
     attention does (sm80 or later, bfloat16 or float16, head width a multiple of 8 up to 256)."""
     if not q.is_cuda:
         return True
-    return (torch.cuda.get_device_capability(q.device) >= (8, 0) and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+    return torch.cuda.get_device_capability(q.device) >= (8, 0) and \
+        flash_attention_takes(str(q.dtype).removeprefix("torch."), q.shape[-1])
 
 
 def explicit_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
@@ -144,9 +145,9 @@ class _CudaFlash:
         b, h, s, d = t.shape
         return t.transpose(1, 2).reshape(b * s, h, d)
 
-    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        b, h, s, d = self.shape
-        return t.view(b, s, h, d).transpose(1, 2)
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:  # [B * T, heads, D] -> [B, heads, T, D]
+        b, _, s, d = self.shape
+        return t.view(b, s, t.shape[1], d).transpose(1, 2)
 
     def _lse(self, lse: torch.Tensor) -> torch.Tensor:  # the varlen kernel's [H, B * T] -> [B, H, T]
         b, h, s, _ = self.shape
@@ -169,6 +170,4 @@ class _CudaFlash:
             self._pack(d_out), self._pack(q), self._pack(k), self._pack(v), self._pack(y), lse,
             self.seq_bounds, self.seq_bounds, t, t, 0.0, True, rng, unused, scale=scale,
             window_size_left=self.left, window_size_right=self.right)
-        b, h, s, d = self.shape
-        kv_heads = k.shape[1]
-        return (self._unpack(dq), dk.view(b, s, kv_heads, d).transpose(1, 2), dv.view(b, s, kv_heads, d).transpose(1, 2))
+        return self._unpack(dq), self._unpack(dk), self._unpack(dv)
