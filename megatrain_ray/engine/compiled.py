@@ -11,11 +11,13 @@ loses nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from megatrain_ray.model.moe import RouterRecord
+from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.model.layer_spec import LayerSpec
+from megatrain_ray.model.moe import RouterRecord, grouped_mm_usable
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_routing
 from megatrain_ray.observe.log import get_logger, warn_once
 
@@ -56,9 +58,25 @@ class CompiledDecoderLayer(CompiledFunction):
     own and returns its tensors, which are added to `router` here, so the compiled code changes no object of its
     caller's."""
 
-    def __init__(self, fall_back: bool) -> None:
+    def __init__(self, fall_back: bool, run: RunSpec | None = None, mlp_chunk_tokens: int = 0) -> None:
+        """`run` and `mlp_chunk_tokens` (engine.mlp_chunk_tokens): what for_inputs decides by (None: no engine)."""
         super().__init__(decoder_layer, fall_back, "the decoder layer")
         self.routing_fn = torch.compile(decoder_layer_routing, dynamic=False)
+        self.run, self.mlp_chunk_tokens = run, mlp_chunk_tokens
+
+    def for_inputs(self, x: torch.Tensor, documents: Any, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> Any:
+        """This compiled layer for plain rows whose MLP runs in one piece, a MoE layer's where its expert products
+        take torch._grouped_mm (fixed shapes); else templates.decoder_layer."""
+        assert self.run is not None
+        if self.failed or not self.run.runs_compiled(x.shape[0] * x.shape[1], self.mlp_chunk_tokens,
+                                                      documents is not None):
+            return decoder_layer
+        if spec.moe is not None and not grouped_mm_usable(x.view(-1, x.shape[-1]), w["mlp.experts.gate_up_proj"],
+                                                         w["mlp.experts.down_proj"]):
+            warn_once(log, "engine.compile: MoE layers run eagerly on this device (torch._grouped_mm needs bfloat16 "
+                           "on an sm90 GPU); the memory plan budgeted them compiled, which need less")
+            return decoder_layer
+        return self
 
     def __call__(self, x, w, rope, spec, documents=None, mlp_chunk_tokens: int = 0,
                  router: RouterRecord | None = None) -> torch.Tensor:

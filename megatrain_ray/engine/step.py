@@ -57,14 +57,11 @@ from megatrain_ray.model.generic_template import GenericTemplate, run_layer
 from megatrain_ray.model.head import HeadResult, HeadSpec, chunk_cross_entropy, head_loss_and_grads
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.model.moe import RouterRecord, grouped_mm_usable, idle_expert_spans
+from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
 from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
-from megatrain_ray.observe.log import get_logger, warn_once
 from megatrain_ray.quant.nf4_stage import decode_blocks
 from megatrain_ray.store.segments import HostStore
-
-log = get_logger(__name__)
 
 
 class StreamEngine(ForwardOnlyPasses):
@@ -102,7 +99,7 @@ class StreamEngine(ForwardOnlyPasses):
         self.clip = optimizer.grad_clip
         self.mlp_chunk = self.engine_cfg.mlp_chunk_tokens
         fall_back = self.engine_cfg.compile == "auto"
-        self._compiled = CompiledDecoderLayer(fall_back) if compiles else None
+        self._compiled = CompiledDecoderLayer(fall_back, run, self.mlp_chunk) if compiles else None
         # The loss head's chunks wherever engine.compile is on for this device, whatever the layers do: upcast,
         # softmax and gradient fused over the [tokens, vocab] logits.
         self._chunk_loss = CompiledFunction(chunk_cross_entropy, fall_back, "the loss head's chunk") \
@@ -226,18 +223,8 @@ class StreamEngine(ForwardOnlyPasses):
     # ------------------------------------------------------------------ forward
 
     def _layer(self, x: torch.Tensor, documents: Any, w: dict[str, torch.Tensor], spec: LayerSpec) -> Any:
-        """The decoder-layer template for these inputs: compiled (engine.compile) for plain rows whose MLP
-        runs in one piece, and for a MoE layer whose expert products take torch._grouped_mm (fixed shapes);
-        else the eager function."""
-        if self._compiled is None or self._compiled.failed or \
-                not self.run.runs_compiled(x.shape[0] * x.shape[1], self.mlp_chunk, documents is not None):
-            return decoder_layer
-        if spec.moe is not None and not grouped_mm_usable(x.view(-1, x.shape[-1]), w["mlp.experts.gate_up_proj"],
-                                                         w["mlp.experts.down_proj"]):
-            warn_once(log, "engine.compile: MoE layers run eagerly on this device (torch._grouped_mm needs bfloat16 "
-                           "on an sm90 GPU); the memory plan budgeted them compiled, which need less")
-            return decoder_layer
-        return self._compiled
+        """The decoder-layer template for these inputs: compiled where it takes them, else the eager function."""
+        return decoder_layer if self._compiled is None else self._compiled.for_inputs(x, documents, w, spec)
 
     def _forward(self, ids: torch.Tensor, batch: Batch,
                  keep: ActivationStash | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple, Any]:
