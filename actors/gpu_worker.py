@@ -27,7 +27,8 @@ from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import CheckpointInfo, load_stage, write_stage
-from megatrain_ray.store.segments import HostStore, SegmentSpec, init_master, load_hf_master
+from megatrain_ray.store.initial_values import init_master, load_hf_master
+from megatrain_ray.store.segments import HostStore, SegmentSpec
 from megatrain_ray.system.topology import bind_process, format_cpus
 
 log = get_logger(__name__)

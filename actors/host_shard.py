@@ -21,6 +21,7 @@ from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
+from megatrain_ray.store.initial_values import init_stage, load_hf_stage
 from megatrain_ray.store.liveness import RunLock
 from megatrain_ray.store.nf4_base import (
     NF4_KIND,
@@ -34,8 +35,6 @@ from megatrain_ray.store.segments import (
     HostStore,
     SegmentSpec,
     create_segment,
-    init_stage,
-    load_hf_stage,
     plan_segments,
     segment_prefix,
     unlink_segment,

@@ -24,8 +24,8 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.dtypes import TORCH_DTYPES  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.quant.nf4_stage import decode_blocks, dequantize_stage, pack_stage_pieces  # noqa: E402
+from megatrain_ray.store.initial_values import init_slot_pieces  # noqa: E402
 from megatrain_ray.store.nf4_base import stage_format  # noqa: E402
-from megatrain_ray.store.segments import init_slot_pieces  # noqa: E402
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Start-up of a randomly initialised NF4 base (finetune.lora.base_quantization=nf4, no model.path): each host
-shard draws every decoder layer's weights (store/segments.init_slot_pieces, the values init_master writes) and
+shard draws every decoder layer's weights (store/initial_values.init_slot_pieces, the values init_master writes) and
 packs them (quant/nf4_stage.pack_stage_pieces), layers in parallel threads, each running torch
 single-threaded, or, for a large base on more than two cores, in as many processes (store/nf4_base.fill_processes),
 as actors/host_shard.py does. This times that work for a few layers and extrapolates to the model's.

@@ -2,7 +2,7 @@
 
 In: `HFDirectory` reads the index (or the single file's header) without touching tensor data,
 `check_against_layout` proves before any allocation that every tensor the model needs is there
-with the right shape and a float dtype (store/segments.load_hf_stage then copies one stage's
+with the right shape and a float dtype (store/initial_values.load_hf_stage then copies one stage's
 tensors, one tensor at a time, into the host store). No
 torch model is built and nothing is unpickled: safetensors is a JSON header plus raw bytes.
 

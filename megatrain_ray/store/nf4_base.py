@@ -23,7 +23,8 @@ from megatrain_ray.model.hf_io import HFDirectory, finite_or_refuse
 from megatrain_ray.model.layout import ModelLayout, StageLayout, TensorSlot
 from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
 from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage, pack_stage_pieces, quantized_slot
-from megatrain_ray.store.segments import HostStore, SegmentSpec, init_master, init_slot_pieces, load_hf_master
+from megatrain_ray.store.initial_values import init_master, init_slot_pieces, load_hf_master
+from megatrain_ray.store.segments import HostStore, SegmentSpec
 from megatrain_ray.store.tensor_maps import DerivedTensors
 
 NF4_KIND = "nf4"
@@ -60,9 +61,9 @@ def _shared_format(slots: tuple, numel: int, decay_numel: int, dtype: torch.dtyp
 def fill_base_stage(store: HostStore, stage: StageLayout, run: RunSpec, source: HFDirectory | None, seed: int,
                     std: float) -> None:
     """A frozen-base stage from the Hugging Face `source` (or, when None, randomly initialised from `seed` and
-    `std` as segments.init_master does), in the master dtype of the run. A packed stage quantizes each tensor into
+    `std` as initial_values.init_master does), in the master dtype of the run. A packed stage quantizes each tensor into
     its segment as its values come (a checkpoint's tensor by tensor, random ones in pieces of
-    segments.INIT_PIECE values): one filling thread holds one tensor (or piece) and its block maxima, never the
+    initial_values.INIT_PIECE values): one filling thread holds one tensor (or piece) and its block maxima, never the
     stage's dense weights (6.4 GB for a gpt-oss-120b layer in bf16, times the threads)."""
     if not store.has(NF4_KIND, stage.index):
         master = store.get("master", stage.index)

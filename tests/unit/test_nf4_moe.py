@@ -1,7 +1,7 @@
 """The NF4 base of mixture-of-experts layers and the start-up path that packs it (quant/nf4.py, quant/nf4_stage.py,
 store/nf4_base.py): references are torch.bucketize (the nearest-code search the table lookup replaces),
 quantize_nf4 / dequantize_nf4 of each whole tensor (bitsandbytes-exact, tests/unit/test_nf4.py) and
-segments.init_master (the random initialisation the pieces must reproduce)."""
+initial_values.init_master (the random initialisation the pieces must reproduce)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from megatrain_ray.quant.nf4_stage import (
     pack_stage_pieces,
     quantized_slot,
 )
-from megatrain_ray.store import segments
-from megatrain_ray.store.segments import init_master, init_slot_pieces
+from megatrain_ray.store import initial_values
+from megatrain_ray.store.initial_values import init_master, init_slot_pieces
 
 
 def gpt_oss_layer(**kw):
@@ -82,7 +82,7 @@ def test_a_moe_layer_quantizes_experts_and_attention_and_keeps_router_biases_and
 def test_random_init_in_pieces_is_init_master_and_packs_to_the_same_bytes(monkeypatch):
     """init_slot_pieces with pieces of 4096 values (so the expert tensors come in several, the last longer): the
     values init_master writes, and pack_stage_pieces of them the bytes pack_stage gives for the whole stage."""
-    monkeypatch.setattr(segments, "INIT_PIECE", 4096)
+    monkeypatch.setattr(initial_values, "INIT_PIECE", 4096)
     stage = gpt_oss_layer()
     dense = torch.empty(stage.numel, dtype=torch.bfloat16)
     init_master(dense, stage, seed=7, std=0.02)
@@ -151,10 +151,10 @@ def test_random_pieces_are_one_float32_draw_of_the_whole_tensor_rounded(dtype, m
     """A slot's random values (init_slot_pieces, which init_master writes) in any dtype: torch's float32 normal_ of
     the whole tensor from its seed, rounded to the dtype, on every torch version; the pieces (here of 4096 values,
     the last longer) continue one generator."""
-    monkeypatch.setattr(segments, "INIT_PIECE", 4096)
+    monkeypatch.setattr(initial_values, "INIT_PIECE", 4096)
     stage = gpt_oss_layer()
     for slot in (s for s in stage.slots if s.init == "normal"):
-        gen = torch.Generator().manual_seed(segments.tensor_seed(7, stage.hf_name(slot)))
+        gen = torch.Generator().manual_seed(initial_values.tensor_seed(7, stage.hf_name(slot)))
         whole = torch.empty(slot.numel, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
         assert torch.equal(torch.cat(list(init_slot_pieces(stage, slot, 7, 0.02, dtype))), whole), slot.name
     master = torch.empty(stage.numel, dtype=dtype)
