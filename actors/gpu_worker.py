@@ -20,7 +20,6 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.engine.collective import Collectives, RankInfo
 from megatrain_ray.engine.lora_engine import LoraStreamEngine
-from megatrain_ray.engine.resident import STATE_KINDS
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.hf_io import HFDirectory
@@ -28,7 +27,7 @@ from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import CheckpointInfo, load_stage, write_stage
 from megatrain_ray.store.initial_values import init_master, load_hf_master
-from megatrain_ray.store.segments import HostStore, SegmentSpec
+from megatrain_ray.store.segments import STATE_KINDS, HostStore, SegmentSpec
 from megatrain_ray.system.topology import bind_process, format_cpus
 
 log = get_logger(__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -31,6 +32,10 @@ class UpdateOrder:
     """Only elements [start, end) of the stage, whose gradients sit at the start of a slab (a stage larger
     than the slabs goes through them in pieces: host.vocab_in_pieces); None: the whole stage, each
     element's gradient at its own offset."""
+    undo: Literal["save", "restore"] | None = None
+    """save: a speculative update, ordered before the step's gradient norm is known (optimizer.speculative_stages),
+    which first saves master, moments and gradients in the stage's undo copy; restore: take that update back
+    (master and moments from the undo copy) and redo it, the gradients read from the undo copy."""
 
 
 @dataclass(frozen=True, slots=True)

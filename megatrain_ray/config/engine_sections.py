@@ -52,6 +52,17 @@ class OptimizerConfig:
     and resumes stay bit-reproducible): plain rounding to nearest would lose every change smaller than
     half a bfloat16 step (0.2 to 0.4 %), e.g. the decay of exp_avg_sq with beta2 = 0.999. The master weights
     stay full precision. Part of the saved state: a checkpoint resumes only with the same moment_dtype."""
+    speculative_stages: int = 0
+    """With clipping on, how many stages are updated while the backward still runs, before the step's
+    gradient norm is known: the first to finish their backward, the LM head's then the last decoder layers'
+    (never a GPU-resident layer's nor the embedding's). Each such update first saves the stage's master
+    weights, moments and gradients in an undo copy in host RAM (shared memory; 14 bytes per parameter of
+    those stages with fp32 master and moments and bf16 gradients); when the norm turns out above grad_clip
+    (or not finite) it is taken back from that copy and redone with the clipping coefficient, so the
+    result is bit for bit that of 0. What it buys: the CPU optimizer starts during the backward instead
+    of after it (docs/speed-model.md). `megatrain plan` counts the undo copies in host RAM. Needs
+    grad_clip > 0, the moments in RAM (host.moments_tier=ram), full fine-tuning and one GPU per node.
+    0: every update waits for the norm."""
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -70,6 +81,8 @@ class OptimizerConfig:
             _fail(f"{s}.workers", self.workers, "must be >= 1, or auto to pick from the cores and NUMA nodes")
         if self.chunk_elems < 1024:
             _fail(f"{s}.chunk_elems", self.chunk_elems, "must be >= 1024")
+        if self.speculative_stages < 0:
+            _fail(f"{s}.speculative_stages", self.speculative_stages, "must be >= 0 (0 turns speculation off)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -72,6 +72,9 @@ class RunSpec:
     frozen_base: bool = False
     """finetune.method=lora: the host holds the base once, in the streaming dtype (as its `master`, streamed
     directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py)."""
+    speculative_stages: int = 0
+    """Stages updated before the step's gradient norm is known (optimizer.speculative_stages; model.layout's
+    speculative_stages says which), each with an undo copy in the host store."""
     base_quantization: Literal["none", "nf4"] = "none"
     """finetune.lora.base_quantization of a frozen base: nf4 holds its decoder layers packed in NF4 (kind `nf4`,
     store/nf4_base.py), dequantized on the device into the compute dtype."""
@@ -146,7 +149,7 @@ class RunSpec:
             compiles=compiles, device_compiles=device_compiles,
             layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
             activation_offload=e.activation_offload is True,
-            resident_layers=resident_layer_count(cfg, ranks * nodes))
+            resident_layers=resident_layer_count(cfg, ranks * nodes), speculative_stages=o.speculative_stages)
 
 
 def resident_layer_count(cfg: Config, world: int) -> int:

@@ -93,10 +93,29 @@ def check_parallel(cfg: Config, ranks: int | None = None) -> None:
               f"data.batch_size={cfg.data.batch_size} is not divisible by {ranks} ranks: each GPU takes an equal "
               f"slice of the global batch; set data.batch_size to a multiple of {ranks}")
     check_objective(cfg, ranks)
+    check_speculative(cfg, ranks)
     if p.backend == "nccl" and cfg.engine.device == "cpu":
         _fail("parallel.backend", p.backend, "needs GPUs, but engine.device=cpu; use gloo or auto")
     if p.backend == "gloo" and cfg.engine.device == "cuda":
         _fail("parallel.backend", p.backend, "sums CPU tensors (tests); with engine.device=cuda use nccl or auto")
+
+
+def check_speculative(cfg: Config, ranks: int | None) -> None:
+    """optimizer.speculative_stages against the rest of the config (`ranks`: GPU workers, None while unknown)."""
+    count = cfg.optimizer.speculative_stages
+    if not count:
+        return
+    why = ""
+    if cfg.optimizer.grad_clip <= 0:
+        why = "optimizer.grad_clip > 0 (without clipping every update already starts when its gradients land)"
+    elif cfg.finetune.method != "full":
+        why = "finetune.method=full (LoRA adapters update on the device)"
+    elif cfg.host.moments_tier != "ram":
+        why = "host.moments_tier=ram (the undo copy is kept for moments in RAM)"
+    elif ranks is not None and ranks > cfg.parallel.nodes:
+        why = "one GPU worker per node (parallel.gpus = parallel.nodes)"
+    if why:
+        _fail("optimizer.speculative_stages", count, f"needs {why}; or set it to 0")
 
 
 def check_finetune(cfg: Config) -> None:

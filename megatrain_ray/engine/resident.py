@@ -31,8 +31,8 @@ from megatrain_ray.config.resolved import RESIDENT_UPDATE_CHUNK_ELEMS
 from megatrain_ray.engine.grads import _gaps
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.templates import bind
+from megatrain_ray.store.segments import STATE_KINDS
 
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """A resident stage's state, as a checkpoint's stage file holds it."""
 
 

@@ -111,7 +111,9 @@ class StreamEngine(ForwardOnlyPasses):
         self.telemetry = StepTelemetry(self.streams, trace)
         sync = StageSync(store.get("sync", 0), rank, len(layout.stages), parallel.timeout_s) \
             if rank.local_world > 1 else None
-        self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0)
+        self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0,
+                                      speculative=layout.speculative_stages(run.speculative_stages,
+                                                                            run.resident_layers))
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
                                     self.compute_dtype, poison, parallel.gather_weights,
                                     run.resident_layers, frozen=run.frozen_base,

@@ -7,6 +7,9 @@ of the stage's weights (or a copy into a gradient slab the update reads) waits f
 With clipping off, an update is ordered as soon as its gradients land. With exact clipping on, the
 global norm is known only after the whole backward: the stage's gradients are held back (`deferred`)
 and ordered after it, in forward order, so the next step's forward of stage i waits only for stage i.
+The stages of optimizer.speculative_stages are updated as their gradients land all the same, each first
+saving its state and gradients in its undo copy (`speculated`); once the norm is known, a step that clips
+(or is dropped) takes those updates back and redoes them, in forward order behind the held-back ones.
 
 Several ranks per node (engine/collective.py): only the leader orders updates; it waits until every
 rank's piece of the stage landed, and a publisher thread tells the other ranks when the update is done.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatrain_ray.engine.collective import FAILED, RankInfo, StageSync
@@ -44,9 +47,12 @@ class LandedGrads:
 
 class UpdateDispatch:
     def __init__(self, rank: RankInfo, sync: StageSync | None, optimizers: list[Any], telemetry: StepTelemetry,
-                 defer: bool):
+                 defer: bool, speculative: tuple[int, ...] = ()):
         """`sync`: the node's stage counters (several ranks per node, else None); `optimizers`: the node's
-        OptimizerWorker handles (the leader's); `defer`: hold the updates back until order_deferred (clipping)."""
+        OptimizerWorker handles (the leader's); `defer`: hold the updates back until order_deferred (clipping);
+        `speculative`: the stages updated all the same, with an undo copy (model.layout.speculative_stages)."""
+        if speculative and sync is not None:
+            raise ValueError("speculative updates need one GPU worker per node")
         self.rank = rank
         self.sync = sync
         self.optimizers = optimizers
@@ -57,6 +63,9 @@ class UpdateDispatch:
         self.lr = 0.0
         self.adam_step = 0
         self.deferred: list[LandedGrads] = []
+        self.speculative = frozenset(speculative)
+        self.speculated: list[LandedGrads] = []
+        """This step's updates ordered before the norm was known, with an undo copy."""
         self.pending: dict[int, list[tuple[int, Future]]] = {}
         """Stage -> (step, ordered update) for its updates (one, or one per piece) not yet awaited."""
         self.awaited: dict[int, int] = {}
@@ -105,7 +114,12 @@ class UpdateDispatch:
         self.telemetry.on_device(grads.stage, self.step, grads.copied)
         if self.sync is not None and not self.rank.leader:
             self._publish_landed(grads.stage, grads.drained)
-        if self.defer:
+        speculate = grads.stage in self.speculative and grads.span is None
+        if self.defer and speculate:
+            self.speculated.append(grads)
+            self._order(grads, UpdateOrder(grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr,
+                                           undo="save"))
+        elif self.defer:
             self.deferred.append(grads)
         else:
             self._order(grads, UpdateOrder(grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr,
@@ -115,9 +129,18 @@ class UpdateDispatch:
         """Order the step's held-back updates in forward order, their gradients scaled by `coef`; `apply` False
         drops them (non-finite gradients): the workers only rewrite the streaming copies from the masters."""
         deferred, self.deferred = self.deferred, []
+        speculated, self.speculated = self.speculated, []
         for grads in sorted(deferred, key=lambda landed: landed.stage):
             self._order(grads, UpdateOrder(grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr,
                                            coef, apply=apply, span=grads.span))
+        if apply and coef == 1.0:
+            return  # the speculative updates were the right ones
+        for grads in sorted(speculated, key=lambda landed: landed.stage):
+            # Their gradients are in the undo copy now (the streaming copy they landed in holds new weights),
+            # already zeroed where no token reached an expert.
+            self._order(replace(grads, zero=None), UpdateOrder(
+                grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr, coef, apply=apply,
+                undo="restore"))
 
     def _order(self, grads: LandedGrads, order: UpdateOrder) -> None:
         stage, drained = grads.stage, grads.drained

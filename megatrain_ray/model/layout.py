@@ -155,6 +155,13 @@ class ModelLayout:
         on the device the CPU optimizer catches up with the streamed layers' updates."""
         return self.layers[:count]
 
+    def speculative_stages(self, count: int, resident_layers: int) -> tuple[int, ...]:
+        """The stages updated before the step's gradient norm is known (optimizer.speculative_stages): the first
+        `count` whose gradients land, the LM head's then the last layers', none of the GPU-resident tier's
+        (updated on the device) nor the embedding's (the norm is known as it lands)."""
+        streamed = [s.index for s in self.layers[resident_layers:]]
+        return tuple([self.head.index, *reversed(streamed)][:count])
+
     @property
     def max_layer_numel(self) -> int:
         return max(s.numel for s in self.layers)

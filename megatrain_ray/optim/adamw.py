@@ -119,13 +119,17 @@ class FlatAdamW:
             warn_once(log, f"native AdamW kernel unavailable ({exc}); using torch's kernel")
             return None
 
-    def bytes_per_element(self, grad: torch.Tensor, stream_out: torch.Tensor | None, apply: bool = True) -> int:
+    def bytes_per_element(self, grad: torch.Tensor, stream_out: torch.Tensor | None, apply: bool = True,
+                          undo: str | None = None) -> int:
         """Host-memory bytes an update reads and writes per element: master and both moments read and
-        written, the gradient read, the streaming copy written. The torch path's scratch stays in cache."""
+        written, the gradient read, the streaming copy written. The torch path's scratch stays in cache.
+        `undo` "save": the update also writes its undo copy; "restore": it first copies the undo copy home."""
         copy = stream_out.element_size() if stream_out is not None else 0
+        state = self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize
+        extra = {None: 0, "save": state + grad.element_size(), "restore": 2 * state}[undo]
         if not apply:  # a dropped step only rewrites the copy from the master
-            return self.master_dtype.itemsize + copy
-        return 2 * self.master_dtype.itemsize + 4 * self.moment_dtype.itemsize + grad.element_size() + copy
+            return self.master_dtype.itemsize + copy + extra
+        return 2 * state + grad.element_size() + copy + extra
 
     @property
     def kernel_name(self) -> str:
@@ -133,16 +137,21 @@ class FlatAdamW:
 
     def update(self, *, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                stream_out: torch.Tensor | None, start: int, end: int, decay_end: int, adam_step: int, lr: float,
-               grad_coef: float, stage: int = 0, moments_base: int = 0, grad_base: int = 0) -> None:
+               grad_coef: float, stage: int = 0, moments_base: int = 0, grad_base: int = 0,
+               undo: tuple[torch.Tensor, ...] | None = None) -> None:
         """Update elements [start, end) of one stage; weight decay applies below `decay_end`.
 
         The gradient is multiplied by `grad_coef` (the clipping coefficient) first, as
         clip_grad_norm_ does, in the scratch chunk: the host gradient buffer is never modified.
         `exp_avg[k]` and `exp_avg_sq[k]` hold element `moments_base + k` of the stage (the disk tier
         stages only a worker's span), `grad[k]` element `grad_base + k` (a piece of a larger stage at the
-        start of a gradient slab); `stage` keys the rounding noise of bfloat16 moments.
+        start of a gradient slab); `stage` keys the rounding noise of bfloat16 moments. `undo`: the stage's
+        (master, exp_avg, exp_avg_sq, grad) undo copy (element k: element k of the stage), which receives each
+        element's values before the update (a speculative update, taken back by `restore`).
         """
-        tensors = (master, exp_avg, exp_avg_sq, grad, stream_out)
+        if undo is not None and (moments_base or grad_base):
+            raise ValueError("an undo copy is kept for whole stages in RAM only")
+        tensors = (master, exp_avg, exp_avg_sq, grad, stream_out, undo)
         key = noise_key(adam_step, stage)
         if self.native is not None and grad.dtype in (torch.float32, torch.bfloat16) and \
                 (stream_out is None or stream_out.dtype == torch.bfloat16):
@@ -162,7 +171,7 @@ class FlatAdamW:
 
     def _native(self, tensors: tuple, start: int, end: int, decay_end: int, adam_step: int, lr: float,
                 grad_coef: float, key: int, base: int, grad_base: int) -> None:
-        master, exp_avg, exp_avg_sq, grad, stream_out = tensors
+        master, exp_avg, exp_avg_sq, grad, stream_out, undo = tensors
         cfg = self.cfg
         native = self.native
         bf16_moments = self.moment_dtype == torch.bfloat16
@@ -177,9 +186,9 @@ class FlatAdamW:
             args = [master[lo:hi].data_ptr(), exp_avg[lo - base:hi - base].data_ptr(),
                     exp_avg_sq[lo - base:hi - base].data_ptr(), grad[lo - grad_base:hi - grad_base].data_ptr(),
                     stream_out[lo:hi].data_ptr() if stream_out is not None else None, hi - lo, lr,
-                    cfg.beta1, cfg.beta2, cfg.eps, weight_decay, bc1, bc2_sqrt, grad_coef, self.threads]
-            if bf16_moments:
-                args += [lo, key]  # the noise of element i is a hash of its index in the stage
+                    cfg.beta1, cfg.beta2, cfg.eps, weight_decay, bc1, bc2_sqrt, grad_coef, self.threads,
+                    lo, key]  # the bf16 moments' noise of element i is a hash of its index in the stage
+            args += [t[lo:hi].data_ptr() for t in undo] if undo is not None else [None] * 4
             fn(*args)
 
     def _decay_spans(self, start: int, end: int, decay_end: int) -> tuple[tuple[int, int, float], ...]:
@@ -188,12 +197,15 @@ class FlatAdamW:
 
     def _piece(self, tensors: tuple, start: int, end: int, decay_end: int, step: torch.Tensor, lr: float,
                grad_coef: float, scratch: list[torch.Tensor], key: int, base: int, grad_base: int) -> None:
-        master, exp_avg, exp_avg_sq, grad, stream_out = tensors
+        master, exp_avg, exp_avg_sq, grad, stream_out, undo = tensors
         cfg = self.cfg
         widen = self.moment_dtype != self.master_dtype
         for lo, hi, weight_decay in self._decay_spans(start, end, decay_end):
             for a in range(lo, hi, self.chunk):
                 b = min(a + self.chunk, hi)
+                if undo is not None:  # the values before the update, while the chunk comes into cache
+                    for saved, tensor in zip(undo, (master, exp_avg, exp_avg_sq, grad)):
+                        saved[a:b].copy_(tensor[a:b])
                 g = scratch[0][:b - a].copy_(grad[a - grad_base:b - grad_base])  # cast to the master dtype in cache
                 if grad_coef != 1.0:
                     g.mul_(grad_coef)
@@ -223,6 +235,21 @@ class FlatAdamW:
             round_bf16_stochastic_(exp_avg[a:b], m[a:b], torch.bitwise_and(noise[:b - a], 0xFFFF, out=low[:b - a]),
                                    tmp)
             round_bf16_stochastic_(exp_avg_sq[a:b], v[a:b], noise[:b - a].bitwise_right_shift_(16), tmp)
+
+    def restore(self, undo: tuple[torch.Tensor, ...], homes: tuple[torch.Tensor, ...], start: int, end: int) -> None:
+        """Copy elements [start, end) of each undo tensor back to its home: a speculative update taken back."""
+        for saved, home in zip(undo, homes):
+            if self.native is not None:
+                size = saved.element_size()
+                self.native.megatrain_copy(home[start:end].data_ptr(), saved[start:end].data_ptr(),
+                                           (end - start) * size, self.threads)
+            elif self.pool is None:
+                home[start:end].copy_(saved[start:end])
+            else:
+                edges = [start + split_span(end - start, k, self.threads)[0] for k in range(self.threads)] + [end]
+                for future in [self.pool.submit(lambda a, b: home[a:b].copy_(saved[a:b]), edges[k], edges[k + 1])
+                               for k in range(self.threads) if edges[k + 1] > edges[k]]:
+                    future.result()
 
     @staticmethod
     def refresh(master: torch.Tensor, stream_out: torch.Tensor, start: int, end: int) -> None:

@@ -23,7 +23,15 @@ from megatrain_ray.model.flops import stage_flops_per_token
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.model.lora import lora_params
 from megatrain_ray.planning.lora import ADAPTER_UPDATE_BYTES, lora_stage_seconds, streamed_bytes
-from megatrain_ray.planning.profiles import PRESETS, REFERENCE_OPTIMIZER_BYTES, HostProfile, SpeedProfile, adamw_gparams
+from megatrain_ray.planning.profiles import (
+    PRESETS,
+    REFERENCE_OPTIMIZER_BYTES,
+    HostProfile,
+    SpeedProfile,
+    adamw_gparams,
+    optimizer_dram_bytes,
+    undo_dram_bytes,
+)
 from megatrain_ray.store.segments import (
     SlabTurns,
     grad_pieces,
@@ -138,6 +146,11 @@ class _Replay:
     """LoRA (RunSpec.frozen_base): no gradient leaves the device, no CPU update is ordered."""
     device_update_seconds: float = 0.0
     """LoRA: the adapters' AdamW step on the device, after the backward."""
+    speculative: frozenset[int] = frozenset()
+    """Stages updated as their gradients land although clipping is on (optimizer.speculative_stages); the
+    estimate takes steps whose norm stays below the clip (else their updates are redone after the backward)."""
+    undo_factor: float = 1.0
+    """A speculative update's time over a plain one's: its DRAM bytes with the undo copy over without."""
 
     def _optimizer_busy(self, t: float) -> bool:
         k = bisect.bisect_right(self.optimizer_spans, (t, math.inf)) - 1  # the spans are disjoint and sorted
@@ -221,18 +234,18 @@ class _Replay:
             self.d2h = self.grad_drained[grad_slot] = start + c.d2h_bytes * (hi - lo) / c.numel / (
                 self.host.d2h_gbps * 1e9)
             self.busy["d2h"] += self.d2h - start
-            if self.clip:
+            if self.clip and not (c.index in self.speculative and not split):
                 deferred.append((c.index, self.d2h))
             else:
-                self.order(c, self.d2h, hi - lo)
+                self.order(c, self.d2h, hi - lo, self.undo_factor if self.clip else 1.0)
 
-    def order(self, c: StageCost, drained: float, numel: int | None = None) -> None:
+    def order(self, c: StageCost, drained: float, numel: int | None = None, factor: float = 1.0) -> None:
         """The dispatcher thread waits for the D2H, then the workers run the update (of `numel` elements, a
         piece, or the whole stage) in arrival order."""
         self.dispatcher = max(self.dispatcher, drained, self.issue)
         latency = self.host.control_seconds / 2
         start = max(self.optimizer, self.dispatcher + latency)
-        seconds = (c.numel if numel is None else numel) / (self.adamw_gparams * 1e9)
+        seconds = (c.numel if numel is None else numel) / (self.adamw_gparams * 1e9) * factor
         self.optimizer = start + seconds
         self.busy["optimizer"] += seconds
         self.optimizer_spans.append((start, self.optimizer))
@@ -341,7 +354,9 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     replay = _Replay(costs, profile.host, cfg.optimizer.grad_clip > 0, adamw_gparams(cfg, profile.host),
                      slab_turns=turns, slab_numel=layout.max_layer_numel if pieces else 0, frozen=run.frozen_base,
                      device_update_seconds=lora_params(cfg) * ADAPTER_UPDATE_BYTES
-                     / (GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9))
+                     / (GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9),
+                     speculative=frozenset(layout.speculative_stages(run.speculative_stages, run.resident_layers)),
+                     undo_factor=1 + undo_dram_bytes(cfg) / optimizer_dram_bytes(cfg))
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call

@@ -52,7 +52,13 @@ from megatrain_ray.store.disk_tier import DiskSegment, allocate_file
 
 log = get_logger(__name__)
 
-SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync", "nf4"]
+SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync", "nf4",
+                      "undo_master", "undo_exp_avg", "undo_exp_avg_sq", "undo_grad"]
+STATE_KINDS: tuple[SegmentKind, ...] = ("master", "exp_avg", "exp_avg_sq")
+"""What AdamW keeps of a stage: the master weights and both moments."""
+UNDO_KINDS: tuple[SegmentKind, ...] = ("undo_master", "undo_exp_avg", "undo_exp_avg_sq", "undo_grad")
+"""A speculatively updated stage's copy of its state and gradients before the update (UpdateOrder.undo)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SegmentSpec:
@@ -72,12 +78,6 @@ class SegmentSpec:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
-
-
-
-
-
-
 def segment_prefix(run_id: str) -> str:
     """Every file of a run in host.shm_dir and host.disk_dir starts with this."""
     return f"megatrain-{run_id}-"
@@ -94,6 +94,7 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
     moments, on_disk = run.moment_dtype, host.moments_tier == "disk"
     # A frozen base (LoRA) keeps its resident layers here too: the device copies them from the store.
     resident = set() if run.frozen_base else {s.index for s in layout.resident_stages(run.resident_layers)}
+    speculative = set(layout.speculative_stages(run.speculative_stages, run.resident_layers))
     for index in stages:
         if index in resident:
             continue
@@ -108,6 +109,8 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
             kinds.append(("stream", run.stream_dtype))
         if home == "stage":
             kinds.append(("grad", run.grad_dtype))
+        if index in speculative:
+            kinds += list(zip(UNDO_KINDS, (master, moments, moments, run.grad_dtype)))
         for kind, dtype in kinds:
             disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
             path = os.path.join(host.disk_dir if disk else directory, f"{segment_prefix(run_id)}{stage.name}-{kind}")

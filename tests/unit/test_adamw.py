@@ -224,3 +224,55 @@ def test_bf16_moments_cut_the_bytes_an_update_moves():
     opt16 = FlatAdamW(OptimizerConfig(moment_dtype="bfloat16"), torch.float32)
     grad, copy = torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.bfloat16)
     assert opt32.bytes_per_element(grad, copy) == 28 and opt16.bytes_per_element(grad, copy) == 20
+
+
+# ----------------------------------------------------------------------------- speculative updates
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_a_speculative_update_is_taken_back_and_redone_bit_for_bit(kernel, moments):
+    """The engine's bf16 layout (gradients in the streaming copy the update overwrites): an update that saves its
+    undo copy, taken back from it and redone with a clipping coefficient, ends exactly where the clipped update
+    alone ends; the undo copy holds the state before, bit for bit; with coefficient 1 the speculative update is
+    the plain one."""
+    torch.manual_seed(2)
+    n, decay_end = 5000, 3000
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, chunk_elems=1024, kernel=kernel,
+                          moment_dtype="bfloat16" if moments == torch.bfloat16 else "float32")
+    opt = FlatAdamW(cfg, torch.float32, 3)
+    assert opt.kernel_name == kernel
+
+    def state() -> list[torch.Tensor]:  # master, exp_avg, exp_avg_sq, gradients in the streaming copy
+        g = torch.Generator().manual_seed(5)
+        return [torch.randn(n, generator=g), (torch.randn(n, generator=g) * 0.1).to(moments),
+                torch.rand(n, generator=g).to(moments) * 0.01, torch.randn(n, generator=g).bfloat16()]
+
+    def update(tensors, coef, undo=None, grad=None, parts=((0, 2000), (2000, n))):
+        master, m, v, stream = tensors
+        for start, end in parts:  # two workers' spans
+            opt.update(master=master, exp_avg=m, exp_avg_sq=v, grad=stream if grad is None else grad,
+                       stream_out=stream, start=start, end=end, decay_end=decay_end, adam_step=4, lr=1e-2,
+                       grad_coef=coef, stage=3, undo=undo)
+
+    before, clipped, plain = state(), state(), state()
+    update(clipped, 0.37)
+    update(plain, 1.0)
+    speculative = state()
+    undo = [torch.full_like(t, float("nan")) for t in speculative]
+    update(speculative, 1.0, undo=undo)
+    assert all(torch.equal(a, b) for a, b in zip(speculative, plain))
+    assert all(torch.equal(a, b) for a, b in zip(undo, before))
+    for start, end in ((0, 2000), (2000, n)):
+        opt.restore(undo[:3], speculative[:3], start, end)
+    assert all(torch.equal(a, b) for a, b in zip(speculative[:3], before[:3]))
+    update(speculative, 0.37, grad=undo[3])
+    assert all(torch.equal(a, b) for a, b in zip(speculative, clipped))
+
+
+def test_a_speculative_update_counts_its_undo_bytes():
+    opt = FlatAdamW(OptimizerConfig(kernel="torch"), torch.float32)
+    grad = torch.zeros(1, dtype=torch.bfloat16)
+    assert opt.bytes_per_element(grad, grad) == 2 * 12 + 2 + 2
+    assert opt.bytes_per_element(grad, grad, undo="save") == 28 + 12 + 2
+    assert opt.bytes_per_element(grad, grad, undo="restore") == 28 + 2 * 12

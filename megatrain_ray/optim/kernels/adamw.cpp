@@ -12,6 +12,10 @@
 // fp32, updated, and rounded back stochastically, with 16 bits of noise from a hash of the
 // element's index in the stage and a per-(step, stage) key: the same rounding as the torch path
 // of megatrain_ray/optim/adamw.py (see there why stochastic), bit for bit for numbers (a NaN stays a NaN).
+//
+// A speculative update (optimizer.speculative_stages: before the step's gradient norm is known) first saves
+// each element's master weight, moments and gradient into the stage's undo copy, in the same pass; the update
+// is taken back by copying them home (megatrain_copy) and redone with the clipping coefficient.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,12 +67,29 @@ inline float load<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float
 
 // G: gradient element (float or bf16 bits); M: moment element (float, or bf16 bits rounded stochastically).
 // `index` is the index in the stage of element 0, `key` the noise key of this (step, stage).
-template <typename G, typename M, bool WriteCopy>
+// The undo copy of a speculative update: the elements' values before it (null pointers: none).
+template <typename G, typename M>
+struct Undo {
+    float* p;
+    M* m;
+    M* v;
+    G* g;
+    Undo at(int64_t start) const { return p ? Undo{p + start, m + start, v + start, g + start} : *this; }
+};
+
+template <typename G, typename M, bool WriteCopy, bool SaveUndo>
 void adamw_block(float* __restrict p, M* __restrict m, M* __restrict v, const G* g, uint16_t* out,
                  int64_t n, float decay, float step_size, float one_minus_b1, float beta2, float one_minus_b2,
-                 float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key) {
+                 float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key,
+                 Undo<G, M> undo) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
+        if constexpr (SaveUndo) {  // before anything is written: g may alias out
+            undo.p[i] = p[i];
+            undo.m[i] = m[i];
+            undo.v[i] = v[i];
+            undo.g[i] = g[i];
+        }
         const float grad = load(g, i) * grad_coef;
         const float m_old = load(m, i), v_old = load(v, i);
         const float exp_avg = m_old + one_minus_b1 * (grad - m_old);
@@ -93,7 +114,7 @@ void adamw_block(float* __restrict p, M* __restrict m, M* __restrict v, const G*
 template <typename G, typename M>
 void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr, double beta1, double beta2,
            float eps, float weight_decay, float bias_correction1, float bias_correction2_sqrt, float grad_coef,
-           int threads, int64_t index, uint32_t key) {
+           int threads, int64_t index, uint32_t key, Undo<G, M> undo) {
     const float decay = 1.0f - lr * weight_decay;
     const float step_size = lr / bias_correction1;
     const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
@@ -102,14 +123,20 @@ void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr,
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t start = 0; start < n; start += block) {
         const int64_t len = start + block < n ? block : n - start;
-        if (out)
-            adamw_block<G, M, true>(p + start, m + start, v + start, g + start, out + start, len, decay, step_size,
-                                    one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt, grad_coef,
-                                    index + start, key);
+        const Undo<G, M> piece = undo.at(start);
+#define MEGATRAIN_BLOCK(COPY, SAVE)                                                                           \
+    adamw_block<G, M, COPY, SAVE>(p + start, m + start, v + start, g + start, COPY ? out + start : nullptr, len, \
+                                  decay, step_size, one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt,   \
+                                  grad_coef, index + start, key, piece)
+        if (out && undo.p)
+            MEGATRAIN_BLOCK(true, true);
+        else if (out)
+            MEGATRAIN_BLOCK(true, false);
+        else if (undo.p)
+            MEGATRAIN_BLOCK(false, true);
         else
-            adamw_block<G, M, false>(p + start, m + start, v + start, g + start, nullptr, len, decay, step_size,
-                                     one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt, grad_coef,
-                                     index + start, key);
+            MEGATRAIN_BLOCK(false, false);
+#undef MEGATRAIN_BLOCK
     }
 }
 
@@ -117,33 +144,28 @@ void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr,
 
 extern "C" {
 
-void megatrain_adamw_f32grad(float* p, float* m, float* v, const float* g, uint16_t* out, int64_t n, float lr,
-                             double beta1, double beta2, float eps, float weight_decay, float bc1, float bc2_sqrt,
-                             float grad_coef, int threads) {
-    adamw<float, float>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef, threads,
-                        0, 0);
-}
+// Every variant takes the index of element 0 in its stage and the noise key (used by the bf16-moment ones), then
+// the undo copy's four pointers (all null: no undo copy).
+#define MEGATRAIN_ADAMW(NAME, G, M)                                                                               \
+    void NAME(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr, double beta1, double beta2,   \
+              float eps, float weight_decay, float bc1, float bc2_sqrt, float grad_coef, int threads, int64_t index, \
+              uint32_t key, float* undo_p, M* undo_m, M* undo_v, G* undo_g) {                                   \
+        adamw<G, M>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef, threads,   \
+                    index, key, Undo<G, M>{undo_p, undo_m, undo_v, undo_g});                                    \
+    }
+MEGATRAIN_ADAMW(megatrain_adamw_f32grad, float, float)
+MEGATRAIN_ADAMW(megatrain_adamw_bf16grad, uint16_t, float)
+MEGATRAIN_ADAMW(megatrain_adamw_f32grad_bf16m, float, uint16_t)
+MEGATRAIN_ADAMW(megatrain_adamw_bf16grad_bf16m, uint16_t, uint16_t)
+#undef MEGATRAIN_ADAMW
 
-void megatrain_adamw_bf16grad(float* p, float* m, float* v, const uint16_t* g, uint16_t* out, int64_t n, float lr,
-                              double beta1, double beta2, float eps, float weight_decay, float bc1, float bc2_sqrt,
-                              float grad_coef, int threads) {
-    adamw<uint16_t, float>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef,
-                           threads, 0, 0);
-}
-
-void megatrain_adamw_f32grad_bf16m(float* p, uint16_t* m, uint16_t* v, const float* g, uint16_t* out, int64_t n,
-                                   float lr, double beta1, double beta2, float eps, float weight_decay, float bc1,
-                                   float bc2_sqrt, float grad_coef, int threads, int64_t index, uint32_t key) {
-    adamw<float, uint16_t>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef,
-                           threads, index, key);
-}
-
-void megatrain_adamw_bf16grad_bf16m(float* p, uint16_t* m, uint16_t* v, const uint16_t* g, uint16_t* out,
-                                    int64_t n, float lr, double beta1, double beta2, float eps, float weight_decay,
-                                    float bc1, float bc2_sqrt, float grad_coef, int threads, int64_t index,
-                                    uint32_t key) {
-    adamw<uint16_t, uint16_t>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef,
-                              threads, index, key);
+// Copy n bytes on `threads` threads: taking a speculative update back from its undo copy.
+void megatrain_copy(void* dst, const void* src, int64_t n, int threads) {
+    const int64_t block = 1 << 20;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t start = 0; start < n; start += block)
+        std::memcpy(static_cast<char*>(dst) + start, static_cast<const char*>(src) + start,
+                    static_cast<size_t>(start + block < n ? block : n - start));
 }
 
 }

@@ -1,0 +1,92 @@
+"""Speculative updates (optimizer.speculative_stages): stages updated during the backward, before the step's
+gradient norm is known, train bit for bit as with every update waiting for the norm, through steps that clip,
+steps that do not, and a dropped step; and the plan counts their undo copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain_ray.driver.trainer import Trainer
+from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.planning.machine import Machine
+from megatrain_ray.planning.memory import plan_run
+from tests.conftest import tiny_config
+
+
+def train(cfg) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    with Trainer(cfg) as trainer:
+        records = [trainer.step(s) for s in range(cfg.train.steps)]
+        return records, trainer.master_weights(), trainer.read_moments("exp_avg"), trainer.read_moments("exp_avg_sq")
+
+
+def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision", [
+    {"master_dtype": "float32", "compute_dtype": "float32"},
+    {"master_dtype": "float32", "compute_dtype": "bfloat16", "stream_dtype": "bfloat16"}],
+    ids=["fp32-stage-grads", "bf16-grads-in-the-streaming-copy"])
+def test_speculative_updates_train_bit_for_bit_as_waiting_for_the_norm(tmp_path, precision):
+    steps = {"steps": 8}
+    probe, *_ = train(tiny_config(tmp_path / "probe", train=steps, precision=precision))
+    clip = sorted(r["grad_norm"] for r in probe)[len(probe) // 2]  # about half the steps clip
+    runs = {}
+    for count in (0, 3):  # 3: the LM head and the last two of the three layers
+        cfg = tiny_config(tmp_path / f"spec{count}", train=steps, precision=precision,
+                          optimizer={"grad_clip": clip, "workers": 2, "speculative_stages": count},
+                          fault={"drill": "nan_grad@5"})
+        runs[count] = train(cfg)
+    (records, weights, m, v), (spec_records, spec_weights, spec_m, spec_v) = runs[0], runs[3]
+    norms = [r["grad_norm"] for r in records if not r["skipped"]]
+    assert any(n > clip for n in norms) and any(n < clip for n in norms)  # both ways were taken
+    assert [r["skipped"] for r in records] == [s == 5 for s in range(8)]
+    assert [r["loss"] for r in spec_records] == [r["loss"] for r in records]
+    assert equal(spec_weights, weights) and equal(spec_m, m) and equal(spec_v, v)
+
+
+def test_speculative_stages_are_the_first_gradients_of_the_backward(tmp_path):
+    layout = build_layout(tiny_config(tmp_path).model)  # embed 0, layers 1..3, head 4
+    assert layout.speculative_stages(2, 0) == (4, 3)
+    assert layout.speculative_stages(9, 1) == (4, 3, 2)  # never a resident layer, never the embedding
+    assert layout.speculative_stages(0, 0) == ()
+
+
+@pytest.mark.parametrize("sections, needs", [
+    ({"optimizer": {"grad_clip": 0.0}}, "optimizer.grad_clip > 0"),
+    ({"host": {"moments_tier": "disk", "disk_dir": "/tmp"}}, "host.moments_tier=ram"),
+    ({"finetune": {"method": "lora"}}, "finetune.method=full")])
+def test_speculation_refuses_what_it_cannot_take_back(tmp_path, sections, needs):
+    optimizer = {"speculative_stages": 2, **sections.pop("optimizer", {})}
+    with pytest.raises(ConfigError, match=r"optimizer\.speculative_stages.*" + needs.replace(".", r"\.")):
+        tiny_config(tmp_path, optimizer=optimizer, **sections)
+
+
+def test_the_plan_counts_the_undo_copies(tmp_path):
+    machine = Machine.detect("/dev/shm").override(host_memory="64GiB")
+    plans = [plan_run(tiny_config(tmp_path / str(count), optimizer={"speculative_stages": count}), machine)
+             for count in (0, 2)]
+    layout = build_layout(tiny_config(tmp_path / "layout").model)
+    numel = layout.head.numel + layout.layers[-1].numel
+    added = {kind: plans[1].host.get(kind, 0) - plans[0].host.get(kind, 0)
+             for kind in ("undo_master", "undo_exp_avg", "undo_exp_avg_sq", "undo_grad")}
+    assert added == {"undo_master": 4 * numel, "undo_exp_avg": 4 * numel, "undo_exp_avg_sq": 4 * numel,
+                     "undo_grad": 4 * numel}  # fp32 gradients in per-stage buffers
+    assert plans[1].shm_total - plans[0].shm_total == 16 * numel
+
+
+def test_speculative_updates_through_ray_match_the_process(tmp_path, ray_session):
+    """Shard actors own the undo copies in shared memory; two optimizer worker actors take and redo updates."""
+    common = {"train": {"steps": 6}, "precision": {"master_dtype": "float32", "compute_dtype": "bfloat16",
+                                                   "stream_dtype": "bfloat16"}}
+    probe, *_ = train(tiny_config(tmp_path / "probe", **common))
+    clip = sorted(r["grad_norm"] for r in probe)[len(probe) // 2]
+    optimizer = {"grad_clip": clip, "workers": 2, "speculative_stages": 2}
+    local = train(tiny_config(tmp_path / "local", optimizer={**optimizer, "speculative_stages": 0}, **common))
+    ray = train(tiny_config(tmp_path / "ray", optimizer=optimizer, runtime={"mode": "ray", "dashboard": False},
+                            **common))
+    assert any(r["grad_norm"] > clip for r in local[0]) and any(r["grad_norm"] < clip for r in local[0])
+    assert [r["loss"] for r in ray[0]] == [r["loss"] for r in local[0]]
+    assert all(equal(a, b) for a, b in zip(ray[1:], local[1:]))
