@@ -19,6 +19,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace {
 
@@ -67,6 +70,23 @@ inline float load<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float
 
 // G: gradient element (float or bf16 bits); M: moment element (float, or bf16 bits rounded stochastically).
 // `index` is the index in the stage of element 0, `key` the noise key of this (step, stage).
+// Copy with non-temporal stores where the CPU has them: the undo copy is not read again this step, so its lines
+// go to DRAM without being read first (a plain store reads each line before writing it) or evicting the block
+// the update is about to read. Ordered by the sfence at the end of the block.
+inline void stream_copy(void* dst, const void* src, int64_t bytes) {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+    int64_t head = static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+    head = head < bytes ? head : bytes;
+    std::memcpy(d, s, static_cast<size_t>(head));
+    d += head, s += head, bytes -= head;
+    for (; bytes >= 16; bytes -= 16, d += 16, s += 16)
+        _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
+    std::memcpy(d, s, static_cast<size_t>(bytes));
+}
+
 // The undo copy of a speculative update: the elements' values before it (null pointers: none).
 template <typename G, typename M>
 struct Undo {
@@ -82,14 +102,17 @@ void adamw_block(float* __restrict p, M* __restrict m, M* __restrict v, const G*
                  int64_t n, float decay, float step_size, float one_minus_b1, float beta2, float one_minus_b2,
                  float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key,
                  Undo<G, M> undo) {
+    if constexpr (SaveUndo) {  // before anything is written (g may alias out); the block is then in cache
+        stream_copy(undo.p, p, n * static_cast<int64_t>(sizeof(float)));
+        stream_copy(undo.m, m, n * static_cast<int64_t>(sizeof(M)));
+        stream_copy(undo.v, v, n * static_cast<int64_t>(sizeof(M)));
+        stream_copy(undo.g, g, n * static_cast<int64_t>(sizeof(G)));
+#if defined(__SSE2__)
+        _mm_sfence();
+#endif
+    }
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-        if constexpr (SaveUndo) {  // before anything is written: g may alias out
-            undo.p[i] = p[i];
-            undo.m[i] = m[i];
-            undo.v[i] = v[i];
-            undo.g[i] = g[i];
-        }
         const float grad = load(g, i) * grad_coef;
         const float m_old = load(m, i), v_old = load(v, i);
         const float exp_avg = m_old + one_minus_b1 * (grad - m_old);
