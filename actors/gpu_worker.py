@@ -64,7 +64,8 @@ class GPUWorker(ActorBase):
         else:  # the node's ranks share the cores
             binding = "not pinned (computes on the CPU)"
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world))
-        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync", "nf4")
+        # The parities: the update dispatch switches a speculatively updated stage's current set.
+        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync", "nf4", "parity")
                                 or (s.kind == "master" and run.stream_is_master)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()

@@ -32,10 +32,11 @@ class UpdateOrder:
     """Only elements [start, end) of the stage, whose gradients sit at the start of a slab (a stage larger
     than the slabs goes through them in pieces: host.vocab_in_pieces); None: the whole stage, each
     element's gradient at its own offset."""
-    undo: Literal["save", "restore"] | None = None
-    """save: a speculative update, ordered before the step's gradient norm is known (optimizer.speculative_stages),
-    which first saves master, moments and gradients in the stage's undo copy; restore: take that update back
-    (master and moments from the undo copy) and redo it, the gradients read from the undo copy."""
+    speculative: Literal["update", "redo"] | None = None
+    """update: ordered before the step's gradient norm is known (optimizer.speculative_stages), it writes the
+    stage's other set of master and moments (store.segments.ALT_KINDS) and saves the gradients it read; the
+    set becomes current once the norm says no clipping. redo: the norm clipped (or the step is dropped): update
+    the current set again, the gradients read from where the speculative update saved them."""
 
 
 @dataclass(frozen=True, slots=True)

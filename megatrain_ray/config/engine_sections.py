@@ -55,14 +55,16 @@ class OptimizerConfig:
     speculative_stages: int = 0
     """With clipping on, how many stages are updated while the backward still runs, before the step's
     gradient norm is known: the first to finish their backward, the LM head's then the last decoder layers'
-    (never a GPU-resident layer's nor the embedding's). Each such update first saves the stage's master
-    weights, moments and gradients in an undo copy in host RAM (shared memory; 14 bytes per parameter of
-    those stages with fp32 master and moments and bf16 gradients); when the norm turns out above grad_clip
-    (or not finite) it is taken back from that copy and redone with the clipping coefficient, so the
-    result is bit for bit that of 0. What it buys: the CPU optimizer starts during the backward instead
-    of after it (docs/speed-model.md). `megatrain plan` counts the undo copies in host RAM. Needs
-    grad_clip > 0, the moments in RAM (host.moments_tier=ram), full fine-tuning and one GPU per node.
-    0: every update waits for the norm."""
+    (never a GPU-resident layer's nor the embedding's). Each such stage keeps a second set of master weights
+    and moments in host RAM (shared memory; with its saved gradients 14 bytes per parameter of those stages
+    with fp32 master and moments and bf16 gradients): the update reads the current set and writes the other,
+    which becomes current when the norm is at most grad_clip; when it is above (or not finite) the update
+    is redone on the current set with the clipping coefficient, so the result is bit for bit that of 0.
+    What it buys: the CPU optimizer starts during the backward instead of after it, at the cost of 2 more
+    bytes per parameter of DRAM traffic for those stages (docs/speed-model.md). `megatrain plan` counts the
+    second sets in host RAM. Needs grad_clip > 0, a streaming copy apart from the master
+    (precision.stream_dtype below master_dtype), the moments in RAM (host.moments_tier=ram), full
+    fine-tuning and one GPU per node. 0: every update waits for the norm."""
 
     def __post_init__(self) -> None:
         s = self.SECTION

@@ -74,7 +74,7 @@ class RunSpec:
     directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py)."""
     speculative_stages: int = 0
     """Stages updated before the step's gradient norm is known (optimizer.speculative_stages; model.layout's
-    speculative_stages says which), each with an undo copy in the host store."""
+    speculative_stages says which), each with a second set of state in the host store."""
     base_quantization: Literal["none", "nf4"] = "none"
     """finetune.lora.base_quantization of a frozen base: nf4 holds its decoder layers packed in NF4 (kind `nf4`,
     store/nf4_base.py), dequantized on the device into the compute dtype."""

@@ -111,7 +111,10 @@ def check_speculative(cfg: Config, ranks: int | None) -> None:
     elif cfg.finetune.method != "full":
         why = "finetune.method=full (LoRA adapters update on the device)"
     elif cfg.host.moments_tier != "ram":
-        why = "host.moments_tier=ram (the undo copy is kept for moments in RAM)"
+        why = "host.moments_tier=ram (the second set of state is kept for moments in RAM)"
+    elif cfg.precision.stream_is_master:
+        why = ("a streaming copy apart from the master weights (precision.stream_dtype below master_dtype): the "
+               "device reads the master itself, and it would change place with the current set")
     elif ranks is not None and ranks > cfg.parallel.nodes:
         why = "one GPU worker per node (parallel.gpus = parallel.nodes)"
     if why:

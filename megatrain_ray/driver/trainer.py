@@ -49,7 +49,14 @@ from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restor
 from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.lora_export import export_lora
 from megatrain_ray.store.nf4_base import NF4_KIND, DequantizedBase
-from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages
+from megatrain_ray.store.segments import (
+    HostStore,
+    SegmentSpec,
+    StoreTensors,
+    segment_prefix,
+    shard_stages,
+    specs_of,
+)
 from megatrain_ray.system.files import refuse_existing, write_atomic
 from megatrain_ray.system.guardian import Guardian
 from megatrain_ray.system.model_sources import fetch_weights
@@ -418,7 +425,7 @@ class Trainer:
         """A copy of one AdamW moment (`exp_avg` or `exp_avg_sq`) by Hugging Face name, from RAM or disk."""
         self.flush()
         self.cluster.sync_moments()
-        host = HostStore([s for s in self.specs if s.kind == kind]).read_tensors(self.layout, kind)  # type: ignore
+        host = HostStore(specs_of(self.specs, (kind,))).read_tensors(self.layout, kind)  # type: ignore[arg-type]
         return self._with_resident(host, kind)
 
     def master_weights(self) -> dict[str, torch.Tensor]:
@@ -426,12 +433,12 @@ class Trainer:
         self.flush()
         if self.run_spec.base_quantization == "nf4":  # the base as the layers compute with it (dequantized)
             return {name: t.clone() for name, t in self._base_tensors().items()}
-        store = HostStore([s for s in self.specs if s.kind == "master"])
+        store = HostStore(specs_of(self.specs, ("master",)))
         return self._with_resident(store.read_tensors(self.layout), "master")
 
     def _base_tensors(self) -> Mapping[str, torch.Tensor]:
         """A frozen NF4 base by Hugging Face name, its decoder layers dequantized (store/nf4_base.py)."""
-        store = HostStore([s for s in self.specs if s.kind in ("master", NF4_KIND)])
+        store = HostStore(specs_of(self.specs, ("master", NF4_KIND)))
         return DequantizedBase(store, self.layout, self.run_spec.compute_dtype)
 
     @property
@@ -453,7 +460,7 @@ class Trainer:
         source = self.cfg.model.path or None
         if dtype == "auto":
             dtype = (source_dtype(source) if source else None) or "float32"
-        store = HostStore([s for s in self.specs if s.kind == "master"])
+        store = HostStore(specs_of(self.specs, ("master",)))
         tensors: Mapping[str, torch.Tensor] = StoreTensors(store, self.layout)
         if self.run_spec.base_quantization == "nf4":  # merged onto the dequantized base (docs/fine-tuning.md)
             tensors = self._base_tensors()
@@ -473,7 +480,7 @@ class Trainer:
             raise ConfigError("Trainer.load_weights: the base of finetune.lora.base_quantization=nf4 is quantized "
                               "once when the run starts; put the weights in model.path instead")
         for k in nodes if nodes is not None else range(len(self.nodes)):
-            store = HostStore([s for s in self.nodes[k].specs if s.kind in ("master", "stream")])
+            store = HostStore(specs_of(self.nodes[k].specs, ("master", "stream")))
             store.write_tensors(self.layout, tensors)  # the stages with segments there
         if self._resident_holder is not None:
             self._resident_holder.write_resident(tensors).result()

@@ -113,7 +113,7 @@ class StreamEngine(ForwardOnlyPasses):
             if rank.local_world > 1 else None
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0,
                                       speculative=layout.speculative_stages(run.speculative_stages,
-                                                                            run.resident_layers))
+                                                                            run.resident_layers), store=store)
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
                                     self.compute_dtype, poison, parallel.gather_weights,
                                     run.resident_layers, frozen=run.frozen_base,

@@ -7,9 +7,10 @@ of the stage's weights (or a copy into a gradient slab the update reads) waits f
 With clipping off, an update is ordered as soon as its gradients land. With exact clipping on, the
 global norm is known only after the whole backward: the stage's gradients are held back (`deferred`)
 and ordered after it, in forward order, so the next step's forward of stage i waits only for stage i.
-The stages of optimizer.speculative_stages are updated as their gradients land all the same, each first
-saving its state and gradients in its undo copy (`speculated`); once the norm is known, a step that clips
-(or is dropped) takes those updates back and redoes them, in forward order behind the held-back ones.
+The stages of optimizer.speculative_stages are updated as their gradients land all the same (`speculated`),
+into their other set of master and moments (store.segments.ALT_KINDS), their gradients saved aside. Once the
+norm is known, a step that does not clip makes those sets current (the dispatcher switches each once its update
+is done); one that clips, or is dropped, redoes the update on the current set, behind the held-back ones.
 
 Several ranks per node (engine/collective.py): only the leader orders updates; it waits until every
 rank's piece of the stage landed, and a publisher thread tells the other ranks when the update is done.
@@ -47,12 +48,14 @@ class LandedGrads:
 
 class UpdateDispatch:
     def __init__(self, rank: RankInfo, sync: StageSync | None, optimizers: list[Any], telemetry: StepTelemetry,
-                 defer: bool, speculative: tuple[int, ...] = ()):
+                 defer: bool, speculative: tuple[int, ...] = (), store: Any = None):
         """`sync`: the node's stage counters (several ranks per node, else None); `optimizers`: the node's
         OptimizerWorker handles (the leader's); `defer`: hold the updates back until order_deferred (clipping);
-        `speculative`: the stages updated all the same, with an undo copy (model.layout.speculative_stages)."""
-        if speculative and sync is not None:
-            raise ValueError("speculative updates need one GPU worker per node")
+        `speculative`: the stages updated all the same (model.layout.speculative_stages), whose current set of
+        state `store` (the HostStore) switches."""
+        if speculative and (sync is not None or store is None):
+            raise ValueError("speculative updates need one GPU worker per node and the host store")
+        self.store = store
         self.rank = rank
         self.sync = sync
         self.optimizers = optimizers
@@ -65,7 +68,7 @@ class UpdateDispatch:
         self.deferred: list[LandedGrads] = []
         self.speculative = frozenset(speculative)
         self.speculated: list[LandedGrads] = []
-        """This step's updates ordered before the norm was known, with an undo copy."""
+        """This step's updates ordered before the norm was known, into the stages' other sets."""
         self.pending: dict[int, list[tuple[int, Future]]] = {}
         """Stage -> (step, ordered update) for its updates (one, or one per piece) not yet awaited."""
         self.awaited: dict[int, int] = {}
@@ -95,6 +98,8 @@ class UpdateDispatch:
             self.sync.wait_applied(stage, step)
         for step, ordered in ordered_updates:
             results: list[UpdateDone] = [done.result() for done in ordered.result()]
+            if not results:  # a switch of a stage's current set (_switch_set): no update of its own
+                continue
             stats["optimizer_seconds"] += max(r.seconds for r in results)
             stats["optimizer_bytes"] += sum(r.dram_bytes for r in results)
             telemetry.mark("run_start", stage, step, min(r.started for r in results))
@@ -118,7 +123,7 @@ class UpdateDispatch:
         if self.defer and speculate:
             self.speculated.append(grads)
             self._order(grads, UpdateOrder(grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr,
-                                           undo="save"))
+                                           speculative="update"))
         elif self.defer:
             self.deferred.append(grads)
         else:
@@ -133,14 +138,27 @@ class UpdateDispatch:
         for grads in sorted(deferred, key=lambda landed: landed.stage):
             self._order(grads, UpdateOrder(grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr,
                                            coef, apply=apply, span=grads.span))
-        if apply and coef == 1.0:
-            return  # the speculative updates were the right ones
         for grads in sorted(speculated, key=lambda landed: landed.stage):
-            # Their gradients are in the undo copy now (the streaming copy they landed in holds new weights),
-            # already zeroed where no token reached an expert.
+            if apply and coef == 1.0:  # the speculative update was the right one
+                self._switch_set(grads.stage)
+                continue
+            # The saved gradients were zeroed where no token reached an expert, before the update read them.
             self._order(replace(grads, zero=None), UpdateOrder(
                 grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr, coef, apply=apply,
-                undo="restore"))
+                speculative="redo"))
+
+    def _switch_set(self, stage: int) -> None:
+        """Make the set the stage's speculative update wrote current, once that update is done: on the dispatcher
+        thread, so before any later order reads the stage; a wait for the stage waits for it."""
+        updates = [ordered for _, ordered in self.pending.get(stage, [])]
+
+        def switch() -> list[Any]:
+            for ordered in updates:
+                for done in ordered.result():
+                    done.result()
+            self.store.switch_set(stage)
+            return []
+        self.pending.setdefault(stage, []).append((self.step, self.dispatcher.submit(switch)))
 
     def _order(self, grads: LandedGrads, order: UpdateOrder) -> None:
         stage, drained = grads.stage, grads.drained

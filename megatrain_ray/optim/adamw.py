@@ -120,16 +120,15 @@ class FlatAdamW:
             return None
 
     def bytes_per_element(self, grad: torch.Tensor, stream_out: torch.Tensor | None, apply: bool = True,
-                          undo: str | None = None) -> int:
+                          saves_grad: bool = False) -> int:
         """Host-memory bytes an update reads and writes per element: master and both moments read and
         written, the gradient read, the streaming copy written. The torch path's scratch stays in cache.
-        `undo` "save": the update also writes its undo copy; "restore": it first copies the undo copy home."""
+        `saves_grad`: a speculative update, which also writes the gradient aside."""
         copy = stream_out.element_size() if stream_out is not None else 0
-        state = self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize
-        extra = {None: 0, "save": state + grad.element_size(), "restore": 2 * state}[undo]
         if not apply:  # a dropped step only rewrites the copy from the master
-            return self.master_dtype.itemsize + copy + extra
-        return 2 * state + grad.element_size() + copy + extra
+            return self.master_dtype.itemsize + copy
+        saved = grad.element_size() if saves_grad else 0
+        return 2 * self.master_dtype.itemsize + 4 * self.moment_dtype.itemsize + grad.element_size() + copy + saved
 
     @property
     def kernel_name(self) -> str:
@@ -138,20 +137,21 @@ class FlatAdamW:
     def update(self, *, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                stream_out: torch.Tensor | None, start: int, end: int, decay_end: int, adam_step: int, lr: float,
                grad_coef: float, stage: int = 0, moments_base: int = 0, grad_base: int = 0,
-               undo: tuple[torch.Tensor, ...] | None = None) -> None:
+               into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               save_grad: torch.Tensor | None = None) -> None:
         """Update elements [start, end) of one stage; weight decay applies below `decay_end`.
 
         The gradient is multiplied by `grad_coef` (the clipping coefficient) first, as
         clip_grad_norm_ does, in the scratch chunk: the host gradient buffer is never modified.
         `exp_avg[k]` and `exp_avg_sq[k]` hold element `moments_base + k` of the stage (the disk tier
         stages only a worker's span), `grad[k]` element `grad_base + k` (a piece of a larger stage at the
-        start of a gradient slab); `stage` keys the rounding noise of bfloat16 moments. `undo`: the stage's
-        (master, exp_avg, exp_avg_sq, grad) undo copy (element k: element k of the stage), which receives each
-        element's values before the update (a speculative update, taken back by `restore`).
+        start of a gradient slab); `stage` keys the rounding noise of bfloat16 moments. A speculative update
+        writes the new master and moments `into` the stage's other set (else in place) and saves the gradients
+        read in `save_grad` (element k: element k of the stage) before the streaming copy overwrites them.
         """
-        if undo is not None and (moments_base or grad_base):
-            raise ValueError("an undo copy is kept for whole stages in RAM only")
-        tensors = (master, exp_avg, exp_avg_sq, grad, stream_out, undo)
+        if (into is not None or save_grad is not None) and (moments_base or grad_base):
+            raise ValueError("a speculative update takes whole stages in RAM")
+        tensors = (master, exp_avg, exp_avg_sq, grad, stream_out, into, save_grad)
         key = noise_key(adam_step, stage)
         if self.native is not None and grad.dtype in (torch.float32, torch.bfloat16) and \
                 (stream_out is None or stream_out.dtype == torch.bfloat16):
@@ -171,7 +171,7 @@ class FlatAdamW:
 
     def _native(self, tensors: tuple, start: int, end: int, decay_end: int, adam_step: int, lr: float,
                 grad_coef: float, key: int, base: int, grad_base: int) -> None:
-        master, exp_avg, exp_avg_sq, grad, stream_out, undo = tensors
+        master, exp_avg, exp_avg_sq, grad, stream_out, into, save_grad = tensors
         cfg = self.cfg
         native = self.native
         bf16_moments = self.moment_dtype == torch.bfloat16
@@ -188,7 +188,8 @@ class FlatAdamW:
                     stream_out[lo:hi].data_ptr() if stream_out is not None else None, hi - lo, lr,
                     cfg.beta1, cfg.beta2, cfg.eps, weight_decay, bc1, bc2_sqrt, grad_coef, self.threads,
                     lo, key]  # the bf16 moments' noise of element i is a hash of its index in the stage
-            args += [t[lo:hi].data_ptr() for t in undo] if undo is not None else [None] * 4
+            args += [t[lo:hi].data_ptr() for t in into] if into is not None else [None] * 3
+            args.append(save_grad[lo:hi].data_ptr() if save_grad is not None else None)
             fn(*args)
 
     def _decay_spans(self, start: int, end: int, decay_end: int) -> tuple[tuple[int, int, float], ...]:
@@ -197,20 +198,25 @@ class FlatAdamW:
 
     def _piece(self, tensors: tuple, start: int, end: int, decay_end: int, step: torch.Tensor, lr: float,
                grad_coef: float, scratch: list[torch.Tensor], key: int, base: int, grad_base: int) -> None:
-        master, exp_avg, exp_avg_sq, grad, stream_out, undo = tensors
+        master, exp_avg, exp_avg_sq, grad, stream_out, into, save_grad = tensors
         cfg = self.cfg
         widen = self.moment_dtype != self.master_dtype
         for lo, hi, weight_decay in self._decay_spans(start, end, decay_end):
             for a in range(lo, hi, self.chunk):
                 b = min(a + self.chunk, hi)
-                if undo is not None:  # the values before the update, while the chunk comes into cache
-                    for saved, tensor in zip(undo, (master, exp_avg, exp_avg_sq, grad)):
-                        saved[a:b].copy_(tensor[a:b])
+                if save_grad is not None:  # before the streaming copy, which it may be, is written
+                    save_grad[a:b].copy_(grad[a:b])
                 g = scratch[0][:b - a].copy_(grad[a - grad_base:b - grad_base])  # cast to the master dtype in cache
                 if grad_coef != 1.0:
                     g.mul_(grad_coef)
-                p = master[a:b]
                 m, v = exp_avg[a - base:b - base], exp_avg_sq[a - base:b - base]
+                if into is not None:  # a speculative update: the other set starts as a copy of the current one
+                    p = into[0][a:b].copy_(master[a:b])
+                    m_home, v_home = into[1][a:b], into[2][a:b]
+                    if not widen:
+                        m, v = m_home.copy_(m), v_home.copy_(v)
+                else:
+                    p, m_home, v_home = master[a:b], m, v
                 if widen:  # bf16 moments: update float32 copies of the chunk, round back below
                     m, v = scratch[1][:b - a].copy_(m), scratch[2][:b - a].copy_(v)
                 torch._fused_adamw_(
@@ -218,8 +224,7 @@ class FlatAdamW:
                     beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False,
                     grad_scale=None, found_inf=None)
                 if widen:  # in sub-chunks that stay in cache: the integer work is several passes
-                    self._round_back(exp_avg[a - base:b - base], exp_avg_sq[a - base:b - base], m, v, a, key,
-                                     scratch[3])
+                    self._round_back(m_home, v_home, m, v, a, key, scratch[3])
                 if stream_out is not None:
                     stream_out[a:b].copy_(p)  # the new streaming copy, in the same pass
 
@@ -235,21 +240,6 @@ class FlatAdamW:
             round_bf16_stochastic_(exp_avg[a:b], m[a:b], torch.bitwise_and(noise[:b - a], 0xFFFF, out=low[:b - a]),
                                    tmp)
             round_bf16_stochastic_(exp_avg_sq[a:b], v[a:b], noise[:b - a].bitwise_right_shift_(16), tmp)
-
-    def restore(self, undo: tuple[torch.Tensor, ...], homes: tuple[torch.Tensor, ...], start: int, end: int) -> None:
-        """Copy elements [start, end) of each undo tensor back to its home: a speculative update taken back."""
-        for saved, home in zip(undo, homes):
-            if self.native is not None:
-                size = saved.element_size()
-                self.native.megatrain_copy(home[start:end].data_ptr(), saved[start:end].data_ptr(),
-                                           (end - start) * size, self.threads)
-            elif self.pool is None:
-                home[start:end].copy_(saved[start:end])
-            else:
-                edges = [start + split_span(end - start, k, self.threads)[0] for k in range(self.threads)] + [end]
-                for future in [self.pool.submit(lambda a, b: home[a:b].copy_(saved[a:b]), edges[k], edges[k + 1])
-                               for k in range(self.threads) if edges[k + 1] > edges[k]]:
-                    future.result()
 
     @staticmethod
     def refresh(master: torch.Tensor, stream_out: torch.Tensor, start: int, end: int) -> None:

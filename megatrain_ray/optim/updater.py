@@ -17,7 +17,7 @@ from megatrain_ray.observe.log import get_logger
 from megatrain_ray.optim.adamw import FlatAdamW
 from megatrain_ray.store.checkpoint import wait_for_gate
 from megatrain_ray.store.disk_tier import MomentStager
-from megatrain_ray.store.segments import STATE_KINDS, UNDO_KINDS, HostStore
+from megatrain_ray.store.segments import HostStore
 
 log = get_logger(__name__)
 
@@ -52,10 +52,11 @@ class StageUpdater:
         store = self.store
         stream_out = store.get("stream", order.stage) if store.has("stream", order.stage) else None
         grad = store.get(order.grad_kind, order.grad_index)
-        undo = tuple(store.get(kind, order.stage) for kind in UNDO_KINDS) if order.undo else None
-        if order.undo == "restore" and end > start:  # a speculative update taken back; redone below
-            self.adamw.restore(undo[:3], tuple(store.get(kind, order.stage) for kind in STATE_KINDS), start, end)
-            grad, undo = undo[3], None
+        into = save_grad = None
+        if order.speculative == "update":  # into the other set; the current one stays for a redo
+            into, save_grad = store.other_set(order.stage), store.get("saved_grad", order.stage)
+        elif order.speculative == "redo":  # the streaming copy holds the speculative weights now
+            grad = store.get("saved_grad", order.stage)
         if not order.apply:
             if stream_out is not None:
                 self.adamw.refresh(store.get("master", order.stage), stream_out, start, end)
@@ -73,12 +74,12 @@ class StageUpdater:
                     master=store.get("master", order.stage), exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad,
                     stream_out=stream_out, start=lo, end=hi, decay_end=stage.decay_numel,
                     adam_step=order.adam_step, lr=order.lr, grad_coef=order.grad_coef, stage=order.stage,
-                    moments_base=base, grad_base=grad_base, undo=undo)
+                    moments_base=base, grad_base=grad_base, into=into, save_grad=save_grad)
                 if self.disk is not None:
                     self.disk.release((order.stage, k))
         ended = time.perf_counter()
         return UpdateDone(order.stage, self.worker, ended - t0, end - start,
-                          (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply, order.undo),
+                          (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply, save_grad is not None),
                           t0, ended)
 
     def sync(self) -> None:

@@ -24,8 +24,8 @@ GRAD_HOMES = {"stream": "gradients land in the streaming copy", "stage": "gradie
 _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg_sq": "AdamW second moment",
            "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
            "gate": "checkpoint gates", "sync": "data-parallel counters", "nf4": "frozen base layers (NF4)",
-           "undo_master": "speculative undo: master", "undo_exp_avg": "speculative undo: 1st moment",
-           "undo_exp_avg_sq": "speculative undo: 2nd moment", "undo_grad": "speculative undo: gradients"}
+           "alt_master": "second set: master weights", "alt_exp_avg": "second set: 1st moment",
+           "alt_exp_avg_sq": "second set: 2nd moment", "saved_grad": "saved gradients", "parity": "set parities"}
 
 
 CHECKPOINT_WRITE_GBPS = 1.0
@@ -50,8 +50,8 @@ def format_plan(plan: Plan) -> str:
                 "node, GPU figures per GPU"] if run.world > 1 else []),
              "", "host (shared memory, per kind):"]
     dtypes = {"master": run.master_dtype, "exp_avg": run.moment_dtype, "exp_avg_sq": run.moment_dtype,
-              "stream": run.stream_dtype, "nf4": "nf4", "undo_master": run.master_dtype,
-              "undo_exp_avg": run.moment_dtype, "undo_exp_avg_sq": run.moment_dtype}
+              "stream": run.stream_dtype, "nf4": "nf4", "alt_master": run.master_dtype,
+              "alt_exp_avg": run.moment_dtype, "alt_exp_avg_sq": run.moment_dtype}
     for kind, nbytes in plan.host.items():
         if nbytes >= 2**20:
             label = (("frozen embedding, LM head" if run.base_quantization == "nf4" else "frozen base (streamed)")

@@ -64,11 +64,10 @@ def optimizer_dram_bytes(cfg: Config) -> int:
     return 2 * master + 4 * moments + DTYPE_BYTES[run.grad_dtype] + copy
 
 
-def undo_dram_bytes(cfg: Config) -> int:
-    """DRAM bytes per parameter a speculative update writes besides (optimizer.speculative_stages): its undo copy
-    of master, moments and gradient (FlatAdamW.bytes_per_element's "save")."""
-    run = RunSpec.resolve(cfg)
-    return DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[cfg.optimizer.moment_dtype] + DTYPE_BYTES[run.grad_dtype]
+def saved_grad_bytes(cfg: Config) -> int:
+    """DRAM bytes per parameter a speculative update writes besides (optimizer.speculative_stages): the gradients
+    it saves for a redo (FlatAdamW.bytes_per_element with saves_grad)."""
+    return DTYPE_BYTES[RunSpec.resolve(cfg).grad_dtype]
 
 
 def adamw_gparams(cfg: Config, host: "HostProfile") -> float:

@@ -30,7 +30,7 @@ from megatrain_ray.planning.profiles import (
     SpeedProfile,
     adamw_gparams,
     optimizer_dram_bytes,
-    undo_dram_bytes,
+    saved_grad_bytes,
 )
 from megatrain_ray.store.segments import (
     SlabTurns,
@@ -149,8 +149,8 @@ class _Replay:
     speculative: frozenset[int] = frozenset()
     """Stages updated as their gradients land although clipping is on (optimizer.speculative_stages); the
     estimate takes steps whose norm stays below the clip (else their updates are redone after the backward)."""
-    undo_factor: float = 1.0
-    """A speculative update's time over a plain one's: its DRAM bytes with the undo copy over without."""
+    speculative_factor: float = 1.0
+    """A speculative update's time over a plain one's: its DRAM bytes, the saved gradients included, over without."""
 
     def _optimizer_busy(self, t: float) -> bool:
         k = bisect.bisect_right(self.optimizer_spans, (t, math.inf)) - 1  # the spans are disjoint and sorted
@@ -237,7 +237,7 @@ class _Replay:
             if self.clip and not (c.index in self.speculative and not split):
                 deferred.append((c.index, self.d2h))
             else:
-                self.order(c, self.d2h, hi - lo, self.undo_factor if self.clip else 1.0)
+                self.order(c, self.d2h, hi - lo, self.speculative_factor if self.clip else 1.0)
 
     def order(self, c: StageCost, drained: float, numel: int | None = None, factor: float = 1.0) -> None:
         """The dispatcher thread waits for the D2H, then the workers run the update (of `numel` elements, a
@@ -356,7 +356,7 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
                      device_update_seconds=lora_params(cfg) * ADAPTER_UPDATE_BYTES
                      / (GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9),
                      speculative=frozenset(layout.speculative_stages(run.speculative_stages, run.resident_layers)),
-                     undo_factor=1 + undo_dram_bytes(cfg) / optimizer_dram_bytes(cfg))
+                     speculative_factor=1 + saved_grad_bytes(cfg) / optimizer_dram_bytes(cfg))
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call

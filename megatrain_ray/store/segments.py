@@ -53,11 +53,14 @@ from megatrain_ray.store.disk_tier import DiskSegment, allocate_file
 log = get_logger(__name__)
 
 SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync", "nf4",
-                      "undo_master", "undo_exp_avg", "undo_exp_avg_sq", "undo_grad"]
+                      "alt_master", "alt_exp_avg", "alt_exp_avg_sq", "saved_grad", "parity"]
 STATE_KINDS: tuple[SegmentKind, ...] = ("master", "exp_avg", "exp_avg_sq")
 """What AdamW keeps of a stage: the master weights and both moments."""
-UNDO_KINDS: tuple[SegmentKind, ...] = ("undo_master", "undo_exp_avg", "undo_exp_avg_sq", "undo_grad")
-"""A speculatively updated stage's copy of its state and gradients before the update (UpdateOrder.undo)."""
+ALT_KINDS: tuple[SegmentKind, ...] = ("alt_master", "alt_exp_avg", "alt_exp_avg_sq")
+"""The second set of a speculatively updated stage (optimizer.speculative_stages): its update reads the current
+set and writes the other, and the stage's one-element `parity` segment says which set is current (0: the plain
+kinds). HostStore.get follows it, so every reader of a stage's state sees the current set. The gradients the
+update read go to `saved_grad`, for a redo."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,15 @@ class SegmentSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_BYTES[self.dtype]
+
+
+def specs_of(specs: list[SegmentSpec], kinds: tuple[SegmentKind, ...]) -> list[SegmentSpec]:
+    """The specs of `kinds`, and what a HostStore needs to read a stage's current state: its second set and its
+    parity (ALT_KINDS) where it has them."""
+    wanted = set(kinds)
+    if wanted & set(STATE_KINDS):
+        wanted |= {*ALT_KINDS, "parity"}
+    return [s for s in specs if s.kind in wanted]
 
 
 def segment_prefix(run_id: str) -> str:
@@ -110,11 +122,14 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
         if home == "stage":
             kinds.append(("grad", run.grad_dtype))
         if index in speculative:
-            kinds += list(zip(UNDO_KINDS, (master, moments, moments, run.grad_dtype)))
+            kinds += [*zip(ALT_KINDS, (master, moments, moments)), ("saved_grad", run.grad_dtype)]
         for kind, dtype in kinds:
             disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
             path = os.path.join(host.disk_dir if disk else directory, f"{segment_prefix(run_id)}{stage.name}-{kind}")
             specs.append(SegmentSpec(path, dtype, numel, kind, index, on_disk=disk))
+        if index in speculative:
+            specs.append(SegmentSpec(os.path.join(directory, f"{segment_prefix(run_id)}{stage.name}-parity"), "int32",
+                                     1, "parity", index))
     specs.append(SegmentSpec(os.path.join(directory, f"{segment_prefix(run_id)}gate{shard}"), "int32",
                              len(layout.stages), "gate", shard))
     if shard == 0 and home == "pool":
@@ -249,7 +264,25 @@ class HostStore:
         self._registered: list[torch.Tensor] = []
 
     def get(self, kind: SegmentKind, stage: int) -> torch.Tensor:
+        """The segment of `kind` of `stage`; of a stage with two sets (ALT_KINDS), the current set's."""
+        if kind in STATE_KINDS and self.current_set(stage):
+            kind = ALT_KINDS[STATE_KINDS.index(kind)]
         return self._tensors[(kind, stage)]
+
+    def current_set(self, stage: int) -> int:
+        """0: the stage's state is in the plain kinds; 1: in ALT_KINDS (a stage with one set: always 0)."""
+        parity = self._tensors.get(("parity", stage))
+        return 0 if parity is None else int(parity[0])
+
+    def other_set(self, stage: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Master, exp_avg and exp_avg_sq of the set that is not current: where a speculative update writes."""
+        kinds = STATE_KINDS if self.current_set(stage) else ALT_KINDS
+        return tuple(self._tensors[(kind, stage)] for kind in kinds)  # type: ignore[return-value]
+
+    def switch_set(self, stage: int) -> None:
+        """Make the other set current (a speculative update kept)."""
+        parity = self._tensors[("parity", stage)]
+        parity[0] = 1 - int(parity[0])
 
     def has(self, kind: SegmentKind, stage: int) -> bool:
         return (kind, stage) in self._tensors

@@ -1,6 +1,7 @@
 """Speculative updates (optimizer.speculative_stages): stages updated during the backward, before the step's
-gradient norm is known, train bit for bit as with every update waiting for the norm, through steps that clip,
-steps that do not, and a dropped step; and the plan counts their undo copies."""
+gradient norm is known, into their second set of state, train bit for bit as with every update waiting for the
+norm, through steps that clip, steps that do not, and a dropped step; checkpoints save the current set; and the
+plan counts the second sets."""
 
 from __future__ import annotations
 
@@ -25,18 +26,20 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("precision", [
-    {"master_dtype": "float32", "compute_dtype": "float32"},
-    {"master_dtype": "float32", "compute_dtype": "bfloat16", "stream_dtype": "bfloat16"}],
-    ids=["fp32-stage-grads", "bf16-grads-in-the-streaming-copy"])
-def test_speculative_updates_train_bit_for_bit_as_waiting_for_the_norm(tmp_path, precision):
+BF16_STREAM = {"master_dtype": "float32", "compute_dtype": "bfloat16", "stream_dtype": "bfloat16"}
+"""Gradients land in the bf16 streaming copy, which the update overwrites with the new weights."""
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_speculative_updates_train_bit_for_bit_as_waiting_for_the_norm(tmp_path, moments):
     steps = {"steps": 8}
-    probe, *_ = train(tiny_config(tmp_path / "probe", train=steps, precision=precision))
+    probe, *_ = train(tiny_config(tmp_path / "probe", train=steps, precision=BF16_STREAM))
     clip = sorted(r["grad_norm"] for r in probe)[len(probe) // 2]  # about half the steps clip
     runs = {}
     for count in (0, 3):  # 3: the LM head and the last two of the three layers
-        cfg = tiny_config(tmp_path / f"spec{count}", train=steps, precision=precision,
-                          optimizer={"grad_clip": clip, "workers": 2, "speculative_stages": count},
+        cfg = tiny_config(tmp_path / f"spec{count}", train=steps, precision=BF16_STREAM,
+                          optimizer={"grad_clip": clip, "workers": 2, "speculative_stages": count,
+                                     "moment_dtype": moments},
                           fault={"drill": "nan_grad@5"})
         runs[count] = train(cfg)
     (records, weights, m, v), (spec_records, spec_weights, spec_m, spec_v) = runs[0], runs[3]
@@ -57,30 +60,31 @@ def test_speculative_stages_are_the_first_gradients_of_the_backward(tmp_path):
 @pytest.mark.parametrize("sections, needs", [
     ({"optimizer": {"grad_clip": 0.0}}, "optimizer.grad_clip > 0"),
     ({"host": {"moments_tier": "disk", "disk_dir": "/tmp"}}, "host.moments_tier=ram"),
-    ({"finetune": {"method": "lora"}}, "finetune.method=full")])
+    ({"finetune": {"method": "lora"}}, "finetune.method=full"),
+    ({"precision": {"master_dtype": "float32", "compute_dtype": "float32"}}, "a streaming copy apart")])
 def test_speculation_refuses_what_it_cannot_take_back(tmp_path, sections, needs):
     optimizer = {"speculative_stages": 2, **sections.pop("optimizer", {})}
+    sections.setdefault("precision", BF16_STREAM)
     with pytest.raises(ConfigError, match=r"optimizer\.speculative_stages.*" + needs.replace(".", r"\.")):
         tiny_config(tmp_path, optimizer=optimizer, **sections)
 
 
 def test_the_plan_counts_the_undo_copies(tmp_path):
     machine = Machine.detect("/dev/shm").override(host_memory="64GiB")
-    plans = [plan_run(tiny_config(tmp_path / str(count), optimizer={"speculative_stages": count}), machine)
-             for count in (0, 2)]
+    plans = [plan_run(tiny_config(tmp_path / str(count), optimizer={"speculative_stages": count},
+                                  precision=BF16_STREAM), machine) for count in (0, 2)]
     layout = build_layout(tiny_config(tmp_path / "layout").model)
     numel = layout.head.numel + layout.layers[-1].numel
     added = {kind: plans[1].host.get(kind, 0) - plans[0].host.get(kind, 0)
-             for kind in ("undo_master", "undo_exp_avg", "undo_exp_avg_sq", "undo_grad")}
-    assert added == {"undo_master": 4 * numel, "undo_exp_avg": 4 * numel, "undo_exp_avg_sq": 4 * numel,
-                     "undo_grad": 4 * numel}  # fp32 gradients in per-stage buffers
-    assert plans[1].shm_total - plans[0].shm_total == 16 * numel
+             for kind in ("alt_master", "alt_exp_avg", "alt_exp_avg_sq", "saved_grad", "parity")}
+    assert added == {"alt_master": 4 * numel, "alt_exp_avg": 4 * numel, "alt_exp_avg_sq": 4 * numel,
+                     "saved_grad": 2 * numel, "parity": 2 * 4}  # bf16 gradients; one int32 parity per stage
+    assert plans[1].shm_total - plans[0].shm_total == 14 * numel + 8
 
 
 def test_speculative_updates_through_ray_match_the_process(tmp_path, ray_session):
     """Shard actors own the undo copies in shared memory; two optimizer worker actors take and redo updates."""
-    common = {"train": {"steps": 6}, "precision": {"master_dtype": "float32", "compute_dtype": "bfloat16",
-                                                   "stream_dtype": "bfloat16"}}
+    common = {"train": {"steps": 6}, "precision": BF16_STREAM}
     probe, *_ = train(tiny_config(tmp_path / "probe", **common))
     clip = sorted(r["grad_norm"] for r in probe)[len(probe) // 2]
     optimizer = {"grad_clip": clip, "workers": 2, "speculative_stages": 2}
@@ -90,3 +94,23 @@ def test_speculative_updates_through_ray_match_the_process(tmp_path, ray_session
     assert any(r["grad_norm"] > clip for r in local[0]) and any(r["grad_norm"] < clip for r in local[0])
     assert [r["loss"] for r in ray[0]] == [r["loss"] for r in local[0]]
     assert all(equal(a, b) for a, b in zip(ray[1:], local[1:]))
+
+
+def test_a_checkpoint_saves_the_current_set_and_resumes_without_speculation(tmp_path):
+    """Stages whose current state is their second set when the checkpoint is taken: it holds that set, and a run
+    resumed from it without speculation ends where a run that never speculated ends."""
+    clip = {"grad_clip": 1e6}  # no step clips: every speculative update is kept, the sets switch each step
+    reference = train(tiny_config(tmp_path / "ref", train={"steps": 7}, precision=BF16_STREAM, optimizer=clip))
+    cfg = tiny_config(tmp_path / "cut", train={"steps": 7}, precision=BF16_STREAM,
+                      optimizer={**clip, "speculative_stages": 2})
+    with Trainer(cfg) as trainer:
+        for step in range(3):  # an odd number of switches: the head and the last layer are in their second sets
+            trainer.step(step)
+        trainer.next_step = 3
+        trainer.save(wait=True)
+    resumed_cfg = tiny_config(tmp_path / "cut", train={"steps": 7}, precision=BF16_STREAM, optimizer=clip)
+    with Trainer(resumed_cfg, resume="auto") as trainer:
+        assert trainer.next_step == 3
+        trainer.train()
+        weights, exp_avg_sq = trainer.master_weights(), trainer.read_moments("exp_avg_sq")
+    assert equal(weights, reference[1]) and equal(exp_avg_sq, reference[3])

@@ -231,11 +231,10 @@ def test_bf16_moments_cut_the_bytes_an_update_moves():
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
-def test_a_speculative_update_is_taken_back_and_redone_bit_for_bit(kernel, moments):
-    """The engine's bf16 layout (gradients in the streaming copy the update overwrites): an update that saves its
-    undo copy, taken back from it and redone with a clipping coefficient, ends exactly where the clipped update
-    alone ends; the undo copy holds the state before, bit for bit; with coefficient 1 the speculative update is
-    the plain one."""
+def test_a_speculative_update_writes_the_other_set_and_a_redo_ends_as_the_clipped_update(kernel, moments):
+    """The engine's bf16 layout (gradients in the streaming copy the update overwrites): an update into the other
+    set is the plain update there, bit for bit, and leaves the current set as it was; redone on the current set
+    from the saved gradients with a clipping coefficient, it ends exactly where the clipped update alone ends."""
     torch.manual_seed(2)
     n, decay_end = 5000, 3000
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, chunk_elems=1024, kernel=kernel,
@@ -248,31 +247,28 @@ def test_a_speculative_update_is_taken_back_and_redone_bit_for_bit(kernel, momen
         return [torch.randn(n, generator=g), (torch.randn(n, generator=g) * 0.1).to(moments),
                 torch.rand(n, generator=g).to(moments) * 0.01, torch.randn(n, generator=g).bfloat16()]
 
-    def update(tensors, coef, undo=None, grad=None, parts=((0, 2000), (2000, n))):
+    def update(tensors, coef, grad=None, into=None, save_grad=None):
         master, m, v, stream = tensors
-        for start, end in parts:  # two workers' spans
+        for start, end in ((0, 2000), (2000, n)):  # two workers' spans
             opt.update(master=master, exp_avg=m, exp_avg_sq=v, grad=stream if grad is None else grad,
                        stream_out=stream, start=start, end=end, decay_end=decay_end, adam_step=4, lr=1e-2,
-                       grad_coef=coef, stage=3, undo=undo)
+                       grad_coef=coef, stage=3, into=into, save_grad=save_grad)
 
     before, clipped, plain = state(), state(), state()
     update(clipped, 0.37)
     update(plain, 1.0)
-    speculative = state()
-    undo = [torch.full_like(t, float("nan")) for t in speculative]
-    update(speculative, 1.0, undo=undo)
-    assert all(torch.equal(a, b) for a, b in zip(speculative, plain))
-    assert all(torch.equal(a, b) for a, b in zip(undo, before))
-    for start, end in ((0, 2000), (2000, n)):
-        opt.restore(undo[:3], speculative[:3], start, end)
-    assert all(torch.equal(a, b) for a, b in zip(speculative[:3], before[:3]))
-    update(speculative, 0.37, grad=undo[3])
-    assert all(torch.equal(a, b) for a, b in zip(speculative, clipped))
+    current = state()
+    other = [torch.full_like(t, float("nan")) for t in current]
+    update(current, 1.0, into=other[:3], save_grad=other[3])
+    assert all(torch.equal(a, b) for a, b in zip(other[:3] + current[3:], plain))  # the streaming copy: new weights
+    assert all(torch.equal(a, b) for a, b in zip(current[:3], before[:3]))
+    assert torch.equal(other[3], before[3])  # the gradients, saved before the streaming copy was written
+    update(current, 0.37, grad=other[3])
+    assert all(torch.equal(a, b) for a, b in zip(current, clipped))
 
 
-def test_a_speculative_update_counts_its_undo_bytes():
+def test_a_speculative_update_counts_its_saved_gradients():
     opt = FlatAdamW(OptimizerConfig(kernel="torch"), torch.float32)
     grad = torch.zeros(1, dtype=torch.bfloat16)
     assert opt.bytes_per_element(grad, grad) == 2 * 12 + 2 + 2
-    assert opt.bytes_per_element(grad, grad, undo="save") == 28 + 12 + 2
-    assert opt.bytes_per_element(grad, grad, undo="restore") == 28 + 2 * 12
+    assert opt.bytes_per_element(grad, grad, saves_grad=True) == 28 + 2

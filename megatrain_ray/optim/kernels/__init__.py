@@ -62,7 +62,7 @@ def adamw_library() -> ctypes.CDLL:
     pointer, i64, f32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
     # p, m, v, g, out, n, lr, beta1, beta2 (double, as torch takes them), eps, weight_decay, bc1, bc2_sqrt,
     # grad_coef, threads, the index of element 0 in its stage and the noise key (of the bf16 moments' rounding),
-    # then the undo copy's master, moments and gradient (null: none).
+    # then where a speculative update writes master and moments (null: in place) and saves the gradient (null: no).
     signature = [pointer, pointer, pointer, pointer, pointer, i64, f32, f64, f64] + [f32] * 5 + \
         [ctypes.c_int, i64, ctypes.c_uint32] + [pointer] * 4
     for name in ("megatrain_adamw_f32grad", "megatrain_adamw_bf16grad", "megatrain_adamw_f32grad_bf16m",
@@ -70,6 +70,4 @@ def adamw_library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = signature
         fn.restype = None
-    lib.megatrain_copy.argtypes = [pointer, pointer, i64, ctypes.c_int]
-    lib.megatrain_copy.restype = None
     return lib

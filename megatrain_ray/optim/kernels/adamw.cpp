@@ -13,9 +13,10 @@
 // element's index in the stage and a per-(step, stage) key: the same rounding as the torch path
 // of megatrain_ray/optim/adamw.py (see there why stochastic), bit for bit for numbers (a NaN stays a NaN).
 //
-// A speculative update (optimizer.speculative_stages: before the step's gradient norm is known) first saves
-// each element's master weight, moments and gradient into the stage's undo copy, in the same pass; the update
-// is taken back by copying them home (megatrain_copy) and redone with the clipping coefficient.
+// A speculative update (optimizer.speculative_stages: before the step's gradient norm is known) reads the
+// stage's current master weights and moments and writes the new ones into its other set (`*_new`), so that the
+// current set stays for a redo; it also saves the gradient (`g_saved`), which the streaming copy it may sit in
+// is about to lose. Null `*_new` pointers: in place.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -70,9 +71,9 @@ inline float load<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float
 
 // G: gradient element (float or bf16 bits); M: moment element (float, or bf16 bits rounded stochastically).
 // `index` is the index in the stage of element 0, `key` the noise key of this (step, stage).
-// Copy with non-temporal stores where the CPU has them: the undo copy is not read again this step, so its lines
-// go to DRAM without being read first (a plain store reads each line before writing it) or evicting the block
-// the update is about to read. Ordered by the sfence at the end of the block.
+// Copy with non-temporal stores where the CPU has them: the saved gradient is not read again this step, so its
+// lines go to DRAM without being read first (as a plain store does) or evicting the block the update is about
+// to read. Ordered by the sfence at the end of the block.
 inline void stream_copy(void* dst, const void* src, int64_t bytes) {
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);
@@ -87,26 +88,25 @@ inline void stream_copy(void* dst, const void* src, int64_t bytes) {
     std::memcpy(d, s, static_cast<size_t>(bytes));
 }
 
-// The undo copy of a speculative update: the elements' values before it (null pointers: none).
+// Where an update writes (the current set itself, or the stage's other set) and where it saves the gradient.
 template <typename G, typename M>
-struct Undo {
+struct Outputs {
     float* p;
     M* m;
     M* v;
-    G* g;
-    Undo at(int64_t start) const { return p ? Undo{p + start, m + start, v + start, g + start} : *this; }
+    G* g_saved;
+    Outputs at(int64_t start) const { return {p + start, m + start, v + start, g_saved ? g_saved + start : nullptr}; }
 };
 
-template <typename G, typename M, bool WriteCopy, bool SaveUndo>
-void adamw_block(float* __restrict p, M* __restrict m, M* __restrict v, const G* g, uint16_t* out,
+// G: gradient element (float or bf16 bits); M: moment element (float, or bf16 bits rounded stochastically).
+// `index` is the index in the stage of element 0, `key` the noise key of this (step, stage). Element i is read
+// before it is written, so `to` may be the current set itself (and `out` the gradient).
+template <typename G, typename M, bool WriteCopy>
+void adamw_block(const float* p, const M* m, const M* v, const G* g, uint16_t* out, Outputs<G, M> to,
                  int64_t n, float decay, float step_size, float one_minus_b1, float beta2, float one_minus_b2,
-                 float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key,
-                 Undo<G, M> undo) {
-    if constexpr (SaveUndo) {  // before anything is written (g may alias out); the block is then in cache
-        stream_copy(undo.p, p, n * static_cast<int64_t>(sizeof(float)));
-        stream_copy(undo.m, m, n * static_cast<int64_t>(sizeof(M)));
-        stream_copy(undo.v, v, n * static_cast<int64_t>(sizeof(M)));
-        stream_copy(undo.g, g, n * static_cast<int64_t>(sizeof(G)));
+                 float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key) {
+    if (to.g_saved) {  // before the streaming copy is written; the block is then in cache for the update
+        stream_copy(to.g_saved, g, n * static_cast<int64_t>(sizeof(G)));
 #if defined(__SSE2__)
         _mm_sfence();
 #endif
@@ -121,13 +121,13 @@ void adamw_block(float* __restrict p, M* __restrict m, M* __restrict v, const G*
         const float updated = p[i] * decay - step_size * exp_avg / denom;
         if constexpr (sizeof(M) == 2) {
             const uint32_t noise = mix32(static_cast<uint32_t>(index + i) ^ key);
-            m[i] = float_to_bf16_stochastic(exp_avg, noise & 0xffffu);
-            v[i] = float_to_bf16_stochastic(exp_avg_sq, noise >> 16);
+            to.m[i] = float_to_bf16_stochastic(exp_avg, noise & 0xffffu);
+            to.v[i] = float_to_bf16_stochastic(exp_avg_sq, noise >> 16);
         } else {
-            m[i] = exp_avg;
-            v[i] = exp_avg_sq;
+            to.m[i] = exp_avg;
+            to.v[i] = exp_avg_sq;
         }
-        p[i] = updated;
+        to.p[i] = updated;
         if constexpr (WriteCopy) out[i] = float_to_bf16(updated);
     }
 }
@@ -135,9 +135,9 @@ void adamw_block(float* __restrict p, M* __restrict m, M* __restrict v, const G*
 // beta1 and beta2 come in double, as torch's kernel takes them: 1 - beta is rounded to float once, from
 // the exact value (1.0f - 0.999f is 13 float32 ulps away from 0.001f).
 template <typename G, typename M>
-void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr, double beta1, double beta2,
-           float eps, float weight_decay, float bias_correction1, float bias_correction2_sqrt, float grad_coef,
-           int threads, int64_t index, uint32_t key, Undo<G, M> undo) {
+void adamw(const float* p, const M* m, const M* v, const G* g, uint16_t* out, Outputs<G, M> to, int64_t n, float lr,
+           double beta1, double beta2, float eps, float weight_decay, float bias_correction1,
+           float bias_correction2_sqrt, float grad_coef, int threads, int64_t index, uint32_t key) {
     const float decay = 1.0f - lr * weight_decay;
     const float step_size = lr / bias_correction1;
     const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
@@ -146,20 +146,14 @@ void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr,
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t start = 0; start < n; start += block) {
         const int64_t len = start + block < n ? block : n - start;
-        const Undo<G, M> piece = undo.at(start);
-#define MEGATRAIN_BLOCK(COPY, SAVE)                                                                           \
-    adamw_block<G, M, COPY, SAVE>(p + start, m + start, v + start, g + start, COPY ? out + start : nullptr, len, \
-                                  decay, step_size, one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt,   \
-                                  grad_coef, index + start, key, piece)
-        if (out && undo.p)
-            MEGATRAIN_BLOCK(true, true);
-        else if (out)
-            MEGATRAIN_BLOCK(true, false);
-        else if (undo.p)
-            MEGATRAIN_BLOCK(false, true);
+        if (out)
+            adamw_block<G, M, true>(p + start, m + start, v + start, g + start, out + start, to.at(start), len, decay,
+                                    step_size, one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt, grad_coef,
+                                    index + start, key);
         else
-            MEGATRAIN_BLOCK(false, false);
-#undef MEGATRAIN_BLOCK
+            adamw_block<G, M, false>(p + start, m + start, v + start, g + start, nullptr, to.at(start), len, decay,
+                                     step_size, one_minus_b1, b2, one_minus_b2, eps, bias_correction2_sqrt,
+                                     grad_coef, index + start, key);
     }
 }
 
@@ -168,27 +162,20 @@ void adamw(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr,
 extern "C" {
 
 // Every variant takes the index of element 0 in its stage and the noise key (used by the bf16-moment ones), then
-// the undo copy's four pointers (all null: no undo copy).
+// where a speculative update writes (null: in place) and saves the gradient (null: nowhere).
 #define MEGATRAIN_ADAMW(NAME, G, M)                                                                               \
     void NAME(float* p, M* m, M* v, const G* g, uint16_t* out, int64_t n, float lr, double beta1, double beta2,   \
               float eps, float weight_decay, float bc1, float bc2_sqrt, float grad_coef, int threads, int64_t index, \
-              uint32_t key, float* undo_p, M* undo_m, M* undo_v, G* undo_g) {                                   \
-        adamw<G, M>(p, m, v, g, out, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef, threads,   \
-                    index, key, Undo<G, M>{undo_p, undo_m, undo_v, undo_g});                                    \
+              uint32_t key, float* p_new, M* m_new, M* v_new, G* g_saved) {                                     \
+        const Outputs<G, M> to = p_new ? Outputs<G, M>{p_new, m_new, v_new, g_saved}                              \
+                                       : Outputs<G, M>{p, m, v, g_saved};                                         \
+        adamw<G, M>(p, m, v, g, out, to, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, grad_coef,        \
+                    threads, index, key);                                                                         \
     }
 MEGATRAIN_ADAMW(megatrain_adamw_f32grad, float, float)
 MEGATRAIN_ADAMW(megatrain_adamw_bf16grad, uint16_t, float)
 MEGATRAIN_ADAMW(megatrain_adamw_f32grad_bf16m, float, uint16_t)
 MEGATRAIN_ADAMW(megatrain_adamw_bf16grad_bf16m, uint16_t, uint16_t)
 #undef MEGATRAIN_ADAMW
-
-// Copy n bytes on `threads` threads: taking a speculative update back from its undo copy.
-void megatrain_copy(void* dst, const void* src, int64_t n, int threads) {
-    const int64_t block = 1 << 20;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t start = 0; start < n; start += block)
-        std::memcpy(static_cast<char*>(dst) + start, static_cast<const char*>(src) + start,
-                    static_cast<size_t>(start + block < n ? block : n - start));
-}
 
 }
