@@ -12,6 +12,9 @@ from megatrain_ray.config.load import parse_size
 from megatrain_ray.planning.profiles import SpeedProfile, preset, profile_for_gpu
 from megatrain_ray.system.memory import host_memory
 
+RAY_MEMORY_THRESHOLD = 0.95
+"""Ray's default memory_usage_threshold: the share of a node's RAM above which its monitor kills a worker."""
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -30,6 +33,14 @@ class Machine:
     """True when the sizes come from the command line rather than this machine."""
     profile: SpeedProfile | None = None
     """Measured rates of this GPU and host for the speed estimate (megatrain_ray/planning/speed.py); None: unknown."""
+
+    def usable_host(self, under_ray: bool) -> int:
+        """RAM the run may take: what is available, less, under Ray, the part its memory monitor keeps free (it
+        kills a worker once the node uses more than RAY_memory_usage_threshold of its RAM, 0.95 by default)."""
+        if not under_ray:
+            return self.host_available
+        threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
+        return max(0, self.host_available - int((1 - threshold) * self.host_memory))
 
     @classmethod
     def detect(cls, shm_dir: str) -> "Machine":

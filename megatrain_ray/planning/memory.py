@@ -64,11 +64,14 @@ def _check(plan: Plan) -> None:
             "`mount -o remount,size=...`) or shrink the store (below)")
     if cfg.host.moments_tier == "disk" and not machine.described:
         plan.problems.extend(disk_problems(cfg.host.disk_dir, sum(plan.disk.values())))
-    if plan.host_total > machine.host_available:
+    usable = machine.usable_host(cfg.runtime.mode == "ray")
+    if plan.host_total > usable:
+        margin = "" if usable == machine.host_available else \
+            f" ({machine.host_available / g:.1f} GiB less what Ray's memory monitor keeps free)"
         plan.problems.append(
-            f"host RAM: {plan.host_total / g:.1f} GiB needed, {machine.host_available / g:.1f} GiB available: "
+            f"host RAM: {plan.host_total / g:.1f} GiB needed, {usable / g:.1f} GiB available{margin}: "
             "shrink the store (below) or use a machine with more RAM")
-    if plan.problems and (plan.shm_total > machine.shm_free or plan.host_total > machine.host_available):
+    if plan.problems and (plan.shm_total > machine.shm_free or plan.host_total > usable):
         plan.host_fixes = host_fixes(plan)
     if machine.memlock is not None and cfg.engine.device != "cpu" and machine.gpu_memory \
             and plan.pinned > machine.memlock:

@@ -120,23 +120,30 @@ def tier_lines(plan: Plan) -> list[str]:
         for tier in ("ram", "disk"):
             if (dtype, tier) == configured:
                 continue
+            speculative = cfg.optimizer.speculative_stages if tier == "ram" else 0  # it needs the moments in RAM
             label = "moments" + (f" {dtype}" if dtype != configured[0] else "") \
                 + ((" on disk" if tier == "disk" else " in RAM") if tier != configured[1] else "")
             alternatives.append((label, dataclasses.replace(
-                cfg, optimizer=dataclasses.replace(cfg.optimizer, moment_dtype=dtype),
+                cfg, optimizer=dataclasses.replace(cfg.optimizer, moment_dtype=dtype, speculative_stages=speculative),
                 host=dataclasses.replace(cfg.host, moments_tier=tier, disk_dir=cfg.host.disk_dir or "DISK_DIR"))))
     # The streaming copy: its own bf16 copy in RAM, or the fp32 master streamed (RAM for PCIe bytes).
     stream = cfg.precision.master_dtype if not cfg.precision.stream_is_master else cfg.precision.compute_dtype
     if stream != cfg.precision.resolved_stream_dtype:
-        alternatives.append((f"streaming copy {'none (master streamed)' if stream == cfg.precision.master_dtype else stream}",
-                             dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, stream_dtype=stream))))
+        streams_master = stream == cfg.precision.master_dtype  # and so no speculative updates
+        alternatives.append((f"streaming copy {'none (master streamed)' if streams_master else stream}",
+                             dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, stream_dtype=stream),
+                                                 optimizer=dataclasses.replace(
+                                                     cfg.optimizer, speculative_stages=0 if streams_master else
+                                                     cfg.optimizer.speculative_stages))))
     for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
         ram, disk, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
         d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
         change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
         speed = f"  {estimate(other, profile, offload=plan.offload).tok_per_s:9,.0f} tok/s" if profile else ""
         lines.append(f"  {label + ':':<40}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
-                     + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else ""))
+                     + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else "")
+                     + ("  (no speculative updates)" if other.optimizer.speculative_stages
+                        != cfg.optimizer.speculative_stages else ""))
     if profile is not None:
         lines.append(f"  (tok/s: the speed model; AdamW scaled by DRAM bytes per parameter, the disk tier at "
                      f"{profile.host.disk_gbps:g} GB/s read + write, an assumption unless --disk-gbps)")
@@ -195,10 +202,16 @@ def host_fixes(plan: Plan) -> list[str]:
     candidates = []
     if plan.run.frozen_base:  # LoRA: the store is the base in the streaming dtype, nothing else to drop
         return ["train a smaller model, or use a machine with more RAM"]
+    # Speculative updates need the streaming copy and the moments in RAM: the fixes that drop those drop them too.
+    unspeculative = dataclasses.replace(optimizer, speculative_stages=0)
+    also = " and optimizer.speculative_stages=0" if optimizer.speculative_stages else ""
+    if optimizer.speculative_stages:
+        candidates.append(("optimizer.speculative_stages=0 (no second sets of state; the updates wait for the "
+                           "gradient norm)", dataclasses.replace(cfg, optimizer=unspeculative)))
     if not precision.stream_is_master:
-        candidates.append((f"precision.stream_dtype={precision.master_dtype} (stream the master weights: no separate "
-                           "streaming copy, twice the PCIe bytes per step)",
-                           dataclasses.replace(cfg, precision=dataclasses.replace(
+        candidates.append((f"precision.stream_dtype={precision.master_dtype}{also} (stream the master weights: no "
+                           "separate streaming copy, twice the PCIe bytes per step)",
+                           dataclasses.replace(cfg, optimizer=unspeculative, precision=dataclasses.replace(
                                precision, stream_dtype=precision.master_dtype))))
     if precision.master_dtype == "float64":
         candidates.append(("precision.master_dtype=float32", dataclasses.replace(
@@ -208,8 +221,9 @@ def host_fixes(plan: Plan) -> list[str]:
             candidates.append(("optimizer.moment_dtype=bfloat16 (not full precision)", dataclasses.replace(
                 cfg, optimizer=dataclasses.replace(optimizer, moment_dtype="bfloat16"))))
         if host.moments_tier == "ram":
-            candidates.append(("host.moments_tier=disk with host.disk_dir on an NVMe disk (slower: see the memory "
-                               "tiers above)", dataclasses.replace(cfg, host=dataclasses.replace(
+            candidates.append((f"host.moments_tier=disk with host.disk_dir on an NVMe disk{also} (slower: see the "
+                               "memory tiers above)", dataclasses.replace(cfg, optimizer=unspeculative,
+                                                                          host=dataclasses.replace(
                                    host, moments_tier="disk", disk_dir=host.disk_dir or "DISK_DIR"))))
     ram_now = plan.shm_total + plan.staging
     fixes = []

@@ -13,6 +13,7 @@ from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
 from tests.conftest import tiny_config
 
 
@@ -114,3 +115,25 @@ def test_a_checkpoint_saves_the_current_set_and_resumes_without_speculation(tmp_
         trainer.train()
         weights, exp_avg_sq = trainer.master_weights(), trainer.read_moments("exp_avg_sq")
     assert equal(weights, reference[1]) and equal(exp_avg_sq, reference[3])
+
+
+def test_the_plan_keeps_rays_memory_margin_and_offers_to_drop_the_second_sets(tmp_path):
+    """Ray's memory monitor kills a worker above 95 % of the node's RAM: a store that fits the RAM but not that is
+    refused before anything is allocated (under Ray, not in-process), and the fixes and tiers that cannot keep
+    speculative updates (master streamed, moments on disk) are offered without them."""
+    model = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 8}  # large enough that each fix saves above the plan's 0.01 GiB floor
+    cfg = tiny_config(tmp_path / "ray", model=model, optimizer={"speculative_stages": 2}, precision=BF16_STREAM,
+                      runtime={"mode": "ray", "dashboard": False})
+    needed = plan_run(cfg, Machine.detect("/dev/shm").override(host_memory="64GiB")).host_total
+    box = Machine.detect("/dev/shm").override(host_memory=str(int(needed * 1.02)))
+    plan = plan_run(cfg, box)
+    assert not plan.fits and "less what Ray's memory monitor keeps free" in plan.problems[0]
+    assert plan.host_fixes[0].startswith("optimizer.speculative_stages=0")
+    assert "host.moments_tier=disk with host.disk_dir on an NVMe disk and optimizer.speculative_stages=0" in \
+        "\n".join(plan.host_fixes)
+    text = format_plan(plan)
+    assert "moments on disk:" in text and "(no speculative updates)" in text
+    in_process = tiny_config(tmp_path / "local", model=model, optimizer={"speculative_stages": 2},
+                             precision=BF16_STREAM, runtime={"mode": "local", "dashboard": False})
+    assert plan_run(in_process, box).fits

@@ -15,7 +15,9 @@ def test_the_large_model_table_plans_every_config_on_every_preset(tmp_path):
     rows = [row(os.path.join(REPO, c), m) for c in CONFIGS for m in ("h100-1tb", "h200-1.5tb")]
     by = {(Path(r["config"]).stem, r["machine"]): r for r in rows}
     assert by["dense-120b", "h200-1.5tb"]["host_fits"] and not by["dense-120b", "h100-1tb"]["host_fits"]
-    assert by["dense-120b", "h100-1tb"]["host_fits_bf16_moments"]
+    # 960 GiB with bf16 moments: under the 1 TB box's RAM, above it less the 5 % Ray's memory monitor keeps free.
+    assert not by["dense-120b", "h100-1tb"]["host_fits_bf16_moments"]
+    assert by["dense-120b", "h200-1.5tb"]["host_fits_bf16_moments"]
     assert all(r["gpu_fits"] and r["expected_tok_per_s"] > 0 for r in rows)
     # The config's batch fits an 80 GB GPU once the layer inputs go to host memory (auto); not needed on an H200.
     assert by["llama3-70b", "h100-1tb"]["activation_offload"]
