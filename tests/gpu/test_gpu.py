@@ -416,3 +416,21 @@ def test_nf4_lora_on_the_gpu_tracks_the_cpu_run(tmp_path):
           f"loss {losses['cuda'][0]:.3f} -> {losses['cuda'][-1]:.3f} (CPU {losses['cpu'][0]:.3f} -> {losses['cpu'][-1]:.3f})")
     assert worst <= 0.02
     assert losses["cuda"][-1] < losses["cuda"][0]
+
+
+def test_speculative_updates_track_the_run_that_waits_for_the_norm_on_the_gpu(tmp_path):
+    """optimizer.speculative_stages on CUDA: the LM head and the last layer updated during the backward into their
+    second sets, kept or redone as the norm says, over steps that clip and steps that do not."""
+    def run(name: str, **optimizer) -> list[dict]:
+        cfg = gpu_config(tmp_path / name, layers=4, hidden=512, ffn=1376, batch=8, seq=256,
+                         optimizer={"lr": 1e-3, "workers": 2, **optimizer}, train={"steps": 12})
+        with Trainer(cfg) as trainer:
+            return [trainer.step(s) for s in range(cfg.train.steps)]
+    clip = sorted(r["grad_norm"] for r in run("probe"))[6]  # about half the steps clip
+    waiting, speculative = run("wait", grad_clip=clip), run("speculative", grad_clip=clip, speculative_stages=2)
+    norms = [r["grad_norm"] for r in waiting]
+    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(speculative, waiting))
+    print(f"speculative_stages=2 vs 0, clip {clip:.3f} ({sum(n > clip for n in norms)} of {len(norms)} steps "
+          f"clipped): max relative loss difference {worst:.2e}")
+    assert any(n > clip for n in norms) and any(n < clip for n in norms)
+    assert worst < 2e-2  # bit for bit on the CPU (tests/integration/test_speculative.py); bf16 GPU kernels here
