@@ -138,6 +138,8 @@ class UpdateDispatch:
         for grads in sorted(deferred, key=lambda landed: landed.stage):
             self._order(grads, UpdateOrder(grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr,
                                            coef, apply=apply, span=grads.span))
+        # A redo is sent without waiting for its speculative update: each worker runs its orders one at a time in
+        # the order sent (an actor's default concurrency group, a local handle's single thread).
         for grads in sorted(speculated, key=lambda landed: landed.stage):
             if apply and coef == 1.0:  # the speculative update was the right one
                 self._switch_set(grads.stage)

@@ -120,15 +120,17 @@ class FlatAdamW:
             return None
 
     def bytes_per_element(self, grad: torch.Tensor, stream_out: torch.Tensor | None, apply: bool = True,
-                          saves_grad: bool = False) -> int:
+                          speculative: bool = False) -> int:
         """Host-memory bytes an update reads and writes per element: master and both moments read and
         written, the gradient read, the streaming copy written. The torch path's scratch stays in cache.
-        `saves_grad`: a speculative update, which also writes the gradient aside."""
+        `speculative`: an update into the stage's other set, which also writes the gradient aside, and whose
+        stores into that set read each line first (it is not in cache, as the current set is)."""
         copy = stream_out.element_size() if stream_out is not None else 0
         if not apply:  # a dropped step only rewrites the copy from the master
             return self.master_dtype.itemsize + copy
-        saved = grad.element_size() if saves_grad else 0
-        return 2 * self.master_dtype.itemsize + 4 * self.moment_dtype.itemsize + grad.element_size() + copy + saved
+        state = self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize
+        extra = state + grad.element_size() if speculative else 0
+        return 2 * state + grad.element_size() + copy + extra
 
     @property
     def kernel_name(self) -> str:

@@ -37,9 +37,12 @@ class Machine:
     def usable_host(self, under_ray: bool) -> int:
         """RAM the run may take: what is available, less, under Ray, the part its memory monitor keeps free (it
         kills a worker once the node uses more than RAY_memory_usage_threshold of its RAM, 0.95 by default)."""
-        if not under_ray:
+        if not under_ray or os.environ.get("RAY_memory_monitor_refresh_ms") == "0":  # the monitor is off
             return self.host_available
-        threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
+        try:
+            threshold = min(1.0, float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD)))
+        except ValueError:
+            threshold = RAY_MEMORY_THRESHOLD  # Ray itself refuses such a value at start
         return max(0, self.host_available - int((1 - threshold) * self.host_memory))
 
     @classmethod

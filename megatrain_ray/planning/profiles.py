@@ -64,10 +64,12 @@ def optimizer_dram_bytes(cfg: Config) -> int:
     return 2 * master + 4 * moments + DTYPE_BYTES[run.grad_dtype] + copy
 
 
-def saved_grad_bytes(cfg: Config) -> int:
-    """DRAM bytes per parameter a speculative update writes besides (optimizer.speculative_stages): the gradients
-    it saves for a redo (FlatAdamW.bytes_per_element with saves_grad)."""
-    return DTYPE_BYTES[RunSpec.resolve(cfg).grad_dtype]
+def speculative_extra_bytes(cfg: Config) -> int:
+    """DRAM bytes per parameter a speculative update moves besides (optimizer.speculative_stages): the gradients it
+    saves for a redo, and the other set's master and moments, whose lines a store reads before writing them
+    (FlatAdamW.bytes_per_element with `speculative`)."""
+    run = RunSpec.resolve(cfg)
+    return DTYPE_BYTES[run.grad_dtype] + DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[cfg.optimizer.moment_dtype]
 
 
 def adamw_gparams(cfg: Config, host: "HostProfile") -> float:

@@ -30,7 +30,7 @@ from megatrain_ray.planning.profiles import (
     SpeedProfile,
     adamw_gparams,
     optimizer_dram_bytes,
-    saved_grad_bytes,
+    speculative_extra_bytes,
 )
 from megatrain_ray.store.segments import (
     SlabTurns,
@@ -150,7 +150,7 @@ class _Replay:
     """Stages updated as their gradients land although clipping is on (optimizer.speculative_stages); the
     estimate takes steps whose norm stays below the clip (else their updates are redone after the backward)."""
     speculative_factor: float = 1.0
-    """A speculative update's time over a plain one's: its DRAM bytes, the saved gradients included, over without."""
+    """A speculative update's time over a plain one's: its DRAM bytes over a plain update's (profiles.speculative_extra_bytes)."""
 
     def _optimizer_busy(self, t: float) -> bool:
         k = bisect.bisect_right(self.optimizer_spans, (t, math.inf)) - 1  # the spans are disjoint and sorted
@@ -356,7 +356,7 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
                      device_update_seconds=lora_params(cfg) * ADAPTER_UPDATE_BYTES
                      / (GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9),
                      speculative=frozenset(layout.speculative_stages(run.speculative_stages, run.resident_layers)),
-                     speculative_factor=1 + saved_grad_bytes(cfg) / optimizer_dram_bytes(cfg))
+                     speculative_factor=1 + speculative_extra_bytes(cfg) / optimizer_dram_bytes(cfg))
     start = end = 0.0
     for _ in range(steps):
         start = replay.issue = end + profile.host.control_seconds  # the trainer's next call

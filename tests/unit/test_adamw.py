@@ -267,8 +267,8 @@ def test_a_speculative_update_writes_the_other_set_and_a_redo_ends_as_the_clippe
     assert all(torch.equal(a, b) for a, b in zip(current, clipped))
 
 
-def test_a_speculative_update_counts_its_saved_gradients():
+def test_a_speculative_update_counts_its_saved_gradients_and_the_other_sets_reads():
     opt = FlatAdamW(OptimizerConfig(kernel="torch"), torch.float32)
     grad = torch.zeros(1, dtype=torch.bfloat16)
     assert opt.bytes_per_element(grad, grad) == 2 * 12 + 2 + 2
-    assert opt.bytes_per_element(grad, grad, saves_grad=True) == 28 + 2
+    assert opt.bytes_per_element(grad, grad, speculative=True) == 28 + 12 + 2
