@@ -49,14 +49,7 @@ from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restor
 from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.lora_export import export_lora
 from megatrain_ray.store.nf4_base import NF4_KIND, DequantizedBase
-from megatrain_ray.store.segments import (
-    HostStore,
-    SegmentSpec,
-    StoreTensors,
-    segment_prefix,
-    shard_stages,
-    specs_of,
-)
+from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages, specs_of
 from megatrain_ray.system.files import refuse_existing, write_atomic
 from megatrain_ray.system.guardian import Guardian
 from megatrain_ray.system.model_sources import fetch_weights
