@@ -89,6 +89,8 @@ class StepResult:
     aux_loss: float | None = None
     """MoE with model.output_router_logits: the load-balancing loss (unweighted; `loss` includes
     router_aux_loss_coef times it, as transformers' loss does). None otherwise."""
+    speculative_redone: int | None = None
+    """Speculative updates of the step redone after the norm (it clipped or was dropped); None: none speculated."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,4 +137,5 @@ def merge_results(results: list[StepResult]) -> StepResult:
         rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results),
         objective_metrics={k: sum(r.objective_metrics[k] for r in results) for k in first.objective_metrics}
         if first.objective_metrics else None,  # each rank's share of the mean over the whole batch
-        aux_loss=first.aux_loss)  # MoE: the whole batch's, the same on every rank
+        aux_loss=first.aux_loss,  # MoE: the whole batch's, the same on every rank
+        speculative_redone=first.speculative_redone)

@@ -60,8 +60,11 @@ from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
 from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
+from megatrain_ray.observe.log import get_logger
 from megatrain_ray.quant.nf4_stage import decode_blocks
 from megatrain_ray.store.segments import HostStore
+
+log = get_logger(__name__)
 
 
 class StreamEngine(ForwardOnlyPasses):
@@ -111,9 +114,13 @@ class StreamEngine(ForwardOnlyPasses):
         self.telemetry = StepTelemetry(self.streams, trace)
         sync = StageSync(store.get("sync", 0), rank, len(layout.stages), parallel.timeout_s) \
             if rank.local_world > 1 else None
+        speculative = layout.speculative_stages(run.speculative_stages, run.resident_layers)
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0,
-                                      speculative=layout.speculative_stages(run.speculative_stages,
-                                                                            run.resident_layers), store=store)
+                                      speculative=speculative, store=store)
+        self.speculative_redone = 0
+        if speculative:
+            log.info("speculative updates (optimizer.speculative_stages): %s, during the backward into their "
+                     "second sets", ", ".join(layout.stages[i].name for i in speculative))
         self.weights = WeightStream(layout, store, self.streams, self.telemetry, self.updates, rank, stream_dtype,
                                     self.compute_dtype, poison, parallel.gather_weights,
                                     run.resident_layers, frozen=run.frozen_base,
@@ -208,7 +215,8 @@ class StreamEngine(ForwardOnlyPasses):
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
             comm_seconds=device_seconds["comm"],
             objective_metrics={k: float(v) for k, v in head.metrics.items()} if batch.preference else None,
-            aux_loss=None if self.router_aux.loss is None else float(self.router_aux.loss))
+            aux_loss=None if self.router_aux.loss is None else float(self.router_aux.loss),
+            speculative_redone=self.speculative_redone if self.updates.speculative else None)
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
@@ -426,7 +434,7 @@ class StreamEngine(ForwardOnlyPasses):
         # rewritten from the master weights before the next forward reads them. Else exact global clipping,
         # as torch.nn.utils.clip_grad_norm_: scale = min(1, clip / (norm + 1e-6)).
         coef = 1.0 if skipped else min(1.0, self.clip / (grad_norm + 1e-6))
-        self.updates.order_deferred(coef=coef, apply=not skipped)
+        self.speculative_redone = self.updates.order_deferred(coef=coef, apply=not skipped)
         # The resident stages' updates after the CPU's are ordered: the CPU starts first, the device's are short.
         self.resident.apply_deferred(coef, not skipped, self.updates.lr, self.updates.adam_step)
         return skipped

@@ -130,9 +130,10 @@ class UpdateDispatch:
             self._order(grads, UpdateOrder(grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr,
                                            span=grads.span))
 
-    def order_deferred(self, coef: float, apply: bool) -> None:
+    def order_deferred(self, coef: float, apply: bool) -> int:
         """Order the step's held-back updates in forward order, their gradients scaled by `coef`; `apply` False
-        drops them (non-finite gradients): the workers only rewrite the streaming copies from the masters."""
+        drops them (non-finite gradients): the workers only rewrite the streaming copies from the masters.
+        Returns how many speculative updates are redone."""
         deferred, self.deferred = self.deferred, []
         speculated, self.speculated = self.speculated, []
         for grads in sorted(deferred, key=lambda landed: landed.stage):
@@ -140,14 +141,16 @@ class UpdateDispatch:
                                            coef, apply=apply, span=grads.span))
         # A redo is sent without waiting for its speculative update: each worker runs its orders one at a time in
         # the order sent (an actor's default concurrency group, a local handle's single thread).
+        kept = apply and coef == 1.0  # the speculative updates were the right ones
         for grads in sorted(speculated, key=lambda landed: landed.stage):
-            if apply and coef == 1.0:  # the speculative update was the right one
+            if kept:
                 self._switch_set(grads.stage)
                 continue
             # The saved gradients were zeroed where no token reached an expert, before the update read them.
             self._order(replace(grads, zero=None), UpdateOrder(
                 grads.stage, grads.grad_kind, grads.grad_index, self.adam_step, self.lr, coef, apply=apply,
                 speculative="redo"))
+        return 0 if kept else len(speculated)
 
     def _switch_set(self, stage: int) -> None:
         """Make the set the stage's speculative update wrote current, once that update is done: on the dispatcher

@@ -149,5 +149,6 @@ def step_record(step: int, lr: float, result: StepResult, seconds: float, flops_
         "host_mem_gib": host_memory_bytes / 2**30,
         "gpu_peak_gib": result.gpu_peak_bytes / 2**30, "skipped": not finite(result),
         "epoch": epoch, **({"aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
+        **({"speculative_redone": result.speculative_redone} if result.speculative_redone is not None else {}),
         **(result.objective_metrics or {}),  # DPO: rewards/chosen, rewards/rejected, rewards/accuracies, ...
     }

@@ -47,6 +47,10 @@ def test_speculative_updates_train_bit_for_bit_as_waiting_for_the_norm(tmp_path,
     norms = [r["grad_norm"] for r in records if not r["skipped"]]
     assert any(n > clip for n in norms) and any(n < clip for n in norms)  # both ways were taken
     assert [r["skipped"] for r in records] == [s == 5 for s in range(8)]
+    # The three speculative updates are redone on the steps that clip and on the dropped one, kept on the others.
+    assert [r["speculative_redone"] for r in spec_records] == \
+        [3 if r["skipped"] or r["grad_norm"] + 1e-6 > clip else 0 for r in records]
+    assert "speculative_redone" not in records[0]
     assert [r["loss"] for r in spec_records] == [r["loss"] for r in records]
     assert equal(spec_weights, weights) and equal(spec_m, m) and equal(spec_v, v)
 
