@@ -14,6 +14,7 @@ from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
 from megatrain_ray.planning.host_memory import store_bytes, without_refused_tier
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_tier_lines
 from megatrain_ray.planning.plan import Plan
+from megatrain_ray.planning.speculation import fastest_speculation
 from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, estimate, speed_lines
 from megatrain_ray.units import GiB, human_count
 
@@ -135,6 +136,10 @@ def tier_lines(plan: Plan) -> list[str]:
                                                  optimizer=dataclasses.replace(
                                                      cfg.optimizer, speculative_stages=0 if streams_master else
                                                      cfg.optimizer.speculative_stages))))
+    ram_left = plan.machine.usable_host(cfg.runtime.mode == "ray") - plan.host_total
+    fastest = fastest_speculation(cfg, profile, plan.offload, plan.workers, ram_left) if profile is not None else None
+    if fastest is not None and fastest[0] != cfg.optimizer.speculative_stages:  # RAM for speed (clipping on)
+        alternatives.append((f"speculative_stages {fastest[0]}", fastest[1]))
     for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
         ram, disk, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
         d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
@@ -142,8 +147,8 @@ def tier_lines(plan: Plan) -> list[str]:
         speed = f"  {estimate(other, profile, offload=plan.offload).tok_per_s:9,.0f} tok/s" if profile else ""
         lines.append(f"  {label + ':':<40}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
                      + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else "")
-                     + ("  (no speculative updates)" if other.optimizer.speculative_stages
-                        != cfg.optimizer.speculative_stages else ""))
+                     + ("  (no speculative updates)" if cfg.optimizer.speculative_stages
+                        and not other.optimizer.speculative_stages else ""))
     if profile is not None:
         lines.append(f"  (tok/s: the speed model; AdamW scaled by DRAM bytes per parameter, the disk tier at "
                      f"{profile.host.disk_gbps:g} GB/s read + write, an assumption unless --disk-gbps)")

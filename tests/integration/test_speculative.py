@@ -5,6 +5,8 @@ plan counts the second sets."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.memory import plan_run
 from megatrain_ray.planning.plan_text import format_plan
 from tests.conftest import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train(cfg) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -141,3 +145,29 @@ def test_the_plan_keeps_rays_memory_margin_and_offers_to_drop_the_second_sets(tm
     in_process = tiny_config(tmp_path / "local", model=model, optimizer={"speculative_stages": 2},
                              precision=BF16_STREAM, runtime={"mode": "local", "dashboard": False})
     assert plan_run(in_process, box).fits
+
+
+def test_the_plan_offers_the_fastest_speculative_count_that_fits(tmp_path):
+    """Clipping on, bound by the CPU optimizer: `megatrain plan` lists the count the speed model puts fastest among
+    those that fit the box, with its RAM; none that does not fit, none without clipping."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.planning.speed import estimate
+
+    def shape(*overrides: str):
+        return load_config(os.path.join(REPO, "configs", "shapes", "qwen3-30b-a3b.yaml"),
+                           overrides=["model.num_layers=4", "data.batch_size=8", "data.seq_len=8192", *overrides])
+    box = Machine.from_preset("h200-128gb")
+    predicted = {n: estimate(shape(f"optimizer.speculative_stages={n}"), box.profile).tok_per_s for n in range(6)}
+    fastest = max(predicted, key=lambda n: (predicted[n], -n))
+    assert fastest > 0 and predicted[fastest] > 1.05 * predicted[0]
+    plan = plan_run(shape(), box)
+    layout = build_layout(plan.cfg.model)
+    second_sets = 14 * sum(layout.stages[i].numel for i in layout.speculative_stages(fastest, 0))
+    line = next(line for line in format_plan(plan).splitlines() if "speculative_stages" in line)
+    assert line.split()[:4] == ["speculative_stages", f"{fastest}:", f"+{second_sets / 2**30:.2f}", "GiB"]
+    assert f"{predicted[fastest]:,.0f} tok/s" in line
+    tight = box.override(host_memory=f"{int(plan.host_total / 0.95) + 2**20}")  # fits with no room to spare
+    tight_text = format_plan(plan_run(shape(), tight))
+    assert "tok/s" in tight_text.split("memory tiers")[1].splitlines()[0]  # the speed model still weighs the tiers
+    assert "speculative_stages" not in tight_text
+    assert "speculative_stages" not in format_plan(plan_run(shape("optimizer.grad_clip=0"), box))
