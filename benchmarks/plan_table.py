@@ -229,7 +229,7 @@ def fixture(results: Path = RESULTS) -> dict:
 
 def host_fits(plan: Plan, host_total: int) -> bool:
     m = plan.machine
-    return host_total <= m.usable_host(plan.cfg.runtime.mode == "ray") and host_total - plan.processes <= m.shm_free
+    return host_total <= plan.usable_host and host_total - plan.processes <= m.shm_free
 
 
 def gpu_fits(plan: Plan) -> bool:

@@ -64,10 +64,12 @@ def _check(plan: Plan) -> None:
             "`mount -o remount,size=...`) or shrink the store (below)")
     if cfg.host.moments_tier == "disk" and not machine.described:
         plan.problems.extend(disk_problems(cfg.host.disk_dir, sum(plan.disk.values())))
-    usable = machine.usable_host(cfg.runtime.mode == "ray")
+    usable = plan.usable_host
     if plan.host_total > usable:
-        margin = "" if usable == machine.host_available else \
-            f" ({machine.host_available / g:.1f} GiB less what Ray's memory monitor keeps free)"
+        kept = [what for what, applies in (("what Ray's memory monitor keeps free", cfg.runtime.mode == "ray"),
+                                           ("what compiled layers took beyond this count", plan.compiles_on_gpu))
+                if applies]
+        margin = f" ({machine.host_available / g:.1f} GiB less {' and '.join(kept)})" if kept else ""
         plan.problems.append(
             f"host RAM: {plan.host_total / g:.1f} GiB needed, {usable / g:.1f} GiB available{margin}: "
             "shrink the store (below) or use a machine with more RAM")

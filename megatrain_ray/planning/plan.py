@@ -12,6 +12,14 @@ from megatrain_ray.planning.gpu_memory import peak_allocated
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.profiles import SpeedProfile
 from megatrain_ray.planning.speed import SpeedEstimate, estimate
+from megatrain_ray.units import GiB
+
+COMPILED_NODE_BYTES = 8 * GiB
+"""RAM that a run whose layers compile on a GPU took beyond the plan's count, as the node's memory accounting
+(Ray's memory monitor) saw it. Two 12-layer Qwen3-30B-A3B runs on the 125 GiB H200 box bound it between 7.9 and
+11.9 GiB: planned at 107.7 GiB one ran, at 111.7 GiB (a speculative stage more) one was killed above Ray's
+119.6 GiB threshold; a gpt-oss-20b run with eager layers planned at 114.1 GiB ran. Not measured apart: torch's
+compile workers and the pages of the libraries they load are the suspects."""
 
 
 @dataclass
@@ -50,6 +58,18 @@ class Plan:
     def gpu_peak(self) -> int:
         """Peak of torch's allocations on the GPU (what torch.cuda.max_memory_allocated reports)."""
         return peak_allocated(self.gpu)
+
+    @property
+    def compiles_on_gpu(self) -> bool:
+        """The decoder layers go through torch.compile on a GPU (what COMPILED_NODE_BYTES was measured with)."""
+        return self.cfg.engine.device != "cpu" and self.run is not None and self.run.layers_compiled
+
+    @property
+    def usable_host(self) -> int:
+        """RAM the run may take: the machine's (Machine.usable_host), less COMPILED_NODE_BYTES where the
+        decoder layers compile on a GPU."""
+        usable = self.machine.usable_host(self.cfg.runtime.mode == "ray")
+        return max(0, usable - (COMPILED_NODE_BYTES if self.compiles_on_gpu else 0))
 
     @property
     def fits(self) -> bool:

@@ -136,7 +136,7 @@ def tier_lines(plan: Plan) -> list[str]:
                                                  optimizer=dataclasses.replace(
                                                      cfg.optimizer, speculative_stages=0 if streams_master else
                                                      cfg.optimizer.speculative_stages))))
-    ram_left = plan.machine.usable_host(cfg.runtime.mode == "ray") - plan.host_total
+    ram_left = plan.usable_host - plan.host_total
     fastest = fastest_speculation(cfg, profile, plan.offload, plan.workers, ram_left) if profile is not None else None
     if fastest is not None and fastest[0] != cfg.optimizer.speculative_stages:  # RAM for speed (clipping on)
         alternatives.append((f"speculative_stages {fastest[0]}", fastest[1]))

@@ -38,5 +38,7 @@ def fastest_speculation(cfg: Config, profile: SpeedProfile, offload: bool, worke
     if ram_now is None:  # configured above the counts weighed
         return None
     weighed = [w for w in weighed if w[3] - ram_now <= ram_left]
+    if not weighed:
+        return None
     tok_per_s, count, other, _ = max(weighed, key=lambda w: w[:2])
     return -count, other

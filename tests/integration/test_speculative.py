@@ -171,3 +171,24 @@ def test_the_plan_offers_the_fastest_speculative_count_that_fits(tmp_path):
     assert "tok/s" in tight_text.split("memory tiers")[1].splitlines()[0]  # the speed model still weighs the tiers
     assert "speculative_stages" not in tight_text
     assert "speculative_stages" not in format_plan(plan_run(shape("optimizer.grad_clip=0"), box))
+
+
+@pytest.mark.parametrize("result, ran", [
+    ("moe-qwen3-30b-a3b-12l-64k-compiled-head-h200-20261126-041005.json", True),
+    ("moe-qwen3-30b-a3b-12l-64k-spec1-h200-20261126-072138.json", False),
+    ("moe-qwen3-30b-a3b-12l-64k-spec2-h200-20261126-063851.json", False)])
+def test_the_plan_refuses_what_rays_memory_monitor_killed(result, ran):
+    """The 12-layer Qwen3-30B-A3B width on the 125 GiB H200 box (the h200-128gb preset): the run without
+    speculative stages ran; with one or two, Ray's memory monitor killed a worker. The plan says the same."""
+    import json
+
+    from megatrain_ray.config.load import load_config
+
+    measured = json.load(open(os.path.join(REPO, "benchmarks", "results", result)))
+    row = next(r for r in measured["rows"] if r["system"] == "megatrain")
+    assert (row["status"] == "ok") == ran
+    cfg = load_config(os.path.join(REPO, measured["config"]), overrides=[
+        f"model.num_layers={row['layers']}", f"data.batch_size={row['batch']}", f"data.seq_len={row['seq_len']}",
+        *measured["overrides"]])
+    plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
+    assert plan.fits == ran, plan.problems
