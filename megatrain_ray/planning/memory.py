@@ -66,8 +66,10 @@ def _check(plan: Plan) -> None:
         plan.problems.extend(disk_problems(cfg.host.disk_dir, sum(plan.disk.values())))
     usable = plan.usable_host
     if plan.host_total > usable:
-        kept = [what for what, applies in (("what Ray's memory monitor keeps free", cfg.runtime.mode == "ray"),
-                                           ("what compiled layers took beyond this count", plan.compiles_on_gpu))
+        under_ray = machine.usable_host(cfg.runtime.mode == "ray") < machine.host_available
+        kept = [what for what, applies in (("what Ray's memory monitor keeps free", under_ray),
+                                           ("the 8 GiB that a run compiling its layers on a GPU took beyond the "
+                                            "plan's count (planning/plan.py)", plan.compiles_on_gpu))
                 if applies]
         margin = f" ({machine.host_available / g:.1f} GiB less {' and '.join(kept)})" if kept else ""
         plan.problems.append(

@@ -19,7 +19,8 @@ COMPILED_NODE_BYTES = 8 * GiB
 (Ray's memory monitor) saw it. Two 12-layer Qwen3-30B-A3B runs on the 125 GiB H200 box bound it between 7.9 and
 11.9 GiB: planned at 107.7 GiB one ran, at 111.7 GiB (a speculative stage more) one was killed above Ray's
 119.6 GiB threshold; a gpt-oss-20b run with eager layers planned at 114.1 GiB ran. Not measured apart: torch's
-compile workers and the pages of the libraries they load are the suspects."""
+compile workers and the pages of the libraries they load are the suspects. Counted once per GPU worker of a
+node (each compiles), which is an assumption: only one-GPU runs were measured."""
 
 
 @dataclass
@@ -62,14 +63,15 @@ class Plan:
     @property
     def compiles_on_gpu(self) -> bool:
         """The decoder layers go through torch.compile on a GPU (what COMPILED_NODE_BYTES was measured with)."""
-        return self.cfg.engine.device != "cpu" and self.run is not None and self.run.layers_compiled
+        return bool(self.machine.gpu_memory) and self.cfg.engine.device != "cpu" and self.run is not None \
+            and self.run.layers_compiled
 
     @property
     def usable_host(self) -> int:
         """RAM the run may take: the machine's (Machine.usable_host), less COMPILED_NODE_BYTES where the
         decoder layers compile on a GPU."""
         usable = self.machine.usable_host(self.cfg.runtime.mode == "ray")
-        return max(0, usable - (COMPILED_NODE_BYTES if self.compiles_on_gpu else 0))
+        return max(0, usable - (COMPILED_NODE_BYTES * self.run.ranks_per_node if self.compiles_on_gpu else 0))
 
     @property
     def fits(self) -> bool:

@@ -136,15 +136,21 @@ def tier_lines(plan: Plan) -> list[str]:
                                                  optimizer=dataclasses.replace(
                                                      cfg.optimizer, speculative_stages=0 if streams_master else
                                                      cfg.optimizer.speculative_stages))))
-    ram_left = plan.usable_host - plan.host_total
-    fastest = fastest_speculation(cfg, profile, plan.offload, plan.workers, ram_left) if profile is not None else None
+    # The second sets are shared memory: they must fit the RAM left and host.shm_dir.
+    ram_left = min(plan.usable_host - plan.host_total, plan.machine.shm_free - plan.shm_total)
+    fastest = fastest_speculation(cfg, profile, plan.offload, plan.workers, plan.run.resident_layers, ram_left) \
+        if profile is not None else None
     if fastest is not None and fastest[0] != cfg.optimizer.speculative_stages:  # RAM for speed (clipping on)
         alternatives.append((f"speculative_stages {fastest[0]}", fastest[1]))
     for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
-        ram, disk, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
+        # engine.gpu_resident=auto as the plan resolved it, unless the alternative drops the tier.
+        run = RunSpec.resolve(other)
+        resident = plan.run.resident_layers if other.engine.gpu_resident == "auto" else run.resident_layers
+        ram, disk, staging = store_bytes(other, dataclasses.replace(run, resident_layers=resident), plan.workers)
         d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
         change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
-        speed = f"  {estimate(other, profile, offload=plan.offload).tok_per_s:9,.0f} tok/s" if profile else ""
+        speed = f"  {estimate(other, profile, offload=plan.offload, resident=resident).tok_per_s:9,.0f} tok/s" \
+            if profile else ""
         lines.append(f"  {label + ':':<40}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
                      + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else "")
                      + ("  (no speculative updates)" if cfg.optimizer.speculative_stages

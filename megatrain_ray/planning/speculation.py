@@ -11,34 +11,40 @@ from megatrain_ray.planning.host_memory import store_bytes
 from megatrain_ray.planning.profiles import SpeedProfile
 from megatrain_ray.planning.speed import estimate
 
+WORTH = 1.02
+"""A count is offered only when the speed model puts it at least this much faster than the configured one."""
+
 MAX_WEIGHED = 6
 """Counts weighed: 0 to this. Past the LM head and a few layers the speculative updates outlast the backward
 and only delay the updates the next forward needs first."""
 
 
-def fastest_speculation(cfg: Config, profile: SpeedProfile, offload: bool, workers: int,
+def fastest_speculation(cfg: Config, profile: SpeedProfile, offload: bool, workers: int, resident: int,
                         ram_left: int) -> tuple[int, Config] | None:
     """The speculative stage count the speed model predicts fastest for `cfg` (ties: the fewest stages) among
-    those whose host store grows by at most `ram_left` bytes over the configured one, and the config with it;
+    those whose host store grows by at most `ram_left` bytes over the configured one, and the config with it,
+    where it is at least WORTH times as fast as the configured count;
     None where speculative updates do not apply (clipping off, LoRA, moments on disk, the master streamed,
-    several GPUs a node). `workers`: the optimizer workers, as the plan counts them."""
+    several GPUs a node). `workers`, `resident`: the optimizer workers and GPU-resident layers as the plan
+    resolved them."""
     if cfg.optimizer.grad_clip <= 0 or cfg.finetune.method != "full":
         return None
-    weighed, ram_now = [], None
+    weighed, ram_now, configured = [], None, 0.0
     for count in range(min(MAX_WEIGHED, cfg.model.num_layers + 1) + 1):
         try:
             other = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, speculative_stages=count))
         except ConfigError:
             return None
-        ram, _, staging = store_bytes(other, RunSpec.resolve(other), workers)
+        ram, _, staging = store_bytes(other, dataclasses.replace(RunSpec.resolve(other), resident_layers=resident),
+                                      workers)
+        tok_per_s = estimate(other, profile, offload=offload, resident=resident).tok_per_s
         if count == cfg.optimizer.speculative_stages:
-            ram_now = sum(ram.values()) + staging
-        weighed.append((estimate(other, profile, offload=offload).tok_per_s, -count, other,
-                        sum(ram.values()) + staging))
+            ram_now, configured = sum(ram.values()) + staging, tok_per_s
+        weighed.append((tok_per_s, -count, other, sum(ram.values()) + staging))
     if ram_now is None:  # configured above the counts weighed
         return None
     weighed = [w for w in weighed if w[3] - ram_now <= ram_left]
     if not weighed:
         return None
     tok_per_s, count, other, _ = max(weighed, key=lambda w: w[:2])
-    return -count, other
+    return (-count, other) if tok_per_s >= WORTH * configured else None

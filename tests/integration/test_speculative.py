@@ -15,6 +15,7 @@ from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan import COMPILED_NODE_BYTES
 from megatrain_ray.planning.plan_text import format_plan
 from tests.conftest import tiny_config
 
@@ -166,8 +167,11 @@ def test_the_plan_offers_the_fastest_speculative_count_that_fits(tmp_path):
     line = next(line for line in format_plan(plan).splitlines() if "speculative_stages" in line)
     assert line.split()[:4] == ["speculative_stages", f"{fastest}:", f"+{second_sets / 2**30:.2f}", "GiB"]
     assert f"{predicted[fastest]:,.0f} tok/s" in line
-    tight = box.override(host_memory=f"{int(plan.host_total / 0.95) + 2**20}")  # fits with no room to spare
-    tight_text = format_plan(plan_run(shape(), tight))
+    # Fits with no room to spare: Ray's 5 % and the compiled layers' 8 GiB kept, 1 MiB more.
+    tight = box.override(host_memory=f"{int((plan.host_total + COMPILED_NODE_BYTES) / 0.95) + 2**20}")
+    tight_plan = plan_run(shape(), tight)
+    assert tight_plan.fits and tight_plan.compiles_on_gpu
+    tight_text = format_plan(tight_plan)
     assert "tok/s" in tight_text.split("memory tiers")[1].splitlines()[0]  # the speed model still weighs the tiers
     assert "speculative_stages" not in tight_text
     assert "speculative_stages" not in format_plan(plan_run(shape("optimizer.grad_clip=0"), box))
@@ -189,6 +193,16 @@ def test_the_plan_refuses_what_rays_memory_monitor_killed(result, ran):
     assert (row["status"] == "ok") == ran
     cfg = load_config(os.path.join(REPO, measured["config"]), overrides=[
         f"model.num_layers={row['layers']}", f"data.batch_size={row['batch']}", f"data.seq_len={row['seq_len']}",
-        *measured["overrides"]])
+        "optimizer.workers=2", *measured["overrides"]])  # the box's two workers, whatever cores this machine has
     plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
     assert plan.fits == ran, plan.problems
+
+
+def test_a_machine_without_a_gpu_keeps_no_room_for_compiled_gpu_layers(tmp_path):
+    """The compiled layers' margin (planning/plan.py COMPILED_NODE_BYTES) is for a GPU: with engine.device auto on
+    a machine without one, the plan keeps none."""
+    cfg = tiny_config(tmp_path, engine={"device": "auto"})
+    needed = plan_run(cfg, Machine.detect("/dev/shm").override(host_memory="64GiB")).host_total
+    no_gpu = Machine(needed + 2**30, needed + 2**30, needed + 2**30, None, None)
+    plan = plan_run(cfg, no_gpu)
+    assert plan.fits and not plan.compiles_on_gpu and plan.usable_host == needed + 2**30
