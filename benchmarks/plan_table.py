@@ -315,7 +315,9 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "",
         "- **Host RAM**: the shared-memory store exactly as the HostShards lay it out (fp32 master weights "
         "streamed directly, fp32 AdamW moments, a gradient pool; clipping off) plus the processes. A machine's "
-        "usable RAM is taken as 125/128 of the installed (MemTotal on the H100 box) less the 5 % that Ray's memory monitor keeps free (it kills a worker above 95 % of the RAM) and, with compiled layers, 8 GiB (planning/plan.py), /dev/shm as large as it.",
+        "usable RAM is taken as 125/128 of the installed (MemTotal on the H100 box) less the 5 % that Ray's memory "
+        "monitor keeps free (it kills a worker above 95 % of the RAM) and, with compiled layers, 8 GiB "
+        "(planning/plan.py), /dev/shm as large as it.",
         "- **bf16 moments**: the plan with `optimizer.moment_dtype: bfloat16` (both AdamW moments in 2 bytes, "
         "stochastic rounding; not full precision), -4 bytes/parameter. Its speed is not predicted.",
         "- **GPU**: torch's peak allocation by the memory plan + 1.5 GiB for the CUDA context and workspaces. "

@@ -78,9 +78,8 @@ class StageUpdater:
                 if self.disk is not None:
                     self.disk.release((order.stage, k))
         ended = time.perf_counter()
-        return UpdateDone(order.stage, self.worker, ended - t0, end - start,
-                          (end - start) * self.adamw.bytes_per_element(grad, stream_out, order.apply, save_grad is not None),
-                          t0, ended)
+        per_element = self.adamw.bytes_per_element(grad, stream_out, order.apply, speculative=save_grad is not None)
+        return UpdateDone(order.stage, self.worker, ended - t0, end - start, (end - start) * per_element, t0, ended)
 
     def sync(self) -> None:
         """Return once every moment written back is on disk (before a checkpoint reads the files)."""

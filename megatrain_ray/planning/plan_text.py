@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
+from megatrain_ray.config.sections import Config
 from megatrain_ray.model.flops import active_params
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.lora import lora_params
@@ -138,20 +139,18 @@ def tier_lines(plan: Plan) -> list[str]:
                                                      cfg.optimizer.speculative_stages))))
     # The second sets are shared memory: they must fit the RAM left and host.shm_dir.
     ram_left = min(plan.usable_host - plan.host_total, plan.machine.shm_free - plan.shm_total)
-    fastest = fastest_speculation(cfg, profile, plan.offload, plan.workers, plan.run.resident_layers, ram_left) \
-        if profile is not None else None
+    def weigh(other: Config) -> tuple[int, float]:
+        ram, _, tok_per_s = alternative_figures(plan, other)
+        return ram, tok_per_s
+    fastest = fastest_speculation(cfg, weigh, ram_left) if profile is not None else None
     if fastest is not None and fastest[0] != cfg.optimizer.speculative_stages:  # RAM for speed (clipping on)
         alternatives.append((f"speculative_stages {fastest[0]}", fastest[1]))
     for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
-        # engine.gpu_resident=auto as the plan resolved it, unless the alternative drops the tier.
-        run = RunSpec.resolve(other)
-        resident = plan.run.resident_layers if other.engine.gpu_resident == "auto" else run.resident_layers
-        ram, disk, staging = store_bytes(other, dataclasses.replace(run, resident_layers=resident), plan.workers)
-        d_ram, d_disk = sum(ram.values()) + staging - ram_now, sum(disk.values()) - disk_now
+        ram, disk, tok_per_s = alternative_figures(plan, other)
+        d_ram, d_disk = ram - ram_now, disk - disk_now
         change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
-        speed = f"  {estimate(other, profile, offload=plan.offload, resident=resident).tok_per_s:9,.0f} tok/s" \
-            if profile else ""
-        lines.append(f"  {label + ':':<40}{change:<34}{(sum(ram.values()) + staging) / params:5.1f} B/param RAM"
+        speed = f"  {tok_per_s:9,.0f} tok/s" if profile else ""
+        lines.append(f"  {label + ':':<40}{change:<34}{ram / params:5.1f} B/param RAM"
                      + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else "")
                      + ("  (no speculative updates)" if cfg.optimizer.speculative_stages
                         and not other.optimizer.speculative_stages else ""))
@@ -202,6 +201,18 @@ def stop_lines(plan: Plan, params: int) -> list[str]:
             f"then a "
             f"checkpoint of {checkpoint / 1e9:.1f} GB (~{write_s:.0f} s at {CHECKPOINT_WRITE_GBPS:g} GB/s, an assumption); "
             f"submit with RAY_JOB_STOP_WAIT_TIME_S={wait_s} in the job's runtime env", ""]
+
+
+def alternative_figures(plan: Plan, other: Config) -> tuple[int, int, float]:
+    """Host RAM (store and disk-tier staging), disk bytes and expected tok/s (0 without measured rates) of an
+    alternative to the plan's config on its machine, with engine.gpu_resident=auto as the plan resolved it
+    unless the alternative drops the tier."""
+    run = RunSpec.resolve(other)
+    resident = plan.run.resident_layers if other.engine.gpu_resident == "auto" else run.resident_layers
+    ram, disk, staging = store_bytes(other, dataclasses.replace(run, resident_layers=resident), plan.workers)
+    profile = plan.profile
+    tok_per_s = estimate(other, profile, offload=plan.offload, resident=resident).tok_per_s if profile else 0.0
+    return sum(ram.values()) + staging, sum(disk.values()), tok_per_s
 
 
 def host_fixes(plan: Plan) -> list[str]:

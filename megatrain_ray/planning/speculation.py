@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.planning.host_memory import store_bytes
-from megatrain_ray.planning.profiles import SpeedProfile
-from megatrain_ray.planning.speed import estimate
 
 WORTH = 1.02
 """A count is offered only when the speed model puts it at least this much faster than the configured one."""
@@ -19,14 +16,13 @@ MAX_WEIGHED = 6
 and only delay the updates the next forward needs first."""
 
 
-def fastest_speculation(cfg: Config, profile: SpeedProfile, offload: bool, workers: int, resident: int,
+def fastest_speculation(cfg: Config, weigh: Callable[[Config], tuple[int, float]],
                         ram_left: int) -> tuple[int, Config] | None:
     """The speculative stage count the speed model predicts fastest for `cfg` (ties: the fewest stages) among
     those whose host store grows by at most `ram_left` bytes over the configured one, and the config with it,
-    where it is at least WORTH times as fast as the configured count;
-    None where speculative updates do not apply (clipping off, LoRA, moments on disk, the master streamed,
-    several GPUs a node). `workers`, `resident`: the optimizer workers and GPU-resident layers as the plan
-    resolved them."""
+    where it is at least WORTH times as fast as the configured count; None where speculative updates do not
+    apply (clipping off, LoRA, moments on disk, the master streamed, several GPUs a node). `weigh`: a config's
+    host RAM and expected tok/s, as the plan counts them (plan_text.alternative_figures)."""
     if cfg.optimizer.grad_clip <= 0 or cfg.finetune.method != "full":
         return None
     weighed, ram_now, configured = [], None, 0.0
@@ -35,12 +31,10 @@ def fastest_speculation(cfg: Config, profile: SpeedProfile, offload: bool, worke
             other = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, speculative_stages=count))
         except ConfigError:
             return None
-        ram, _, staging = store_bytes(other, dataclasses.replace(RunSpec.resolve(other), resident_layers=resident),
-                                      workers)
-        tok_per_s = estimate(other, profile, offload=offload, resident=resident).tok_per_s
+        ram, tok_per_s = weigh(other)
         if count == cfg.optimizer.speculative_stages:
-            ram_now, configured = sum(ram.values()) + staging, tok_per_s
-        weighed.append((tok_per_s, -count, other, sum(ram.values()) + staging))
+            ram_now, configured = ram, tok_per_s
+        weighed.append((tok_per_s, -count, other, ram))
     if ram_now is None:  # configured above the counts weighed
         return None
     weighed = [w for w in weighed if w[3] - ram_now <= ram_left]

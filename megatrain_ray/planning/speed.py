@@ -150,7 +150,8 @@ class _Replay:
     """Stages updated as their gradients land although clipping is on (optimizer.speculative_stages); the
     estimate takes steps whose norm stays below the clip (else their updates are redone after the backward)."""
     speculative_factor: float = 1.0
-    """A speculative update's time over a plain one's: its DRAM bytes over a plain update's (profiles.speculative_extra_bytes)."""
+    """A speculative update's time over a plain one's: its DRAM bytes over a plain update's
+    (profiles.speculative_extra_bytes)."""
 
     def _optimizer_busy(self, t: float) -> bool:
         k = bisect.bisect_right(self.optimizer_spans, (t, math.inf)) - 1  # the spans are disjoint and sorted

@@ -131,7 +131,7 @@ def test_the_plan_keeps_rays_memory_margin_and_offers_to_drop_the_second_sets(tm
     refused before anything is allocated (under Ray, not in-process), and the fixes and tiers that cannot keep
     speculative updates (master streamed, moments on disk) are offered without them."""
     model = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_layers": 8,
-             "num_attention_heads": 8, "num_key_value_heads": 8}  # large enough that each fix saves above the plan's 0.01 GiB floor
+             "num_attention_heads": 8, "num_key_value_heads": 8}  # each fix saves above the plan's 0.01 GiB floor
     cfg = tiny_config(tmp_path / "ray", model=model, optimizer={"speculative_stages": 2}, precision=BF16_STREAM,
                       runtime={"mode": "ray", "dashboard": False})
     needed = plan_run(cfg, Machine.detect("/dev/shm").override(host_memory="64GiB")).host_total
