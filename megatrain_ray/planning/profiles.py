@@ -120,7 +120,8 @@ class SpeedProfile:
 MACHINES = yaml.safe_load((Path(__file__).with_name("machines.yaml")).read_text())
 """The measured rates (machines.yaml), read once."""
 GPUS = {kind: GpuProfile(kind, g["name"], g["memory_mib"] * 2**20, g["model_tflops"], g["compiled_model_tflops"],
-                         g["moe_model_tflops"], g["moe_compiled_model_tflops"], " ".join(g["source"].split()), MACHINES["lora_rate_fraction"])
+                         g["moe_model_tflops"], g["moe_compiled_model_tflops"], " ".join(g["source"].split()),
+                         MACHINES["lora_rate_fraction"])
         for kind, g in MACHINES["gpus"].items()}
 HOSTS = {kind: HostProfile(h["name"], h2d_gbps=h["h2d_gbps"], h2d_loaded_gbps=h["h2d_loaded_gbps"],
                            d2h_gbps=h["d2h_gbps"], adamw_gparams=h["adamw_gparams"],
