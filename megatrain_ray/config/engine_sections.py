@@ -61,8 +61,9 @@ class OptimizerConfig:
     which becomes current when the step does not clip (clipping coefficient 1: norm + 1e-6 <= grad_clip, as
     torch's clip_grad_norm_); when it clips (or the norm is not finite) the update is redone on the current
     set with the clipping coefficient, so the result is bit for bit that of 0. What it buys: the CPU
-    optimizer starts during the backward instead of after it, at the cost of 14 more bytes per parameter of
-    DRAM traffic for those stages, 42 instead of 28 (docs/speed-model.md). `megatrain plan` counts the
+    optimizer starts during the backward instead of after it, at the cost of 2 more bytes per parameter of
+    DRAM traffic for those stages with the native kernel (the saved gradients; 30 instead of 28, the second
+    set streamed out), 14 more with optimizer.kernel torch (docs/speed-model.md). `megatrain plan` counts the
     second sets in host RAM. Needs grad_clip > 0, a streaming copy apart from the master
     (precision.stream_dtype below master_dtype), the moments in RAM (host.moments_tier=ram), full
     fine-tuning and one GPU per node. 0: every update waits for the norm."""

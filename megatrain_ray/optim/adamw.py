@@ -123,14 +123,22 @@ class FlatAdamW:
                           speculative: bool = False) -> int:
         """Host-memory bytes an update reads and writes per element: master and both moments read and
         written, the gradient read, the streaming copy written. The torch path's scratch stays in cache.
-        `speculative`: an update into the stage's other set, which also writes the gradient aside, and whose
-        stores into that set read each line first (it is not in cache, as the current set is)."""
+        `speculative`: an update into the stage's other set, which also writes the gradient aside. The native
+        kernel streams that set out (kernels/adamw.cpp); torch's stores read each of its lines first (it is not in
+        cache, as the current set is)."""
         copy = stream_out.element_size() if stream_out is not None else 0
         if not apply:  # a dropped step only rewrites the copy from the master
             return self.master_dtype.itemsize + copy
         state = self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize
-        extra = state + grad.element_size() if speculative else 0
+        extra = 0
+        if speculative:
+            extra = grad.element_size() + (0 if self._runs_native(grad, stream_out) else state)
         return 2 * state + grad.element_size() + copy + extra
+
+    def _runs_native(self, grad: torch.Tensor, stream_out: torch.Tensor | None) -> bool:
+        """Whether an update with these gradients and streaming copy runs the native kernel."""
+        return self.native is not None and grad.dtype in (torch.float32, torch.bfloat16) and \
+            (stream_out is None or stream_out.dtype == torch.bfloat16)
 
     @property
     def kernel_name(self) -> str:
@@ -155,8 +163,7 @@ class FlatAdamW:
             raise ValueError("a speculative update takes whole stages in RAM")
         tensors = (master, exp_avg, exp_avg_sq, grad, stream_out, into, save_grad)
         key = noise_key(adam_step, stage)
-        if self.native is not None and grad.dtype in (torch.float32, torch.bfloat16) and \
-                (stream_out is None or stream_out.dtype == torch.bfloat16):
+        if self._runs_native(grad, stream_out):
             self._native(tensors, start, end, decay_end, adam_step, lr, grad_coef, key, moments_base, grad_base)
             return
         step = torch.tensor(float(adam_step), dtype=torch.float32)

@@ -66,10 +66,12 @@ def optimizer_dram_bytes(cfg: Config) -> int:
 
 def speculative_extra_bytes(cfg: Config) -> int:
     """DRAM bytes per parameter a speculative update moves besides (optimizer.speculative_stages): the gradients it
-    saves for a redo, and the other set's master and moments, whose lines a store reads before writing them
-    (FlatAdamW.bytes_per_element with `speculative`)."""
+    saves for a redo; with torch's kernel also the other set's master and moments, whose lines its stores read
+    before writing them (the native kernel streams them out; FlatAdamW.bytes_per_element with `speculative`)."""
     run = RunSpec.resolve(cfg)
-    return DTYPE_BYTES[run.grad_dtype] + DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[cfg.optimizer.moment_dtype]
+    native = cfg.optimizer.kernel != "torch" and run.master_dtype == "float32"
+    state = DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[cfg.optimizer.moment_dtype]
+    return DTYPE_BYTES[run.grad_dtype] + (0 if native else state)
 
 
 def adamw_gparams(cfg: Config, host: "HostProfile") -> float:

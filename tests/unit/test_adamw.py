@@ -268,7 +268,11 @@ def test_a_speculative_update_writes_the_other_set_and_a_redo_ends_as_the_clippe
 
 
 def test_a_speculative_update_counts_its_saved_gradients_and_the_other_sets_reads():
+    """Torch's stores into the other set read each line first; the native kernel streams it out."""
     opt = FlatAdamW(OptimizerConfig(kernel="torch"), torch.float32)
     grad = torch.zeros(1, dtype=torch.bfloat16)
     assert opt.bytes_per_element(grad, grad) == 2 * 12 + 2 + 2
     assert opt.bytes_per_element(grad, grad, speculative=True) == 28 + 12 + 2
+    native = FlatAdamW(OptimizerConfig(kernel="native"), torch.float32)
+    assert native.bytes_per_element(grad, grad, speculative=True) == 28 + 2
+    assert native.bytes_per_element(grad.float(), grad, speculative=True) == 30 + 4

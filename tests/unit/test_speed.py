@@ -159,9 +159,14 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
     # same speculative point on other boxes (-063714, -065009) is within 6.2 %.
     ("moe-qwen3-30b-a3b-4l-64k-spec0-h200-20261126-063319.json", "megatrain L4 64k bfloat16 stream"): (
         "the slower box: AdamW 3.28 G params/s; planned 48,107, measured 42,777 (+12.5 %)"),
+    # The speculative rows up to b19e4bb ran the kernel that stored the second set with plain stores (42 bytes per
+    # parameter, where the model now takes the streamed stores' 30): the slower box's rows miss by more.
     ("moe-qwen3-30b-a3b-4l-64k-spec2-h200-20261126-063212.json", "megatrain L4 64k bfloat16 stream"): (
-        "the slower box, optimizer.speculative_stages 2: AdamW 2.81 G params/s; planned 53,093, measured 47,299 "
-        "(+12.3 %)"),
+        "the slower box, optimizer.speculative_stages 2, the plain-store kernel: AdamW 2.81 G params/s; planned "
+        "55,217, measured 47,299 (+16.7 %)"),
+    ("moe-qwen3-30b-a3b-4l-64k-spec3-h200-20261126-063114.json", "megatrain L4 64k bfloat16 stream"): (
+        "the slower box, optimizer.speculative_stages 3, the plain-store kernel: AdamW 2.80 G params/s; planned "
+        "55,864, measured 45,949 (+21.6 %)"),
 }
 """(file, row label) of measured points the speed model misses by more than TOLERANCE, with the cause."""
 PEAK_MISSES: dict[tuple[str, str], str] = {

@@ -16,13 +16,18 @@
 // A speculative update (optimizer.speculative_stages: before the step's gradient norm is known) reads the
 // stage's current master weights and moments and writes the new ones into its other set (`*_new`), so that the
 // current set stays for a redo; it also saves the gradient (`g_saved`), which the streaming copy it may sit in
-// is about to lose. Null `*_new` pointers: in place. The other set is written with plain stores, each line read
-// first: 14 bytes per parameter more than in place. Non-temporal stores did not pay where tried (an undo-copy
-// variant on the H200 box's Xeon; a block updated in scratch and streamed out, on an EPYC).
+// is about to lose. Null `*_new` pointers: in place. The other set is not in cache: each sub-block of 256 elements is
+// computed into scratch that stays in L1 and streamed out with non-temporal stores, so its lines are not read
+// first: 30 bytes per parameter, 2 more than in place (the saved gradient). Plain stores there read each line first
+// (42 bytes); on the H200 box's Xeon (benchmarks/optimizer_scaling.py --speculative) they ran at about 0.65 of the
+// in-place rate, the streamed sub-blocks at about 0.9. In place, streaming the lines back did not pay (they are in
+// cache already, read by the update).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__SSE2__)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#elif defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
@@ -73,19 +78,29 @@ inline float load<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float
 
 // G: gradient element (float or bf16 bits); M: moment element (float, or bf16 bits rounded stochastically).
 // `index` is the index in the stage of element 0, `key` the noise key of this (step, stage).
-// Copy with non-temporal stores where the CPU has them: the saved gradient is not read again this step, so its
-// lines go to DRAM without being read first (as a plain store does) or evicting the block the update is about
-// to read. Ordered by the sfence at the end of the block.
+// Copy with non-temporal stores where the CPU has them (whole lines with AVX-512): what a speculative update writes
+// (its saved gradient, the other set) is not read again this step, so its lines go to DRAM without being read
+// first (as a plain store does) or evicting the block the update is about to read. Partial lines at either end are
+// plain stores. Ordered by the sfence at the end of the block.
 inline void stream_copy(void* dst, const void* src, int64_t bytes) {
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);
-#if defined(__SSE2__)
-    int64_t head = static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+#if defined(__AVX512F__)
+    constexpr int64_t width = 64;
+#elif defined(__SSE2__)
+    constexpr int64_t width = 16;
+#endif
+#if defined(__AVX512F__) || defined(__SSE2__)
+    int64_t head = static_cast<int64_t>((width - (reinterpret_cast<uintptr_t>(d) & (width - 1))) & (width - 1));
     head = head < bytes ? head : bytes;
     std::memcpy(d, s, static_cast<size_t>(head));
     d += head, s += head, bytes -= head;
-    for (; bytes >= 16; bytes -= 16, d += 16, s += 16)
+    for (; bytes >= width; bytes -= width, d += width, s += width)
+#if defined(__AVX512F__)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+#else
         _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
 #endif
     std::memcpy(d, s, static_cast<size_t>(bytes));
 }
@@ -104,15 +119,9 @@ struct Outputs {
 // `index` is the index in the stage of element 0, `key` the noise key of this (step, stage). Element i is read
 // before it is written, so `to` may be the current set itself (and `out` the gradient).
 template <typename G, typename M, bool WriteCopy>
-void adamw_block(const float* p, const M* m, const M* v, const G* g, uint16_t* out, Outputs<G, M> to,
-                 int64_t n, float decay, float step_size, float one_minus_b1, float beta2, float one_minus_b2,
-                 float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key) {
-    if (to.g_saved) {  // before the streaming copy is written; the block is then in cache for the update
-        stream_copy(to.g_saved, g, n * static_cast<int64_t>(sizeof(G)));
-#if defined(__SSE2__)
-        _mm_sfence();
-#endif
-    }
+void adamw_elements(const float* p, const M* m, const M* v, const G* g, uint16_t* out, Outputs<G, M> to,
+                    int64_t n, float decay, float step_size, float one_minus_b1, float beta2, float one_minus_b2,
+                    float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
         const float grad = load(g, i) * grad_coef;
@@ -132,6 +141,37 @@ void adamw_block(const float* p, const M* m, const M* v, const G* g, uint16_t* o
         to.p[i] = updated;
         if constexpr (WriteCopy) out[i] = float_to_bf16(updated);
     }
+}
+
+constexpr int64_t kScratchElements = 256;  // a speculative update's sub-block: 3 KB of scratch with fp32 state, in L1
+
+// One block of an update: in place, or into the other set through scratch streamed out (see the top of the file).
+template <typename G, typename M, bool WriteCopy>
+void adamw_block(const float* p, const M* m, const M* v, const G* g, uint16_t* out, Outputs<G, M> to,
+                 int64_t n, float decay, float step_size, float one_minus_b1, float beta2, float one_minus_b2,
+                 float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key) {
+    if (to.g_saved)  // before the streaming copy is written; the block is then in cache for the update
+        stream_copy(to.g_saved, g, n * static_cast<int64_t>(sizeof(G)));
+    if (to.p == p) {
+        adamw_elements<G, M, WriteCopy>(p, m, v, g, out, to, n, decay, step_size, one_minus_b1, beta2, one_minus_b2,
+                                        eps, bias_correction2_sqrt, grad_coef, index, key);
+    } else {
+        alignas(64) float p_new[kScratchElements];
+        alignas(64) M m_new[kScratchElements], v_new[kScratchElements];
+        const Outputs<G, M> scratch{p_new, m_new, v_new, nullptr};
+        for (int64_t a = 0; a < n; a += kScratchElements) {
+            const int64_t k = n - a < kScratchElements ? n - a : kScratchElements;
+            adamw_elements<G, M, WriteCopy>(p + a, m + a, v + a, g + a, WriteCopy ? out + a : nullptr, scratch, k,
+                                            decay, step_size, one_minus_b1, beta2, one_minus_b2, eps,
+                                            bias_correction2_sqrt, grad_coef, index + a, key);
+            stream_copy(to.p + a, p_new, k * static_cast<int64_t>(sizeof(float)));
+            stream_copy(to.m + a, m_new, k * static_cast<int64_t>(sizeof(M)));
+            stream_copy(to.v + a, v_new, k * static_cast<int64_t>(sizeof(M)));
+        }
+    }
+#if defined(__SSE2__)
+    if (to.g_saved || to.p != p) _mm_sfence();  // the streamed lines are in DRAM before the update reports done
+#endif
 }
 
 // beta1 and beta2 come in double, as torch's kernel takes them: 1 - beta is rounded to float once, from
