@@ -11,6 +11,7 @@ loses nothing.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import torch
@@ -24,11 +25,23 @@ from megatrain_ray.observe.log import get_logger, warn_once
 log = get_logger(__name__)
 
 
+def compile_in_process() -> None:
+    """Inductor compiles in the calling process, not in a pool of worker processes, unless the user set
+    TORCHINDUCTOR_COMPILE_THREADS. The pool stays alive for the whole run: on the H200 box its processes held
+    about 5 GiB of host RAM (node memory 49.9 GiB against 44.9 in process, the same 4-layer Qwen3-30B-A3B run;
+    benchmarks/results/compile-threads-*-h200-20261126-*.json and docs/memory-and-long-context.md), RAM a
+    memory-bound run needs, while its start-up took no longer in process (34.8 s against 37.3)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config as inductor_config
+        inductor_config.compile_threads = 1
+
+
 class CompiledFunction:
     """`eager` through torch.compile, or `eager` itself once compiling failed (engine.compile auto)."""
 
     def __init__(self, eager: Any, fall_back: bool, what: str, dynamic: bool = False) -> None:
         """`dynamic`: one graph for every shape (torch.compile's dynamic shapes), where the shapes vary."""
+        compile_in_process()
         self.eager = eager
         self.fn = torch.compile(eager, dynamic=dynamic)
         self.fall_back = fall_back

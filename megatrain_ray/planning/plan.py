@@ -14,12 +14,12 @@ from megatrain_ray.planning.profiles import SpeedProfile
 from megatrain_ray.planning.speed import SpeedEstimate, estimate
 from megatrain_ray.units import GiB
 
-COMPILED_NODE_BYTES = 8 * GiB
-"""RAM that a run whose layers compile on a GPU took beyond the plan's count, as the node's memory accounting
-(Ray's memory monitor) saw it. Two 12-layer Qwen3-30B-A3B runs on the 125 GiB H200 box bound it between 7.9 and
-11.9 GiB: planned at 107.7 GiB one ran, at 111.7 GiB (a speculative stage more) one was killed above Ray's
-119.6 GiB threshold; a gpt-oss-20b run with eager layers planned at 114.1 GiB ran. Not measured apart: torch's
-compile workers and the pages of the libraries they load are the suspects. Counted once per GPU worker of a
+COMPILED_NODE_BYTES = 4 * GiB
+"""RAM that a run whose layers compile on a GPU takes beyond the plan's count, as the node's memory accounting
+(Ray's memory monitor) sees it. Measured on the 125 GiB H200 box, 4-layer Qwen3-30B-A3B width planned at 42.9 GiB:
+49.9 GiB used with inductor's pool of compile workers, 44.9 compiling in process (engine/compiled.py
+compile_in_process, the default since); 12 layers: see docs/memory-and-long-context.md. The pool's runs set 8 GiB
+before (one planned at 111.7 GiB was killed above Ray's 119.6 GiB threshold). Counted once per GPU worker of a
 node (each compiles), which is an assumption: only one-GPU runs were measured."""
 
 
