@@ -14,13 +14,14 @@ from megatrain_ray.planning.profiles import SpeedProfile
 from megatrain_ray.planning.speed import SpeedEstimate, estimate
 from megatrain_ray.units import GiB
 
-COMPILED_NODE_BYTES = 4 * GiB
+COMPILED_NODE_BYTES = 8 * GiB
 """RAM that a run whose layers compile on a GPU takes beyond the plan's count, as the node's memory accounting
-(Ray's memory monitor) sees it. Measured on the 125 GiB H200 box, 4-layer Qwen3-30B-A3B width planned at 42.9 GiB:
-49.9 GiB used with inductor's pool of compile workers, 44.9 compiling in process (engine/compiled.py
-compile_in_process, the default since); 12 layers: see docs/memory-and-long-context.md. The pool's runs set 8 GiB
-before (one planned at 111.7 GiB was killed above Ray's 119.6 GiB threshold). Counted once per GPU worker of a
-node (each compiles), which is an assumption: only one-GPU runs were measured."""
+(Ray's memory monitor) sees it; it grows with the model. Measured on the 125 GiB H200 box with the Qwen3-30B-A3B
+width, compiling in process (engine/compiled.py compile_in_process): 4 layers planned at 42.9 GiB used 44.9 (+2.0);
+12 layers with a speculative stage planned at 112.1 GiB used 119.5 (+7.4) and ran, at Ray's threshold. With
+inductor's pool of compile workers, as before, the 4-layer run used 49.9 (+7.0) and the 12-layer one was killed
+(docs/memory-and-long-context.md). Counted once per GPU worker of a node (each compiles), which is an
+assumption: only one-GPU runs were measured."""
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""engine/compiled.py compile_in_process: Inductor compiles in the calling process (no pool of compile workers, which
+held about 5 GiB of host RAM for a whole run on the H200 box), unless the user set TORCHINDUCTOR_COMPILE_THREADS."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+PROBE = """
+import os, sys, torch
+from megatrain_ray.engine.compiled import CompiledFunction
+fn = CompiledFunction(lambda x: torch.sin(x) * 2 + 1, fall_back=False, what="a probe")
+x = torch.randn(64, device=sys.argv[1])
+assert torch.allclose(fn(x), torch.sin(x) * 2 + 1)
+import torch._inductor.config as c
+children = [p for p in os.listdir("/proc") if p.isdigit() and
+            open(f"/proc/{p}/stat").read().split(") ")[1].split()[1] == str(os.getpid())]
+print(c.compile_threads, len(children))
+"""
+
+
+def probe(device: str, **env: str) -> tuple[int, int]:
+    """(Inductor's compile_threads, child processes) after a function compiled on `device`, in a fresh process."""
+    clean = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    proc = subprocess.run([sys.executable, "-c", PROBE, device], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**clean, "PYTHONPATH": REPO, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads, children = proc.stdout.split()[-2:]
+    return int(threads), int(children)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_inductor_compiles_in_process_unless_the_user_asks_for_workers():
+    """On the CPU Inductor starts no pool either way (it serves Triton only): the setting is what is checked."""
+    assert probe("cpu") == (1, 0)
+    assert probe("cpu", TORCHINDUCTOR_COMPILE_THREADS="2")[0] == 2  # the user's choice stands
+
