@@ -203,15 +203,23 @@ def stop_lines(plan: Plan, params: int) -> list[str]:
             f"submit with RAY_JOB_STOP_WAIT_TIME_S={wait_s} in the job's runtime env", ""]
 
 
+def alternative_run(plan: Plan, other: Config) -> RunSpec:
+    """An alternative config's settings on the plan's machine: engine.gpu_resident=auto as the plan resolved it
+    (RunSpec.resolve alone, without the machine, reads it as 0), unless the alternative drops the tier."""
+    run = RunSpec.resolve(other)
+    if other.engine.gpu_resident == "auto":
+        return dataclasses.replace(run, resident_layers=plan.run.resident_layers)
+    return run
+
+
 def alternative_figures(plan: Plan, other: Config) -> tuple[int, int, float]:
     """Host RAM (store and disk-tier staging), disk bytes and expected tok/s (0 without measured rates) of an
-    alternative to the plan's config on its machine, with engine.gpu_resident=auto as the plan resolved it
-    unless the alternative drops the tier."""
-    run = RunSpec.resolve(other)
-    resident = plan.run.resident_layers if other.engine.gpu_resident == "auto" else run.resident_layers
-    ram, disk, staging = store_bytes(other, dataclasses.replace(run, resident_layers=resident), plan.workers)
+    alternative to the plan's config on its machine (alternative_run)."""
+    run = alternative_run(plan, other)
+    ram, disk, staging = store_bytes(other, run, plan.workers)
     profile = plan.profile
-    tok_per_s = estimate(other, profile, offload=plan.offload, resident=resident).tok_per_s if profile else 0.0
+    tok_per_s = estimate(other, profile, offload=plan.offload, resident=run.resident_layers).tok_per_s \
+        if profile else 0.0
     return sum(ram.values()) + staging, sum(disk.values()), tok_per_s
 
 
@@ -250,7 +258,7 @@ def host_fixes(plan: Plan) -> list[str]:
     ram_now = plan.shm_total + plan.staging
     fixes = []
     for text, other in [(text, without_refused_tier(other)) for text, other in candidates]:
-        ram, _, staging = store_bytes(other, RunSpec.resolve(other), plan.workers)
+        ram, _, staging = store_bytes(other, alternative_run(plan, other), plan.workers)
         saved = ram_now - sum(ram.values()) - staging
         if saved >= GiB // 100:
             fixes.append(f"{text}: saves {saved / g:.1f} GiB")

@@ -65,6 +65,26 @@ def test_plot_draws_eval_loss_beside_the_training_loss(tmp_path, monkeypatch):
     assert labels["eval_loss"] == [(1, 2.9), (3, 2.7), (5, 2.5)] and len(labels["loss (train)"]) == 6
 
 
+def test_plan_advice_counts_the_gpu_resident_layers_as_the_plan_resolved_them(capsys):
+    """engine.gpu_resident=auto keeps 15 of 28 layers on an 80 GiB GPU, with two speculative stages (the LM head and
+    the last layer, both on the host). Dropping speculation saves their second sets and saved gradients, 14 bytes a
+    parameter. Read as 0 resident layers, the store it was weighed against held all 28 layers, and the fix looked
+    like it saved nothing."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.model.layout import build_layout
+
+    config = os.path.join(REPO, "configs", "shapes", "qwen2.5-7b.yaml")
+    assert main(["plan", config, "--host-memory", "40GiB", "--gpu-memory", "80GiB", "--set", "engine.gpu_resident=auto",
+                 "--set", "optimizer.speculative_stages=2"]) == 2
+    out = capsys.readouterr().out
+    assert re.search(r"layers 0-14 \(15 of 28", out)
+    layout = build_layout(load_config(config).model)
+    second_sets = 14 * (layout.head.numel + layout.layers[-1].numel)
+    fix = re.search(r"  - optimizer.speculative_stages=0 \(no second sets.*: saves ([0-9.]+) GiB", out)
+    assert fix, out
+    assert float(fix.group(1)) == pytest.approx(second_sets / 2**30, abs=0.05)
+
+
 def test_plan_advice_is_computed_for_the_config_and_printed_once(capsys):
     config = os.path.join(REPO, "configs", "shapes", "qwen2.5-7b.yaml")
     small = ["--host-memory", "64GiB", "--gpu-memory", "80GiB"]
