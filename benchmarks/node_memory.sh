@@ -1,7 +1,7 @@
 #!/bin/bash
 # Node memory during a run, every 3 s, as Ray's memory monitor counts it: used = MemTotal - MemAvailable (GiB),
 # the shared memory in /dev/shm, the summed RSS of inductor's compile workers and of the python/Ray processes
-# (RSS double-counts shared memory each process touched).
+# (the compile workers among them; RSS double-counts shared memory each process touched).
 #
 #     benchmarks/node_memory.sh LOG & WATCH=$!; python benchmarks/run.py ...; kill $WATCH
 #

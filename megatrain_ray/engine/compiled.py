@@ -30,10 +30,18 @@ def compile_in_process() -> None:
     TORCHINDUCTOR_COMPILE_THREADS. The pool stays alive for the whole run: on the H200 box its processes held
     about 5 GiB of host RAM (node memory 49.9 GiB against 44.9 in process, the same 4-layer Qwen3-30B-A3B run;
     benchmarks/results/compile-threads-*-h200-20261126-*.json and docs/memory-and-long-context.md), RAM a
-    memory-bound run needs, while its start-up took no longer in process (34.8 s against 37.3)."""
-    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        import torch._inductor.config as inductor_config
-        inductor_config.compile_threads = 1
+    memory-bound run needs, while its start-up took no longer in process (34.8 s against 37.3). A value the user
+    set in code stays; so does a pool that an earlier compile in this process started."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    import torch._inductor.config as inductor_config
+    decide = getattr(inductor_config, "decide_compile_threads", None)  # torch's default for this machine
+    threads = getattr(inductor_config, "compile_threads", 1)
+    if threads == 1 or (decide is not None and threads not in (None, decide())):  # in process, or the user's
+        return
+    inductor_config.compile_threads = 1
+    log.info("torch.compile: Inductor compiles in this process (set TORCHINDUCTOR_COMPILE_THREADS for a pool of "
+             "compile workers)")
 
 
 class CompiledFunction:

@@ -27,9 +27,13 @@ import torch
 from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.observe.log import get_logger, warn_once
-from megatrain_ray.optim.kernels import KernelUnavailable, adamw_library
+from megatrain_ray.optim.kernels import KernelUnavailable, adamw_library, native_kernel_runs
 
 log = get_logger(__name__)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def split_span(numel: int, part: int, parts: int, align: int = 64) -> tuple[int, int]:
@@ -124,21 +128,23 @@ class FlatAdamW:
         """Host-memory bytes an update reads and writes per element: master and both moments read and
         written, the gradient read, the streaming copy written. The torch path's scratch stays in cache.
         `speculative`: an update into the stage's other set, which also writes the gradient aside. The native
-        kernel streams that set out (kernels/adamw.cpp); torch's stores read each of its lines first (it is not in
-        cache, as the current set is)."""
+        kernel streams that set out on x86 (kernels/adamw.cpp); torch's stores, and the native kernel's elsewhere,
+        read each of its lines first (it is not in cache, as the current set is)."""
         copy = stream_out.element_size() if stream_out is not None else 0
         if not apply:  # a dropped step only rewrites the copy from the master
             return self.master_dtype.itemsize + copy
         state = self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize
         extra = 0
         if speculative:
-            extra = grad.element_size() + (0 if self._runs_native(grad, stream_out) else state)
+            streams = self._runs_native(grad, stream_out) and self.native.megatrain_adamw_streams()
+            extra = grad.element_size() + (0 if streams else state)
         return 2 * state + grad.element_size() + copy + extra
 
     def _runs_native(self, grad: torch.Tensor, stream_out: torch.Tensor | None) -> bool:
         """Whether an update with these gradients and streaming copy runs the native kernel."""
-        return self.native is not None and grad.dtype in (torch.float32, torch.bfloat16) and \
-            (stream_out is None or stream_out.dtype == torch.bfloat16)
+        return self.native is not None and native_kernel_runs(
+            self.cfg.kernel, _name(self.master_dtype), _name(grad.dtype),
+            _name(stream_out.dtype) if stream_out is not None else None)
 
     @property
     def kernel_name(self) -> str:

@@ -14,6 +14,7 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.optim.kernels import native_kernel_runs
 
 GiB = 2**30
 
@@ -67,9 +68,11 @@ def optimizer_dram_bytes(cfg: Config) -> int:
 def speculative_extra_bytes(cfg: Config) -> int:
     """DRAM bytes per parameter a speculative update moves besides (optimizer.speculative_stages): the gradients it
     saves for a redo; with torch's kernel also the other set's master and moments, whose lines its stores read
-    before writing them (the native kernel streams them out; FlatAdamW.bytes_per_element with `speculative`)."""
+    before writing them. The native kernel streams them out on x86, which the plan assumes of the machine
+    (FlatAdamW.bytes_per_element with `speculative`)."""
     run = RunSpec.resolve(cfg)
-    native = cfg.optimizer.kernel != "torch" and run.master_dtype == "float32"
+    native = native_kernel_runs(cfg.optimizer.kernel, run.master_dtype, run.grad_dtype,
+                                None if run.stream_is_master else run.stream_dtype)
     state = DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[cfg.optimizer.moment_dtype]
     return DTYPE_BYTES[run.grad_dtype] + (0 if native else state)
 

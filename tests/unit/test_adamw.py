@@ -231,26 +231,29 @@ def test_bf16_moments_cut_the_bytes_an_update_moves():
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
-def test_a_speculative_update_writes_the_other_set_and_a_redo_ends_as_the_clipped_update(kernel, moments):
-    """The engine's bf16 layout (gradients in the streaming copy the update overwrites): an update into the other
-    set is the plain update there, bit for bit, and leaves the current set as it was; redone on the current set
-    from the saved gradients with a clipping coefficient, it ends exactly where the clipped update alone ends."""
+@pytest.mark.parametrize("grads", [torch.bfloat16, torch.float32])
+def test_a_speculative_update_writes_the_other_set_and_a_redo_ends_as_the_clipped_update(kernel, moments, grads):
+    """The engine's bf16 layout (gradients in the streaming copy the update overwrites; or float32 gradients apart):
+    an update into the other set is the plain update there, bit for bit, and leaves the current set as it was;
+    redone on the current set from the saved gradients with a clipping coefficient, it ends exactly where the
+    clipped update alone ends. Spans of several of the native kernel's 16K-element blocks, split at odd edges."""
     torch.manual_seed(2)
-    n, decay_end = 5000, 3000
+    n, decay_end = 40_003, 23_001
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, chunk_elems=1024, kernel=kernel,
                           moment_dtype="bfloat16" if moments == torch.bfloat16 else "float32")
     opt = FlatAdamW(cfg, torch.float32, 3)
     assert opt.kernel_name == kernel
 
-    def state() -> list[torch.Tensor]:  # master, exp_avg, exp_avg_sq, gradients in the streaming copy
+    def state() -> list[torch.Tensor]:  # master, exp_avg, exp_avg_sq, streaming copy, float32 gradients apart
         g = torch.Generator().manual_seed(5)
-        return [torch.randn(n, generator=g), (torch.randn(n, generator=g) * 0.1).to(moments),
-                torch.rand(n, generator=g).to(moments) * 0.01, torch.randn(n, generator=g).bfloat16()]
+        tensors = [torch.randn(n, generator=g), (torch.randn(n, generator=g) * 0.1).to(moments),
+                   torch.rand(n, generator=g).to(moments) * 0.01, torch.randn(n, generator=g).bfloat16()]
+        return tensors + ([torch.randn(n, generator=g)] if grads == torch.float32 else [])
 
     def update(tensors, coef, grad=None, into=None, save_grad=None):
-        master, m, v, stream = tensors
-        for start, end in ((0, 2000), (2000, n)):  # two workers' spans
-            opt.update(master=master, exp_avg=m, exp_avg_sq=v, grad=stream if grad is None else grad,
+        master, m, v, stream, *apart = tensors
+        for start, end in ((0, 17_011), (17_011, n)):  # two workers' spans
+            opt.update(master=master, exp_avg=m, exp_avg_sq=v, grad=grad if grad is not None else (apart or [stream])[0],
                        stream_out=stream, start=start, end=end, decay_end=decay_end, adam_step=4, lr=1e-2,
                        grad_coef=coef, stage=3, into=into, save_grad=save_grad)
 
@@ -259,11 +262,11 @@ def test_a_speculative_update_writes_the_other_set_and_a_redo_ends_as_the_clippe
     update(plain, 1.0)
     current = state()
     other = [torch.full_like(t, float("nan")) for t in current]
-    update(current, 1.0, into=other[:3], save_grad=other[3])
+    update(current, 1.0, into=other[:3], save_grad=other[-1])
     assert all(torch.equal(a, b) for a, b in zip(other[:3] + current[3:], plain))  # the streaming copy: new weights
     assert all(torch.equal(a, b) for a, b in zip(current[:3], before[:3]))
-    assert torch.equal(other[3], before[3])  # the gradients, saved before the streaming copy was written
-    update(current, 0.37, grad=other[3])
+    assert torch.equal(other[-1], before[-1])  # the gradients, saved before the streaming copy was written
+    update(current, 0.37, grad=other[-1])
     assert all(torch.equal(a, b) for a, b in zip(current, clipped))
 
 

@@ -34,6 +34,27 @@ def probe(device: str, **env: str) -> tuple[int, int]:
     return int(threads), int(children)
 
 
+def test_compile_in_process_leaves_the_users_choice(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from megatrain_ray.engine.compiled import compile_in_process
+
+    default = inductor_config.decide_compile_threads()  # torch's choice on this machine (its cores)
+    if default == 1:
+        pytest.skip("torch compiles in process on a one-core machine anyway")
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(inductor_config, "compile_threads", default)
+    compile_in_process()
+    assert inductor_config.compile_threads == 1
+    monkeypatch.setattr(inductor_config, "compile_threads", default + 3)  # set in code by the user
+    compile_in_process()
+    assert inductor_config.compile_threads == default + 3
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", str(default))
+    monkeypatch.setattr(inductor_config, "compile_threads", default)
+    compile_in_process()
+    assert inductor_config.compile_threads == default
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_inductor_compiles_in_process_unless_the_user_asks_for_workers():
     """On the CPU Inductor starts no pool either way (it serves Triton only): the setting is what is checked."""

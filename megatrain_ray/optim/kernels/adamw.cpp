@@ -16,12 +16,13 @@
 // A speculative update (optimizer.speculative_stages: before the step's gradient norm is known) reads the
 // stage's current master weights and moments and writes the new ones into its other set (`*_new`), so that the
 // current set stays for a redo; it also saves the gradient (`g_saved`), which the streaming copy it may sit in
-// is about to lose. Null `*_new` pointers: in place. The other set is not in cache: each sub-block of 256 elements is
-// computed into scratch that stays in L1 and streamed out with non-temporal stores, so its lines are not read
-// first: 30 bytes per parameter, 2 more than in place (the saved gradient). Plain stores there read each line first
-// (42 bytes); on the H200 box's Xeon (benchmarks/optimizer_scaling.py --speculative) they ran at about 0.65 of the
-// in-place rate, the streamed sub-blocks at about 0.9. In place, streaming the lines back did not pay (they are in
-// cache already, read by the update).
+// is about to lose. Null `*_new` pointers: in place. The other set is not in cache: on x86 (SSE2 or AVX-512) each
+// sub-block of 256 elements is computed into scratch that stays in L1 and streamed out with non-temporal stores, so
+// its lines are not read first: with bf16 gradients 30 bytes per parameter, 2 more than in place (the saved
+// gradient). Plain stores there read each line first (42 bytes); on the H200 box's Xeon
+// (benchmarks/optimizer_scaling.py --speculative) they ran at about 0.65 of the in-place rate, the streamed
+// sub-blocks at about 0.9. Elsewhere the other set is written directly (megatrain_adamw_streams() says which). In
+// place, streaming the lines back did not pay (they are in cache already, read by the update).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -76,12 +77,16 @@ inline float load<float>(const float* g, int64_t i) { return g[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
 
-// G: gradient element (float or bf16 bits); M: moment element (float, or bf16 bits rounded stochastically).
-// `index` is the index in the stage of element 0, `key` the noise key of this (step, stage).
+#if defined(__AVX512F__) || defined(__SSE2__)
+constexpr bool kStreams = true;
+#else
+constexpr bool kStreams = false;
+#endif
+
 // Copy with non-temporal stores where the CPU has them (whole lines with AVX-512): what a speculative update writes
 // (its saved gradient, the other set) is not read again this step, so its lines go to DRAM without being read
 // first (as a plain store does) or evicting the block the update is about to read. Partial lines at either end are
-// plain stores. Ordered by the sfence at the end of the block.
+// plain stores. Ordered by the sfence at the end of the block. Without SSE2 or AVX-512: a plain copy.
 inline void stream_copy(void* dst, const void* src, int64_t bytes) {
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);
@@ -152,7 +157,7 @@ void adamw_block(const float* p, const M* m, const M* v, const G* g, uint16_t* o
                  float eps, float bias_correction2_sqrt, float grad_coef, int64_t index, uint32_t key) {
     if (to.g_saved)  // before the streaming copy is written; the block is then in cache for the update
         stream_copy(to.g_saved, g, n * static_cast<int64_t>(sizeof(G)));
-    if (to.p == p) {
+    if (to.p == p || !kStreams) {  // in place, or into the other set with plain stores
         adamw_elements<G, M, WriteCopy>(p, m, v, g, out, to, n, decay, step_size, one_minus_b1, beta2, one_minus_b2,
                                         eps, bias_correction2_sqrt, grad_coef, index, key);
     } else {
@@ -170,7 +175,7 @@ void adamw_block(const float* p, const M* m, const M* v, const G* g, uint16_t* o
         }
     }
 #if defined(__SSE2__)
-    if (to.g_saved || to.p != p) _mm_sfence();  // the streamed lines are in DRAM before the update reports done
+    if (to.g_saved || to.p != p) _mm_sfence();  // the streamed stores visible to other cores before the block returns
 #endif
 }
 
@@ -202,6 +207,10 @@ void adamw(const float* p, const M* m, const M* v, const G* g, uint16_t* out, Ou
 }  // namespace
 
 extern "C" {
+
+// Whether a speculative update streams its other set out (30 bytes per parameter with bf16 gradients) or writes it
+// with plain stores (42): FlatAdamW.bytes_per_element.
+int megatrain_adamw_streams() { return kStreams ? 1 : 0; }
 
 // Every variant takes the index of element 0 in its stage and the noise key (used by the bf16-moment ones), then
 // where a speculative update writes (null: in place) and saves the gradient (null: nowhere).
