@@ -21,7 +21,7 @@
 // its lines are not read first: with bf16 gradients 30 bytes per parameter, 2 more than in place (the saved
 // gradient). Plain stores there read each line first (42 bytes); on the H200 box's Xeon
 // (benchmarks/optimizer_scaling.py --speculative) they ran at about 0.65 of the in-place rate, the streamed
-// sub-blocks at about 0.9. Elsewhere the other set is written directly (megatrain_adamw_streams() says which). In
+// sub-blocks at about 0.9; on a 2-core AMD EPYC VM at 0.65 and 0.79. Elsewhere the other set is written directly (megatrain_adamw_streams() says which). In
 // place, streaming the lines back did not pay (they are in cache already, read by the update).
 #include <cmath>
 #include <cstdint>
