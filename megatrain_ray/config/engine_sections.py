@@ -88,6 +88,12 @@ class OptimizerConfig:
         if self.speculative_stages < 0:
             _fail(f"{s}.speculative_stages", self.speculative_stages, "must be >= 0 (0 turns speculation off)")
 
+    def runs_native_kernel(self, master_dtype: str, grad_dtype: str, stream_dtype: str | None) -> bool:
+        """Whether an update of these formats runs the native kernel (optim/kernels/adamw.cpp, where it builds),
+        else torch's: float32 master, float32 or bfloat16 gradients, a bfloat16 streaming copy or none."""
+        return self.kernel != "torch" and master_dtype == "float32" and grad_dtype in ("float32", "bfloat16") and \
+            stream_dtype in (None, "bfloat16")
+
 
 @dataclass(kw_only=True, slots=True)
 class PrecisionConfig:

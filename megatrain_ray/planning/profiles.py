@@ -14,7 +14,6 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.optim.kernels import native_kernel_runs
 
 GiB = 2**30
 
@@ -71,8 +70,8 @@ def speculative_extra_bytes(cfg: Config) -> int:
     before writing them. The native kernel streams them out on x86, which the plan assumes of the machine
     (FlatAdamW.bytes_per_element with `speculative`)."""
     run = RunSpec.resolve(cfg)
-    native = native_kernel_runs(cfg.optimizer.kernel, run.master_dtype, run.grad_dtype,
-                                None if run.stream_is_master else run.stream_dtype)
+    native = cfg.optimizer.runs_native_kernel(run.master_dtype, run.grad_dtype,
+                                              None if run.stream_is_master else run.stream_dtype)
     state = DTYPE_BYTES[run.master_dtype] + 2 * DTYPE_BYTES[cfg.optimizer.moment_dtype]
     return DTYPE_BYTES[run.grad_dtype] + (0 if native else state)
 

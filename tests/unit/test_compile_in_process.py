@@ -43,16 +43,17 @@ def test_compile_in_process_leaves_the_users_choice(monkeypatch):
     if default == 1:
         pytest.skip("torch compiles in process on a one-core machine anyway")
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(inductor_config, "compile_threads", default)
-    compile_in_process()
-    assert inductor_config.compile_threads == 1
-    monkeypatch.setattr(inductor_config, "compile_threads", default + 3)  # set in code by the user
-    compile_in_process()
-    assert inductor_config.compile_threads == default + 3
+    # Inductor's own patch: monkeypatch.setattr on its config module leaves the key unreadable afterwards.
+    with inductor_config.patch(compile_threads=default):
+        compile_in_process()
+        assert inductor_config.compile_threads == 1
+    with inductor_config.patch(compile_threads=default + 3):  # set in code by the user
+        compile_in_process()
+        assert inductor_config.compile_threads == default + 3
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", str(default))
-    monkeypatch.setattr(inductor_config, "compile_threads", default)
-    compile_in_process()
-    assert inductor_config.compile_threads == default
+    with inductor_config.patch(compile_threads=default):
+        compile_in_process()
+        assert inductor_config.compile_threads == default
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -29,13 +29,6 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
-def native_kernel_runs(kernel: str, master_dtype: str, grad_dtype: str, stream_dtype: str | None) -> bool:
-    """Whether an update of these formats runs the native kernel (where it builds) under optimizer.kernel
-    `kernel`, else torch's: float32 master, float32 or bfloat16 gradients, a bfloat16 streaming copy or none."""
-    return kernel != "torch" and master_dtype == "float32" and grad_dtype in ("float32", "bfloat16") and \
-        stream_dtype in (None, "bfloat16")
-
-
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
