@@ -9,3 +9,8 @@ DTYPE_RANK = {"bfloat16": 1, "float16": 1, "float32": 2, "float64": 3}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
                 "uint8": torch.uint8}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as configs spell it (torch.bfloat16 -> "bfloat16")."""
+    return str(dtype).removeprefix("torch.")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from megatrain_ray.config.model_section import flash_attention_takes
+from megatrain_ray.dtypes import dtype_name
 from megatrain_ray.exceptions import ConfigError
 
 
@@ -43,7 +44,7 @@ def fused_sink_attention_applies(q: torch.Tensor) -> bool:
     if not q.is_cuda:
         return True
     return torch.cuda.get_device_capability(q.device) >= (8, 0) and \
-        flash_attention_takes(str(q.dtype).removeprefix("torch."), q.shape[-1])
+        flash_attention_takes(dtype_name(q.dtype), q.shape[-1])
 
 
 def explicit_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,

@@ -25,15 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatrain_ray.config.engine_sections import OptimizerConfig
+from megatrain_ray.dtypes import dtype_name
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.observe.log import get_logger, warn_once
 from megatrain_ray.optim.kernels import KernelUnavailable, adamw_library
 
 log = get_logger(__name__)
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def split_span(numel: int, part: int, parts: int, align: int = 64) -> tuple[int, int]:
@@ -143,7 +140,8 @@ class FlatAdamW:
     def _runs_native(self, grad: torch.Tensor, stream_out: torch.Tensor | None) -> bool:
         """Whether an update with these gradients and streaming copy runs the native kernel."""
         return self.native is not None and self.cfg.runs_native_kernel(
-            _name(self.master_dtype), _name(grad.dtype), _name(stream_out.dtype) if stream_out is not None else None)
+            dtype_name(self.master_dtype), dtype_name(grad.dtype),
+            dtype_name(stream_out.dtype) if stream_out is not None else None)
 
     @property
     def kernel_name(self) -> str:
