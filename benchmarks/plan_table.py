@@ -40,9 +40,9 @@ from megatrain_ray.config.resolved import RunSpec  # noqa: E402
 from megatrain_ray.config.sections import Config  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES  # noqa: E402
-from megatrain_ray.planning.machine import Machine  # noqa: E402
+from megatrain_ray.planning.machine import RAY_MEMORY_THRESHOLD, Machine  # noqa: E402
 from megatrain_ray.planning.memory import plan_run  # noqa: E402
-from megatrain_ray.planning.plan import Plan  # noqa: E402
+from megatrain_ray.planning.plan import COMPILED_NODE_BYTES, Plan  # noqa: E402
 from megatrain_ray.planning.profiles import (  # noqa: E402
     H100,
     H100_BOX,
@@ -315,8 +315,9 @@ def markdown(rows: list[dict], validation: list[dict]) -> str:
         "",
         "- **Host RAM**: the shared-memory store exactly as the HostShards lay it out (fp32 master weights "
         "streamed directly, fp32 AdamW moments, a gradient pool; clipping off) plus the processes. A machine's "
-        "usable RAM is taken as 125/128 of the installed (MemTotal on the H100 box) less the 5 % that Ray's memory "
-        "monitor keeps free (it kills a worker above 95 % of the RAM) and, with compiled layers, 8 GiB "
+        f"usable RAM is taken as 125/128 of the installed (MemTotal on the H100 box) less the "
+        f"{100 - 100 * RAY_MEMORY_THRESHOLD:.0f} % that Ray's memory monitor keeps free (it kills a worker above "
+        f"{100 * RAY_MEMORY_THRESHOLD:.0f} % of the RAM) and, with compiled layers, {COMPILED_NODE_BYTES / GiB:g} GiB "
         "(planning/plan.py), /dev/shm as large as it.",
         "- **bf16 moments**: the plan with `optimizer.moment_dtype: bfloat16` (both AdamW moments in 2 bytes, "
         "stochastic rounding; not full precision), -4 bytes/parameter. Its speed is not predicted.",

@@ -26,7 +26,7 @@ from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES, gpu_bytes, resolve_run
 from megatrain_ray.planning.host_memory import GPU_PROCESS_BYTES, PROCESS_BYTES, offloaded_bytes, store_bytes
 from megatrain_ray.planning.machine import Machine
-from megatrain_ray.planning.plan import Plan
+from megatrain_ray.planning.plan import COMPILED_NODE_BYTES, Plan
 from megatrain_ray.planning.plan_text import format_plan, host_fixes
 from megatrain_ray.store.disk_tier import disk_problems
 from megatrain_ray.system.topology import detect_topology, plan_placement
@@ -68,8 +68,9 @@ def _check(plan: Plan) -> None:
     if plan.host_total > usable:
         under_ray = machine.usable_host(cfg.runtime.mode == "ray") < machine.host_available
         kept = [what for what, applies in (("what Ray's memory monitor keeps free", under_ray),
-                                           ("the 8 GiB that a run compiling its layers on a GPU took beyond the "
-                                            "plan's count (planning/plan.py)", plan.compiles_on_gpu))
+                                           (f"the {COMPILED_NODE_BYTES / g:g} GiB that a run compiling its layers "
+                                            "on a GPU took beyond the plan's count (planning/plan.py)",
+                                            plan.compiles_on_gpu))
                 if applies]
         margin = f" ({machine.host_available / g:.1f} GiB less {' and '.join(kept)})" if kept else ""
         plan.problems.append(

@@ -212,15 +212,21 @@ def alternative_run(plan: Plan, other: Config) -> RunSpec:
     return run
 
 
-def alternative_figures(plan: Plan, other: Config) -> tuple[int, int, float]:
-    """Host RAM (store and disk-tier staging), disk bytes and expected tok/s (0 without measured rates) of an
-    alternative to the plan's config on its machine (alternative_run)."""
+def alternative_store(plan: Plan, other: Config) -> tuple[int, int, RunSpec]:
+    """Host RAM (store and disk-tier staging) and disk bytes of an alternative to the plan's config on its
+    machine, and its settings there (alternative_run)."""
     run = alternative_run(plan, other)
     ram, disk, staging = store_bytes(other, run, plan.workers)
+    return sum(ram.values()) + staging, sum(disk.values()), run
+
+
+def alternative_figures(plan: Plan, other: Config) -> tuple[int, int, float]:
+    """alternative_store's RAM and disk bytes, and the alternative's expected tok/s (0 without measured rates)."""
+    ram, disk, run = alternative_store(plan, other)
     profile = plan.profile
     tok_per_s = estimate(other, profile, offload=plan.offload, resident=run.resident_layers).tok_per_s \
         if profile else 0.0
-    return sum(ram.values()) + staging, sum(disk.values()), tok_per_s
+    return ram, disk, tok_per_s
 
 
 def host_fixes(plan: Plan) -> list[str]:
@@ -258,8 +264,7 @@ def host_fixes(plan: Plan) -> list[str]:
     ram_now = plan.shm_total + plan.staging
     fixes = []
     for text, other in [(text, without_refused_tier(other)) for text, other in candidates]:
-        ram, _, staging = store_bytes(other, alternative_run(plan, other), plan.workers)
-        saved = ram_now - sum(ram.values()) - staging
+        saved = ram_now - alternative_store(plan, other)[0]
         if saved >= GiB // 100:
             fixes.append(f"{text}: saves {saved / g:.1f} GiB")
     fixes.append("train a smaller model, or use a machine with more RAM (`megatrain plan --host-memory 1TB` shows "
