@@ -17,9 +17,7 @@ from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.memory import plan_run
 from megatrain_ray.planning.plan import COMPILED_NODE_BYTES
 from megatrain_ray.planning.plan_text import format_plan
-from tests.conftest import tiny_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import REPO, tiny_config
 
 
 def train(cfg) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -79,7 +77,7 @@ def test_speculation_refuses_what_it_cannot_take_back(tmp_path, sections, needs)
         tiny_config(tmp_path, optimizer=optimizer, **sections)
 
 
-def test_the_plan_counts_the_undo_copies(tmp_path):
+def test_the_plan_counts_the_second_sets(tmp_path):
     machine = Machine.detect("/dev/shm").override(host_memory="64GiB")
     plans = [plan_run(tiny_config(tmp_path / str(count), optimizer={"speculative_stages": count},
                                   precision=BF16_STREAM), machine) for count in (0, 2)]
@@ -93,7 +91,7 @@ def test_the_plan_counts_the_undo_copies(tmp_path):
 
 
 def test_speculative_updates_through_ray_match_the_process(tmp_path, ray_session):
-    """Shard actors own the undo copies in shared memory; two optimizer worker actors take and redo updates."""
+    """Shard actors own the second sets in shared memory; two optimizer worker actors take and redo updates."""
     common = {"train": {"steps": 6}, "precision": BF16_STREAM}
     probe, *_ = train(tiny_config(tmp_path / "probe", **common))
     clip = sorted(r["grad_norm"] for r in probe)[len(probe) // 2]
