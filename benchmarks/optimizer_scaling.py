@@ -39,16 +39,22 @@ from benchmarks.common import provenance, write_result
 from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.observe.plot import Line, line_chart
 from megatrain_ray.optim.adamw import FlatAdamW, split_span
-from megatrain_ray.store.segments import SegmentSpec, create_segment, map_segment, unlink_segment
+from megatrain_ray.store.segments import (
+    ALT_KINDS,
+    STATE_KINDS,
+    SegmentSpec,
+    create_segment,
+    map_segment,
+    unlink_segment,
+)
 from megatrain_ray.system.topology import bind_process, detect_topology, format_cpus, plan_placement
 
 H2D_BUFFER_BYTES = 256 << 20
 
 
-KINDS = (("master", "float32"), ("exp_avg", "float32"), ("exp_avg_sq", "float32"), ("stream", "bfloat16"))
-SPECULATIVE_KINDS = (("alt_master", "float32"), ("alt_exp_avg", "float32"), ("alt_exp_avg_sq", "float32"),
-                     ("saved_grad", "bfloat16"))
-"""A speculative update's second set and saved gradients (store.segments.ALT_KINDS)."""
+KINDS = (*((kind, "float32") for kind in STATE_KINDS), ("stream", "bfloat16"))
+SPECULATIVE_KINDS = (*((kind, "float32") for kind in ALT_KINDS), ("saved_grad", "bfloat16"))
+"""A speculative update's second set and saved gradients."""
 
 
 def segments(params: int, shm_dir: str, speculative: bool) -> list[SegmentSpec]:
