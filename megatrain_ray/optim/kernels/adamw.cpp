@@ -13,23 +13,28 @@
 // element's index in the stage and a per-(step, stage) key: the same rounding as the torch path
 // of megatrain_ray/optim/adamw.py (see there why stochastic), bit for bit for numbers (a NaN stays a NaN).
 //
-// A speculative update (optimizer.speculative_stages: before the step's gradient norm is known) reads the
-// stage's current master weights and moments and writes the new ones into its other set (`*_new`), so that the
-// current set stays for a redo; it also saves the gradient (`g_saved`), which the streaming copy it may sit in
-// is about to lose. Null `*_new` pointers: in place. The other set is not in cache: on x86 (SSE2 or AVX-512) each
-// sub-block of 256 elements is computed into scratch that stays in L1 and streamed out with non-temporal stores, so
-// its lines are not read first: with bf16 gradients 30 bytes per parameter, 2 more than in place (the saved
-// gradient). Plain stores there read each line first (42 bytes); on the H200 box's Xeon
-// (benchmarks/optimizer_scaling.py --speculative) they ran at about 0.65 of the in-place rate, the streamed
-// sub-blocks at about 0.9; on a 2-core AMD EPYC VM at 0.65 and 0.79. Elsewhere the other set is written directly (megatrain_adamw_streams() says which). In
-// place, streaming the lines back did not pay (they are in cache already, read by the update).
+// A speculative update (optimizer.speculative_stages: before the step's gradient norm is known) reads the stage's
+// current master weights and moments and writes the new ones into its other set (`*_new`), so that the current set
+// stays for a redo; it also saves the gradient (`g_saved`), which the streaming copy it may sit in is about to lose.
+// Null `*_new` pointers: in place. The other set is not in cache: on x86 (SSE2 or AVX-512) each sub-block of 256
+// elements is computed into scratch that stays in L1 and streamed out with non-temporal stores, so its lines are not
+// read first: with bf16 gradients 30 bytes per parameter, 2 more than in place (the saved gradient). Plain stores
+// there read each line first (42 bytes); on the H200 box's Xeon (benchmarks/optimizer_scaling.py --speculative) they
+// ran at about 0.65 of the in-place rate, the streamed sub-blocks at about 0.9; on a 2-core AMD EPYC VM at 0.65 and
+// 0.79. Elsewhere the other set is written directly (megatrain_adamw_streams() says which). In place, streaming the
+// lines back did not pay (they are in cache already, read by the update).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+// Bytes per non-temporal store (stream_copy); 0: the CPU has none this file uses.
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define MEGATRAIN_STREAM_WIDTH 64
 #elif defined(__SSE2__)
 #include <emmintrin.h>
+#define MEGATRAIN_STREAM_WIDTH 16
+#else
+#define MEGATRAIN_STREAM_WIDTH 0
 #endif
 
 namespace {
@@ -77,11 +82,7 @@ inline float load<float>(const float* g, int64_t i) { return g[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
 
-#if defined(__AVX512F__) || defined(__SSE2__)
-constexpr bool kStreams = true;
-#else
-constexpr bool kStreams = false;
-#endif
+constexpr bool kStreams = MEGATRAIN_STREAM_WIDTH > 0;
 
 // Copy with non-temporal stores where the CPU has them (whole lines with AVX-512): what a speculative update writes
 // (its saved gradient, the other set) is not read again this step, so its lines go to DRAM without being read
@@ -90,18 +91,14 @@ constexpr bool kStreams = false;
 inline void stream_copy(void* dst, const void* src, int64_t bytes) {
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);
-#if defined(__AVX512F__)
-    constexpr int64_t width = 64;
-#elif defined(__SSE2__)
-    constexpr int64_t width = 16;
-#endif
-#if defined(__AVX512F__) || defined(__SSE2__)
+#if MEGATRAIN_STREAM_WIDTH
+    constexpr int64_t width = MEGATRAIN_STREAM_WIDTH;
     int64_t head = static_cast<int64_t>((width - (reinterpret_cast<uintptr_t>(d) & (width - 1))) & (width - 1));
     head = head < bytes ? head : bytes;
     std::memcpy(d, s, static_cast<size_t>(head));
     d += head, s += head, bytes -= head;
     for (; bytes >= width; bytes -= width, d += width, s += width)
-#if defined(__AVX512F__)
+#if MEGATRAIN_STREAM_WIDTH == 64
         _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
 #else
         _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
@@ -174,7 +171,7 @@ void adamw_block(const float* p, const M* m, const M* v, const G* g, uint16_t* o
             stream_copy(to.v + a, v_new, k * static_cast<int64_t>(sizeof(M)));
         }
     }
-#if defined(__SSE2__)
+#if MEGATRAIN_STREAM_WIDTH
     if (to.g_saved || to.p != p) _mm_sfence();  // the streamed stores visible to other cores before the block returns
 #endif
 }
