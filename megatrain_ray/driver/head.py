@@ -24,7 +24,7 @@ from megatrain_ray.driver.placement import numa_resources
 from megatrain_ray.driver.ray_setup import (
     auth_wanted,
     ensure_private_token,
-    free_port,
+    free_ports,
     private_directory,
     private_temp_dir,
 )
@@ -52,14 +52,14 @@ def cluster_temp_dir(private_parent: Path | None = None) -> Path:
     return private_directory(private_parent) / "cluster"
 
 
-def _port(preferred: int) -> int:
-    """Ray's usual port when nothing listens there, else a free one."""
+def _port(preferred: int, fallback: int) -> int:
+    """Ray's usual port when nothing listens there, else `fallback` (a free one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("127.0.0.1", preferred))
             return preferred
         except OSError:
-            return free_port()
+            return fallback
 
 
 def _cluster_processes(temp_dir: Path) -> list[int]:
@@ -100,9 +100,10 @@ def start(num_gpus: int | None = None, allow_unauthenticated: bool = False,
     if token:
         ensure_private_token()
     temp_dir = cluster_temp_dir(private_parent)
-    ports = {"port": _port(6379), "dashboard-port": _port(8265), "dashboard-agent-listen-port": free_port(),
-             "dashboard-agent-grpc-port": free_port(), "runtime-env-agent-port": free_port(),
-             "metrics-export-port": free_port(), "ray-client-server-port": free_port()}
+    free = free_ports(7)  # distinct: two components on one port and Ray refuses to start
+    ports = {"port": _port(6379, free[5]), "dashboard-port": _port(8265, free[6]),
+             "dashboard-agent-listen-port": free[0], "dashboard-agent-grpc-port": free[1],
+             "runtime-env-agent-port": free[2], "metrics-export-port": free[3], "ray-client-server-port": free[4]}
     env = {**os.environ, LOOPBACK_ENV: "0"}
     if token:
         env["RAY_AUTH_MODE"] = "token"

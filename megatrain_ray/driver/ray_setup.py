@@ -91,17 +91,30 @@ def private_temp_dir() -> Path:
     return private_directory(Path(f"/tmp/megatrain-{os.getuid()}")) / "ray"
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports nothing listens on now, on 127.0.0.1 (the kernel's choice). Every socket stays
+    bound until all are: one at a time, the kernel may hand the same port out twice, and Ray then refuses to start
+    (two of its components on one port)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now, on 127.0.0.1 (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on now, on 127.0.0.1."""
+    return free_ports(1)[0]
 
 
-def agent_ports() -> dict[str, int]:
-    """Free ports for the per-node agents Ray otherwise puts on fixed defaults."""
-    return {"dashboard_agent_listen_port": free_port(), "runtime_env_agent_port": free_port(),
-            "metrics_agent_port": free_port(), "metrics_export_port": free_port()}
+AGENT_PORT_KEYS = ("dashboard_agent_listen_port", "runtime_env_agent_port", "metrics_agent_port", "metrics_export_port")
+"""The per-node agents' ports, which Ray otherwise puts on fixed defaults (RayParams' names)."""
+
+
+def agent_ports(*others: str) -> dict[str, int]:
+    """Distinct free ports for the agents (AGENT_PORT_KEYS) and for `others`."""
+    keys = (*AGENT_PORT_KEYS, *others)
+    return dict(zip(keys, free_ports(len(keys))))
 
 
 @contextlib.contextmanager

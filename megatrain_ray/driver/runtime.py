@@ -25,7 +25,6 @@ from megatrain_ray.driver.ray_setup import (
     agent_ports,
     auth_wanted,
     ensure_private_token,
-    free_port,
     private_temp_dir,
     ray_init_ports,
 )
@@ -237,9 +236,11 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     if resources is None:
         resources = numa_resources(detect_topology())
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    with ray_init_ports(agent_ports()):
+    ports = agent_ports("dashboard_port")
+    dashboard_port = ports.pop("dashboard_port")
+    with ray_init_ports(ports):
         ray.init(
-            address="local", include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", dashboard_port=free_port(),
+            address="local", include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
             object_store_memory=cfg.object_store_mb * 2**20, num_gpus=num_gpus, log_to_driver=True,
             resources=resources, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
             _temp_dir=str(private_temp_dir()),
