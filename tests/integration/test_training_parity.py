@@ -1,15 +1,15 @@
 """Training parity: the streaming engine against an independent plain-PyTorch reference.
 
 Same initial weights (read from megatrain's host store), same batches, same schedule; the
-reference is tests/reference_llama.py with torch.optim.AdamW and clip_grad_norm_. Tolerances:
-- float32, lr 1e-3: per-step loss within 1e-5 relative, each final tensor within 1e-5 relative
-  (norm of the difference over norm of the tensor). The engine sums in another order (flat
-  buffers, chunked loss, per-layer backward), about 1e-7 per operation, and AdamW amplifies it.
-  Measured on this model over 20 steps: the float32 reference itself differs from a float64
-  run by 2.5e-6 in weights at lr 1e-3, and by 7e-5 (clip) to 6e-4 (no clip) at lr 1e-2, where
-  the run is too sensitive for a float32 comparison to mean anything; ours differs from the
-  float32 reference by 1.9e-6 at lr 1e-3. Hence lr 1e-3 in float32.
+reference is tests/reference_llama.py with torch.optim.AdamW and clip_grad_norm_. Tolerances
+(tests/numerics.py, docs/testing.md):
 - float64, lr 1e-2: loss and max abs weight error within 1e-10; no room for a bug to hide.
+- float32, lr 1e-3: each step's loss and each final tensor within 4x the noise measured on the machine
+  running the test, the reference in float32 against the same reference in float64 (floor 16 float32
+  ulps). The engine sums in another order (flat buffers, chunked loss, per-layer backward) and AdamW
+  amplifies it; MKL's float32 GEMMs round by CPU, so no fixed bound holds everywhere. lr 1e-3 because
+  at lr 1e-2 the float32 run is too sensitive (the reference itself drifts 7e-5 to 6e-4 from float64)
+  for a float32 comparison to mean anything.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from megatrain_ray.driver.trainer import Trainer
 from tests.conftest import tiny_config
+from tests.numerics import Reference, assert_run_within_noise, reference_in_both
 from tests.reference_llama import train_reference_like
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -36,6 +37,19 @@ def run_both(tmp_path, ref_dtype: torch.dtype | None = None, **sections):
     return ours, ref_losses, final, ref_state, initial
 
 
+def run_against_reference_pair(tmp_path, **sections) -> tuple[list[float], dict, dict, Reference]:
+    """A float32 run and the reference in float32 and float64 (the noise); returns (losses, final, initial,
+    reference)."""
+    cfg = tiny_config(tmp_path, **sections)
+    with Trainer(cfg) as trainer:
+        initial = trainer.master_weights()
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
+        ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
+        final = trainer.master_weights()
+    ref = reference_in_both(lambda dtype: train_reference_like(cfg, initial, batches, dtype))
+    return ours, {k: v.float() for k, v in final.items()}, {k: v.float() for k, v in initial.items()}, ref
+
+
 def assert_close_run(ours, ref_losses, final, ref_state, initial, rel: float) -> None:
     assert len(ours) == len(ref_losses)
     for step, (a, b) in enumerate(zip(ours, ref_losses)):
@@ -49,20 +63,23 @@ def assert_close_run(ours, ref_losses, final, ref_state, initial, rel: float) ->
         assert moved > 100 * rel, f"{name} barely moved ({moved:.2e}): the comparison would prove nothing"
 
 
+@pytest.mark.float32_parity
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
 def test_local_float32_matches_reference(tmp_path, workers, clip):
-    ours, ref, final, ref_state, initial = run_both(tmp_path, optimizer={"workers": workers, "grad_clip": clip})
-    assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
+    ours, final, initial, ref = run_against_reference_pair(tmp_path, optimizer={"workers": workers, "grad_clip": clip})
+    assert ours[-1] < ours[0] - 0.05, "the loss should fall over 20 steps"
+    assert_run_within_noise(ours, final, ref, initial)
 
 
+@pytest.mark.float32_parity
 @pytest.mark.ray
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
 def test_ray_float32_matches_reference(tmp_path, ray_session, workers, clip):
-    ours, ref, final, ref_state, initial = run_both(
+    ours, final, initial, ref = run_against_reference_pair(
         tmp_path, optimizer={"workers": workers, "grad_clip": clip}, runtime={"mode": "ray"})
-    assert_close_run(ours, ref, final, ref_state, initial, rel=1e-5)
+    assert_run_within_noise(ours, final, ref, initial)
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -91,15 +108,15 @@ def test_tied_embeddings_match_reference(tmp_path):
         assert (value - ref_state[name]).abs().max().item() <= 1e-10, name
 
 
+@pytest.mark.float32_parity
 def test_streamed_copy_with_gradients_in_it_matches_reference(tmp_path):
     """float64 master, float32 streaming copy: gradients land in the copy and the optimizer
-    rewrites it in the same pass (the bf16 layout of GPU runs, at a precision a test can hold)."""
-    ours, ref, final, ref_state, initial = run_both(
+    rewrites it in the same pass (the bf16 layout of GPU runs, at a precision a test can hold). The master
+    keeps float64 updates of float32 gradients where the float32 reference rounds each update: within the
+    float32 noise, as the float32 runs are."""
+    ours, final, initial, ref = run_against_reference_pair(
         tmp_path, optimizer={"workers": 3}, precision={"master_dtype": "float64", "compute_dtype": "float32"})
-    # The master weights keep float64 updates of float32 gradients, the reference rounds each update
-    # to float32: measured ~1e-7; 1e-5 leaves room for summation order, not for a wrong update.
-    assert_close_run(ours, ref, {k: v.float() for k, v in final.items()}, ref_state,
-                     {k: v.float() for k, v in initial.items()}, rel=1e-5)
+    assert_run_within_noise(ours, final, ref, initial)
 
 
 def test_bf16_compute_tracks_float32_reference(tmp_path):
