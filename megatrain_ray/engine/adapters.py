@@ -1,6 +1,7 @@
 """The LoRA adapters' training state on the compute device (finetune.method=lora).
 
-Every targeted projection of every layer has A [r, in] and B [out, r] in float32 on the device, a gradient
+Every targeted projection of every layer has A [r, in] and B [out, r] in float32 on the device (float64 in a
+float64 run, where the tests prove the math exact against peft; drawn in float32 either way), a gradient
 buffer of each, and torch.optim.AdamW's state over all of them (the run's betas, eps and weight decay; the
 learning rate of each step from the schedule). The backward writes each layer's adapter gradients once
 (autograd computed no base-weight gradient) and adds their squared norm to the step's total; after the
@@ -36,28 +37,29 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 class AdapterTier:
     def __init__(self, model: ModelConfig, lora: LoraConfig, optimizer: OptimizerConfig, seed: int,
-                 device: torch.device, base: dict[str, torch.Tensor] | None = None):
+                 device: torch.device, base: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32):
         """The adapters at step 0 (model/lora.initial_adapters, from the run `seed`); `load` or `put_named` replace
-        them. `base`: the base's matrices of the modules_to_save by Hugging Face name, their starting values."""
+        them. `base`: the base's matrices of the modules_to_save by Hugging Face name, their starting values.
+        `dtype`: of the adapters, their gradients and moments (float32; float64 in a float64 run)."""
         self.scaling = lora.scaling
-        self.device = device
-        self.layers = [{n: t.to(device) for n, t in initial_adapters(model, lora, seed, i).items()}
+        self.device, self.dtype = device, dtype
+        self.layers = [{n: t.to(device, dtype) for n, t in initial_adapters(model, lora, seed, i).items()}
                        for i in range(model.num_layers)]
-        self.saved = {name: (base or {})[name].to(device, torch.float32, copy=True) for name in saved_names(lora)}
-        """The modules_to_save by Hugging Face name (float32, trained in full)."""
+        self.saved = {name: (base or {})[name].to(device, dtype, copy=True) for name in saved_names(lora)}
+        """The modules_to_save by Hugging Face name (trained in full)."""
         self.by_name = {**{peft_name(i, n): t for i, layer in enumerate(self.layers) for n, t in layer.items()},
                         **{peft_saved_name(name): t for name, t in self.saved.items()}}
         """Every trained tensor by its name in PEFT's adapter_model.safetensors."""
         self.params = list(self.by_name.values())
         # Every gradient is a view of one flat buffer: several GPU workers sum them in one all-reduce.
-        self.flat_grad = torch.zeros(sum(t.numel() for t in self.params), dtype=torch.float32, device=device)
+        self.flat_grad = torch.zeros(sum(t.numel() for t in self.params), dtype=dtype, device=device)
         offset = 0
         for t in self.params:
             t.grad = self.flat_grad[offset:offset + t.numel()].view_as(t)
             offset += t.numel()
         self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2),
                                            eps=optimizer.eps, weight_decay=optimizer.weight_decay)
-        self.sqnorm = torch.zeros((), dtype=torch.float32, device=device)
+        self.sqnorm = torch.zeros((), dtype=dtype, device=device)
 
     @property
     def numel(self) -> int:
@@ -73,7 +75,7 @@ class AdapterTier:
         return self.layers[i]
 
     def begin_step(self) -> None:
-        self.sqnorm = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.sqnorm = torch.zeros((), dtype=self.dtype, device=self.device)
 
     def set_grads(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         """Layer i's adapter gradients of this step (by name), counted in the global norm."""
@@ -86,13 +88,13 @@ class AdapterTier:
 
     def _set_grad(self, t: torch.Tensor, grad: torch.Tensor) -> None:
         t.grad.copy_(grad)
-        self.sqnorm += torch.linalg.vector_norm(t.grad, dtype=torch.float32).square()
+        self.sqnorm += torch.linalg.vector_norm(t.grad, dtype=self.dtype).square()
 
     def sum_over_ranks(self, comm: Any) -> None:
         """Several GPU workers: sum the gradients over the ranks (each computed its rows' part of the loss) and
         count the norm of the sum."""
         comm.all_reduce(self.flat_grad)
-        self.sqnorm = torch.linalg.vector_norm(self.flat_grad, dtype=torch.float32).square()
+        self.sqnorm = torch.linalg.vector_norm(self.flat_grad, dtype=self.dtype).square()
 
     def step(self, lr: float, clip: float, grad_norm: float, apply: bool) -> None:
         """Clip by the global norm (clip > 0) and take AdamW's step; `apply` False drops the step."""

@@ -54,7 +54,7 @@ class LoraStreamEngine(StreamEngine):
         for name in saved_names(lora):
             stage, slot = layout.stage_of(name)
             base[name] = store.get("master", stage.index)[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        self.adapters = AdapterTier(model, lora, optimizer, seed, device, base)
+        self.adapters = AdapterTier(model, lora, optimizer, seed, device, base, self.acc_dtype)
         self.base = ResidentBase(layout, run.resident_layers, store, self.compute_dtype, device)
         if self.adapters.saved:  # their gradients: float32 sums of the vocabulary's size, as a full run's
             self.vocab_acc = torch.zeros((model.vocab_size, model.hidden_size), dtype=self.acc_dtype, device=device)

@@ -36,7 +36,7 @@ peft = pytest.importorskip("peft")
 from megatrain_ray.config.load import load_config
 from megatrain_ray.driver.trainer import Trainer
 from tests.conftest import learnable_tokens, tiny_raw
-from tests.numerics import Reference, assert_run_within_noise, reference_in_both, relative_error
+from tests.numerics import Reference, assert_exact, assert_run_within_noise, reference_in_both, relative_error
 from tests.reference_llama import reference_lr
 
 
@@ -70,9 +70,11 @@ def lora_config(tmp_path: Path, base: Path, steps: int = 20, **sections):
     return load_config(raw=raw)
 
 
-def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor]):
-    """peft's LoRA model on the base, with megatrain's adapters; the load must match every key."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    """peft's LoRA model on the base, with megatrain's adapters, in `dtype`; the load must match every key. Eager
+    attention's softmax is float32 whatever the model's dtype: a float64 model takes SDPA, float64 throughout."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        base, dtype=dtype, attn_implementation="sdpa" if dtype == torch.float64 else "eager")
     lora = cfg.finetune.lora
     model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
                                                        target_modules=list(lora.targets(cfg.model.family))
@@ -124,7 +126,7 @@ class LoraRun(NamedTuple):
 
 def peft_reference(base: Path, cfg, initial: dict[str, torch.Tensor], batches: list[torch.Tensor]) -> Reference:
     """peft's run from megatrain's initial adapters, in float32 and in float64 (the noise of the float32 run)."""
-    return reference_in_both(lambda dtype: train_peft(peft_model(base, cfg, initial).to(dtype), cfg, batches))
+    return reference_in_both(lambda dtype: train_peft(peft_model(base, cfg, initial, dtype), cfg, batches))
 
 
 def run_both(tmp_path: Path, family: str, world: int = 1, **sections) -> LoraRun:
@@ -146,6 +148,36 @@ def assert_lora_parity(run: LoraRun) -> float:
     return assert_run_within_noise(run.losses, run.final, run.reference, run.initial)
 
 
+def _rope_in_float64(self, x, position_ids=None):
+    """Default RoPE's tables as transformers computes them, in float64 throughout (transformers: float32)."""
+    assert self.rope_type == "default", self.rope_type
+    dim = 2 * self.inv_freq.numel()
+    inv_freq = 1.0 / (self.config.rope_parameters["rope_theta"] ** (
+        torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
+    emb = (position_ids[..., None].to(torch.float64) * inv_freq.to(x.device)).repeat(1, 1, 2)
+    return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def _rms_norm_in_float64(self, x):
+    """RMSNorm as transformers writes it, without its cast of the input to float32."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+@pytest.fixture
+def float64_transformers(monkeypatch):
+    """transformers computes the RoPE tables and the RMSNorms of Llama and Qwen2 in float32 even in a float64 model
+    (megatrain in the compute dtype): for the float64 comparison the reference does them in float64 too, the same
+    formulas, so the two sides differ by summation order alone."""
+    for module in (transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2):
+        for suffix, float64_forward in (("RotaryEmbedding", _rope_in_float64), ("RMSNorm", _rms_norm_in_float64)):
+            cls = next(v for k, v in vars(module).items() if k.endswith(suffix))
+            eager = cls.forward
+
+            def forward(self, x, *args, eager=eager, float64_forward=float64_forward, **kwargs):
+                return (float64_forward if x.dtype == torch.float64 else eager)(self, x, *args, **kwargs)
+            monkeypatch.setattr(cls, "forward", forward)
+
+
 def assert_base_untouched(base: Path, base_after: dict[str, torch.Tensor]) -> None:
     reference = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
     for name, value in base_after.items():
@@ -159,6 +191,29 @@ def test_lora_matches_peft_local(tmp_path, family, clip):
     run = run_both(tmp_path, family, optimizer={"grad_clip": clip})
     assert_lora_parity(run)
     assert_base_untouched(run.base, run.base_after)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lora_float64_matches_peft_to_1e10(tmp_path, float64_transformers, family):
+    """The float64 twin of the float32 tests: both sides in float64 (the reference's RoPE and norms too), lr 1e-2,
+    clipping on: the same math up to summation order, so losses and adapters within 1e-10 (measured 2e-16 on the
+    losses)."""
+    float64 = {"master_dtype": "float64", "compute_dtype": "float64"}
+    base = make_base(tmp_path / "base", family)
+    cfg = lora_config(tmp_path, base, precision=float64, optimizer={"lr": 1e-2})
+    with Trainer(cfg) as trainer:
+        initial = trainer.adapters()
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
+        ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
+        final = trainer.adapters()
+    ref_losses, ref_final = train_peft(peft_model(base, cfg, initial, torch.float64), cfg, batches)
+    for step, (a, b) in enumerate(zip(ours, ref_losses)):
+        assert_exact(f"loss at step {step}", a, b)
+    assert set(final) == set(ref_final)
+    for name, value in final.items():
+        assert value.dtype == torch.float64
+        assert_exact(name, value, ref_final[name])
+        assert relative_error(value, initial[name]) > 1e-2, f"{name} barely moved"
 
 
 @pytest.mark.float32_parity
@@ -256,7 +311,7 @@ def test_lora_dropout_matches_peft_given_the_same_masks(tmp_path, mlp_chunk):
             return x * keep.view_as(x).to(x.dtype) / (1 - self.p)
 
     def peft_with_our_masks(dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
-        model = peft_model(base, cfg, initial).to(dtype)
+        model = peft_model(base, cfg, initial, dtype)
         for name, module in model.named_modules():
             if hasattr(module, "lora_dropout") and "default" in getattr(module, "lora_dropout", {}):
                 layer = int(name.split(".layers.")[1].split(".")[0])
