@@ -1,4 +1,4 @@
-"""Shared fixtures: one private Ray per test module that needs it, tiny configs, CPU-only defaults."""
+"""Shared fixtures: one private Ray for the modules that need it, tiny configs, CPU-only defaults."""
 
 from __future__ import annotations
 
@@ -61,6 +61,21 @@ def saved_storage_bytes() -> Iterator[dict[int, int]]:
         yield seen
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Within the block, torch's intra-op pool at one thread (then as it was). The references of the parity tests
+    (a tiny Hugging Face model's forward, a peft training run) are small ops that two threads only slow down, and on
+    a busy 2-core machine by far: each op waits for a descheduled thread (measured: a tiny MoE model's forward
+    1 to 2 s with two threads, 15 ms with one; a 16-step peft run 4 to 30 s, 0.3 to 1.8 s). The engine sets its own
+    threads when a Trainer starts."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def tiny_config(tmp_path, **sections):
     """tiny_raw on a learnable token file in tmp_path (unless the data section names a path)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -71,18 +86,30 @@ def tiny_config(tmp_path, **sections):
     return load_config(raw=raw)
 
 
+@pytest.fixture(scope="session")
+def _shared_ray() -> Iterator[dict]:
+    """The suite's one private local Ray, started by the first module that asks for it and shut down at the end
+    (about 5 s to start on 2 cores: once, not once per module). A module that needs a Ray of its own shuts this
+    one down; the next module that asks starts it again."""
+    state = {"started": False}
+    yield state
+    import ray
+
+    if state["started"] and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_session():
-    """A private local Ray for the module (about 5 s to start on 2 cores)."""
+def ray_session(_shared_ray):
+    """A private local Ray for the module's tests (the suite's shared one)."""
+    import ray
+
     from megatrain_ray.config.engine_sections import RuntimeConfig
     from megatrain_ray.driver.runtime import start_ray
 
-    started = start_ray(RuntimeConfig(dashboard=False, object_store_mb=128))
+    if not ray.is_initialized():
+        _shared_ray["started"] |= bool(start_ray(RuntimeConfig(dashboard=False, object_store_mb=128)))
     yield
-    if started:
-        import ray
-
-        ray.shutdown()
 
 
 @pytest.fixture(autouse=True)
@@ -137,9 +164,11 @@ def interrupted_and_resumed(cfg, stop_after: int, every: int, read):
         return resumed_at, read(trainer)
 
 
-def streamed_logits_error(tmp_path, model) -> float:
-    """The largest |logit| difference between a Hugging Face model and megatrain's layer stream loaded with its
-    weights (config from its config.json), on a fixed batch of 2 x 33 tokens."""
+def streamed_logits(tmp_path, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatrain's layer stream loaded with a Hugging Face model's weights (config from its config.json, float32)
+    on a fixed batch of 2 x 33 tokens, and the model's own logits in float32 and in float64 (a float64 copy of it):
+    (ours, theirs32, theirs64), for tests.numerics.assert_within_noise."""
+    import copy
     import dataclasses
 
     from megatrain_ray.config.hf import model_config_from_hf
@@ -152,6 +181,5 @@ def streamed_logits_error(tmp_path, model) -> float:
         state = model.state_dict()
         trainer.load_weights({k: v for k, v in state.items() if k in trainer.master_weights()})
         ours = trainer.logits(ids)
-    with torch.no_grad():
-        expected = model(ids).logits
-    return (ours - expected).abs().max().item()
+    with torch.no_grad(), one_thread():
+        return ours, model(ids).logits, copy.deepcopy(model).to(torch.float64)(ids).logits

@@ -59,19 +59,29 @@ def assert_within_noise(what: str, value, reference32, reference64, factor: floa
 
 def assert_all_within_noise(what: str, values: Mapping, reference32: Mapping, reference64: Mapping,
                             factor: float = FACTOR, floor: float = FLOOR) -> float:
-    """Named results of one run (the final tensors, or each step's loss) against the float32 reference, all bounded
-    by the run's noise: the largest float32-against-float64 error among them. One item's own noise is no scale:
-    the reference may round one tensor by chance less than the engine does (measured: a down_proj 4.7x its own
-    noise, 1.5x the run's). Returns the worst error."""
+    """Named results of one run (the final tensors, or each step's loss) against the float32 reference, two ways:
+    - all together, as one vector, within `factor` times the noise of that vector: a fault spread over many
+      results shows here (measured: an adapter scaling off by 1e-3 gives 6.6e-6 against a noise of 4.2e-7,
+      where the correct run gives 5.2e-7);
+    - each, within `factor` times the run's largest noise: a fault in one result shows here. One result's own
+      noise is no scale: the reference may by chance round one tensor less than the engine does (measured: a
+      down_proj 4.7x its own noise, 1.5x the run's largest).
+    Returns the worst single error."""
     assert set(values) == set(reference32) == set(reference64), set(values) ^ set(reference32)
-    noise = max(relative_error(reference32[k], reference64[k]) for k in values)
+    keys = list(values)
+
+    def flat(results: Mapping) -> torch.Tensor:
+        return torch.cat([torch.as_tensor(results[k]).double().flatten() for k in keys])
+    assert_within_noise(f"{what}: all {len(keys)} together", flat(values), flat(reference32), flat(reference64),
+                        factor, floor)
+    noise = max(relative_error(reference32[k], reference64[k]) for k in keys)
     limit = bound(noise, factor, floor)
-    errors = {k: relative_error(values[k], reference32[k]) for k in values}
+    errors = {k: relative_error(values[k], reference32[k]) for k in keys}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= limit, (
         f"{what} {worst}: relative error {errors[worst]:.2e} from the float32 reference, bound {limit:.2e} = "
         f"max({factor:g} x measured noise {noise:.2e}, floor {floor:.1e}) (the largest float32-against-float64 "
-        f"error of the reference's {what}); from the float64 reference "
+        f"error among the reference's {len(keys)}); from the float64 reference "
         f"{relative_error(values[worst], reference64[worst]):.2e}")
     return errors[worst]
 
@@ -107,7 +117,7 @@ def assert_run_within_noise(losses: Sequence[float], state: Mapping[str, torch.T
     assert len(losses) == len(ref.losses32) == len(ref.losses64)
     assert_all_within_noise("loss at step", dict(zip(steps, losses)), dict(zip(steps, ref.losses32)),
                             dict(zip(steps, ref.losses64)), factor)
-    worst = assert_all_within_noise("tensor", state, {k: ref.state32[k] for k in state},
+    worst = assert_all_within_noise("final tensor", state, {k: ref.state32[k] for k in state},
                                     {k: ref.state64[k] for k in state}, factor)
     limit = bound(run_noise({k: ref.state32[k] for k in state}, {k: ref.state64[k] for k in state}), factor)
     for name, value in (initial or {}).items():

@@ -3,13 +3,17 @@ transformers' from_pretrained of the same directory (which dequantizes them on t
 
 The tiny checkpoint is tests/unit/test_mxfp4.py's (hidden 64, intermediate 96: a wrong transpose cannot
 pass; other tensors bf16). Tolerances: the loaded weights are compared exactly (both dequantize in float32,
-where every MXFP4 value is exact; megatrain serves them
-in bfloat16, which holds every MXFP4 value too: test_bfloat16_holds_every_mxfp4_value), logits within 1e-5 absolute in float32 (the two compute the same layers
-in different orders: float32 rounding of logits of size ~1).
+where every MXFP4 value is exact; megatrain serves them in bfloat16, which holds every MXFP4 value too:
+test_bfloat16_holds_every_mxfp4_value). The logits are float32 against transformers' float32 logits: the two
+compute the same layers in different orders, so the bound is 4x the noise measured by a float64 copy of
+transformers' model (tests/numerics.py; floor 16 float32 ulps), not a constant fitted on one CPU's GEMMs.
+Measured on an AVX-512 Xeon: noise 8.1e-7 to 1.1e-6, errors 7.1e-7 to 9.1e-7, bound 3.2e-6 to 4.4e-6; logits
+off by 1e-3 land 230x past it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -25,11 +29,11 @@ from megatrain_ray.exceptions import CheckpointError  # noqa: E402
 from megatrain_ray.model.hf_io import HFDirectory  # noqa: E402
 from megatrain_ray.model.mxfp4 import dequantize_mxfp4  # noqa: E402
 from megatrain_ray.store.export import export_weights_dir  # noqa: E402
-from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
+from tests.conftest import learnable_tokens, one_thread, tiny_raw  # noqa: E402
+from tests.numerics import assert_within_noise  # noqa: E402
 from tests.unit.test_mxfp4 import tiny_gpt_oss_checkpoint  # noqa: E402
 
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-LOGITS_TOL = 1e-5
 
 
 def _reference(directory):
@@ -40,6 +44,16 @@ def _reference(directory):
     return model.eval()
 
 
+def _logits_in_both(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits of `ids` in float32, and from a float64 copy of the model (their noise)."""
+    with torch.no_grad(), one_thread():
+        return model(ids).logits, copy.deepcopy(model).to(torch.float64)(ids).logits
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+
+
 def _raw(tmp_path, source, steps: int) -> dict:
     raw = tiny_raw(data={"seq_len": 24}, train={"steps": steps, "output_dir": str(tmp_path / "run")},
                    optimizer={"lr": 1e-2})
@@ -48,6 +62,7 @@ def _raw(tmp_path, source, steps: int) -> dict:
     return raw
 
 
+@pytest.mark.float32_parity
 def test_mxfp4_checkpoint_loads_trains_and_exports(tmp_path):
     source = tmp_path / "source"
     source.mkdir()
@@ -64,29 +79,32 @@ def test_mxfp4_checkpoint_loads_trains_and_exports(tmp_path):
             assert torch.equal(directory[name].float(), expected[name]), name
 
     ids = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        theirs_before = reference(ids).logits
+    theirs_before = _logits_in_both(reference, ids)
     with Trainer(load_config(raw=_raw(tmp_path, source, steps=6))) as trainer:
         initial = trainer.master_weights()
         assert set(initial) == set(expected) - {"lm_head.weight"} or set(initial) == set(expected)
         for key, value in initial.items():
             assert torch.equal(value, expected[key]), key
-        before = (trainer.logits(ids) - theirs_before).abs().max().item()
-        assert before <= LOGITS_TOL, before
+        before = assert_within_noise("logits before training", trainer.logits(ids), *theirs_before)
+        first = trainer.data.tokens_of(0)  # the first step's batch: its loss before training and after
+        fixed = [_loss(trainer.logits(first[:, :-1]), first[:, 1:])]
         losses = [trainer.step(s)["loss"] for s in range(6)]
+        fixed.append(_loss(trainer.logits(first[:, :-1]), first[:, 1:]))
         ours = trainer.logits(ids)
         trainer.export(tmp_path / "hf")
-    print(f"\nlogits before training: max |diff| {before:.2e}; losses {[round(x, 4) for x in losses]}")
-    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.05, losses
+    print(f"\nlogits before training: relative error {before:.2e}; losses {[round(x, 4) for x in losses]}; "
+          f"the first batch's {fixed[0]:.4f} -> {fixed[1]:.4f}")
+    # The loss falls, measured on one batch: each step's loss is of another batch, and the run is chaotic enough
+    # (the routing of 4 experts) for the summation order of the CPU's float32 GEMMs to move the 6th step's by 0.04
+    # (the last step's loss was above the first's minus 0.05 under MKL_CBWR=COMPATIBLE); the first batch's loss
+    # fell by 0.08 to 0.11 on four MKL code paths.
+    assert all(math.isfinite(x) for x in losses) and fixed[1] < fixed[0] - 0.05, (losses, fixed)
 
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert not any(n.endswith(("_blocks", "_scales")) for n in exported)
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
-    with torch.no_grad():
-        theirs = _reference(tmp_path / "hf")(ids).logits
-    after = (ours - theirs).abs().max().item()
-    print(f"exported logits: max |diff| {after:.2e}")
-    assert after <= LOGITS_TOL, after
+    after = assert_within_noise("logits of the export", ours, *_logits_in_both(_reference(tmp_path / "hf"), ids))
+    print(f"exported logits: relative error {after:.2e}")
 
 
 def test_bfloat16_holds_every_mxfp4_value():
@@ -163,6 +181,7 @@ def test_other_quantization_configs_are_refused(tmp_path, family):
         Trainer(load_config(raw=_raw(tmp_path, source, steps=4)))
 
 
+@pytest.mark.float32_parity
 @pytest.mark.ray
 def test_host_shard_actors_load_an_mxfp4_checkpoint(tmp_path, ray_session):
     """runtime.mode ray: the HostShard actors read the pairs themselves; logits equal transformers'."""
@@ -170,10 +189,9 @@ def test_host_shard_actors_load_an_mxfp4_checkpoint(tmp_path, ray_session):
     source.mkdir()
     tiny_gpt_oss_checkpoint(source)
     ids = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        theirs = _reference(source)(ids).logits
+    theirs = _logits_in_both(_reference(source), ids)
     raw = _raw(tmp_path, source, steps=4)
     raw["runtime"]["mode"] = "ray"
     with Trainer(load_config(raw=raw)) as trainer:
-        diff = (trainer.logits(ids) - theirs).abs().max().item()
-    assert diff <= LOGITS_TOL, diff
+        ours = trainer.logits(ids)
+    assert_within_noise("logits through Ray", ours, *theirs)
