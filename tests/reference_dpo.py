@@ -45,7 +45,9 @@ def trl_loss(per_token_logps: torch.Tensor, completion_mask: torch.Tensor, ref: 
 
 
 def hf_token_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[rows, seq_len] log-probability of each label under a transformers causal LM (0 where the label is -100)."""
-    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+    """[rows, seq_len] log-probability of each label under a transformers causal LM (0 where the label is -100), in
+    float32 (float64 for a float64 model)."""
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logps = torch.log_softmax(logits, -1).gather(2, labels.clamp(min=0)[..., None]).squeeze(2)
     return torch.where(labels != IGNORE_INDEX, logps, 0)

@@ -1,13 +1,22 @@
 """DPO end to end on a tiny Llama: `megatrain prepare --format preference` against TRL's own preprocessing,
 the reference log-probabilities against a plain transformers forward, and 10 DPO steps through the Trainer
-(local, and Ray with 2 optimizer workers) against a reference loop: the transformers model from the same
-directory, the same batches, TRL 1.16's loss (DPOTrainer._compute_loss) on its log-probabilities,
-torch.optim.AdamW and clip_grad_norm_.
+(local, and through Ray with 2 GPU workers and 2 optimizer workers) against a reference loop: the transformers
+model from the same directory, the same batches, TRL 1.16's loss (DPOTrainer._compute_loss) on its
+log-probabilities, torch.optim.AdamW and clip_grad_norm_.
 
-Tolerances: float32 at lr 1e-3, per-step loss within 1e-5 relative and final weights within 1e-5 relative
-(norm of the difference over the norm), as tests/integration/test_training_parity.py argues for the
-cross-entropy; the reference log-probabilities within 1e-5 relative (float32 sums of about 10-30 token
-log-probabilities, in another order).
+Tolerances (tests/numerics.py, docs/testing.md):
+- float64 (engine and reference; the reference's RoPE tables, RMSNorms and log-softmax in float64 too): every
+  loss, metric, log-probability and final weight within 1e-10 relative (measured at most 1.3e-14): the same math,
+  summed in another order. Data parallel (two GPU workers through Ray) is proved this way against the reference
+  loop on the whole batch, so against the one-rank run.
+- float32 against an independent reference: the reference computed in float32 and in float64 from the same
+  start; the engine's float32 result within 4x that float32-against-float64 difference (floor 16 float32 ulps;
+  a metric over the steps as one vector). MKL's float32 GEMMs round by CPU, so no fixed bound holds everywhere
+  (two GPU workers against one: a reward 1.9e-6 apart on an AVX-512 Xeon failed the 1e-6 fitted elsewhere).
+  Measured on that Xeon, 10 steps: the reference loop's float32 weights 3.0e-6 from its float64 ones at worst,
+  the engine's 1.8e-6 from its float32 ones (0.6x); losses: noise 2.5e-6, ours 2.1e-6 (0.8x); rewards over the
+  steps: noise 6.6e-7 to 2.0e-6, ours 0.6x to 1.1x. DPO's beta off by 1e-3 puts the losses 4.3e-4 away (110x
+  the bound) and the float64 run 3.9e-4.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pyarrow.parquet as pq
 import pytest
@@ -31,6 +41,18 @@ from megatrain_ray.driver.reference import reference_key, reference_path
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ConfigError, DataError
 from tests.conftest import REPO
+from tests.integration.test_lora_parity import float64_transformers  # noqa: F401 - a fixture
+from tests.numerics import (
+    FLOOR,
+    Reference,
+    assert_exact,
+    assert_run_within_noise,
+    assert_within_noise,
+    bound,
+    reference_in_both,
+    relative_error,
+    run_noise,
+)
 from tests.reference_dpo import hf_token_logps, trl_loss
 
 sys.path.insert(0, str(Path(REPO) / "examples" / "finetune_qwen2"))
@@ -40,6 +62,7 @@ QUESTIONS = [("add 2 and 3", "5", "six"), ("the capital of Peru", "Lima", "Peru 
              ("spell olleh backwards", "hello", "olleh"), ("add two numbers", "2 + 3 = 5", "2 + 3 = 7"),
              ("the capital of Peru is", "Lima.", "Lima, Peru, the capital"), ("add 1 and 1", "2", "11")]
 STEPS = 10
+LN2 = 0.6931471805599453
 
 
 def make_tiny_llama(out: Path) -> Path:
@@ -199,10 +222,12 @@ def pairs_dir(tmp_path, model_dir) -> Path:
     return tmp_path / "prepared"
 
 
-def reference_loop(cfg, model_dir: Path, batches: list) -> tuple[list[float], list[dict], dict]:
-    """The plain transformers model from the same directory, TRL's loss on its log-probabilities, AdamW (decay on
-    matrices only, as megatrain) and clip_grad_norm_."""
-    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+def reference_loop(cfg, model_dir: Path, batches: list, dtype: torch.dtype = torch.float32
+                   ) -> tuple[list[float], list[dict], dict]:
+    """The plain transformers model from the same directory in `dtype`, TRL's loss on its log-probabilities (the
+    batches' reference log-probabilities, megatrain's, in `dtype`), AdamW (decay on matrices only, as megatrain)
+    and clip_grad_norm_. Returns the losses, TRL's metrics of each step and the final state."""
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
     model.train()
     o, dpo = cfg.optimizer, cfg.finetune.dpo
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -214,7 +239,7 @@ def reference_loop(cfg, model_dir: Path, batches: list) -> tuple[list[float], li
         opt.zero_grad(set_to_none=True)
         per_token = hf_token_logps(model, batch.input_ids, batch.labels)
         completion = torch.cat([torch.zeros_like(batch.labels[:, :1]), (batch.labels != -100).long()], 1)
-        loss, logged = trl_loss(per_token, completion, batch.preference.reference_logps.float(), dpo.beta,
+        loss, logged = trl_loss(per_token, completion, batch.preference.reference_logps.to(dtype), dpo.beta,
                                 dpo.label_smoothing, dpo.loss_type)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -224,39 +249,108 @@ def reference_loop(cfg, model_dir: Path, batches: list) -> tuple[list[float], li
     return losses, metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_dpo(tmp_path, model_dir, pairs_dir, **sections) -> None:
+class DpoRun(NamedTuple):
+    cfg: Any
+    records: list[dict]
+    initial: dict[str, torch.Tensor]
+    final: dict[str, torch.Tensor]
+    batches: list
+
+
+def train_dpo(tmp_path, model_dir, pairs_dir, **sections) -> DpoRun:
     cfg = dpo_config(tmp_path, model_dir, pairs_dir, **sections)
     with Trainer(cfg) as trainer:
         initial = trainer.master_weights()
-        batches = [trainer.data.batch(s) for s in range(STEPS)]
+        batches = [trainer.data.batch(s) for s in range(cfg.train.steps)]
         records = trainer.train()
         final = trainer.master_weights()
-    losses, metrics, ref_state = reference_loop(cfg, model_dir, batches)
-    for step, (ours, ref, theirs) in enumerate(zip(records, losses, metrics)):
-        assert abs(ours["loss"] - ref) <= 1e-5 * abs(ref), f"step {step}: loss {ours['loss']} vs reference {ref}"
-        # At step 0 the policy is the reference: the rewards are rounding noise, their comparison a coin toss.
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins") + (("rewards/accuracies",) if step else ()):
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (step, key)
-    assert records[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6), "the policy starts as the reference"
-    assert records[-1]["loss"] < records[0]["loss"] - 0.05, "the DPO loss should fall over 10 steps"
-    for name, value in final.items():
-        err = (value - ref_state[name]).norm() / ref_state[name].norm()
-        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
-        assert (value - initial[name]).norm() / initial[name].norm() > 1e-3, f"{name} barely moved"
+    return DpoRun(cfg, records, initial, final, batches)
 
 
-def test_reference_logps_equal_a_plain_transformers_forward(tmp_path, model_dir, pairs_dir):
-    cfg = dpo_config(tmp_path, model_dir, pairs_dir, train={"steps": 1})
+FLOAT64 = {"master_dtype": "float64", "compute_dtype": "float64"}
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+LOGPS = ("logps/chosen", "logps/rejected")
+
+
+def metric_series(records: list[dict], key: str) -> torch.Tensor:
+    """One metric over the steps, as one vector (norm of the difference over the norm: a reward, a difference of
+    two log-probabilities of about -30, is small at some steps, where float32 leaves it few significant digits);
+    the rewards from step 1 on: at step 0 the policy is the reference, the rewards rounding noise about 0."""
+    return torch.tensor([r[key] for s, r in enumerate(records) if s or key not in REWARDS], dtype=torch.float64)
+
+
+def assert_accuracies_and_start(run: DpoRun, ref_metrics: list[dict]) -> None:
+    for step, (ours, theirs) in enumerate(zip(run.records, ref_metrics)):
+        if step:  # the share of pairs ranked right: a count, equal unless a margin is within rounding of 0
+            assert ours["rewards/accuracies"] == theirs["rewards/accuracies"], step
+    assert run.records[-1]["loss"] < run.records[0]["loss"] - 0.05, "the DPO loss should fall"
+
+
+def assert_dpo_exact(run: DpoRun, losses: list[float], metrics: list[dict], state: dict) -> None:
+    """A float64 run against the float64 reference loop: losses, TRL's metrics and final weights within 1e-10;
+    the policy starts as the reference (ln 2)."""
+    assert len(run.records) == len(losses)
+    assert_exact("loss at step 0 (the policy is the reference: ln 2)", run.records[0]["loss"], LN2)
+    for step, (ours, ref) in enumerate(zip(run.records, losses)):
+        assert_exact(f"loss at step {step}", ours["loss"], ref)
+    for key in REWARDS + LOGPS:
+        assert_exact(f"{key} over the steps", metric_series(run.records, key), metric_series(metrics, key))
+    for name, value in run.final.items():
+        assert_exact(name, value, state[name])
+        assert relative_error(value, run.initial[name]) > 1e-3, f"{name} barely moved"
+    assert_accuracies_and_start(run, metrics)
+
+
+def assert_dpo_within_noise(run: DpoRun, ref: Reference, metrics32: list[dict], metrics64: list[dict]) -> None:
+    """A float32 run against the reference loop in float32, within 4x the float32 loop's distance from the
+    float64 loop: every step's loss, each of TRL's metrics over the steps, every final weight (each of which must
+    have moved by more than 100x its bound)."""
+    assert_run_within_noise([r["loss"] for r in run.records], run.final, ref, run.initial)
+    for key in REWARDS + LOGPS:
+        assert_within_noise(f"{key} over the steps", metric_series(run.records, key), metric_series(metrics32, key),
+                            metric_series(metrics64, key))
+    # The policy starts as the reference: the same forward on the same shapes, so ln 2 up to the loss's noise.
+    assert relative_error(run.records[0]["loss"], LN2) <= bound(run_noise(
+        dict(enumerate(ref.losses32)), dict(enumerate(ref.losses64)))), run.records[0]["loss"]
+    assert_accuracies_and_start(run, metrics32)
+
+
+def reference_pair(run: DpoRun, model_dir: Path) -> tuple[Reference, list[dict], list[dict]]:
+    """The reference loop on the run's batches in float32 and float64, and TRL's metrics of each."""
+    metrics = {}
+
+    def loop(dtype):
+        losses, metrics[dtype], state = reference_loop(run.cfg, model_dir, run.batches, dtype)
+        return losses, state
+
+    ref = reference_in_both(loop)
+    return ref, metrics[torch.float32], metrics[torch.float64]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.float32_parity), "float64"])
+def test_reference_logps_equal_a_plain_transformers_forward(tmp_path, model_dir, pairs_dir, dtype,
+                                                            float64_transformers):  # noqa: F811
+    """float64: within 1e-10 of transformers' forward in float64 (measured 9e-17). float32: within 4x the distance
+    of transformers' float32 forward from its float64 one, floor 16 ulps (measured: noise 1.2e-8, ours 5.4e-8 from
+    transformers' float32 sums: the floor, 1.9e-6, holds it); then the reuse of the file (float32 only)."""
+    cfg = dpo_config(tmp_path, model_dir, pairs_dir, train={"steps": 1},
+                     precision={"master_dtype": dtype, "compute_dtype": dtype})
     with Trainer(cfg) as trainer:
         ours = trainer.data.reference
         rows = list(trainer.data.reference_batches())
         path = reference_path(trainer.data, reference_key(cfg, trainer.run_spec.compute_dtype, str(pairs_dir)))
         assert path.is_file()
-    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for documents, batch in rows:
-            expected = hf_token_logps(model, batch.input_ids, batch.labels).double().sum(1)
-            torch.testing.assert_close(ours[documents], expected, rtol=1e-5, atol=0)
+    expected = {}
+    for ref_dtype in (torch.float32, torch.float64) if dtype == "float32" else (torch.float64,):
+        model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=ref_dtype)
+        with torch.no_grad():
+            expected[ref_dtype] = torch.zeros_like(ours)
+            for documents, batch in rows:
+                expected[ref_dtype][documents] = hf_token_logps(model, batch.input_ids, batch.labels).double().sum(1)
+    if dtype == "float64":
+        assert_exact("reference log-probabilities", ours, expected[torch.float64])
+        return
+    assert_within_noise("reference log-probabilities", ours, expected[torch.float32], expected[torch.float64])
     # A second run (or a resume) reads them back instead of computing them again.
     mtime = path.stat().st_mtime_ns
     cfg2 = dpo_config(tmp_path / "again", model_dir, pairs_dir, train={"steps": 1})
@@ -271,13 +365,51 @@ def test_reference_logps_equal_a_plain_transformers_forward(tmp_path, model_dir,
     assert reference_key(cfg2, "bfloat16", str(pairs_dir)) != reference_key(cfg2, "float32", str(pairs_dir))
 
 
-def test_local_ten_steps_match_trl_loss_reference_loop(tmp_path, model_dir, pairs_dir):
-    run_dpo(tmp_path, model_dir, pairs_dir)
+@pytest.fixture(scope="module")
+def float64_cache() -> dict:
+    """The local float64 run and the reference loop's float64 run on its batches, made once for the module by the
+    first test that asks (local_float64): the float64 test's comparison, and the float64 twin that measures the
+    float32 test's noise."""
+    return {}
+
+
+def local_float64(cache: dict, tmp_path: Path, model_dir: Path, pairs_dir: Path) -> tuple[DpoRun, tuple]:
+    """(the local float64 run, the reference loop's (losses, metrics, state) in float64 on its batches, with its
+    float64 reference log-probabilities). Needs the float64_transformers fixture active."""
+    if "run" not in cache:
+        run = train_dpo(tmp_path / "float64", model_dir, pairs_dir, precision=FLOAT64)
+        cache["run"], cache["loop"] = run, reference_loop(run.cfg, model_dir, run.batches, torch.float64)
+    return cache["run"], cache["loop"]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.float32_parity), "float64"])
+def test_local_ten_steps_match_trl_loss_reference_loop(tmp_path, model_dir, pairs_dir, dtype, float64_cache,
+                                                       float64_transformers):  # noqa: F811
+    """float64: the run within 1e-10 of the loop in float64. float32: within 4x the loop's float32 noise, its float32
+    run (on the float32 reference log-probabilities) against its float64 one (the float64 test's, on the float64
+    reference log-probabilities: their rounding is part of float32's noise)."""
+    run64, (losses64, metrics64, state64) = local_float64(float64_cache, tmp_path, model_dir, pairs_dir)
+    if dtype == "float64":
+        assert_dpo_exact(run64, losses64, metrics64, state64)
+        return
+    run = train_dpo(tmp_path, model_dir, pairs_dir)
+    assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+               for a, b in zip(run.batches, run64.batches)), "the float64 twin trained on other batches"
+    losses32, metrics32, state32 = reference_loop(run.cfg, model_dir, run.batches, torch.float32)
+    assert_dpo_within_noise(run, Reference(losses32, state32, losses64, state64), metrics32, metrics64)
 
 
 @pytest.mark.ray
-def test_ray_ten_steps_match_trl_loss_reference_loop(tmp_path, ray_session, model_dir, pairs_dir):
-    run_dpo(tmp_path, model_dir, pairs_dir, runtime={"mode": "ray"})
+def test_two_gpu_workers_through_ray_give_the_reference_loops_run(tmp_path, ray_session, model_dir, pairs_dir,
+                                                                  float64_transformers):  # noqa: F811
+    """Data parallel through Ray (2 GPU workers over gloo, 2 optimizer workers): each rank takes whole pairs and
+    divides by the pairs of the whole batch, the ranks' gradients are summed, the metrics gathered. float64, so the
+    run, metrics included, is the reference loop's on the whole batch within 1e-10 (the one-rank run, local, is
+    that loop's too: test_local_ten_steps_match_trl_loss_reference_loop)."""
+    run = train_dpo(tmp_path, model_dir, pairs_dir, data={"batch_size": 8}, train={"steps": 5}, runtime={"mode": "ray"},
+                    parallel={"gpus": 2, "backend": "gloo"}, precision=FLOAT64)
+    assert {r["gpus"] for r in run.records} == {2}
+    assert_dpo_exact(run, *reference_loop(run.cfg, model_dir, run.batches, torch.float64))
 
 
 def test_resume_reuses_the_reference_and_continues_the_same_run(tmp_path, model_dir, pairs_dir):
@@ -325,19 +457,27 @@ def test_example_as_a_user_types_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "reward_acc" in proc.stderr
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert lines[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)
+    # The policy starts as the reference: the same forward on the same shapes (8 rows), so ln 2 up to the
+    # rounding of a float32 loss (measured: float32's ln 2, 2.7e-9 from it).
+    assert lines[0]["loss"] == pytest.approx(LN2, rel=FLOOR)
     losses = [r["loss"] for r in lines]
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.03, losses
     assert sum(r["rewards/margins"] for r in lines[-10:]) > 0
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected"} <= set(lines[-1])
 
 
-def test_ten_steps_match_trls_dpotrainer_itself(tmp_path, model_dir):
+@pytest.mark.float32_parity
+def test_ten_steps_match_trls_dpotrainer_itself(tmp_path, model_dir, float64_transformers):  # noqa: F811
     """TRL's DPOTrainer (precompute_ref_log_probs, sigmoid loss) on the same model, fed the same pairs in our
     step order (sequential sampler), with AdamW at the same settings (weight decay 0: transformers' Trainer
     decides by parameter name which tensors decay), constant lr and max_grad_norm 1: its logged per-step
-    losses within 1e-5 relative of ours (its reference log-probabilities come from its own forward, equal
-    to ours within 1e-5 relative, see above)."""
+    losses (its reference log-probabilities from its own forward) within 4x the float32 noise of these steps'
+    losses, measured by the reference loop (the same model, loss and AdamW on the same batches) in float32
+    against float64. Not TRL's own float64 run: its Trainer logs every loss through float32 (its float64 run
+    logs ln 2 as 0.69314718246) and lands 1.5e-6 from our float64 run, so it is no float64 reference; the exact
+    float64 comparison of the same math is test_local_ten_steps_match_trl_loss_reference_loop's.
+    Measured: noise 1.4e-6 (the largest step's), ours 3.5e-6 from TRL's at worst (2.5x; bound 5.6e-6); with
+    DPO's beta off by 1e-3, 1.7e-5 at step 1."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -353,7 +493,11 @@ def test_ten_steps_match_trls_dpotrainer_itself(tmp_path, model_dir):
             documents = trainer.data.step_documents(step)
             half = len(documents) // 2
             order += [by_tokens[(sequence(c), sequence(r))] for c, r in zip(documents[:half], documents[half:])]
+        initial = trainer.master_weights()
+        batches = [trainer.data.batch(s) for s in range(STEPS)]
         ours = [r["loss"] for r in trainer.train()]
+        final = trainer.master_weights()
+    ref = reference_pair(DpoRun(cfg, [], initial, final, batches), model_dir)[0]
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=cfg.data.batch_size // 2,
                      max_steps=STEPS, learning_rate=cfg.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
                      weight_decay=0.0, adam_beta1=cfg.optimizer.beta1, adam_beta2=cfg.optimizer.beta2,
@@ -368,60 +512,55 @@ def test_ten_steps_match_trls_dpotrainer_itself(tmp_path, model_dir):
     trl_trainer.train()
     theirs = [entry["loss"] for entry in trl_trainer.state.log_history if "loss" in entry]
     assert len(theirs) == STEPS
+    noise = run_noise(dict(enumerate(ref.losses32)), dict(enumerate(ref.losses64)))
     for step, (a, b) in enumerate(zip(ours, theirs)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs TRL's DPOTrainer {b}"
+        assert relative_error(a, b) <= bound(noise), (
+            f"step {step}: loss {a} vs TRL's DPOTrainer {b}: relative error {relative_error(a, b):.2e}, bound "
+            f"{bound(noise):.2e} (4x the float32 noise {noise:.2e} of the reference loop's losses)")
 
 
-def test_evaluation_is_the_dpo_loss_of_the_eval_pairs(tmp_path, model_dir):
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.float32_parity), "float64"])
+def test_evaluation_is_the_dpo_loss_of_the_eval_pairs(tmp_path, model_dir, dtype, float64_transformers):  # noqa: F811
     """train.eval_every with DPO: the eval split's pairs get their own reference log-probabilities (a plain
     transformers forward of the initial model), and eval_loss is the mean over those pairs of TRL's loss on the
-    trained model's log-probabilities (within 1e-5 relative)."""
+    trained model's log-probabilities: within 1e-10 in float64; in float32 within 4x the distance of that hand
+    computation in float32 from the same in float64 (measured: eval_loss noise 9.1e-7, ours 5.5e-7 from the float32
+    hand computation; the reference log-probabilities 4.1e-8, within the floor of 16 ulps)."""
     records = [layout(name, *q) for name in ("trl", "sharegpt", "alpaca", "trl_text") for q in QUESTIONS]
     run_prepare(model_dir, [write_jsonl(tmp_path / "pairs.jsonl", records)], tmp_path / "prepared", eval_fraction=0.25)
-    cfg = dpo_config(tmp_path, model_dir, tmp_path / "prepared", train={"steps": 4, "eval_every": 4, "eval_batches": 2})
+    cfg = dpo_config(tmp_path, model_dir, tmp_path / "prepared", train={"steps": 4, "eval_every": 4, "eval_batches": 2},
+                     precision={"master_dtype": dtype, "compute_dtype": dtype})
     with Trainer(cfg) as trainer:
         records = trainer.train()
         batches = list(trainer.eval_data)
         final = trainer.master_weights()
     assert len(batches) == 2 and all(b.input_ids.shape[0] == 4 for b in batches)
-    initial = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    trained = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    trained.load_state_dict(final)
-    total = pairs = 0.0
-    with torch.no_grad():
-        for batch in batches:
-            ref = hf_token_logps(initial, batch.input_ids, batch.labels).double().sum(1)
-            torch.testing.assert_close(batch.preference.reference_logps, ref, rtol=1e-5, atol=0)
-            per_token = hf_token_logps(trained, batch.input_ids, batch.labels)
-            completion = torch.cat([torch.zeros_like(batch.labels[:, :1]), (batch.labels != -100).long()], 1)
-            loss, _ = trl_loss(per_token, completion, batch.preference.reference_logps.float(), cfg.finetune.dpo.beta,
-                               0.0, "sigmoid")
-            total += loss.item() * (batch.input_ids.shape[0] // 2)
-            pairs += batch.input_ids.shape[0] // 2
-    assert records[-1]["eval_loss"] == pytest.approx(total / pairs, rel=1e-5)
-    assert records[-1]["eval_loss"] != pytest.approx(0.6931471805599453, rel=1e-3), "the model moved"
-
-
-@pytest.mark.ray
-def test_two_gpu_workers_give_the_run_of_one(tmp_path, ray_session, model_dir, pairs_dir):
-    """Data parallel: each rank takes whole pairs and divides by the pairs of the whole batch, the ranks' gradients
-    are summed: the one-rank run up to summation order (1e-6 relative, as tests/integration/test_data_parallel.py),
-    metrics included."""
-    sections = {"data": {"batch_size": 8}, "runtime": {"mode": "ray"}, "train": {"steps": 5}}
-    with Trainer(dpo_config(tmp_path / "one", model_dir, pairs_dir, **sections)) as trainer:
-        initial = trainer.master_weights()
-        one = trainer.train()
-        one_final = trainer.master_weights()
-    sections["parallel"] = {"gpus": 2, "backend": "gloo"}
-    with Trainer(dpo_config(tmp_path / "two", model_dir, pairs_dir, **sections)) as trainer:
-        two = trainer.train()
-        two_final = trainer.master_weights()
-    for a, b in zip(two, one):
-        for key in ("loss", "rewards/chosen", "rewards/margins", "logps/rejected"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
-    for name, ref in one_final.items():
-        assert ((two_final[name] - ref).norm() / ref.norm()).item() <= 1e-6, name
-        assert ((ref - initial[name]).norm() / initial[name].norm()).item() > 1e-4, name
+    ours_ref = torch.cat([b.preference.reference_logps for b in batches])
+    refs, losses = {}, {}
+    for hand_dtype in (torch.float32, torch.float64) if dtype == "float32" else (torch.float64,):
+        initial = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=hand_dtype)
+        trained = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=hand_dtype)
+        trained.load_state_dict(final)
+        total = pairs = 0.0
+        refs[hand_dtype] = []
+        with torch.no_grad():
+            for batch in batches:
+                ref = hf_token_logps(initial, batch.input_ids, batch.labels).double().sum(1)
+                refs[hand_dtype].append(ref)
+                per_token = hf_token_logps(trained, batch.input_ids, batch.labels)
+                completion = torch.cat([torch.zeros_like(batch.labels[:, :1]), (batch.labels != -100).long()], 1)
+                loss, _ = trl_loss(per_token, completion, ref.to(hand_dtype), cfg.finetune.dpo.beta, 0.0, "sigmoid")
+                total += loss.item() * (batch.input_ids.shape[0] // 2)
+                pairs += batch.input_ids.shape[0] // 2
+        refs[hand_dtype] = torch.cat(refs[hand_dtype])
+        losses[hand_dtype] = total / pairs
+    if dtype == "float64":
+        assert_exact("eval reference log-probabilities", ours_ref, refs[torch.float64])
+        assert_exact("eval_loss", records[-1]["eval_loss"], losses[torch.float64])
+    else:
+        assert_within_noise("eval reference log-probabilities", ours_ref, refs[torch.float32], refs[torch.float64])
+        assert_within_noise("eval_loss", records[-1]["eval_loss"], losses[torch.float32], losses[torch.float64])
+    assert records[-1]["eval_loss"] != pytest.approx(LN2, rel=1e-3), "the model moved"
 
 
 def test_bf16_compute_tracks_float32(tmp_path, model_dir, pairs_dir):

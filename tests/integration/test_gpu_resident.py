@@ -1,6 +1,12 @@
 """The GPU-resident tier (engine.gpu_resident) on the CPU device: resident layers train exactly as streamed
 ones (same AdamW math, same clipping, same step order); they have no host segments, and checkpoints, resume,
-export, fine-tuning, restarts and the driver's weight reads and writes reach their state on the device."""
+export, fine-tuning, restarts and the driver's weight reads and writes reach their state on the device.
+
+Tolerances (tests/numerics.py): float64 within 1e-12 (the same AdamW formula; measured bit-identical at lr 1e-3).
+float32: a resident layer's AdamW is the device's (torch's fused kernel), a streamed one's the CPU optimizer's
+(its native kernel), rounding apart; AdamW amplifies that, and MKL's float32 GEMMs round by CPU, so the bound is
+4x the streamed float32 run's own noise, its distance from the same run in float64 (shared with the float64 test).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import learnable_tokens, tiny_config, tiny_raw
+from tests.numerics import assert_all_within_noise
 
 FLOAT64 = {"master_dtype": "float64", "compute_dtype": "float64"}
 
@@ -40,11 +47,31 @@ def assert_same_run(a, b, rel: float) -> None:
         assert err <= rel, f"{name}: relative error {err:.2e}"
 
 
+def state_series(run) -> tuple[dict, dict]:
+    """(every step's loss and gradient norm by name, the final masters and moments by name) of a run."""
+    _, records, state = run
+    return {f"{key} at step {r['step']}": r[key] for r in records for key in ("loss", "grad_norm")}, state
+
+
+@pytest.fixture(scope="module")
+def streamed64(tmp_path_factory):
+    """The streamed float64 run of 10 steps at lr 1e-3 by grad_clip, made once: the reference of the float64 test
+    and the float64 twin that measures the float32 test's noise."""
+    runs = {}
+
+    def get(clip: float):
+        if clip not in runs:
+            runs[clip] = train(tiny_config(tmp_path_factory.mktemp("none"), train={"steps": 10},
+                                           optimizer={"grad_clip": clip}, precision=FLOAT64))
+        return runs[clip]
+    return get
+
+
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
-def test_resident_layers_train_exactly_like_streamed_ones_in_float64(tmp_path, clip):
-    common = {"train": {"steps": 10}, "optimizer": {"grad_clip": clip, "lr": 1e-2}, "precision": FLOAT64}
-    streamed = train(tiny_config(tmp_path / "none", **common))
-    resident = train(tiny_config(tmp_path / "two", engine={"gpu_resident": 2}, **common))
+def test_resident_layers_train_exactly_like_streamed_ones_in_float64(tmp_path, streamed64, clip):
+    streamed = streamed64(clip)
+    resident = train(tiny_config(tmp_path / "two", engine={"gpu_resident": 2}, train={"steps": 10},
+                                 optimizer={"grad_clip": clip}, precision=FLOAT64))
     assert_same_run(resident, streamed, rel=1e-12)
     # The two resident layers (the first two) never cross host<->device: only the embedding, the last layer
     # (loaded once: its slot still holds it when the backward starts) and the head come in.
@@ -54,13 +81,20 @@ def test_resident_layers_train_exactly_like_streamed_ones_in_float64(tmp_path, c
     assert [r["d2h_bytes"] for r in resident[1]] == [r["d2h_bytes"] - 2 * layer for r in streamed[1]]
 
 
+@pytest.mark.float32_parity
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
-def test_resident_layers_in_float32_and_bf16_compute_track_streamed_ones(tmp_path, clip):
-    """float32 (the CPU optimizer may take its native kernel, the device torch's fused one: rounding apart),
-    and bf16 compute from a float32 master (the GPU default: a bf16 compute copy, bf16 gradients)."""
+def test_resident_layers_in_float32_and_bf16_compute_track_streamed_ones(tmp_path, streamed64, clip):
+    """float32: within 4x the streamed float32 run's noise (its distance from the streamed float64 run; measured
+    on an AVX-512 Xeon: 4.5e-7 to 5.5e-7 for the losses and gradient norms, 4.4e-6 to 4.9e-6 for masters and
+    moments, the resident run 0.2x and 0.14x that from the streamed one; the resident layers' lr off by 1e-3:
+    40x to 120x the bound). bf16 compute from a float32 master (the GPU default: a bf16
+    compute copy, bf16 gradients): bf16 rounds by 2**-8 whatever the CPU, so a fixed 2 %."""
     common = {"train": {"steps": 10}, "optimizer": {"grad_clip": clip}}
-    assert_same_run(train(tiny_config(tmp_path / "two", engine={"gpu_resident": 3}, **common)),
-                    train(tiny_config(tmp_path / "none", **common)), rel=1e-5)
+    resident, streamed = (state_series(train(tiny_config(tmp_path / "two", engine={"gpu_resident": 3}, **common))),
+                          state_series(train(tiny_config(tmp_path / "none", **common))))
+    reference64 = state_series(streamed64(clip))
+    for what, k in (("record", 0), ("state", 1)):
+        assert_all_within_noise(what, resident[k], streamed[k], reference64[k])
     bf16 = {"precision": {"compute_dtype": "bfloat16"}, **common}
     assert_same_run(train(tiny_config(tmp_path / "bf16-two", engine={"gpu_resident": 2}, **bf16)),
                     train(tiny_config(tmp_path / "bf16-none", **bf16)), rel=2e-2)
