@@ -72,9 +72,11 @@ def lora_config(tmp_path: Path, base: Path, steps: int = 20, **sections):
 
 def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
     """peft's LoRA model on the base, with megatrain's adapters, in `dtype`; the load must match every key. Eager
-    attention's softmax is float32 whatever the model's dtype: a float64 model takes SDPA, float64 throughout."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        base, dtype=dtype, attn_implementation="sdpa" if dtype == torch.float64 else "eager")
+    attention's softmax is float32 whatever the model's dtype: a float64 model takes SDPA, float64 throughout, where
+    the family has it (Gemma 2's soft-capped scores are eager only)."""
+    sdpa = dtype == torch.float64 and transformers.AutoConfig.from_pretrained(base).model_type != "gemma2"
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
+                                                              attn_implementation="sdpa" if sdpa else "eager")
     lora = cfg.finetune.lora
     model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
                                                        target_modules=list(lora.targets(cfg.model.family))
