@@ -25,13 +25,18 @@ from tests.reference_llama import train_reference_like
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def run_both(tmp_path, ref_dtype: torch.dtype | None = None, **sections):
+def train_ours(tmp_path, **sections):
+    """megatrain's run of tiny_config(**sections): (config, initial weights, batches, losses, final weights)."""
     cfg = tiny_config(tmp_path, **sections)
     with Trainer(cfg) as trainer:
         initial = trainer.master_weights()
         batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
         ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
-        final = trainer.master_weights()
+        return cfg, initial, batches, ours, trainer.master_weights()
+
+
+def run_both(tmp_path, ref_dtype: torch.dtype | None = None, **sections):
+    cfg, initial, batches, ours, final = train_ours(tmp_path, **sections)
     ref_losses, ref_state = train_reference_like(cfg, initial, batches,
                                                  ref_dtype or DTYPES[cfg.precision.compute_dtype])
     return ours, ref_losses, final, ref_state, initial
@@ -40,12 +45,7 @@ def run_both(tmp_path, ref_dtype: torch.dtype | None = None, **sections):
 def run_against_reference_pair(tmp_path, **sections) -> tuple[list[float], dict, dict, Reference]:
     """A float32 run and the reference in float32 and float64 (the noise); returns (losses, final, initial,
     reference)."""
-    cfg = tiny_config(tmp_path, **sections)
-    with Trainer(cfg) as trainer:
-        initial = trainer.master_weights()
-        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
-        ours = [trainer.step(s)["loss"] for s in range(cfg.train.steps)]
-        final = trainer.master_weights()
+    cfg, initial, batches, ours, final = train_ours(tmp_path, **sections)
     ref = reference_in_both(lambda dtype: train_reference_like(cfg, initial, batches, dtype))
     return ours, {k: v.float() for k, v in final.items()}, {k: v.float() for k, v in initial.items()}, ref
 
