@@ -7,15 +7,97 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import one_thread
 from tests.reference_llama import reference_lr
 
 
+def _inv_freq_in_float64(params: dict, dim: int, long: bool) -> torch.Tensor:
+    """Inverse frequencies of transformers' default, linear and LongRoPE (Phi-3) RoPE, its formulas in float64
+    (transformers: float32)."""
+    rope_type = params["rope_type"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim
+    if rope_type == "longrope":
+        factors = torch.tensor(params["long_factor"] if long else params["short_factor"], dtype=torch.float64)
+        return 1.0 / (factors * params["rope_theta"] ** exponents)
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    assert rope_type == "default", f"no float64 RoPE for rope_type {rope_type}"
+    return inv_freq
+
+
+def _rope_in_float64(module) -> None:
+    """`module` (a model's rotary embedding) computes its cos and sin tables in float64 for float64 inputs: the
+    same formulas, the same choice of LongRoPE's long or short factors, the same attention scaling; transformers
+    itself computes them in float32 whatever the model's dtype. Checked against transformers' own frequencies."""
+    eager, config = module.forward, module.config
+
+    def forward(x, position_ids, layer_type=None):
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        tables = eager(x, position_ids, **kwargs)  # updates LongRoPE's inverse frequencies as transformers does
+        if x.dtype != torch.float64:
+            return tables
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+        theirs = getattr(module, f"{prefix}inv_freq")
+        long = int(position_ids.max()) + 1 > params.get("original_max_position_embeddings", float("inf"))
+        inv_freq = _inv_freq_in_float64(params, 2 * theirs.numel(), long).to(x.device)
+        torch.testing.assert_close(inv_freq, theirs.to(torch.float64), rtol=1e-5, atol=0)
+        freqs = position_ids[..., None].to(torch.float64) * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = getattr(module, f"{prefix}attention_scaling")
+        return emb.cos() * scaling, emb.sin() * scaling
+
+    module.forward = forward
+
+
+def _rms_norm_in_float64(module) -> None:
+    """`module` (an RMSNorm) as transformers writes it, without its cast of the input to float32."""
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    plus_one = type(module).__name__.startswith("Gemma")  # Gemma: x * (1 + weight)
+
+    def forward(x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return normed * ((1.0 + module.weight) if plus_one else module.weight)
+
+    module.forward = forward
+
+
+def float64_throughout(model) -> None:
+    """What transformers computes in float32 even in a float64 model, in float64 as megatrain does in its compute
+    dtype: the RoPE tables, the RMSNorms (Llama's style and Gemma's) and the attention's softmax (transformers'
+    eager attention: float32; PyTorch's SDPA computes in the inputs' dtype). Left in float32, as megatrain leaves
+    them: the softmax of a soft-capped attention (Gemma 2 and 3: no SDPA path), a MoE router's softmax and the
+    load-balancing loss's sums. Default, linear and LongRoPE tables only (gpt-oss's YaRN and attention sinks are
+    not done: its tests compare it with transformers as it is)."""
+    if not getattr(model.config, "attn_logit_softcapping", None):
+        model.set_attn_implementation("sdpa")
+    rotary = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RotaryEmbedding"):
+            _rope_in_float64(module)
+            rotary += 1
+        elif name.endswith("RMSNorm"):
+            _rms_norm_in_float64(module)
+    assert rotary, "no rotary embedding module"
+
+
 def train_hf(model, cfg, state: dict[str, torch.Tensor], batches: list[torch.Tensor],
-             dtype: torch.dtype, aux: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+             dtype: torch.dtype, aux: bool = False, exact: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The Hugging Face model itself, trained with torch.optim.AdamW and clip_grad_norm_ as megatrain is
     configured (lr schedule, betas, eps, weight decay on matrices only, clipping); with `aux` (a mixture of
-    experts), the loss adds router_aux_loss_coef * the aux_loss transformers computes."""
+    experts), the loss adds router_aux_loss_coef * the aux_loss transformers computes. With `exact`, a float64
+    model is float64 throughout (float64_throughout): the float64 twin of a float32 run, whose difference from
+    it is then all of float32's rounding. On one thread (tests.conftest.one_thread: a tiny model's ops)."""
+    with one_thread():
+        return _train_hf(model, cfg, state, batches, dtype, aux, exact)
+
+
+def _train_hf(model, cfg, state, batches, dtype, aux, exact):
     model = copy.deepcopy(model).to(dtype).train()
+    if exact and dtype == torch.float64:
+        float64_throughout(model)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # the embedding itself (Gemma)
     assert set(missing) <= tied and not unexpected, (missing, unexpected)
