@@ -111,7 +111,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megatrain_ray.planning.memory import plan_run  # lazy: start-up time (torch)
     from megatrain_ray.planning.plan_text import format_plan  # lazy: start-up time (torch)
 
-    cfg = _load(args)
+    try:
+        cfg = _load(args)
+    except MegatrainError as exc:
+        if getattr(exc, "hub_name", None) is None:
+            raise
+        raise ConfigError(f"{exc}. To plan without the hub: {_offline_shapes(exc.hub_name)}") from None  # type: ignore
     machine = Machine.from_preset(args.machine) if args.machine else Machine.detect(cfg.host.shm_dir)
     machine = machine.override(host_memory=args.host_memory, gpu_memory=args.gpu_memory, shm=args.shm)
     for flag, value, unit, adjust in (("--optimizer-gparams", args.optimizer_gparams, "G params/s", "with_optimizer_rate"),
@@ -126,6 +131,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_run(cfg, machine)
     sys.stdout.write(format_plan(plan))
     return 0 if plan.fits else 2
+
+
+def _offline_shapes(hub_name: str) -> str:
+    """Where `megatrain plan` finds a model's shape without the hub: configs/shapes/, the file matching `hub_name`
+    named when there is one."""
+    shapes = Path(__file__).resolve().parent.parent / "configs" / "shapes"
+    model = hub_name.split("/")[-1].lower()
+    matches = sorted((p.stem for p in shapes.glob("*.yaml") if model.startswith(p.stem)), key=len)
+    which = f"configs/shapes/{matches[-1]}.yaml" if matches else "configs/shapes/<model>.yaml"
+    return (f"the YAML files in configs/shapes/ describe common models' shapes and plan offline, with no download: "
+            f"megatrain plan {which} (with --set for this config's data, precision and host keys)")
 
 
 def cmd_config(args: argparse.Namespace) -> int:

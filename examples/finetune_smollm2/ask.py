@@ -23,17 +23,19 @@ def ask(model_dir: str, questions: list[str] = QUESTIONS, max_new_tokens: int = 
     from megatrain_ray.system.model_sources import resolve_model_dir
 
     model_dir = resolve_model_dir(model_dir, "MODEL", Path.cwd(), None, ConfigError)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    answers = {}
-    for question in questions:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        answers[question] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return answers
-
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]
+    # All questions decode together (left-padded, masked): one pass per new token instead of one per question.
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    replies = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    return dict(zip(questions, replies))
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

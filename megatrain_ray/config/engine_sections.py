@@ -232,7 +232,8 @@ class HostConfig:
 
     SECTION: ClassVar[str] = "host"
     num_shards: int = 1
-    """HostShard actors; each owns a contiguous range of stages (one per NUMA node is the intent)."""
+    """HostShard actors; each owns a contiguous range of stages (one per NUMA node is the intent), so at most the
+    model's stage count (its layers + 2: the embedding and the head); each is a process of its own (~0.35 GiB)."""
     shm_dir: str = "/dev/shm"
     """Directory of the shared-memory segments; must be a tmpfs large enough for the whole store."""
     moments_tier: Literal["ram", "disk"] = "ram"

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatrain_ray.config.fields import FieldError
 from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
 from megatrain_ray.config.hf_quantization import check_quantization_config
@@ -38,6 +39,8 @@ GEMMA3_THETAS = (1_000_000.0, 10_000.0)
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", None)
 # Phi3Config's own default for original_max_position_embeddings (a top-level key of its config.json).
 PHI3_ORIGINAL_MAX_POSITIONS = 4096
+# The config classes' pad_token_id where config.json has none (the other native families': None).
+PAD_TOKEN_DEFAULTS = {"phi3": 32000, "gemma2": 0, "gemma3": 0}
 
 
 def _family(hf: dict[str, Any]) -> str:
@@ -160,9 +163,37 @@ def _number(hf: dict[str, Any], key: str, where: str, default: float) -> float:
     return float(value)
 
 
+def _pad_token(hf: dict[str, Any], family: str, vocab: int, where: str) -> int | None:
+    """config.json's pad_token_id (absent: the family's default), as transformers' nn.Embedding takes it for its
+    padding_idx: a negative one counts from the end of the vocabulary, one outside it is refused."""
+    value = hf["pad_token_id"] if "pad_token_id" in hf else PAD_TOKEN_DEFAULTS.get(family)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not -vocab <= value < vocab:
+        raise CheckpointError(f"{where}: pad_token_id = {excerpt(value)} must be a token of the vocabulary "
+                              f"(-{vocab} to {vocab - 1}, as transformers' embedding takes it) or null")
+    return value % vocab
+
+
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json mapping; every field is checked before it is used
-    (`where` names the file in errors)."""
+    (`where` names the file in errors, with the file's own key names)."""
+    try:
+        return _model_config_from_hf(hf, where)
+    except FieldError as exc:  # ModelConfig's own checks refused a value of this file: name the file and its key
+        raise CheckpointError(f"{where}: {_hf_key(exc.key, hf)} = {excerpt(exc.value)}: {exc.why} (a value of this "
+                              "file, not of the YAML config: correct the file, or point model.path at another "
+                              "model)") from None
+
+
+def _hf_key(key: str, hf: dict[str, Any]) -> str:
+    """config.json's name of a ModelConfig key (`model.num_layers` -> num_hidden_layers)."""
+    name = key.removeprefix("model.")
+    experts = next((k for k in ("num_experts", "num_local_experts") if k in hf), "num_experts")
+    return {"num_layers": "num_hidden_layers", "num_experts": experts}.get(name, name)
+
+
+def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     family = _family(hf)
     check_quantization_config(hf, family, where)
     hidden, heads = _count(hf, "hidden_size", where), _count(hf, "num_attention_heads", where)
@@ -199,9 +230,10 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         sliding = moe.pop("sliding_window")
     elif hf.get("use_sliding_window"):
         raise ConfigError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
+    vocab = _count(hf, "vocab_size", where)
     return ModelConfig(
         family=family,  # type: ignore[arg-type]
-        vocab_size=_count(hf, "vocab_size", where), hidden_size=hidden,
+        vocab_size=vocab, hidden_size=hidden, pad_token_id=_pad_token(hf, family, vocab, where),
         intermediate_size=_count(hf, "intermediate_size", where), num_layers=_count(hf, "num_hidden_layers", where),
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
@@ -248,6 +280,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.resolved_head_dim,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_parameters": rope, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "pad_token_id": cfg.pad_token_id,
         "initializer_range": cfg.initializer_range, "hidden_act": "silu",
     }
     if cfg.family in ("llama", "qwen3"):

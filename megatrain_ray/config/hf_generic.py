@@ -11,7 +11,8 @@ name for name; the same model gives the engine its layer modules, run statelessl
 
 Refused here, before Ray starts, with the model class named: encoder and encoder-decoder models, classes
 that are not causal LMs, a model directory that asks for its own code (trust_remote_code is never set),
-models whose checkpoints transformers converts on load (other names or shapes than its modules), and
+models whose checkpoints transformers converts on load (other names or shapes than its modules) other than by
+the expert fusions megatrain's reader undoes (READ_CONVERSIONS), and
 models whose parts are not embedding -> layers -> final norm -> LM head (a bias on the LM head, parameters
 elsewhere).
 """
@@ -155,6 +156,21 @@ class GenericArchitecture:
     def lm_head_weight_name(self) -> str:
         return f"{self.lm_head_name}.weight"
 
+    @property
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers by Hugging Face name, as its constructor computed them: what its
+        state_dict holds besides parameters (Apertus's xIELU activation: beta and eps per layer), which
+        transformers loads from a checkpoint where it holds them, and saves."""
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        return {n: t for n, t in self.model.state_dict().items() if n not in params}
+
+    @property
+    def frozen_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the model never trains (requires_grad=False: Ernie 4.5-MoE's e_score_correction_bias,
+        which its routing adds to the scores it picks experts by) by Hugging Face name: loaded from the
+        checkpoint and saved, as transformers does, and no stage's (torch.optim.AdamW skips them too)."""
+        return {n: p for n, p in self.model.named_parameters() if not p.requires_grad}
+
 
 def build_architecture(model_dir: str | Path) -> GenericArchitecture:
     """The model class of `model_dir`'s config.json built with its parameters on the meta device, checked, and
@@ -180,13 +196,16 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
 
     from transformers.conversion_mapping import extract_weight_conversions_for_model
 
-    if extract_weight_conversions_for_model(model):
+    conversions = extract_weight_conversions_for_model(model)
+    if conversions and not _conversion_read(conversions):
         raise refuse("transformers renames or reshapes its weights between the checkpoint and the modules (a "
-                     "conversion mapping), while the generic path loads and saves them name for name")
+                     "conversion mapping), while the generic path loads and saves them name for name (it undoes "
+                     f"only the expert fusions of {', '.join(READ_CONVERSIONS)})")
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     if base is None or base is model:
-        raise refuse("it has no base model under its base_model_prefix")
+        raise refuse(f"its base model is not the module its base_model_prefix names ({prefix!r}: the class is "
+                     "part of a composite or multimodal model?), so its decoder layers cannot be found by name")
     embedding, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     children = dict(base.named_children())
     layer_lists = [n for n, m in children.items()
@@ -195,6 +214,11 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
     if len(layer_lists) != 1 or len(embed_names) != 1:
         raise refuse(f"its base model ({type(base).__name__}) has no single embedding and list of "
                      f"{model.config.num_hidden_layers} decoder layers among its parts {sorted(children)}")
+    positions = [n for n, m in children.items() if isinstance(m, nn.Embedding) and m is not embedding]
+    if positions:  # GPT-2's wpe: a table added to the token embedding, which the embed stage cannot hold
+        raise refuse(f"it has learned position embeddings ({', '.join(positions)}), a second table added to the "
+                     "token embedding, which the generic path's embedding stage does not hold; it runs models "
+                     "with rotary or no position embeddings")
     rest = [n for n, m in children.items() if n not in (layer_lists[0], embed_names[0])
             and any(True for _ in m.parameters())]
     if not rest:  # a final norm without parameters (OLMo's): known by its class's name
@@ -219,6 +243,20 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
     if stray:
         raise refuse(f"it has parameters outside the embedding, layers, final norm and LM head ({stray[0]}, ...)")
     return arch
+
+
+READ_CONVERSIONS = ("qwen2_moe", "ernie4_5_moe", "phimoe", "granitemoe")
+"""transformers' conversion mappings that megatrain's reader undoes (model/moe_io.py): one tensor per expert on
+disk fused into [experts, ...] tensors (Qwen2-MoE's, which OLMoE shares; Ernie 4.5-MoE's, its routing bias
+renamed; Phimoe's, its router renamed), GraniteMoE's renamed fused experts and router. The export writes the modules' own names, which
+transformers loads as they are."""
+
+
+def _conversion_read(conversions: list) -> bool:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    ours = [repr(t) for t in conversions]
+    return any(ours == [repr(t) for t in get_checkpoint_conversion_mapping(k) or []] for k in READ_CONVERSIONS)
 
 
 @functools.lru_cache(maxsize=8)

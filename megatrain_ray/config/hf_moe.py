@@ -31,9 +31,14 @@ def _real(hf: dict[str, Any], key: str, where: str, default: float) -> float:
 def moe_from_hf(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
     """The ModelConfig keys of a MoE config.json beyond the common ones (sliding_window and layer_types
     included for Mixtral and gpt-oss)."""
-    count = hf.get("num_experts", hf.get("num_local_experts"))
+    count_key = next((k for k in ("num_experts", "num_local_experts") if hf.get(k) is not None), None)
+    if count_key is None:
+        raise CheckpointError(f"{where} has no {EXPERT_COUNT_KEYS[family]!r} (nor "
+                              f"{'num_local_experts' if family == 'qwen3_moe' else 'num_experts'}), the number of "
+                              f"experts per layer a {family} model needs; the file is incomplete or not a Hugging Face "
+                              "config.json")
     out: dict[str, Any] = {
-        "num_experts": _whole({"n": count}, "n", f"{where}: num_experts / num_local_experts", 0, 1),
+        "num_experts": _whole(hf, count_key, where, 0, 1),
         "num_experts_per_tok": _whole(hf, "num_experts_per_tok", where, 2, 1),
         "output_router_logits": bool(hf.get("output_router_logits") or False),
         "router_aux_loss_coef": _real(hf, "router_aux_loss_coef", where, 0.001),

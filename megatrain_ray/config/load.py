@@ -146,6 +146,25 @@ def _count_values(value: Any, budget: int) -> int:
     return count
 
 
+def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
+    """PyYAML's problem with its line and column, and the context it was in with its own (the context's line is
+    often the one to fix: a key without its colon is reported where the scanner gave up, a line or more below)."""
+    lines = text.splitlines()
+
+    def at(mark: Any) -> str:
+        source = lines[mark.line].strip() if 0 <= mark.line < len(lines) else ""
+        return f" at line {mark.line + 1}, column {mark.column + 1}" + (f" ({excerpt(source)})" if source else "")
+
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if not problem:
+        return excerpt(str(exc), 300)
+    said = problem + (at(mark) if mark is not None else "")
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context:
+        said = f"{context}{at(context_mark) if context_mark is not None else ''}: {said}"
+    return said
+
+
 def read_yaml(text: str, where: str) -> Any:
     """YAML with duplicate keys refused and aliases bounded; errors name `where`."""
     try:
@@ -153,7 +172,7 @@ def read_yaml(text: str, where: str) -> Any:
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{where} is not valid YAML: {excerpt(str(exc), 300)}") from None
+        raise ConfigError(f"{where} is not valid YAML: {_yaml_problem(exc, text)}") from None
     except RecursionError:
         raise ConfigError(f"{where} nests too deeply to be a config") from None
     if _count_values(value, _MAX_VALUES) > _MAX_VALUES:

@@ -157,6 +157,10 @@ class ModelConfig:
     """Epsilon inside every RMSNorm's square root."""
     tie_word_embeddings: bool = False
     """True: the LM head reuses the embedding matrix (small Qwen models)."""
+    pad_token_id: int | None = None
+    """The padding token (config.json's; absent there, its family's default as transformers': 0 for Gemma,
+    32000 for Phi-3). As transformers' nn.Embedding(padding_idx): its embedding row takes no gradient from the
+    lookup (a tied LM head's still reaches it), so AdamW only decays it. null: none."""
     attention_bias: bool = False
     """Bias on the q, k and v projections (Qwen2 / Qwen2.5)."""
     qk_norm: bool = False
@@ -245,6 +249,8 @@ class ModelConfig:
                     _fail(f"{s}.rope_scaling.{key}", getattr(scaling, key),
                           f"needs {self.rotary_dim // 2} entries (rotary dimensions {self.rotary_dim} / 2), "
                           f"has {len(getattr(scaling, key))}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            _fail(f"{s}.pad_token_id", self.pad_token_id, f"must be a token below vocab_size={self.vocab_size} or null")
         if self.rms_norm_eps <= 0:
             _fail(f"{s}.rms_norm_eps", self.rms_norm_eps, "must be > 0")
         if self.sliding_window < 0:

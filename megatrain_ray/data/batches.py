@@ -359,10 +359,20 @@ def is_prepared(path: str) -> bool:
     return Path(path).is_dir()
 
 
+def refuse_missing(path: str, key: str, wanted: str) -> None:
+    """A data path that does not exist is called missing (not a wrong kind of data), naming the key."""
+    if not Path(path).exists():
+        raise DataError(f"{key}={path!r}: no such file or directory; give {wanted} (a relative path is taken beside "
+                        "the config file, then in the working directory)")
+
+
 def make_batches(cfg: DataConfig, model: ModelConfig) -> TokenBatches | DocumentBatches:
     """The training batches data.path describes."""
     if is_prepared(cfg.path):
         return DocumentBatches(cfg, model, cfg.path)
+    if cfg.path != "synthetic":
+        refuse_missing(cfg.path, "data.path", "a directory written by `megatrain prepare`, a token file (.npy, .bin or "
+                       ".txt) or 'synthetic'")
     if cfg.packing:
         raise ConfigError(f"data.packing needs documents: data.path={cfg.path!r} is a token stream; give a "
                           "directory written by `megatrain prepare`, or set data.packing=false")
@@ -372,6 +382,7 @@ def make_batches(cfg: DataConfig, model: ModelConfig) -> TokenBatches | Document
 def make_eval_batches(cfg: DataConfig, model: ModelConfig, count: int) -> list[Batch]:
     """train.eval_batches fixed batches: data.eval_path's documents, else the eval split of data.path."""
     if cfg.eval_path:
+        refuse_missing(cfg.eval_path, "data.eval_path", "a directory written by `megatrain prepare`")
         if not is_prepared(cfg.eval_path):
             raise ConfigError(f"data.eval_path={cfg.eval_path!r} is not a directory written by `megatrain prepare`")
         source = DocumentBatches(cfg, model, cfg.eval_path, "train", "data.eval_path", evaluation=True)

@@ -18,7 +18,14 @@ import numpy as np
 import torch
 
 from megatrain_ray.config.sections import Config
-from megatrain_ray.data.batches import DocumentBatches, TokenBatches, is_prepared, make_batches, make_eval_batches
+from megatrain_ray.data.batches import (
+    DocumentBatches,
+    TokenBatches,
+    is_prepared,
+    make_batches,
+    make_eval_batches,
+    refuse_missing,
+)
 from megatrain_ray.data.prepare.shards import PAIR_ROLE
 from megatrain_ray.exceptions import ConfigError, DataError
 from megatrain_ray.messages import Batch, PreferenceRows
@@ -32,6 +39,7 @@ class PreferenceBatches(DocumentBatches):
     def __init__(self, cfg: Config, directory: str, split: str = "train", key: str = "data.path",
                  eval_batches: int = 0):
         data = cfg.data
+        refuse_missing(directory, key, "a directory written by `megatrain prepare --format preference`")
         if not is_prepared(directory):
             raise DataError(f"{key}={directory!r}: finetune.objective=dpo needs preference pairs, a directory "
                             "written by `megatrain prepare --format preference`")

@@ -40,9 +40,11 @@ def truncate_metrics(path: Path, next_step: int) -> None:
 
 def state_config(cfg: Config) -> dict[str, dict[str, Any]]:
     """The config keys that decide what the saved state means: a checkpoint only loads where they agree.
-    host.moments_tier is not one of them: the files are the same from either tier."""
+    host.moments_tier is not one of them: the files are the same from either tier, nor model.pad_token_id (which
+    rows train, not what the tensors are; checkpoints from before it was read hold none)."""
     finetune = cfg.to_dict()["finetune"] if cfg.finetune.method == "lora" else {"method": "full"}
-    return {"model": cfg.to_dict()["model"], "precision": {"master_dtype": cfg.precision.master_dtype},
+    model = {k: v for k, v in cfg.to_dict()["model"].items() if k != "pad_token_id"}
+    return {"model": model, "precision": {"master_dtype": cfg.precision.master_dtype},
             "optimizer": {"moment_dtype": cfg.optimizer.moment_dtype}, "finetune": finetune}
 
 

@@ -30,7 +30,7 @@ from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonf
 from megatrain_ray.driver.outputs import check_outputs, place_outputs
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.placement import RunPlacement
-from megatrain_ray.driver.reference import load_or_compute
+from megatrain_ray.driver.reference import check_reference, load_or_compute
 from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, ray_session_dir, start_ray
 from megatrain_ray.driver.tracking import Tracking, check_available, last_logged_step
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
@@ -109,6 +109,9 @@ class Trainer:
         self.run_spec: RunSpec = self.plan.run
         """Settings derived from the config and the machine, sent to every actor (final once the ranks are known)."""
         check_outputs(cfg, self.run_dir, self.checkpoints.root, self.layout.num_params, self.run_spec)
+        for pairs in (self.data, self.eval_data):  # DPO: a cached reference file read and checked before Ray starts
+            if isinstance(pairs, PreferenceBatches):
+                check_reference(cfg, pairs, self.run_spec.compute_dtype, resuming=self.restore is not None)
         self.flops_per_token = model_flops_per_token(cfg.model, self.layout, cfg.data.seq_len)
         self.cluster = Cluster(cfg, self.layout, self.run_id)
         self.saver = Checkpointer(cfg, self.checkpoints, self.data)

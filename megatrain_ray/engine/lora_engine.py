@@ -39,6 +39,7 @@ from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.head import HeadResult
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.lora import SAVED_MODULES, is_adapter, layer_dropout_seed, saved_names
+from megatrain_ray.model.templates import embed_backward
 from megatrain_ray.store.segments import HostStore
 
 
@@ -147,10 +148,8 @@ class LoraStreamEngine(StreamEngine):
         compute = self.streams.compute
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
-        grad_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype)
-        if self.embed_scale is not None:  # Gemma: the rows were scaled by sqrt(hidden) (their gradient too)
-            grad_rows = grad_rows * self.embed_scale.to(self.acc_dtype)
-        self.vocab_acc.index_add_(0, ids.reshape(-1), grad_rows)
+        # As peft's copy of the embedding (its padding_idx): no gradient onto the padding token's row.
+        embed_backward(self.vocab_acc, ids, grad_y, self.embed_scale, self.model_cfg.pad_token_id)
         self.adapters.set_saved_grad(SAVED_MODULES["embed_tokens"], self.vocab_acc)
         self.telemetry.timeline.stop("compute", compute, start)
 

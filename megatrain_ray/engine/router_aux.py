@@ -7,6 +7,8 @@ known once the forward is done. So each MoE layer's forward records its counts a
 (a few [E] tensors), the totals give the loss and one [E] gradient vector, and each layer's recompute in
 the backward adds coef * that vector as the gradient of its summed probabilities (templates.decoder_layer_backward).
 
+The generic path's MoE models (model/generic_moe.py) record the same statistics from their routers' logits.
+
 Router z-loss: none of the three families has one in transformers 5.23 (Qwen3-MoE, Mixtral and gpt-oss add only
 the load-balancing loss), so none is computed.
 """
@@ -17,17 +19,26 @@ import torch
 
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.engine.collective import Collectives
+from megatrain_ray.model.generic_moe import GenericRouting
 from megatrain_ray.model.moe import RouterRecord, load_balancing_loss
 
 
 class RouterAux:
     """One step's router records and the load-balancing loss they give."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.on = cfg.is_moe and cfg.output_router_logits
-        self.coef = cfg.router_aux_loss_coef
-        self.num_experts = cfg.num_experts
-        self.moe_layers = [i for i in range(cfg.num_layers) if cfg.layer_is_moe(i)]
+    def __init__(self, cfg: ModelConfig, generic: GenericRouting | None = None):
+        """`generic`: the routing of a generic MoE model (model/generic_moe.py), which its config.json describes
+        and ModelConfig does not."""
+        if cfg.template == "generic":
+            self.on = generic is not None and generic.on
+            self.coef = generic.coef if self.on else 0.0
+            self.num_experts = generic.num_experts if self.on else 0
+            self.moe_layers = generic.moe_layers if self.on else []
+        else:
+            self.on = cfg.is_moe and cfg.output_router_logits
+            self.coef = cfg.router_aux_loss_coef
+            self.num_experts = cfg.num_experts
+            self.moe_layers = [i for i in range(cfg.num_layers) if cfg.layer_is_moe(i)]
         self.records: dict[int, RouterRecord] = {}
         self.grad: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
@@ -50,8 +61,12 @@ class RouterAux:
         records = list(self.records.values())
         if comm is not None:
             records = _summed_over_ranks(comm, records)
-        self.loss, grad = load_balancing_loss(records, self.num_experts)
-        self.grad = self.coef * grad
+        self.loss, _ = load_balancing_loss(records, self.num_experts)
+        # coef * d(aux)/d(prob_sum) = coef E f / rows, in the order of float32 operations transformers' backward
+        # takes through coef * aux (((coef E) f) / rows), so that it rounds as transformers' does.
+        rows = sum(r.rows for r in records)
+        f = sum(r.counts for r in records) / rows
+        self.grad = torch.full((), self.coef, dtype=torch.float32, device=f.device) * self.num_experts * f / rows
         return self.coef * self.loss if first_rank else torch.zeros_like(self.loss)
 
     def layer_grad(self, layer: int) -> torch.Tensor | None:

@@ -59,7 +59,7 @@ from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
 from megatrain_ray.model.preference import preference_loss_and_grads
-from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_scale
+from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_backward, embed_scale
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.quant.nf4_stage import decode_blocks
 from megatrain_ray.store.segments import HostStore
@@ -107,7 +107,7 @@ class StreamEngine(ForwardOnlyPasses):
         # softmax and gradient fused over the [tokens, vocab] logits.
         self._chunk_loss = CompiledFunction(chunk_cross_entropy, fall_back, "the loss head's chunk") \
             if run.device_compiles else chunk_cross_entropy
-        self.router_aux = RouterAux(model)
+        self.router_aux = RouterAux(model, self.generic.routing if self.generic is not None else None)
         poison = self.engine_cfg.poison_buffers
 
         trace = UpdateTrace(self.engine_cfg.update_trace, rank.rank, rank.world) if self.engine_cfg.update_trace else None
@@ -267,7 +267,7 @@ class StreamEngine(ForwardOnlyPasses):
             w = self._bind(stage, slot)
             start = timeline.start(self.streams.compute)
             if self.generic is not None:
-                x = self.generic.layer(i, x, w, rope)
+                x = self.generic.layer(i, x, w, rope, self.router_aux.record(i))
             else:
                 spec = self.specs[i]
                 x = self._layer(x, documents, w, spec)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk,
@@ -355,7 +355,7 @@ class StreamEngine(ForwardOnlyPasses):
             routing = None
             if self.generic is not None:  # the model's own layer, recomputed in one piece
                 grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[i], self.generic.layers[i], None, grad_y,
-                                                              0, run_layer)
+                                                              0, run_layer, router_grad=self.router_aux.layer_grad(i))
             else:
                 spec = self.specs[i]
                 # A streamed MoE layer (one rank) records its routing: its experts without tokens have zero
@@ -399,7 +399,8 @@ class StreamEngine(ForwardOnlyPasses):
             self.grads.emit(stage, grad_slot, idle)
 
     def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: WeightSlot) -> None:
-        """The embedding's gradients: a scatter-add of the input gradients (onto the LM head's part when tied)."""
+        """The embedding's gradients: a scatter-add of the input gradients (onto the LM head's part when tied), none
+        onto the padding token's row (model.pad_token_id), as transformers'."""
         layout, compute = self.layout, self.streams.compute
         start = self.telemetry.timeline.start(compute)
         if not layout.tied:
@@ -407,10 +408,7 @@ class StreamEngine(ForwardOnlyPasses):
         if self.generic is not None:  # through the embedding module's own backward
             self.generic.embed_grad(ids, grad_y, self.weights.bind(layout.embed, embed_slot), self.vocab_acc)
         else:
-            grad_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(self.acc_dtype)
-            if self.embed_scale is not None:  # Gemma: the rows were scaled by sqrt(hidden) (their gradient too)
-                grad_rows = grad_rows * self.embed_scale.to(self.acc_dtype)
-            self.vocab_acc.index_add_(0, ids.reshape(-1), grad_rows)
+            embed_backward(self.vocab_acc, ids, grad_y, self.embed_scale, self.model_cfg.pad_token_id)
         self.weights.release(embed_slot)
         self.grads.write(layout.embed, self.grads.embed_slot, {layout.embed.slots[0].name: self.vocab_acc})
         self.telemetry.timeline.stop("compute", compute, start)

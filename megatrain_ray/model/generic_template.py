@@ -4,7 +4,9 @@ Each decoder layer is the model's own layer module, its parameters on the meta d
 (config/hf_generic.py), called with torch.func.functional_call on the views of its stage's flat buffer: no
 module holds a weight. The embedding and the final norm are called the same way; the loss stays the
 engine's chunked cross-entropy on the LM head's logits. The modules' buffers (an embedding scale) are
-their own, moved to the device.
+their own, moved to the device; persistent buffers and frozen parameters (requires_grad=False) are read from
+the model directory where it holds them, as transformers loads them (load_fixed). A mixture of experts' router
+logits are captured as its layers compute them, for the load-balancing loss (model/generic_moe.py).
 
 What the model's forward hands each layer besides the hidden states (the rotary embedding's cos and sin,
 the causal or sliding-window mask of its attention implementation, position ids, per-layer choices such as
@@ -30,7 +32,10 @@ from torch.func import functional_call
 
 from megatrain_ray.config.hf_generic import GenericArchitecture, UnsupportedModelError, build_architecture
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.model.generic_moe import GenericRouting, call_recording, generic_routing
 from megatrain_ray.model.head import HeadResult, HeadSpec, head_loss_and_grads
+from megatrain_ray.model.hf_io import HFDirectory
+from megatrain_ray.model.moe import RouterRecord
 
 LayerInputs = tuple[tuple[Any, ...], dict[str, Any]]
 """What the model's forward passes a decoder layer besides the hidden states: positional and keyword arguments."""
@@ -42,21 +47,45 @@ PROBE_SCALE = 10.0
 
 
 def run_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], inputs: LayerInputs, layer: Any,
-              documents: Any = None, mlp_chunk_tokens: int = 0) -> torch.Tensor:
+              documents: Any = None, mlp_chunk_tokens: int = 0, router: RouterRecord | None = None) -> torch.Tensor:
     """One decoder layer: the model's own module on the weights `w` (views of the streamed buffer; its
     buffers its own). The signature is the native decoder_layer's, so templates.decoder_layer_backward
-    recomputes it as it is."""
+    recomputes it as it is. `router`: where a MoE layer's routers record their logits' statistics (the
+    load-balancing loss, model/generic_moe.py)."""
     args, kwargs = inputs
-    out = functional_call(layer, dict(w), (x, *args), kwargs)
+    out = call_recording(layer, lambda: functional_call(layer, dict(w), (x, *args), kwargs), router)
     return out[0] if isinstance(out, tuple) else out
 
 
 def buffers_to(module: Any, device: torch.device) -> None:
-    """Move every buffer of `module` to `device`; its parameters (on the meta device) stay."""
+    """Move every buffer of `module` to `device`, and its frozen parameters that were loaded (load_fixed); its
+    other parameters (on the meta device) stay."""
     for part in module.modules():
         for name, buffer in part._buffers.items():
             if buffer is not None:
                 part._buffers[name] = buffer.to(device)
+        for name, param in part._parameters.items():
+            if param is not None and param.device.type != "meta":
+                part._parameters[name] = torch.nn.Parameter(param.detach().to(device), requires_grad=False)
+
+
+def load_fixed(arch: GenericArchitecture, model_dir: str) -> None:
+    """The tensors the model holds but does not train, as model_dir's weights hold them (as transformers loads
+    them): its persistent buffers (Apertus's activation constants; those the directory lacks keep their
+    constructor's values) and its frozen parameters (Ernie 4.5-MoE's routing bias), made real tensors in
+    place of their meta ones."""
+    buffers, frozen = arch.persistent_buffers, arch.frozen_parameters
+    if not buffers and not frozen:
+        return
+    source = HFDirectory(model_dir)
+    for name, buffer in buffers.items():
+        if name in source:
+            buffer.copy_(source[name])  # the module's own buffer (state_dict shares its storage)
+    for name in frozen:
+        owner, _, leaf = name.rpartition(".")
+        module = arch.model.get_submodule(owner)
+        value = source[name].to(module._parameters[leaf].dtype)
+        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
 
 def constant_factor(out: torch.Tensor, given: torch.Tensor) -> float | None:
@@ -93,6 +122,8 @@ class _Shell:
         arch = build_architecture(model_dir)
         self.arch, self.calls, self.tuple_outputs = arch, [], tuple_outputs
         self.norm_input: torch.Tensor | None = None
+        if getattr(arch.model.config, "output_router_logits", False):  # no router runs here: nothing to pool
+            arch.model.config.output_router_logits = False
         for i, layer in enumerate(arch.layers):
             layer.forward = self._layer_recorder(i)  # the instance keeps its attributes (attention_type, ...)
         arch.norm.forward = self._record_norm
@@ -123,9 +154,14 @@ class GenericTemplate:
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
         arch = build_architecture(cfg.path)
+        if dtype == torch.float64 and getattr(arch.model.config, "_experts_implementation", None) == "grouped_mm":
+            arch.model.set_experts_implementation("eager")  # grouped_mm, transformers' default, has no float64 kernel
+        load_fixed(arch, cfg.path)
         buffers_to(arch.model, device)
         self.arch: GenericArchitecture = arch
         self.layers = list(arch.layers)
+        self.routing: GenericRouting | None = generic_routing(arch)
+        """A MoE model's routers and load-balancing loss (None: a dense model)."""
         self.device, self.dtype = device, dtype
         self._inputs: dict[tuple[int, int], list[LayerInputs]] = {}
         self.shell, (self.embed_scale, self.logit_scale) = self._probed_shell(cfg.path)
@@ -220,8 +256,8 @@ class GenericTemplate:
         acc.add_(grad.to(acc.dtype))
 
     def layer(self, index: int, x: torch.Tensor, w: Mapping[str, torch.Tensor],
-              inputs: list[LayerInputs]) -> torch.Tensor:
-        return run_layer(x, w, inputs[index], self.layers[index])
+              inputs: list[LayerInputs], router: RouterRecord | None = None) -> torch.Tensor:
+        return run_layer(x, w, inputs[index], self.layers[index], router=router)
 
     def _norm_params(self, head_w: Mapping[str, torch.Tensor], grads: bool) -> dict[str, torch.Tensor]:
         prefix = self.arch.norm_prefix

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config.hf import hf_config_from_model, read_hf_config
+from megatrain_ray.config.hf_generic import architecture
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
@@ -89,7 +90,9 @@ class HFDirectory(Mapping[str, torch.Tensor]):
                 raise CheckpointError(f"{index} maps {absent[0]!r} to {weight_map[absent[0]]}, which does not "
                                       f"hold it ({len(absent)} such tensors); the directory is inconsistent")
         # MoE hub checkpoints keep one tensor per expert: seen here fused, as transformers 5 loads them.
-        self.stacks = ExpertStacks(self.entries, str(self.dir))
+        config = self.dir / "config.json"
+        model_type = read_hf_config(self.dir).get("model_type") if config.is_file() else None
+        self.stacks = ExpertStacks(self.entries, str(self.dir), model_type)
         self.on_disk = self.entries
         if self.stacks:
             self.entries = self.stacks.fused_entries(self.entries, str(self.dir))
@@ -130,7 +133,8 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         """Every tensor of the layout present, with its shape and a float dtype, and no tensor the model does
         not have (weights for another shape, a layer more): raised before allocating."""
         wanted = {stage.hf_name(slot) for stage in layout.stages for slot in stage.slots}
-        extra = sorted(n for n in self.entries if n not in wanted and not _derived(n, wanted))
+        fixed = {*layout.buffers, *layout.frozen}  # a generic model's untrained tensors: read as transformers does
+        extra = sorted(n for n in self.entries if n not in wanted and n not in fixed and not _derived(n, wanted))
         if extra:
             raise CheckpointError(f"{self.dir} holds {len(extra)} tensor(s) the model of its config.json does not have, "
                                   f"first {extra[0]!r}; the weights and config.json do not belong together")
@@ -149,6 +153,12 @@ class HFDirectory(Mapping[str, torch.Tensor]):
                                           "converted to float master weights (of quantized checkpoints only "
                                           "gpt-oss's MXFP4 is read; float dtypes read: "
                                           f"{', '.join(sorted(FLOAT_CODES))})")
+
+        for name in layout.frozen:
+            if name not in self.entries:
+                raise CheckpointError(f"{self.dir} has no tensor {name!r}, a parameter config.json's architecture "
+                                      "holds untrained (transformers loads it from the checkpoint); the weights and "
+                                      "config.json do not belong together")
 
 
 def _derived(name: str, wanted: set[str]) -> bool:
@@ -181,6 +191,16 @@ def _plan_shards(names: list[str], nbytes: dict[str, int], shard_bytes: int) -> 
     return shards
 
 
+def generic_fixed(model_cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A generic model's persistent buffers and frozen parameters for an export, as transformers' save_pretrained
+    writes them: their values in the weights given where those hold them (a directory), else in model.path (what
+    the run loaded), else (a buffer) as the model's constructor computes it."""
+    arch = architecture(str(Path(model_cfg.path).resolve()))
+    source = HFDirectory(model_cfg.path)
+    return {n: tensors[n] if n in tensors else source.get(n, b)
+            for n, b in {**arch.persistent_buffers, **arch.frozen_parameters}.items()}
+
+
 def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path,
               source_dir: str | Path | None = None, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
     """Write a directory that transformers' AutoModelForCausalLM.from_pretrained loads.
@@ -203,15 +223,18 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
     torch_dtype = TORCH_DTYPES[dtype]
     element = torch.empty((), dtype=torch_dtype).element_size()
     slots = {stage.hf_name(slot): slot for stage in layout.stages for slot in stage.slots}
-    groups = _plan_shards(names, {n: slots[n].numel * element for n in names}, shard_bytes)
+    buffers = generic_fixed(model_cfg, tensors) if layout.buffers or layout.frozen else {}
+    sizes = {n: slots[n].numel * element for n in names} | {n: b.numel() * element for n, b in buffers.items()}
+    names += list(buffers)
+    groups = _plan_shards(names, sizes, shard_bytes)
     with atomic_directory(out, CheckpointError, "export directory") as tmp:
         weight_map, total = {}, 0
         for k, group in enumerate(groups):
             file = SINGLE_FILE if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
             shard = {}
             for name in group:
-                tensor = tensors[name]
-                if tuple(tensor.shape) != slots[name].shape:
+                tensor = buffers[name] if name in buffers else tensors[name]
+                if name not in buffers and tuple(tensor.shape) != slots[name].shape:
                     raise CheckpointError(f"cannot export {name!r}: shape {list(tensor.shape)}, model needs "
                                           f"{list(slots[name].shape)}")
                 shard[name] = tensor.detach().to(device="cpu", dtype=torch_dtype).contiguous()

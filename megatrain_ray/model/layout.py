@@ -136,6 +136,12 @@ def layer_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[int
 class ModelLayout:
     stages: tuple[StageLayout, ...]
     tied: bool
+    buffers: tuple[str, ...] = ()
+    """A generic model's persistent buffers by Hugging Face name (config/hf_generic.py): read from model.path
+    into its modules where it holds them, and exported; none for the native templates."""
+    frozen: tuple[str, ...] = ()
+    """A generic model's parameters that it never trains (requires_grad=False), by Hugging Face name: in no stage,
+    read from model.path (which must hold them) into its modules, and exported."""
 
     @property
     def embed(self) -> StageLayout:
@@ -187,7 +193,7 @@ def _generic_layout(cfg: ModelConfig) -> ModelLayout:
     def tensors(prefix: str, module) -> list[tuple[str, tuple[int, ...], str]]:
         # Random initialisation is never used on this path (it needs model.path), but every slot has a kind.
         return [(prefix + n, tuple(p.shape), "normal" if p.dim() >= 2 else "zeros" if n.endswith("bias") else "ones")
-                for n, p in module.named_parameters()]
+                for n, p in module.named_parameters() if p.requires_grad]  # frozen ones: ModelLayout.frozen
 
     stages = [_stage(0, "embed", arch.base_prefix, [(arch.embed_weight_name, tuple(arch.embedding.weight.shape),
                                                      "normal")])]
@@ -197,7 +203,7 @@ def _generic_layout(cfg: ModelConfig) -> ModelLayout:
     if not arch.tied:
         head += tensors(f"{arch.lm_head_name}.", arch.model.get_output_embeddings())
     stages.append(_stage(len(arch.layers) + 1, "head", "", head))
-    return ModelLayout(tuple(stages), arch.tied)
+    return ModelLayout(tuple(stages), arch.tied, tuple(arch.persistent_buffers), tuple(arch.frozen_parameters))
 
 
 def build_layout(cfg: ModelConfig) -> ModelLayout:

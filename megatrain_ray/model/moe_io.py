@@ -5,7 +5,11 @@ read, as transformers' conversion mapping does when it loads (qwen2_moe / mixtra
 - Qwen3-MoE: `mlp.experts.{e}.gate_proj.weight`, `.up_proj.weight` [f, h] -> `mlp.experts.gate_up_proj`
   [E, 2f, h] (each expert's gate rows, then its up rows); `mlp.experts.{e}.down_proj.weight` -> `mlp.experts.down_proj`.
 - Mixtral: `block_sparse_moe.experts.{e}.w1.weight` (gate), `.w3.weight` (up), `.w2.weight` (down) alike, and
-  `block_sparse_moe.gate.weight` -> `mlp.gate.weight`.
+  `block_sparse_moe.gate.weight` -> `mlp.gate.weight` (Phimoe, on the generic path: -> `mlp.router.weight`).
+- GraniteMoE (generic path): `block_sparse_moe.input_linear.weight`, `.output_linear.weight` and
+  `.router.layer.weight` -> `block_sparse_moe.experts.gate_up_proj`, `.experts.down_proj` and `.router.weight`.
+- Ernie 4.5-MoE (generic path): Qwen2-MoE's experts, and `mlp.moe_statics.e_score_correction_bias` ->
+  `mlp.gate.moe_statics.e_score_correction_bias`.
 
 Directories with fused names (what transformers 5's save_pretrained writes for gpt-oss, and what megatrain's
 export writes for every family: transformers 5 loads them as they are) need nothing.
@@ -27,13 +31,23 @@ _PER_EXPERT = re.compile(r"^(?P<layer>.*\.)(?:mlp|block_sparse_moe)\.experts\.(?
                          r"(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _MIXTRAL_ROUTER = re.compile(r"^(?P<layer>.*\.)block_sparse_moe\.gate\.weight$")
+# GraniteMoE's checkpoints: its fused experts and router under other names (transformers renames them on load).
+_RENAMED = [(re.compile(r"^(?P<layer>.*\.)block_sparse_moe\.input_linear\.weight$"), "block_sparse_moe.experts.gate_up_proj"),
+            (re.compile(r"^(?P<layer>.*\.)block_sparse_moe\.output_linear\.weight$"), "block_sparse_moe.experts.down_proj"),
+            (re.compile(r"^(?P<layer>.*\.)block_sparse_moe\.router\.layer\.weight$"), "block_sparse_moe.router.weight"),
+            # Ernie 4.5-MoE's routing bias, under its router in the module
+            (re.compile(r"^(?P<layer>.*\.)mlp\.moe_statics\.e_score_correction_bias$"),
+             "mlp.gate.moe_statics.e_score_correction_bias")]
+ROUTER_NAMES = {"phimoe": "mlp.router.weight"}
+"""model_type -> the name of a router that Mixtral's checkpoints call `block_sparse_moe.gate.weight` (Phimoe's
+router module), else `mlp.gate.weight`."""
 
 
 class ExpertStacks:
     """The fused tensors a directory's per-expert tensors make: by fused name, the source names of each expert's
     parts in expert order (gate_up: gate then up of each expert; down: its down) and the renamed routers."""
 
-    def __init__(self, entries: dict[str, Entry], where: str):
+    def __init__(self, entries: dict[str, Entry], where: str, model_type: str | None = None):
         self.parts: dict[str, list[list[str]]] = {}
         self.renamed: dict[str, str] = {}
         found: dict[tuple[str, str], dict[int, str]] = {}
@@ -42,7 +56,11 @@ class ExpertStacks:
             if m:
                 found.setdefault((m["layer"], _ROLE[m["part"]]), {})[int(m["e"])] = name
             elif (r := _MIXTRAL_ROUTER.match(name)):
-                self.renamed[f"{r['layer']}mlp.gate.weight"] = name
+                self.renamed[f"{r['layer']}{ROUTER_NAMES.get(model_type, 'mlp.gate.weight')}"] = name
+            else:
+                for pattern, new in _RENAMED:
+                    if (r := pattern.match(name)):
+                        self.renamed[f"{r['layer']}{new}"] = name
         layers = {layer for layer, _ in found}
         for layer in sorted(layers):
             by_role = {role: found.get((layer, role), {}) for role in ("gate", "up", "down")}

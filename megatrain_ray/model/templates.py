@@ -57,6 +57,20 @@ def embed(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = 
     return out if scale is None else out * scale
 
 
+def embed_backward(acc: torch.Tensor, ids: torch.Tensor, grad_y: torch.Tensor, scale: torch.Tensor | None = None,
+                   padding_idx: int | None = None) -> None:
+    """The lookup's weight gradient added into `acc` ([vocab, hidden]; with a tied head it holds the head's
+    already): each input gradient onto its token's row, times `scale` (Gemma); none onto `padding_idx`'s row, as
+    transformers' nn.Embedding(padding_idx=pad_token_id) gives that row none from the lookup."""
+    rows, flat = grad_y.reshape(-1, grad_y.shape[-1]).to(acc.dtype), ids.reshape(-1)
+    if scale is not None:
+        rows = rows * scale.to(acc.dtype)
+    if padding_idx is not None:  # in place where `rows` is a copy already (no second [tokens, hidden] temporary)
+        pad = (flat == padding_idx).unsqueeze(-1)
+        rows = rows.masked_fill(pad, 0) if rows.data_ptr() == grad_y.data_ptr() else rows.masked_fill_(pad, 0)
+    acc.index_add_(0, flat, rows)
+
+
 def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                     spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
     """The first half of a pre-norm decoder layer: x + attn(norm(x)). x: [B, T, hidden]."""

@@ -73,9 +73,12 @@ def _check(plan: Plan) -> None:
                                             plan.compiles_on_gpu))
                 if applies]
         margin = f" ({machine.host_available / g:.1f} GiB less {' and '.join(kept)})" if kept else ""
+        shards = cfg.host.num_shards
+        of_shards = f" ({shards * PROCESS_BYTES / g:.1f} GiB of it the host.num_shards={shards} HostShard processes)" \
+            if shards > 1 else ""
         plan.problems.append(
-            f"host RAM: {plan.host_total / g:.1f} GiB needed, {usable / g:.1f} GiB available{margin}: "
-            "shrink the store (below) or use a machine with more RAM")
+            f"host RAM: {plan.host_total / g:.1f} GiB needed{of_shards}, {usable / g:.1f} GiB available{margin}: "
+            f"shrink the store (below){', lower host.num_shards' if of_shards else ''} or use a machine with more RAM")
     if plan.problems and (plan.shm_total > machine.shm_free or plan.host_total > usable):
         plan.host_fixes = host_fixes(plan)
     if machine.memlock is not None and cfg.engine.device != "cpu" and machine.gpu_memory \

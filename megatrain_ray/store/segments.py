@@ -44,7 +44,7 @@ import torch
 from megatrain_ray.config.engine_sections import HostConfig
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
-from megatrain_ray.exceptions import HostMemoryError
+from megatrain_ray.exceptions import ConfigError, HostMemoryError
 from megatrain_ray.model.layout import ModelLayout, token_chunks
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.quant.nf4_stage import nf4_stage_bytes
@@ -188,6 +188,10 @@ def grad_pieces(numel: int, slab: int) -> list[tuple[int, int]]:
 
 def shard_stages(layout: ModelLayout, num_shards: int) -> list[list[int]]:
     """Contiguous ranges of stages of about equal size, one per shard."""
+    if num_shards > len(layout.stages):
+        raise ConfigError(f"config key 'host.num_shards' = {num_shards}: the model has {len(layout.stages)} stages "
+                          "(the embedding, each layer, the head) to divide among the HostShards, each a process of "
+                          f"its own; set it to at most {len(layout.stages)} (one per NUMA node is the usual choice)")
     total = sum(s.numel for s in layout.stages)
     shards: list[list[int]] = [[] for _ in range(num_shards)]
     running = 0

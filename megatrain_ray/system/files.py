@@ -89,6 +89,10 @@ def check_output_dir(path: Path, key: str, error: type[MegatrainError], need_byt
         existing = existing.parent
     if existing != path and not existing.is_dir():
         raise error(f"{where} lies under {str(existing)!r}, which is a file: choose a directory path")
+    virtual = _virtual_filesystem(existing)
+    if virtual:
+        raise error(f"{where} lies on {virtual}, a virtual filesystem of the kernel where no run can write its "
+                    "files: choose a directory on a disk")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise error(f"{where}: {str(existing)!r} is not writable by this user; choose a directory you may write "
                     "or fix its permissions")
@@ -97,6 +101,30 @@ def check_output_dir(path: Path, key: str, error: type[MegatrainError], need_byt
         if free < need_bytes:
             raise error(f"{where}: {free / 1e9:.2f} GB free on its disk, the run needs {need_bytes / 1e9:.2f} GB "
                         "there; free space or choose another disk")
+
+
+# Filesystems that show the kernel's state (root may "write" to some of them), never a place for files.
+VIRTUAL_FILESYSTEMS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+                       "bpf", "configfs", "mqueue", "binfmt_misc", "fusectl", "efivarfs", "selinuxfs"}
+
+
+def _virtual_filesystem(path: Path) -> str:
+    """'<mount point> (<type>)' when `path` lies on a virtual filesystem (/proc, /sys), else ''."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+        real = str(path.resolve())
+    except OSError:
+        return ""
+    best, kind = "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return f"{best} ({kind})" if kind in VIRTUAL_FILESYSTEMS else ""
 
 
 def refuse_existing(out: Path, error: type[MegatrainError], what: str) -> None:

@@ -9,16 +9,26 @@
                                 cached Hugging Face directory under `cache_root()/gguf/`
 
 Only safetensors, JSON and tokenizer files are downloaded: no pickled weights ever.
+
+A GGUF conversion writes into a hidden temporary directory beside its target
+(`.<target>.<pid>.<random>.converting`) and renames it into place. The converting process holds an exclusive
+`flock` on a lock file inside it until then; the kernel drops the lock however the process ends. Every
+conversion first removes the temporary directories whose lock nobody holds (a driver killed mid-conversion
+leaves a directory as large as the model), and those without a lock file (older versions) once they are a day
+old; a conversion in progress, in this process namespace or another sharing the cache, keeps its lock and
+its directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from megatrain_ray.exceptions import CheckpointError, MegatrainError, excerpt
@@ -99,12 +109,20 @@ def hub_snapshot(name: str, revision: str | None, patterns: list[str], where: st
                     "log in with hf auth login or HF_TOKEN)") from None
     except LocalEntryNotFoundError:
         why = "while HF_HUB_OFFLINE is set" if offline else "and the hub could not be reached"
-        raise error(f"{where}={name!r} is no local path, and as a hub name it is not in the hub cache{at} "
-                    f"({_hub_cache_dir()}) {why}; download it where there is a network (hf download {name}"
-                    f"{' --repo-type dataset' if repo_type == 'dataset' else ''}), "
-                    "or give a local directory") from None
+        raise _unreachable(error(
+            f"{where}={name!r} is no local path, and as a hub name it is not in the hub cache{at} "
+            f"({_hub_cache_dir()}) {why}; download it where there is a network (hf download {name}"
+            f"{' --repo-type dataset' if repo_type == 'dataset' else ''}), or give a local directory"), name) from None
     except Exception as exc:  # network and HTTP errors vary with huggingface_hub's backend
-        raise error(f"{where}={name!r}: the hub download failed: {excerpt(str(exc), 300)}") from None
+        raise _unreachable(error(f"{where}={name!r}: the hub download failed: {excerpt(str(exc), 300)}"),
+                           name) from None
+
+
+def _unreachable(exc: MegatrainError, name: str) -> MegatrainError:
+    """`exc`, marked as a hub repository that could not be had (`hub_name`): `megatrain plan` adds its offline
+    alternative."""
+    exc.hub_name = name  # type: ignore[attr-defined]
+    return exc
 
 
 def _hub_cache_dir() -> str:
@@ -170,18 +188,84 @@ def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
         raise error(f"{where}={str(gguf)!r}: reading GGUF needs transformers, gguf and accelerate: "
                     "pip install 'megatrain-ray[gguf]'") from None
     target.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_conversions(target.parent)
     log.info("converting %s into a Hugging Face directory at %s (once; dequantized to float32)", gguf, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=CONVERTING, dir=target.parent))
+    # Locked under another name, then renamed: no sweeper ever sees the lock file unlocked.
+    lock = os.open(tmp / (CONVERSION_LOCK + ".new"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.rename(tmp / (CONVERSION_LOCK + ".new"), tmp / CONVERSION_LOCK)
         _convert_gguf(gguf, tmp, where, error)
         try:
-            os.rename(tmp, target)
+            os.rename(tmp, target)  # the lock file comes along, still held, and goes below
         except OSError:  # another process converted the same file meanwhile
             if not (target / "config.json").is_file():
                 raise
+        else:
+            (target / CONVERSION_LOCK).unlink(missing_ok=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
     return target
+
+
+CONVERTING = ".converting"
+CONVERSION_LOCK = ".lock"
+UNLOCKED_STALE_SECONDS = 24 * 3600
+"""A temporary directory without a lock file (an older version's, or one a second old) is removed once it is this
+old."""
+_OLD_TEMPORARY = re.compile(r"^\..+-[0-9a-f]{16}\.[a-z0-9_]{8}$")  # tempfile.mkdtemp(prefix=".<target>.")
+
+
+def _abandoned(lock_path: Path) -> bool:
+    """Nobody holds the lock of this conversion's lock file (False when the file went: its conversion finished)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _bytes_under(directory: Path) -> int:
+    total = 0
+    for path in directory.rglob("*"):
+        try:
+            total += path.lstat().st_size if path.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def sweep_stale_conversions(directory: Path) -> int:
+    """Remove the temporary directories of GGUF conversions in `directory` that no process is writing (see the
+    module docstring); the count removed."""
+    removed = 0
+    for entry in directory.iterdir():
+        if not entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir():
+            continue
+        if entry.name.endswith(CONVERTING) and (entry / CONVERSION_LOCK).exists():
+            stale = _abandoned(entry / CONVERSION_LOCK)
+        elif entry.name.endswith(CONVERTING) or _OLD_TEMPORARY.match(entry.name):
+            try:
+                stale = time.time() - entry.stat().st_mtime > UNLOCKED_STALE_SECONDS
+            except FileNotFoundError:  # renamed or removed meanwhile
+                continue
+        else:
+            continue
+        if stale:
+            size = _bytes_under(entry)
+            shutil.rmtree(entry, ignore_errors=True)
+            log.warning("removed %s (%.0f MB), left by a GGUF conversion that stopped before it finished", entry,
+                        size / 1e6)
+            removed += 1
+    return removed
 
 
 def _content_key(path: Path) -> str:

@@ -56,8 +56,8 @@ def run_engine(tmp_path, model, seq_len: int, dtype: str, **sections):
     initial weights, the batches, our final weights)."""
     mcfg = model_config_from_hf(model.config.to_dict())
     precision = {"master_dtype": dtype, "compute_dtype": dtype}
-    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": seq_len}, precision=precision,
-                      **sections)
+    data = {"seq_len": seq_len, **sections.pop("data", {})}
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data=data, precision=precision, **sections)
     with Trainer(cfg) as trainer:
         trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
         initial = trainer.master_weights()

@@ -44,15 +44,16 @@ def hf_loss_on_prepared(model_dir: Path, prepared: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    total = count = 0.0
-    for shard in sorted(prepared.glob("train-*.parquet")):
-        for row in pq.read_table(shard).to_pylist():
-            ids, mask = torch.tensor([row["input_ids"]]), torch.tensor(row["loss_mask"])
-            with torch.no_grad():
-                logits = model(ids).logits[0, :-1]
-            losses = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
-            total += float((losses * mask[1:]).sum())
-            count += float(mask[1:].sum())
+    rows = [row for shard in sorted(prepared.glob("train-*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    # One right-padded forward over every document; padding is masked out of attention and of the loss.
+    width = max(len(row["input_ids"]) for row in rows)
+    ids = torch.tensor([row["input_ids"] + [0] * (width - len(row["input_ids"])) for row in rows])
+    attention = torch.tensor([[1] * len(row["input_ids"]) + [0] * (width - len(row["input_ids"])) for row in rows])
+    mask = torch.tensor([row["loss_mask"] + [0] * (width - len(row["loss_mask"])) for row in rows], dtype=torch.float64)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=attention).logits[:, :-1]
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    total, count = float((losses * mask[:, 1:]).sum()), float(mask[:, 1:].sum())
     return total / count
 
 

@@ -38,8 +38,8 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_la
 PHI3 = dict(hidden_size=80, intermediate_size=72, original_max_position_embeddings=16, pad_token_id=None,
             eos_token_id=2)
 
-# pad_token_id None as for PHI3: transformers' embedding drops the gradient of the pad token's row
-# (nn.Embedding's padding_idx), which megatrain does not (for any family); Gemma's configs default it to 0.
+# pad_token_id None as for PHI3 (whose default, 32000, is outside these vocabularies); Gemma's configs default it
+# to 0. The padding row's training (no gradient from the lookup) is tested apart: tests/integration/test_padding_row.py.
 GEMMA = dict(hidden_size=80, intermediate_size=72, head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
              pad_token_id=None)
 
@@ -92,9 +92,9 @@ FAMILIES = {
 }
 
 
-def hf_model(name: str):
+def hf_model(name: str, **overrides):
     config_cls, model_cls, extra = FAMILIES[name]
-    config = getattr(transformers, config_cls)(**{**BASE, **extra}, attn_implementation="eager")
+    config = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides}, attn_implementation="eager")
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     # Non-trivial norms and biases, so a template that skipped one would differ.

@@ -57,8 +57,12 @@ Item = tuple[str, Any, bool]
 def read_records(path: Path) -> Iterator[Item]:
     """Items of a jsonl (one record a line, read as bytes), json (a list), parquet (row group by row group)
     or txt (the whole file is one text) file. File-level problems raise DataError at once."""
+    if path.is_dir():
+        raise DataError(f"input file {str(path)!r} is a directory; --input takes files (.jsonl, .json, .parquet or "
+                        f".txt): name them, e.g. --input {str(path).rstrip('/')}/*.jsonl")
     if not path.is_file():
-        raise DataError(f"input file {str(path)!r} does not exist")
+        raise DataError(f"input file {str(path)!r} does not exist" if not path.exists() else
+                        f"input file {str(path)!r} is not a regular file")
     suffix = path.suffix.lower()
     if suffix == ".txt":
         yield f"{path} record 0", {"text": read_text_file(path, f"input file {str(path)!r}", DataError,
