@@ -120,7 +120,12 @@ def _restore_torch_state():
     torch.set_num_threads(threads)
 
 
+# Modules that shut the suite's shared Ray down to start one of their own: run last, so the shared one starts once.
+OWN_RAY_MODULES = ("test_placement.py", "test_runtime.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in OWN_RAY_MODULES)  # stable: the order is kept otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
