@@ -98,6 +98,24 @@ def assert_exact(what: str, value, reference, limit: float = EXACT) -> float:
     return err
 
 
+def assert_run_exact(losses: Sequence[float], state: Mapping[str, torch.Tensor], ref_losses: Sequence[float],
+                     ref_state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor], moved: float,
+                     against: str = "") -> None:
+    """A float64 run against a float64 reference: every step's loss and every final tensor within EXACT (the
+    same tensors on both sides, float64 kept), and every tensor moved by more than `moved` relative to
+    `initial`, so the comparison proves something."""
+    suffix = f" against {against}" if against else ""
+    assert len(losses) == len(ref_losses), (len(losses), len(ref_losses))
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
+        assert_exact(f"loss at step {step}{suffix}", ours, ref)
+    assert set(state) == set(ref_state), sorted(set(state) ^ set(ref_state))
+    for name, value in state.items():
+        assert value.dtype == torch.float64, f"{name} is {value.dtype}"
+        assert_exact(f"{name}{suffix}", value, ref_state[name])
+        change = relative_error(value, initial[name])
+        assert change > moved, f"{name} barely moved ({change:.2e}): the comparison would prove nothing"
+
+
 @dataclass
 class Reference:
     """An independent reference run twice from the same start on the same batches: in float32 (what the engine's

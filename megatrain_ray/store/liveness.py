@@ -18,6 +18,7 @@ import os
 import socket
 
 from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.files import lock_is_held
 
 log = get_logger(__name__)
 
@@ -54,21 +55,6 @@ class RunLock:
             self._fd = -1
 
 
-def _held(path: str) -> bool:
-    """Someone holds this lock file's lock (a file that vanished meanwhile is not held)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def _run_prefix(name: str, host: str) -> str | None:
     """`megatrain-<host>-<pid>-<random>-` of a file of a run of this host, else None."""
     parts = name.split("-")
@@ -90,7 +76,7 @@ def sweep_stale_segments(directory: str) -> int:
     removed = 0
     for prefix, names in runs.items():
         locks = [n for n in names if n.endswith(LOCK_SUFFIX)]
-        if any(_held(os.path.join(directory, n)) for n in locks):
+        if any(lock_is_held(os.path.join(directory, n)) for n in locks):
             continue
         for name in sorted(names, key=lambda n: n.endswith(LOCK_SUFFIX)):  # the lock files last
             try:

@@ -4,6 +4,7 @@ that appear complete or not at all (exports, prepared data)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -151,3 +152,20 @@ def atomic_directory(out: Path, error: type[MegatrainError], what: str) -> Itera
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def lock_is_held(path: str | os.PathLike) -> bool | None:
+    """Whether some process holds a `flock` on the file at `path` (shared or exclusive): True or False; None when
+    the file is gone. The kernel drops a lock when its process ends, however it ends, so a lock file tells a live
+    writer from a dead one where a process id cannot (another PID namespace, a reused pid)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from megatrain_ray.exceptions import CheckpointError, MegatrainError, excerpt
 from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.files import lock_is_held
 
 log = get_logger(__name__)
 
@@ -220,17 +221,7 @@ _OLD_TEMPORARY = re.compile(r"^\..+-[0-9a-f]{16}\.[a-z0-9_]{8}$")  # tempfile.mk
 
 def _abandoned(lock_path: Path) -> bool:
     """Nobody holds the lock of this conversion's lock file (False when the file went: its conversion finished)."""
-    try:
-        fd = os.open(lock_path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
+    return lock_is_held(lock_path) is False
 
 
 def _bytes_under(directory: Path) -> int:

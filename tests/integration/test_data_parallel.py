@@ -30,7 +30,7 @@ from megatrain_ray.exceptions import ConfigError, ParallelError
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import REPO, learnable_tokens, tiny_config, tiny_raw
 from tests.integration.test_runtime import LOOPBACK, listening_sockets
-from tests.numerics import assert_all_within_noise, assert_exact, relative_error
+from tests.numerics import assert_all_within_noise, assert_run_exact, relative_error
 
 pytestmark = pytest.mark.ray
 
@@ -76,13 +76,7 @@ def one_rank(tmp_path_factory) -> Callable[[float], OneRank]:
 
 def assert_same_run(losses, final, ref_losses, ref_final, initial) -> None:
     """float64: the one-rank run up to summation order, within 1e-10; every tensor moved."""
-    assert len(losses) == len(ref_losses)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert_exact(f"loss at step {step} against one rank's", a, b)
-    for name, ref in ref_final.items():
-        assert_exact(f"{name} against one rank's", final[name], ref)
-        moved = relative_error(ref, initial[name])
-        assert moved > 1e-4, f"{name} barely moved ({moved:.2e}): the comparison would prove nothing"
+    assert_run_exact(losses, final, ref_losses, ref_final, initial, moved=1e-4, against="one rank's")
 
 
 def assert_trace_is_causal(ranks: dict, steps: int, stages: int) -> None:
