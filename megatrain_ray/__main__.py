@@ -34,6 +34,7 @@ from megatrain_ray.observe.log import get_logger, init_logger
 # needs, so `megatrain prepare` (and its worker processes' forkserver) never does.
 if TYPE_CHECKING:
     from megatrain_ray.config.sections import Config
+    from megatrain_ray.driver.trainer import Trainer
 
 log = get_logger(__name__)
 
@@ -98,9 +99,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     if history:
         log.info("done: %d steps, final loss %.4f, %s", trainer.next_step, history[-1]["loss"],
                  trainer.run_dir / "metrics.jsonl")
+        log.info("%s", trainer_disk_summary(trainer))
     else:
         log.info("nothing to do: the checkpoint is already at train.steps=%d", cfg.train.steps)
     return 0
+
+
+def trainer_disk_summary(trainer: Trainer) -> str:
+    """What the run's directories take on disk now (store/disk_use.run_disk_summary)."""
+    from megatrain_ray.store.disk_use import export_dtype, run_disk_summary  # lazy: start-up time (torch)
+
+    cfg = trainer.cfg
+    return run_disk_summary(trainer.run_dir, trainer.checkpoints.root, cfg.checkpoint.keep, cfg.train.export_dir,
+                            export_dtype(cfg.train.export_dtype, cfg.model.path or None))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

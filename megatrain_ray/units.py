@@ -12,3 +12,12 @@ def human_count(n: float) -> str:
             value = n / scale
             return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.1f} {unit}"
     return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units, as `du -h` counts them: 1.61e9 -> '1.50 GiB', 3_500_000 -> '3.3 MiB', 0 -> '0 KiB'."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 1024:.0f} KiB"

@@ -17,6 +17,7 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.lora import lora_params
+from megatrain_ray.store.disk_use import export_bytes, export_dtype
 from megatrain_ray.system.files import check_output_dir
 
 HOME_STORAGE = "~/megatrain"
@@ -70,5 +71,6 @@ def check_outputs(cfg: Config, run_dir: Path, checkpoint_dir: Path, num_params: 
     saves = cfg.checkpoint.every or cfg.checkpoint.at_end
     check_output_dir(checkpoint_dir, "checkpoint.dir", ConfigError, run.checkpoint_bytes(num_params, lora_params(cfg)) if saves else 0)
     if cfg.train.export_dir:
-        export_bytes = num_params * (2 if cfg.train.export_dtype == "bfloat16" else 4)
-        check_output_dir(Path(cfg.train.export_dir), "train.export_dir", ConfigError, export_bytes)
+        dtype, _ = export_dtype(cfg.train.export_dtype, cfg.model.path or None)
+        size = export_bytes(num_params, dtype, lora_params(cfg) if run.frozen_base else 0)
+        check_output_dir(Path(cfg.train.export_dir), "train.export_dir", ConfigError, size)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatrain_ray.config.sections import Config
@@ -40,6 +40,10 @@ from megatrain_ray.system.topology import (
 log = get_logger(__name__)
 
 READY_TIMEOUT_S = 120.0
+
+LORA_UPDATES = ("finetune.method=lora: the GPU worker updates the adapters itself, AdamW on its own device; the "
+                "frozen base has no optimizer state")
+"""What a LoRA run's placement says in place of its optimizer workers (it spawns none: driver/cluster.py)."""
 
 
 def numa_resource(node: int) -> str:
@@ -161,6 +165,8 @@ class RunPlacement:
         cores are taken to look like the driver's, as a cluster's nodes usually do)."""
         self.plan = plan_placement(topology or detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
                                    gpu_ranks=ranks)
+        if cfg.finetune.method == "lora":  # no optimizer workers, no bundles or cores for them
+            self.plan = replace(self.plan, workers=(), shared_cores=False, workers_reason=LORA_UPDATES)
         log.info("%s%s", f"node {node_id[:12]}: " if node_id else "", self.plan.summary())
         if self.plan.shared_cores:
             log.warning("optimizer.workers=%s exceeds the usable cores: workers share cores (slower); lower it or "

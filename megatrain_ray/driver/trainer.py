@@ -36,7 +36,7 @@ from megatrain_ray.driver.tracking import Tracking, check_available, last_logged
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.generic_template import GenericTemplate
-from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype
+from megatrain_ray.model.hf_io import HFDirectory, export_hf
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
@@ -46,6 +46,7 @@ from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.gpu_memory import resolve_run
 from megatrain_ray.planning.memory import check_plan
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
+from megatrain_ray.store.disk_use import export_dtype
 from megatrain_ray.store.liveness import sweep_stale_segments
 from megatrain_ray.store.lora_export import export_lora
 from megatrain_ray.store.nf4_base import NF4_KIND, DequantizedBase
@@ -454,8 +455,7 @@ class Trainer:
         tensor at a time straight from the shared segments."""
         self.flush()
         source = self.cfg.model.path or None
-        if dtype == "auto":
-            dtype = (source_dtype(source) if source else None) or "float32"
+        dtype = export_dtype(dtype, source)[0]  # auto: config.json's dtype, else float32
         store = HostStore(specs_of(self.specs, ("master",)))
         tensors: Mapping[str, torch.Tensor] = StoreTensors(store, self.layout)
         if self.run_spec.base_quantization == "nf4":  # merged onto the dequantized base (docs/fine-tuning.md)

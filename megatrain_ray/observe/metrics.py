@@ -73,29 +73,28 @@ class MetricsWriter:
 
 
 class Progress:
-    """A one-line progress bar on a terminal, a log line every `every` steps otherwise: loss, the last
-    eval_loss, lr, gradient norm, speed and an ETA. The ETA leaves out the first step of the run (or of
-    a resume), which pays for compilation and warm-up; until a second step ends it reads '--'."""
+    """A one-line progress bar on a terminal, a log line every `every` steps otherwise: loss, lr, gradient
+    norm, speed and an ETA, and eval_loss on the steps that computed it (such a step always prints, and on a
+    terminal keeps its line). The ETA leaves out the first step of the run (or of a resume), which pays for
+    compilation and warm-up; until a second step ends it reads '--'."""
 
     def __init__(self, total: int, every: int, first: int = 0, stream: TextIO | None = None):
         self.total, self.every, self.first = total, every, first
         self.stream = stream or sys.stderr  # looked up now: tests and callers may have replaced it
         self.tty = self.stream.isatty()
         self.warm_since: float | None = None
-        self.eval_loss: float | None = None
 
     def update(self, record: dict[str, Any]) -> None:
         step, done = record["step"], record["step"] + 1
         now = time.perf_counter()
-        if "eval_loss" in record:
-            self.eval_loss = record["eval_loss"]
+        evaluated = "eval_loss" in record
         if self.warm_since is None:  # the first step ends now: time the rest from here
             self.warm_since, eta = now, "--"
         else:
             per_step = (now - self.warm_since) / (step - self.first)
             eta = _duration(per_step * (self.total - done))
         text = (f"step {done}/{self.total} loss {record['loss']:.4f}"
-                + (f" eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else "")
+                + (f" eval_loss {record['eval_loss']:.4f}" if evaluated else "")
                 + (f" reward_acc {record['rewards/accuracies']:.2f} margin {record['rewards/margins']:.3g}"
                    if "rewards/margins" in record else "")
                 + f" lr {record['lr']:.2e} gnorm {record['grad_norm']:.3g} {record['tok_per_s']:,.0f} tok/s "
@@ -104,10 +103,10 @@ class Progress:
             width = 24
             filled = int(width * done / self.total)
             self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
-            if done == self.total:
+            if done == self.total or evaluated:  # the next step's bar starts below the evaluation
                 self.stream.write("\n")
             self.stream.flush()
-        elif done % self.every == 0 or done == self.total or "eval_loss" in record:
+        elif done % self.every == 0 or done == self.total or evaluated:
             self.stream.write(f"[megatrain] {text}\n")
             self.stream.flush()
 

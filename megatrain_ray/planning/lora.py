@@ -99,7 +99,8 @@ def lora_tier_lines(plan: Any, params: int) -> list[str]:
     lora = cfg.finetune.lora
     return [f"LoRA (finetune.method=lora, r {lora.r}, targets {', '.join(lora.targets(cfg.model.family))}): "
             f"{human_count(adapters)} adapter parameters ({adapters / params:.2%} of the model) "
-            f"train on the GPU; the host store is the frozen base in {base_storage(run)}, "
+            f"train on the {'GPU' if plan.on_gpu else 'CPU'}; the host store is the frozen base in "
+            f"{base_storage(run)}, "
             f"{store / 2**30:.2f} GiB ({store / params:.1f} B/param), no moments, gradients or CPU optimizer"]
 
 

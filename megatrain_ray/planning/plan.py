@@ -62,10 +62,15 @@ class Plan:
         return peak_allocated(self.gpu)
 
     @property
+    def on_gpu(self) -> bool:
+        """The layers compute on a GPU: the machine has one (detected or described) and engine.device is not cpu.
+        Otherwise they compute on the CPU, and nothing is pinned (actors/gpu_worker.py registers only for CUDA)."""
+        return bool(self.machine.gpu_memory) and self.cfg.engine.device != "cpu"
+
+    @property
     def compiles_on_gpu(self) -> bool:
         """The decoder layers go through torch.compile on a GPU (what COMPILED_NODE_BYTES was measured with)."""
-        return bool(self.machine.gpu_memory) and self.cfg.engine.device != "cpu" and self.run is not None \
-            and self.run.layers_compiled
+        return self.on_gpu and self.run is not None and self.run.layers_compiled
 
     @property
     def usable_host(self) -> int:

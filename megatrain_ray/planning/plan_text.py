@@ -17,6 +17,7 @@ from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_tier_lines
 from megatrain_ray.planning.plan import Plan
 from megatrain_ray.planning.speculation import fastest_speculation
 from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, estimate, speed_lines
+from megatrain_ray.store.disk_use import export_bytes, export_dtype
 from megatrain_ray.units import GiB, human_count
 
 GRAD_HOMES = {"stream": "gradients land in the streaming copy", "stage": "gradients in per-stage buffers",
@@ -66,8 +67,7 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {'processes (driver, actors)':<38}{plan.processes / g:10.2f} GiB  (estimate)",
               *([f"  {'offloaded layer inputs (pinned)':<38}{plan.offloaded / g:10.2f} GiB"] if plan.offload else []),
               f"  {'host RAM total':<38}{plan.host_total / g:10.2f} GiB  ({plan.host_total / params:.1f} B/param)",
-              f"  {'of which pinned for the GPU':<38}{plan.pinned / g:10.2f} GiB  ({'the frozen base, streamed as it is' if run.frozen_base else GRAD_HOMES[run.grad_home]})",
-              ""]
+              pinned_line(plan), ""]
     if plan.disk:
         lines.append(f"disk (host.disk_dir={cfg.host.disk_dir}):")
         for kind, nbytes in plan.disk.items():
@@ -89,6 +89,7 @@ def format_plan(plan: Plan) -> str:
                  if plan.offload else ""), ""]
     lines += resident_lines(plan)
     lines += speed_lines(cfg, plan.expected, gpu_visible=bool(machine.gpu_memory))
+    lines += disk_lines(plan, params)
     lines += stop_lines(plan, params)
     lines.append("(what each line means: docs/reading-the-plan.md)")
     if plan.fits:
@@ -99,6 +100,16 @@ def format_plan(plan: Plan) -> str:
             lines += ["to shrink the host store (each change on its own):",
                       *(f"  - {fix}" for fix in plan.host_fixes)]
     return "\n".join(lines) + "\n"
+
+
+def pinned_line(plan: Plan) -> str:
+    """The host RAM the GPU worker registers as pinned memory; none when the layers compute on the CPU."""
+    run = plan.run
+    if not plan.on_gpu:
+        why = "engine.device=cpu" if plan.cfg.engine.device == "cpu" else "no GPU visible"
+        return f"  {'of which pinned':<38}{0:10.2f} GiB  ({why}: the layers compute on the CPU, nothing is pinned)"
+    return (f"  {'of which pinned for the GPU':<38}{plan.pinned / GiB:10.2f} GiB  "
+            f"({'the frozen base, streamed as it is' if run.frozen_base else GRAD_HOMES[run.grad_home]})")
 
 
 def tier_lines(plan: Plan) -> list[str]:
@@ -189,6 +200,38 @@ def resident_lines(plan: Plan) -> list[str]:
                      + ("" if run.frozen_base else f" (their updates on the GPU at "
                                                    f"{GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)"))
     return [*lines, ""]
+
+
+def disk_lines(plan: Plan, params: int) -> list[str]:
+    """What the run leaves on disk: one checkpoint, the ones checkpoint.keep keeps (and one more while a newer is
+    written), the export in the format train.export_dtype resolves to."""
+    cfg, g = plan.cfg, GiB
+    ck, steps = cfg.checkpoint, cfg.train.steps
+    one = plan.run.checkpoint_bytes(params, lora_params(cfg))
+    saves = (steps - 1) // ck.every if ck.every else 0  # checkpoint.every's saves before the last step
+    saves += 1 if ck.at_end else 0
+    kept = min(ck.keep, saves)
+    where = ck.dir or f"{cfg.train.output_dir}/checkpoints"
+    what = "float32 adapters, both AdamW moments" if plan.run.frozen_base else "master weights, both AdamW moments"
+    lines = [f"run outputs on disk (checkpoints in {where}" + (f", export in {cfg.train.export_dir}):"
+                                                                if cfg.train.export_dir else
+                                                                "; no export: train.export_dir is empty):"),
+             f"  {'one checkpoint':<38}{one / g:10.2f} GiB  ({what})"]
+    if kept:
+        lines.append(f"  {f'kept: {kept} (checkpoint.keep={ck.keep})':<38}{kept * one / g:10.2f} GiB  "
+                     f"(of {saves} save(s) in {steps} steps"
+                     + (f"; {kept + 1} for a moment while a newer one is written" if saves > kept else "") + ")")
+    else:
+        lines.append(f"  {'kept':<38}{0:10.2f} GiB  (checkpoint.every=0 and checkpoint.at_end=false: a checkpoint "
+                     "only on a stop signal)")
+    total = kept * one
+    if cfg.train.export_dir:
+        dtype, why = export_dtype(cfg.train.export_dtype, cfg.model.path or None)
+        size = export_bytes(params, dtype, lora_params(cfg) if plan.run.frozen_base else 0)
+        total += size
+        lines.append(f"  {f'export ({dtype})':<38}{size / g:10.2f} GiB  ({why}"
+                     + ("; train.export_dtype=bfloat16 halves it)" if dtype == "float32" else ")"))
+    return [*lines, f"  {'on disk at the end':<38}{total / g:10.2f} GiB", ""]
 
 
 def stop_lines(plan: Plan, params: int) -> list[str]:

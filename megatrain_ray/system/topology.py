@@ -89,8 +89,9 @@ class Placement:
         nodes = ", ".join(f"node {n.index}: cpus {format_cpus(n.cpus)}" for n in self.topology.nodes)
         workers = "; ".join(f"optim{w.index} -> node {w.node} cpus {format_cpus(w.cores)}" for w in self.workers)
         shards = ", ".join(f"host{k} -> node {n}" for k, n in enumerate(self.shard_nodes))
-        return (f"topology ({self.topology.source}): {nodes}. {len(self.workers)} optimizer worker(s) "
-                f"({self.workers_reason}): {workers}. GPU worker(s): node {self.gpu_node} "
+        optimizers = (f"{len(self.workers)} optimizer worker(s) ({self.workers_reason}): {workers}" if self.workers
+                      else f"no optimizer workers ({self.workers_reason})")
+        return (f"topology ({self.topology.source}): {nodes}. {optimizers}. GPU worker(s): node {self.gpu_node} "
                 f"{'; '.join(f'cpus {format_cpus(c)}' for c in self.gpu_cores)}. {shards}")
 
 
@@ -233,6 +234,8 @@ def plan_placement(topology: Topology, workers: int | str, num_shards: int, gpu_
         reason = f"optimizer.workers={workers}, spread over nodes by their cores"
     slots, shared = [], False
     for node, cores, count in zip(nodes, usable, per_node):
+        if count == 0:  # fewer workers than nodes: this node gets none
+            continue
         if count > len(cores):
             shared = True
             core_sets = [(cores[w % len(cores)],) for w in range(count)]

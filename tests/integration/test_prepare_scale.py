@@ -1,11 +1,14 @@
 """`megatrain prepare` at scale: the vectorized loss mask against the per-token definition, the parallel path
 byte for byte against one process, shards written as they fill and read back as a stream, bad records skipped
-and counted (or failing), tool and function-calling turns, --train-on-inputs."""
+and counted (or failing), tool and function-calling turns, --train-on-inputs; what its log says (each split's
+records with a warning for a tiny eval split, the rate without the tokenizer's one-time GGUF conversion)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -179,3 +182,65 @@ def test_train_on_inputs_puts_every_token_in_the_loss(model_dir, tmp_path):
     assert [ids for ids, _ in every] == [ids for ids, _ in assistant]
     assert all(all(mask) for _, mask in every) and not any(all(mask) for _, mask in assistant)
     assert json.loads((tmp_path / "all" / "manifest.json").read_text())["train_on_inputs"] is True
+
+
+class Captured(logging.Handler):
+    """The pipeline's log records at INFO and above, however the megatrain_ray logger tree is configured."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def __enter__(self) -> list[logging.LogRecord]:
+        self.level_before = pipeline.log.level
+        pipeline.log.setLevel(logging.INFO)
+        pipeline.log.addHandler(self)
+        return self.records
+
+    def __exit__(self, *exc) -> None:
+        pipeline.log.removeHandler(self)
+        pipeline.log.setLevel(self.level_before)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_tiny_eval_split_is_warned_about_with_the_records_each_split_got(model_dir, tmp_path):
+    for fraction, held in ((0.1, 5), (0.004, 1)):  # 50 records; 0.2 of a record rounded to none before
+        with Captured() as records:
+            manifest = prepare(PrepareOptions(str(model_dir), "alpaca", [str(ALPACA)], str(tmp_path / str(fraction)),
+                                              seed=1, eval_fraction=fraction, workers=1))
+        assert manifest["splits"]["eval"]["documents"] == held
+        warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        expected = (f"prepare: --eval-fraction {fraction:g} of 50 records: the eval split got {held} record(s) "
+                    f"({held / 50:.1%}), the train split {50 - held}; an eval_loss over fewer than 20 records (always "
+                    "the same ones) measures little: give more records or a larger --eval-fraction")
+        assert warnings == [expected], warnings
+
+
+def test_the_records_rate_leaves_out_the_tokenizers_gguf_conversion(model_dir, tmp_path, monkeypatch):
+    """A GGUF --tokenizer is converted once (minutes for a large model): the rate counts the records' own time,
+    and the conversion's time is a line of its own."""
+    offset = [0.0]
+    real = pipeline.time.perf_counter
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return real() + offset[0]
+
+    def converting(source: str, revision: str | None) -> str:
+        offset[0] += 100.0  # the conversion takes 100 s
+        return str(model_dir)
+
+    monkeypatch.setattr(pipeline, "time", Clock)
+    monkeypatch.setattr(pipeline, "resolve_tokenizer", converting)
+    with Captured() as records:
+        prepare(PrepareOptions(str(tmp_path / "model.gguf"), "alpaca", [str(ALPACA)], str(tmp_path / "out"), workers=1))
+    lines = [r.getMessage() for r in records]
+    gguf = re.escape(str(tmp_path / "model.gguf"))
+    assert any(re.fullmatch(rf"prepare: --tokenizer {gguf} ready in 100\.0 s \(a one-time GGUF conversion\), not "
+                            r"counted in the records' rate", line) for line in lines), lines
+    done = next(line for line in lines if "records/s)" in line)
+    seconds, rate = map(float, re.search(r"\(([0-9.]+) s, ([0-9]+) records/s\)$", done).groups())
+    assert seconds < 50 and rate >= 1, done  # with the conversion counted: over 100 s, 0 records/s

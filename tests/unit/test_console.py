@@ -1,6 +1,7 @@
-"""What a user reads: the progress line (loss, eval_loss, lr, grad norm, an ETA without the first
-step's compile time), parameter counts in human units, eval_loss in `megatrain plot`, and the plan's
-advice for a box too small (each fix with its computed saving, printed once)."""
+"""What a user reads: the progress line (loss, eval_loss on the steps that computed it, lr, grad norm, an ETA
+without the first step's compile time), parameter counts in human units, eval_loss in `megatrain plot`, the
+plan's advice for a box too small (each fix with its computed saving, printed once), and the disk a run takes
+(the plan's checkpoint and export figures, the line at the end of a run)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,21 @@ def test_progress_line_shows_eval_lr_gnorm_and_an_eta_without_the_first_step(mon
     assert len(lines) == 3
     assert lines[0] == ("[megatrain] step 2/10 loss 1.9000 lr 1.00e-04 gnorm 0.5 1,000 tok/s 1.0 TFLOPS eta 8s")
     assert "eval_loss 1.2500" in lines[1] and lines[1].endswith("eta 7s")
-    assert "step 4/10" in lines[2] and "eval_loss 1.2500" in lines[2] and lines[2].endswith("eta 6s")
+    # Step 4 computed no eval_loss: its line shows none (not step 3's, as if it were new)
+    assert "step 4/10" in lines[2] and "eval_loss" not in lines[2] and lines[2].endswith("eta 6s")
+
+
+def test_on_a_terminal_an_eval_step_keeps_its_line_and_later_bars_show_no_eval_loss(monkeypatch):
+    clock = iter([100.0, 101.0, 102.0])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    stream = io.StringIO()
+    monkeypatch.setattr(stream, "isatty", lambda: True)
+    progress = Progress(total=10, every=1, stream=stream)
+    for record in (_record(0), _record(1, eval_loss=1.25), _record(2)):
+        progress.update(record)
+    bars = stream.getvalue().split("\r")[1:]
+    assert "eval_loss 1.2500" in bars[1] and bars[1].endswith("\n")  # stays on screen
+    assert "eval_loss" not in bars[0] + bars[2] and not bars[2].endswith("\n")
 
 
 def test_progress_eta_waits_for_a_second_step(monkeypatch):
@@ -105,3 +120,59 @@ def test_plan_advice_is_computed_for_the_config_and_printed_once(capsys):
     assert main(["plan", config, *small, "--set", "optimizer.grad_clip=0"]) == 2
     out = capsys.readouterr().out
     assert re.search(r"  - precision.stream_dtype=float32 \(stream the master.*: saves 1[0-9].[0-9] GiB", out)
+
+
+def test_plan_prints_one_checkpoint_what_keep_keeps_and_the_export_in_config_jsons_dtype(tmp_path):
+    """A full fine-tune keeps checkpoint.keep checkpoints of 12 B/param (fp32 master, two fp32 moments); the export
+    is in the dtype model.path's config.json names (Qwen2.5-7B-Instruct's: bfloat16), float32 only when asked."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.model.layout import build_layout
+    from megatrain_ray.planning.machine import Machine
+    from megatrain_ray.planning.memory import plan_run
+    from megatrain_ray.planning.plan_text import format_plan
+
+    model = os.path.join(REPO, "tests", "fixtures", "hub_configs", "Qwen--Qwen2.5-7B-Instruct")
+    def config(*overrides: str):
+        raw = {"model": {"path": model}, "data": {"path": "synthetic", "seq_len": 256, "batch_size": 1},
+               "train": {"steps": 10, "export_dir": str(tmp_path / "exp")}, "checkpoint": {"every": 3, "keep": 2}}
+        return load_config(raw=raw, overrides=list(overrides))
+
+    machine = Machine(2**40, 2**40, 2**40, None, 80 * 2**30, described=True)
+    cfg = config()
+    params = build_layout(cfg.model).num_params
+    one, export = params * 12 / 2**30, params * 2 / 2**30
+    text = format_plan(plan_run(cfg, machine))
+    assert re.search(rf"one checkpoint +{one:.2f} GiB  \(master weights, both AdamW moments\)", text), text
+    # saves after steps 3, 6 and 9, and at the end: two kept, three for a moment while the next is written
+    assert re.search(rf"kept: 2 \(checkpoint.keep=2\) +{2 * one:.2f} GiB  \(of 4 save\(s\) in 10 steps; 3 for a "
+                     r"moment", text), text
+    assert re.search(rf"export \(bfloat16\) +{export:.2f} GiB  \(train.export_dtype=auto: the dtype .*config.json "
+                     r"names\)", text), text
+    assert re.search(rf"on disk at the end +{2 * one + export:.2f} GiB", text), text
+    asked = format_plan(plan_run(config("train.export_dtype=float32"), machine))
+    assert re.search(rf"export \(float32\) +{2 * export:.2f} GiB  \(train.export_dtype=float32; "
+                     r"train.export_dtype=bfloat16 halves it\)", asked), asked
+
+
+def test_the_end_of_a_run_says_what_its_directory_checkpoints_and_export_take(tmp_path):
+    from megatrain_ray.store.checkpoint import CheckpointDir
+    from megatrain_ray.store.disk_use import run_disk_summary
+
+    run = tmp_path / "run"
+    checkpoints = CheckpointDir(run / "checkpoints")
+    for step in (3, 6, 9):  # keep 2: the first goes
+        partial = checkpoints.partial(step, "r")
+        (partial / "s.bin").write_bytes(os.urandom(2**20))  # incompressible: du counts it whole
+        checkpoints.commit(partial, step, {"files": [{"path": "s.bin", "bytes": 2**20, "crc32": 0, "stage": 0}]},
+                           keep=2)
+    (run / "metrics.jsonl").write_text("{}\n")
+    export = tmp_path / "exp"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(os.urandom(2**19))
+    text = run_disk_summary(run, run / "checkpoints", 2, str(export), ("float32", "train.export_dtype=auto: ..."))
+    m = re.match(rf"disk: {re.escape(str(run))} takes ([0-9.]+) MiB, ([0-9.]+) MiB of it 2 checkpoint\(s\) of "
+                 rf"([0-9.]+) MiB \(checkpoint.keep=2\); the export {re.escape(str(export))} ([0-9]+) KiB \(float32: "
+                 r"train.export_dtype=auto: \.\.\.; train.export_dtype=bfloat16 halves it\)$", text)
+    assert m, text
+    total, kept, one, exported = map(float, m.groups())
+    assert 2.0 <= kept <= total < 2.2 and 1.0 <= one < 1.1 and 512 <= exported < 600  # blocks as du counts them

@@ -4,6 +4,7 @@ by hand from the model's dimensions (Qwen2.5-32B, r 16, every linear projection)
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -57,6 +58,22 @@ def test_plan_counts_the_base_in_bf16_on_the_host_and_the_adapters_on_the_gpu():
     assert plan.fits
     text = format_plan(plan)
     assert "frozen base (streamed)" in text and f"{human_count(ADAPTERS_PER_LAYER * L)} adapter parameters" in text
+
+
+def test_without_a_gpu_the_plan_says_the_cpu_trains_the_adapters_and_nothing_is_pinned():
+    """A machine with no GPU (or engine.device=cpu) runs the layers on the CPU: no 'train on the GPU', and no
+    pinned memory (the GPU worker registers the segments only for CUDA)."""
+    no_gpu = Machine(512 * 2**30, 512 * 2**30, 512 * 2**30, None, None, described=True)
+    h100 = Machine.from_preset("h100-512gb")
+    for cfg, machine in [(qwen32b_lora(), no_gpu), (qwen32b_lora("engine.device=cpu"), h100)]:
+        text = format_plan(plan_run(cfg, machine))
+        assert "adapter parameters (0.41% of the model) train on the CPU;" in text, text
+        assert "train on the GPU" not in text and "pinned for the GPU" not in text
+        why = "no GPU visible" if machine is no_gpu else "engine.device=cpu"
+        assert re.search(rf"of which pinned +0\.00 GiB  \({why}: the layers compute on the CPU, nothing is pinned\)",
+                         text), text
+    text = format_plan(plan_run(qwen32b_lora(), h100))
+    assert "train on the GPU;" in text and "of which pinned for the GPU" in text
 
 
 def test_modules_to_save_count_on_the_gpu_with_their_float32_gradient_sums():

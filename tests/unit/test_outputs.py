@@ -68,3 +68,22 @@ def test_an_attached_cluster_beyond_loopback_or_without_auth_is_warned_about_onc
     assert len(caplog.records) == 1
     text = caplog.records[0].getMessage()
     assert "beyond loopback" in text and "without token auth" in text and "megatrain cluster start" in text
+
+
+def test_the_export_room_checked_before_a_run_is_that_of_the_dtype_config_json_names(tmp_path, monkeypatch):
+    """train.export_dtype=auto exports in model.path's config.json dtype (Qwen2.5-7B-Instruct's: bfloat16): the check
+    before the run asks for 2 bytes a parameter, not float32's 4; an explicit float32 still gets 4."""
+    from megatrain_ray.config.resolved import RunSpec
+    from megatrain_ray.driver import outputs
+    from megatrain_ray.store.disk_use import export_dtype
+
+    model = str(Path(REPO) / "tests" / "fixtures" / "hub_configs" / "Qwen--Qwen2.5-7B-Instruct")
+    asked: dict[str, int] = {}
+    monkeypatch.setattr(outputs, "check_output_dir", lambda path, key, error, nbytes=0: asked.__setitem__(key, nbytes))
+    for setting, per_param in (("auto", 2), ("float32", 4), ("bfloat16", 2)):
+        raw = {"model": {"path": model}, "data": {"path": "synthetic", "seq_len": 16, "batch_size": 1},
+               "train": {"export_dir": str(tmp_path / "exp"), "export_dtype": setting}}
+        cfg = load_config(raw=raw)
+        outputs.check_outputs(cfg, tmp_path / "run", tmp_path / "ck", 1000, RunSpec.resolve(cfg))
+        assert asked["train.export_dir"] == 1000 * per_param, setting
+    assert export_dtype("auto", None) == ("float32", "train.export_dtype=auto: model.path is empty (random init)")

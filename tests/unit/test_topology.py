@@ -98,6 +98,12 @@ def test_an_explicit_count_is_spread_over_nodes_by_cores(tmp_path):
     assert all(a.isdisjoint(b) for i, a in enumerate(cores) for b in cores[i + 1:])
 
 
+def test_fewer_workers_than_nodes_go_to_the_nodes_with_the_most_cores(tmp_path):
+    plan = plan_placement(two_sockets(tmp_path), 1, num_shards=2, gpu_node=1)
+    assert [w.node for w in plan.workers] == [0]  # node 1 gives two cores to the GPU: node 0 has more
+    assert plan.workers[0].cores == tuple(range(16)) and plan.shard_nodes == (0, 0)
+
+
 def test_small_boxes_reserve_nothing_and_more_workers_than_cores_share(tmp_path):
     root = fake_sysfs(tmp_path / "node", ["0-1"])
     topo = detect_topology(root, allowed={0, 1}, cgroup_root=tmp_path / "nocgroup")
@@ -152,3 +158,24 @@ def test_host_shards_fill_their_stages_on_their_share_of_the_node_and_then_keep_
     assert before == mine and os.sched_getaffinity(0) == {mine[0]}
     assert move_thread(before) == mine[:1] and tuple(sorted(os.sched_getaffinity(0))) == mine
     assert move_thread(()) == ()  # in-process: nothing moves
+
+
+def test_a_lora_run_plans_and_logs_no_optimizer_workers_and_says_who_updates(tmp_path):
+    """finetune.method=lora spawns no optimizer worker (driver/cluster.py): the placement gives none a core or a
+    Ray bundle, and its log line (the plan's summary) says the GPU worker updates the adapters, not '1 optimizer
+    worker(s)'."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.driver.placement import RunPlacement, actor_slots
+    from tests.conftest import tiny_raw
+
+    topology = detect_topology(tmp_path / "missing", allowed=set(range(16)), cgroup_root=tmp_path / "nocgroup")
+    for method in ("full", "lora"):
+        placement = RunPlacement(load_config(raw=tiny_raw(finetune={"method": method})), use_gpu=False,
+                                 topology=topology)
+        line = placement.plan.summary()
+        names = [s.name for s in actor_slots(placement.plan, use_gpu=False)]
+        if method == "full":
+            assert "1 optimizer worker(s)" in line and placement.num_workers == 1 and "optim0" in names
+        else:
+            assert "optimizer worker(s)" not in line and placement.num_workers == 0 and names == ["gpu", "host0"]
+            assert "no optimizer workers (finetune.method=lora: the GPU worker updates the adapters itself" in line

@@ -6,10 +6,11 @@
       -> results in input order -> split by record -> shard writers              [shards.py]
 
 Why this shuffle and split: nothing ever holds all the documents. The eval split is an exact, seeded
-sample of round(records * eval_fraction) record numbers, drawn in one pass by selection sampling
-(Knuth's algorithm S) after a cheap count of the records (jsonl lines, parquet metadata); a record
-in the sample that is skipped or dropped leaves the eval split one short. Each split is written as
-shards while they fill, each shard's rows in a permutation seeded by (seed, split, shard number);
+sample of round(records * eval_fraction) record numbers (at least one), drawn in one pass by selection
+sampling (Knuth's algorithm S) after a cheap count of the records (jsonl lines, parquet metadata); a record
+in the sample that is skipped or dropped leaves the eval split one short. The log says how many records
+each split got, with a warning when the eval split is too small to mean much (warn_eval_split). Each split
+is written as shards while they fill, each shard's rows in a permutation seeded by (seed, split, shard number);
 training then shuffles all rows of a split by (data.seed, epoch) anyway (data/batches.py), so a
 global shuffle here would buy nothing but memory. Results come back in input order whatever the
 number of workers, so the output does not depend on --workers.
@@ -164,6 +165,26 @@ class Progress:
                  100 * done / max(self.total, 1), documents, rate, eta)
 
 
+EVAL_SPLIT_MIN_RECORDS = 20
+"""Fewer eval records than this and eval_loss is the loss of a handful of examples, always the same ones: a
+number that moves with which records the seeded draw took more than with the training."""
+
+
+def warn_eval_split(fraction: float, total: int, train: int, held: int) -> None:
+    """How many records each split got; a warning when the eval split is too small to mean much, or its share
+    is far from --eval-fraction (a tiny set, or sampled records that were skipped or dropped)."""
+    share = held / max(1, train + held)
+    text = (f"prepare: --eval-fraction {fraction:g} of {total} records: the eval split got {held} record(s) "
+            f"({share:.1%}), the train split {train}")
+    if held < EVAL_SPLIT_MIN_RECORDS or abs(share - fraction) > 0.25 * fraction:
+        log.warning("%s; %s", text, f"an eval_loss over fewer than {EVAL_SPLIT_MIN_RECORDS} records (always the "
+                    "same ones) measures little: give more records or a larger --eval-fraction"
+                    if held < EVAL_SPLIT_MIN_RECORDS else f"not the {fraction:.1%} asked: records the draw took were "
+                    "skipped or dropped, or the set is too small to split finely")
+    else:
+        log.info("%s", text)
+
+
 def chunks(files: list[Path]) -> Iterator[list]:
     """The input as chunks of CHUNK_RECORDS (item, record number within its file) pairs."""
     chunk: list = []
@@ -201,7 +222,13 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
         if not count:
             raise DataError(f"input file {str(path)!r} holds no records")
     total = sum(counts)
-    directory = resolve_tokenizer(opts.tokenizer_dir, opts.revision)
+    t_tokenizer = time.perf_counter()
+    directory = resolve_tokenizer(opts.tokenizer_dir, opts.revision)  # a GGUF file: converted once, cached
+    t0 += (resolved := time.perf_counter() - t_tokenizer)  # the rate counts the records' own time
+    if resolved >= 1.0:
+        log.info("prepare: --tokenizer %s ready in %.1f s (%s), not counted in the records' rate", opts.tokenizer_dir,
+                 resolved, "a one-time GGUF conversion" if opts.tokenizer_dir.lower().endswith(".gguf")
+                 else "fetched and read")
     workers = min(opts.workers or available_cores(), math.ceil(total / CHUNK_RECORDS))
     job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs)
     # Chat formats in worker processes: they start with the tokenizer files' spec, checked while they run.
@@ -227,12 +254,14 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
     if fmt not in ("text", "preference") and not tokenizing.has_template():  # preference: per record
         raise DataError(NO_TEMPLATE)
     total, out = sum(counts), Path(opts.output_dir)
-    n_eval = min(total - 1, round(total * opts.eval_fraction)) if opts.eval_fraction else 0
+    # At least one record once a fraction is asked (a tiny set would otherwise round to no eval split at all).
+    n_eval = min(total - 1, max(1, round(total * opts.eval_fraction))) if opts.eval_fraction else 0
     sample = EvalSample(total, n_eval, opts.seed)
     dropped: Counter[str] = Counter()
     skipped: Counter[str] = Counter()
     first_skipped = ""
     truncated = records = 0
+    split_records: Counter[str] = Counter()  # records that became documents (or pairs), per split
     progress = Progress(total)
     log.info("prepare: %d records in %d files, %d tokenizing %s", total, len(files), tokenizing.workers,
              "process" if tokenizing.workers <= 1 else "processes")
@@ -244,6 +273,7 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
             for result in results:
                 records += 1
                 split = "eval" if sample.next() else "train"
+                split_records[split] += result[0] in ("doc", "pair")
                 if result[0] == "doc":
                     writers[split].add(result[1], result[2])
                     truncated += result[3]
@@ -284,6 +314,8 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
     summary = ", ".join(f"{k}: {v['documents']} documents, {v['tokens']} tokens ({v['loss_tokens']} in the loss)"
                         for k, v in manifest["splits"].items())
     seconds = time.perf_counter() - t0
+    if opts.eval_fraction:
+        warn_eval_split(opts.eval_fraction, total, split_records["train"], split_records["eval"])
     log.info("prepare: %d records -> %s; %d truncated, dropped %s, skipped %s; wrote %s (%.1f s, %.0f records/s)",
              records, summary, truncated, dict(dropped) or "none", dict(skipped) or "none", out, seconds,
              records / seconds)
