@@ -13,7 +13,7 @@ import inspect
 import re
 import typing
 
-from megatrain_ray.config import engine_sections, finetune_section, loop_sections, model_section
+from megatrain_ray.config import engine_sections, finetune_section, grpo_section, loop_sections, model_section
 
 SECTIONS = {
     "model": model_section.ModelConfig, "model.rope_scaling": model_section.RopeScalingConfig,
@@ -24,7 +24,7 @@ SECTIONS = {
     "checkpoint": loop_sections.CheckpointConfig,
     "fault": loop_sections.FaultConfig,
     "finetune": finetune_section.FinetuneConfig, "finetune.lora": finetune_section.LoraConfig,
-    "finetune.dpo": finetune_section.DPOConfig,
+    "finetune.dpo": finetune_section.DPOConfig, "finetune.grpo": grpo_section.GRPOConfig,
 }
 
 
@@ -57,7 +57,7 @@ def _default(f: dataclasses.Field) -> str:
 def render() -> str:
     lines = ["# Configuration reference", "",
              "Generated from the section classes in `megatrain_ray/config/` (model_section.py, loop_sections.py, "
-             "engine_sections.py, finetune_section.py) by `python -m megatrain_ray.config.docs`. "
+             "engine_sections.py, finetune_section.py, grpo_section.py) by `python -m megatrain_ray.config.docs`. "
              "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)

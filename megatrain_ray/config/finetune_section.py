@@ -1,6 +1,6 @@
 """The `finetune` section: what training changes (every weight, or LoRA adapters on a frozen base, in bf16 or
-NF4) and what it optimizes (cross-entropy, or DPO). Their checks against the other sections are with Config
-(config/sections.py: check_finetune, check_objective)."""
+NF4) and what it optimizes (cross-entropy, DPO, or GRPO: config/grpo_section.py). Their checks against the other
+sections are with Config (config/sections.py: check_finetune, check_objective)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megatrain_ray.config.fields import refuse as _fail
+from megatrain_ray.config.grpo_section import GRPOConfig
 from megatrain_ray.config.lora_targets import (  # noqa: F401
     LORA_PROJECTIONS,
     PHI3_LORA_PROJECTIONS,
@@ -106,7 +107,7 @@ class DPOConfig:
 @dataclass(kw_only=True, slots=True)
 class FinetuneConfig:
     """What training changes (every weight, or low-rank adapters on a frozen base) and what it optimizes
-    (cross-entropy, or a preference loss)."""
+    (cross-entropy, a preference loss, or a policy-gradient loss)."""
 
     SECTION: ClassVar[str] = "finetune"
     method: Literal["full", "lora"] = "full"
@@ -116,9 +117,13 @@ class FinetuneConfig:
     device (with several GPUs of one node, on each: their gradients are summed in one all-reduce)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """The adapters' settings (method lora)."""
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "grpo"] = "sft"
     """sft: cross-entropy on the loss-mask tokens (pre-training, supervised fine-tuning). dpo: direct preference
     optimization on preference pairs from `megatrain prepare --format preference`; the reference log-probabilities
-    come from one forward pass of the initial model before the first step (see finetune.dpo)."""
+    come from one forward pass of the initial model before the first step (see finetune.dpo). grpo: group relative
+    policy optimization with reward functions (see finetune.grpo); its loss and settings exist, but the rollout
+    engine does not yet, so `megatrain train` refuses it in this version."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """The DPO loss's settings (finetune.objective=dpo; read only then)."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """GRPO's settings and reward functions (finetune.objective=grpo; read only then)."""

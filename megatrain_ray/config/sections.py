@@ -148,7 +148,10 @@ def check_finetune(cfg: Config) -> None:
 
 
 def check_objective(cfg: Config, ranks: int | None = None) -> None:
-    """finetune.objective=dpo against the data and parallel sections (`ranks`: parallel.gpus once resolved)."""
+    """finetune.objective=dpo or grpo against the data and parallel sections (`ranks`: parallel.gpus once
+    resolved)."""
+    if cfg.finetune.objective == "grpo":
+        check_grpo(cfg)
     if cfg.finetune.objective != "dpo":
         return
     if cfg.model.template == "generic":
@@ -168,6 +171,31 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
     if ranks is not None and (cfg.data.batch_size // 2) % ranks:
         _fail("data.batch_size", cfg.data.batch_size, f"finetune.objective=dpo gives each of the {ranks} ranks "
               f"whole pairs, the same number each: set data.batch_size to a multiple of {2 * ranks}")
+
+
+def check_grpo(cfg: Config) -> None:
+    """finetune.objective=grpo: reward functions given and importable, whole groups per batch."""
+    grpo = cfg.finetune.grpo
+    if not grpo.reward_funcs:
+        _fail("finetune.grpo.reward_funcs", grpo.reward_funcs, "finetune.objective=grpo needs at least one reward "
+              "function, `module:function` (docs/fine-tuning.md, GRPO)")
+    grpo.reward_functions()  # imports the user's modules: a ConfigError names the one that fails
+    if cfg.data.batch_size % grpo.num_generations:
+        _fail("data.batch_size", cfg.data.batch_size, f"finetune.objective=grpo counts completions, "
+              f"finetune.grpo.num_generations={grpo.num_generations} per prompt: set data.batch_size to a multiple "
+              f"of {grpo.num_generations}")
+
+
+GRPO_NOT_TRAINABLE = ("the GRPO loss and its settings (finetune.grpo) are in this version, but the rollout engine "
+                      "that generates the completions is not yet, so `megatrain train` cannot run GRPO; use "
+                      "finetune.objective=sft or dpo")
+
+
+def check_trainable(cfg: Config) -> None:
+    """What `megatrain train` refuses although the config is valid: finetune.objective=grpo (no rollout engine
+    yet). Called by the trainer before anything else, so a GRPO config never trains as something else."""
+    if cfg.finetune.objective == "grpo":
+        _fail("finetune.objective", "grpo", GRPO_NOT_TRAINABLE)
 
 
 def check_generic(cfg: Config) -> None:

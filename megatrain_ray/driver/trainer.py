@@ -17,7 +17,7 @@ import torch
 
 from megatrain_ray.config.load import config_to_yaml
 from megatrain_ray.config.resolved import RunSpec
-from megatrain_ray.config.sections import Config
+from megatrain_ray.config.sections import Config, check_trainable
 from megatrain_ray.data.preference import PreferenceBatches, make_evaluation_batches, make_training_batches
 from megatrain_ray.driver.checkpointing import (
     Checkpointer,
@@ -73,6 +73,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: str | None = None,
                  resume_command: str | None = None):
+        check_trainable(cfg)  # finetune.objective=grpo: loss and config only, no rollout engine yet
         self.cfg = cfg = place_outputs(cfg)  # absolute output paths, never in Ray's session tree
         check_available(cfg.train.report_to)  # a tracker's missing package fails before anything starts
         self.layout: ModelLayout = build_layout(cfg.model)
