@@ -75,7 +75,8 @@ def format_plan(plan: Plan) -> str:
         total = sum(plan.disk.values())
         lines += [f"  {'disk total':<38}{total / g:10.2f} GiB  ({total / 1e9:.1f} GB)", ""]
     lines += [*tier_lines(plan), "",
-              f"GPU (torch allocations; layer inputs {'offloaded to host' if plan.offload else 'kept on the GPU'}, "
+              f"{'GPU' if plan.on_gpu else f'compute device: the CPU, {cpu_reason(plan)}'} (torch allocations; layer "
+              f"inputs {'offloaded to host' if plan.offload else 'kept on the device'}, "
               f"engine.activation_offload={str(cfg.engine.activation_offload).lower()}):"]
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
@@ -102,12 +103,17 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cpu_reason(plan: Plan) -> str:
+    """Why the layers compute on the CPU (a plan with on_gpu False)."""
+    return "engine.device=cpu" if plan.cfg.engine.device == "cpu" else "no GPU visible"
+
+
 def pinned_line(plan: Plan) -> str:
     """The host RAM the GPU worker registers as pinned memory; none when the layers compute on the CPU."""
     run = plan.run
     if not plan.on_gpu:
-        why = "engine.device=cpu" if plan.cfg.engine.device == "cpu" else "no GPU visible"
-        return f"  {'of which pinned':<38}{0:10.2f} GiB  ({why}: the layers compute on the CPU, nothing is pinned)"
+        return (f"  {'of which pinned':<38}{0:10.2f} GiB  ({cpu_reason(plan)}: the layers compute on the CPU, "
+                "nothing is pinned)")
     return (f"  {'of which pinned for the GPU':<38}{plan.pinned / GiB:10.2f} GiB  "
             f"({'the frozen base, streamed as it is' if run.frozen_base else GRAD_HOMES[run.grad_home]})")
 

@@ -72,8 +72,9 @@ def test_without_a_gpu_the_plan_says_the_cpu_trains_the_adapters_and_nothing_is_
         why = "no GPU visible" if machine is no_gpu else "engine.device=cpu"
         assert re.search(rf"of which pinned +0\.00 GiB  \({why}: the layers compute on the CPU, nothing is pinned\)",
                          text), text
+        assert f"compute device: the CPU, {why} (torch allocations; layer inputs" in text and "\nGPU (" not in text
     text = format_plan(plan_run(qwen32b_lora(), h100))
-    assert "train on the GPU;" in text and "of which pinned for the GPU" in text
+    assert "train on the GPU;" in text and "of which pinned for the GPU" in text and "\nGPU (torch allocations" in text
 
 
 def test_modules_to_save_count_on_the_gpu_with_their_float32_gradient_sums():
