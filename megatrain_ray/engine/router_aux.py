@@ -61,12 +61,7 @@ class RouterAux:
         records = list(self.records.values())
         if comm is not None:
             records = _summed_over_ranks(comm, records)
-        self.loss, _ = load_balancing_loss(records, self.num_experts)
-        # coef * d(aux)/d(prob_sum) = coef E f / rows, in the order of float32 operations transformers' backward
-        # takes through coef * aux (((coef E) f) / rows), so that it rounds as transformers' does.
-        rows = sum(r.rows for r in records)
-        f = sum(r.counts for r in records) / rows
-        self.grad = torch.full((), self.coef, dtype=torch.float32, device=f.device) * self.num_experts * f / rows
+        self.loss, self.grad = load_balancing_loss(records, self.num_experts, self.coef)
         return self.coef * self.loss if first_rank else torch.zeros_like(self.loss)
 
     def layer_grad(self, layer: int) -> torch.Tensor | None:

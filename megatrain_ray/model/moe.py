@@ -283,12 +283,15 @@ def moe_mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
     return experts(flat, weights, index, w, spec).view(shape)
 
 
-def load_balancing_loss(records: list[RouterRecord], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def load_balancing_loss(records: list[RouterRecord], num_experts: int,
+                        coef: float) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' load_balancing_loss_func over the MoE layers' records (no attention mask): f_e, the
     top-k assignments to expert e over all layers and rows divided by the rows, and P_e, the mean router
-    probability over all layers and rows; the loss is E * sum_e f_e P_e. Returns (loss, d loss / d prob_sum),
-    the latter the same [E] vector for every layer's prob_sum (f has no gradient)."""
+    probability over all layers and rows; the loss is E * sum_e f_e P_e. Returns (loss, coef * d loss / d prob_sum),
+    the latter the same [E] vector for every layer's prob_sum (f has no gradient), formed in the order of float32
+    operations transformers' backward takes through coef * aux (((coef E) f) / rows), so that it rounds alike."""
     rows = sum(r.rows for r in records)
     f = sum(r.counts for r in records) / rows
     p = sum(r.prob_sum.detach() for r in records) / rows
-    return num_experts * (f * p).sum(), num_experts * f / rows
+    coef_grad = torch.full((), coef, dtype=torch.float32, device=f.device) * num_experts * f / rows
+    return num_experts * (f * p).sum(), coef_grad
