@@ -7,12 +7,12 @@ the export resolves it) and size, and at the end of a run the bytes its director
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.hf_io import source_dtype
 from megatrain_ray.store.checkpoint import CheckpointDir
+from megatrain_ray.system.files import tree_bytes
 from megatrain_ray.units import human_bytes
 
 
@@ -32,20 +32,6 @@ def export_bytes(num_params: int, dtype: str, adapter_params: int = 0) -> int:
     """The export's size: every weight in `dtype`; a LoRA run's adds its adapter (float32, PEFT's format) beside
     the merged model."""
     return num_params * DTYPE_BYTES[dtype] + 4 * adapter_params
-
-
-def tree_bytes(path: Path) -> int:
-    """Disk bytes the files under `path` take (allocated blocks, as `du` counts them); 0 when it does not exist."""
-    if path.is_file():
-        return path.stat().st_blocks * 512
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:  # removed meanwhile
-                pass
-    return total
 
 
 def _within(path: Path, directory: Path) -> bool:

@@ -169,3 +169,17 @@ def lock_is_held(path: str | os.PathLike) -> bool | None:
     finally:
         os.close(fd)
     return False
+
+
+def tree_bytes(path: Path) -> int:
+    """Disk bytes the files under `path` take (allocated blocks, as `du` counts them); 0 when it does not exist."""
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:  # removed meanwhile
+                pass
+    return total

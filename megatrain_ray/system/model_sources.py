@@ -33,7 +33,7 @@ from pathlib import Path
 
 from megatrain_ray.exceptions import CheckpointError, MegatrainError, excerpt
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.system.files import lock_is_held
+from megatrain_ray.system.files import lock_is_held, tree_bytes
 
 log = get_logger(__name__)
 
@@ -224,16 +224,6 @@ def _abandoned(lock_path: Path) -> bool:
     return lock_is_held(lock_path) is False
 
 
-def _bytes_under(directory: Path) -> int:
-    total = 0
-    for path in directory.rglob("*"):
-        try:
-            total += path.lstat().st_size if path.is_file() else 0
-        except OSError:
-            pass
-    return total
-
-
 def sweep_stale_conversions(directory: Path) -> int:
     """Remove the temporary directories of GGUF conversions in `directory` that no process is writing (see the
     module docstring); the count removed."""
@@ -251,7 +241,7 @@ def sweep_stale_conversions(directory: Path) -> int:
         else:
             continue
         if stale:
-            size = _bytes_under(entry)
+            size = tree_bytes(entry)
             shutil.rmtree(entry, ignore_errors=True)
             log.warning("removed %s (%.0f MB), left by a GGUF conversion that stopped before it finished", entry,
                         size / 1e6)
