@@ -8,8 +8,6 @@ workers and reads back StepResults; bulk tensors stay in shared memory.
 from __future__ import annotations
 
 import time
-from collections import ChainMap
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,6 @@ from megatrain_ray.config.sections import Config, check_trainable
 from megatrain_ray.data.preference import PreferenceBatches, make_evaluation_batches, make_training_batches
 from megatrain_ray.driver.checkpointing import (
     Checkpointer,
-    ResidentTensors,
     find_checkpoint,
     truncate_metrics,
 )
@@ -31,12 +28,13 @@ from megatrain_ray.driver.outputs import check_outputs, place_outputs
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.placement import RunPlacement
 from megatrain_ray.driver.reference import check_reference, load_or_compute
+from megatrain_ray.driver.run_tensors import RunTensors
 from megatrain_ray.driver.runtime import Handle, gather, private_ray_pids, ray_session_dir, start_ray
 from megatrain_ray.driver.tracking import Tracking, check_available, last_logged_step
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.generic_template import GenericTemplate
-from megatrain_ray.model.hf_io import HFDirectory, export_hf
+from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.observe.grafana import install_dashboard
 from megatrain_ray.observe.log import get_logger
@@ -46,11 +44,8 @@ from megatrain_ray.optim.schedule import lr_at
 from megatrain_ray.planning.gpu_memory import resolve_run
 from megatrain_ray.planning.memory import check_plan
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointInfo, restore_rng
-from megatrain_ray.store.disk_use import export_dtype
 from megatrain_ray.store.liveness import sweep_stale_segments
-from megatrain_ray.store.lora_export import export_lora
-from megatrain_ray.store.nf4_base import NF4_KIND, DequantizedBase
-from megatrain_ray.store.segments import HostStore, SegmentSpec, StoreTensors, segment_prefix, shard_stages, specs_of
+from megatrain_ray.store.segments import SegmentSpec, segment_prefix, shard_stages
 from megatrain_ray.system.files import refuse_existing, write_atomic
 from megatrain_ray.system.guardian import Guardian
 from megatrain_ray.system.model_sources import fetch_weights
@@ -67,7 +62,7 @@ class Interrupted(Exception):
         self.signum, self.checkpoint = signum, checkpoint
 
 
-class Trainer:
+class Trainer(RunTensors):
     """Runs a config from step 0, or from a checkpoint (`resume`: a checkpoint directory or "auto", the
     newest complete one under checkpoint.dir, starting afresh when there is none)."""
 
@@ -418,85 +413,3 @@ class Trainer:
     def flush(self) -> None:
         assert self.gpu is not None
         self.cluster.flush()
-
-    def read_moments(self, kind: str) -> dict[str, torch.Tensor]:
-        """A copy of one AdamW moment (`exp_avg` or `exp_avg_sq`) by Hugging Face name, from RAM or disk."""
-        self.flush()
-        self.cluster.sync_moments()
-        host = HostStore(specs_of(self.specs, (kind,))).read_tensors(self.layout, kind)  # type: ignore[arg-type]
-        return self._with_resident(host, kind)
-
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """A copy of the master weights by Hugging Face name (after the pending updates)."""
-        self.flush()
-        if self.run_spec.base_quantization == "nf4":  # the base as the layers compute with it (dequantized)
-            return {name: t.clone() for name, t in self._base_tensors().items()}
-        store = HostStore(specs_of(self.specs, ("master",)))
-        return self._with_resident(store.read_tensors(self.layout), "master")
-
-    def _base_tensors(self) -> Mapping[str, torch.Tensor]:
-        """A frozen NF4 base by Hugging Face name, its decoder layers dequantized (store/nf4_base.py)."""
-        store = HostStore(specs_of(self.specs, ("master", NF4_KIND)))
-        return DequantizedBase(store, self.layout, self.run_spec.compute_dtype)
-
-    @property
-    def _resident_holder(self) -> Handle | None:
-        """The GPU worker that holds the GPU-resident stages (engine.gpu_resident; none on the host), if any."""
-        return self.gpu if self.run_spec.resident_layers and not self.run_spec.frozen_base else None
-
-    def _with_resident(self, host: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-        """`host` (the shards' tensors) with the GPU-resident stages' `kind`, in layout order."""
-        if self._resident_holder is None:
-            return host
-        both = {**host, **self._resident_holder.resident_tensors(kind).result()}
-        return {stage.hf_name(s): both[stage.hf_name(s)] for stage in self.layout.stages for s in stage.slots}
-
-    def export(self, out_dir: str | Path, dtype: str = "auto", shard_bytes: int = 5 * 10**9) -> Path:
-        """Write the master weights as a Hugging Face directory (see megatrain_ray/model/hf_io.py), one
-        tensor at a time straight from the shared segments."""
-        self.flush()
-        source = self.cfg.model.path or None
-        dtype = export_dtype(dtype, source)[0]  # auto: config.json's dtype, else float32
-        store = HostStore(specs_of(self.specs, ("master",)))
-        tensors: Mapping[str, torch.Tensor] = StoreTensors(store, self.layout)
-        if self.run_spec.base_quantization == "nf4":  # merged onto the dequantized base (docs/fine-tuning.md)
-            tensors = self._base_tensors()
-        if self.run_spec.frozen_base:  # LoRA: the adapter in PEFT's format and the merged model
-            return export_lora(tensors, self.adapters(), self.cfg.model, self.cfg.finetune.lora, out_dir, source, dtype,
-                               shard_bytes)
-        if self._resident_holder is not None:  # the GPU-resident stages' weights come from the GPU worker
-            tensors = ChainMap(tensors, ResidentTensors(self._resident_holder,
-                                                        self.layout.resident_stages(self.run_spec.resident_layers)))
-        return export_hf(tensors, self.cfg.model, out_dir, source_dir=source, dtype=dtype, shard_bytes=shard_bytes)
-
-    def load_weights(self, tensors: dict[str, torch.Tensor], nodes: list[int] | None = None) -> None:
-        """Overwrite master weights (and the streaming copy) by Hugging Face name, before training, on every
-        node (or on `nodes`: tests that make the copies disagree)."""
-        self.flush()
-        if self.run_spec.base_quantization == "nf4":  # its layers have no dense segment to write into
-            raise ConfigError("Trainer.load_weights: the base of finetune.lora.base_quantization=nf4 is quantized "
-                              "once when the run starts; put the weights in model.path instead")
-        for k in nodes if nodes is not None else range(len(self.nodes)):
-            store = HostStore(specs_of(self.nodes[k].specs, ("master", "stream")))
-            store.write_tensors(self.layout, tensors)  # the stages with segments there
-        if self._resident_holder is not None:
-            self._resident_holder.write_resident(tensors).result()
-        if self.run_spec.frozen_base:  # the base each GPU worker holds on its device is copied again
-            for done in [gpu.reload_base() for gpu in self.gpus]:
-                done.result()
-
-    def adapters(self) -> dict[str, torch.Tensor]:
-        """(finetune.method=lora) The adapters by PEFT name, after the steps run so far."""
-        assert self.gpu is not None
-        return self.gpu.adapters().result()
-
-    def set_adapters(self, tensors: dict[str, torch.Tensor]) -> None:
-        """(finetune.method=lora) Overwrite adapters by PEFT name on every rank, before training (tests)."""
-        assert self.gpu is not None
-        for done in [gpu.set_adapters(tensors) for gpu in self.gpus]:
-            done.result()
-
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        assert self.gpu is not None
-        self.flush()
-        return self.gpu.logits(ids).result()
