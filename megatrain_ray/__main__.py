@@ -10,6 +10,7 @@
     megatrain export SOURCE OUT_DIR [--dtype bfloat16|float32] [--shard-size 5GB]  # SOURCE: model, run or checkpoint dir
     megatrain prepare --tokenizer MODEL_DIR --format alpaca --input data.json --output prepared/
     megatrain prepare --tokenizer MODEL_DIR --format preference --input pairs.jsonl --output prefs/  # DPO pairs
+    megatrain prepare --tokenizer MODEL_DIR --format prompts --input prompts.jsonl --output prompts/  # GRPO prompts
 
 Exit codes: 0 done; 2 bad input or a failure with its message; 130/143 stopped by SIGINT/SIGTERM
 (after saving a checkpoint).
@@ -279,14 +280,17 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="the model's tokenizer (and chat template): a model directory, a hub name such as "
                             "Qwen/Qwen2.5-7B-Instruct, or a .gguf file; use the model you will train")
         p.add_argument("--revision", help="with a hub name in --tokenizer: the branch, tag or commit")
-        p.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages", "preference"],
+        p.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages", "preference", "prompts"],
                        help="record format (default: the registry entry's formatting, else text); preference: "
                             "prompt/chosen/rejected pairs for finetune.objective=dpo, in TRL's or LLaMA-Factory's "
-                            "layouts (found per record; docs/fine-tuning.md)")
+                            "layouts (found per record; docs/fine-tuning.md); prompts: a `prompt` (text, or chat "
+                            "messages) per record for finetune.objective=grpo, the other columns kept for the reward "
+                            "functions")
         p.add_argument("--input", nargs="+", help="jsonl, json, parquet or txt files")
         p.add_argument("--output", required=True, help="directory to create for the shards and manifest.json")
         p.add_argument("--seq-len", type=int, default=0, help="truncate documents to this many tokens (0: never); "
-                       "preference: each sequence keeps its first N tokens, a pair whose prompt fills N is dropped")
+                       "preference: each sequence keeps its first N tokens, a pair whose prompt fills N is dropped; "
+                       "prompts: refused (finetune.grpo.max_prompt_length truncates when training)")
         p.add_argument("--seed", type=int, default=0, help="seed of the eval split and of the row order inside each "
                                                             "shard (training reshuffles by data.seed and epoch)")
         p.add_argument("--eval-fraction", type=float, default=0.0,

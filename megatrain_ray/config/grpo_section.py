@@ -41,12 +41,15 @@ class GRPOConfig:
     """What the advantage (reward minus its group's mean) is divided by (plus 1e-4): group: the group's standard
     deviation; batch: the whole batch's; none: nothing (Dr. GRPO). true means group and false none, as TRL's."""
     num_generations: int = 8
-    """Completions sampled per prompt (the group); data.batch_size counts completions and must be a multiple."""
+    """Completions sampled per prompt (the group); data.batch_size counts completions and must be a multiple: a step
+    takes data.batch_size / num_generations prompts (from `megatrain prepare --format prompts`)."""
     max_prompt_length: int | None = None
     """The longest prompt in tokens; a longer prompt keeps its last tokens (older TRL releases' left truncation).
     TRL 1.16 has no such setting: null (the default) keeps prompts whole."""
     max_completion_length: int = 512
-    """The longest completion the rollout generates, in tokens; also dr_grpo's divisor per completion."""
+    """The longest completion the rollout generates, in tokens; also dr_grpo's divisor per completion. A prompt and
+    its completion share a row: data.seq_len must hold the longest prompt (max_prompt_length when set, else the
+    data's longest) plus this."""
     temperature: float = 1.0
     """Sampling temperature of the rollout."""
     top_p: float = 1.0

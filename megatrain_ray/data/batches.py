@@ -237,16 +237,20 @@ class Documents:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def check(self, model: ModelConfig, seq_len: int) -> None:
-        """Token ids inside the vocabulary, documents that fit: raised before anything is allocated."""
-        if not len(self):
-            raise DataError(f"{self.where} holds no documents")
+    def check_vocabulary(self, model: ModelConfig) -> None:
+        """Every token id inside model.vocab_size (the data was tokenized for this model)."""
         if self.high >= model.vocab_size or self.low < 0:
             bad = self.high if self.high >= model.vocab_size else self.low
             hint = ("model.path is empty, so the model is the config's random-init shape: set model.path to the "
                     "model whose tokenizer prepared the data") if not model.path else \
                 "prepare it with the model's own tokenizer"
             raise DataError(f"{self.where} holds token id {bad} outside model.vocab_size={model.vocab_size}; {hint}")
+
+    def check(self, model: ModelConfig, seq_len: int) -> None:
+        """Token ids inside the vocabulary, documents that fit: raised before anything is allocated."""
+        if not len(self):
+            raise DataError(f"{self.where} holds no documents")
+        self.check_vocabulary(model)
         if int(self.lengths.min()) < 2:
             raise DataError(f"{self.where}: document {int(self.lengths.argmin())} has fewer than 2 tokens, so no "
                             "target; prepare the data with `megatrain prepare`, which drops such documents")

@@ -27,6 +27,7 @@ from megatrain_ray.data.batches import (
     refuse_missing,
 )
 from megatrain_ray.data.prepare.shards import PAIR_ROLE
+from megatrain_ray.data.prompts import PromptBatches
 from megatrain_ray.exceptions import ConfigError, DataError
 from megatrain_ray.messages import Batch, PreferenceRows
 from megatrain_ray.system.files import contained
@@ -140,21 +141,30 @@ def split_pairs(batch: Batch, ranks: int) -> list[Batch]:
     return parts
 
 
-def make_training_batches(cfg: Config) -> TokenBatches | DocumentBatches:
-    """The training batches of finetune.objective: preference pairs (dpo), or data.path's batches (sft), which must
-    not be preference pairs (cross-entropy would learn the rejected answers too)."""
+def make_training_batches(cfg: Config) -> TokenBatches | DocumentBatches | PromptBatches:
+    """The training batches of finetune.objective: preference pairs (dpo), prompts (grpo: data/prompts.py), or
+    data.path's batches (sft), which must be neither (cross-entropy would learn the rejected answers too, or from
+    prompts alone nothing)."""
     if cfg.finetune.objective == "dpo":
         return PreferenceBatches(cfg, cfg.data.path)
+    if cfg.finetune.objective == "grpo":
+        return PromptBatches(cfg, cfg.data.path)
     batches = make_batches(cfg.data, cfg.model)
     if isinstance(batches, DocumentBatches) and batches.docs.manifest.get("preference_pairs"):
         raise DataError(f"data.path={cfg.data.path!r} holds preference pairs (chosen and rejected answers): set "
                         "finetune.objective=dpo, or prepare SFT data without --format preference")
+    if isinstance(batches, DocumentBatches) and batches.docs.manifest.get("prompts"):
+        raise DataError(f"data.path={cfg.data.path!r} holds GRPO prompts (no answers to learn): set "
+                        "finetune.objective=grpo, or prepare SFT data without --format prompts")
     return batches
 
 
-def make_evaluation_batches(cfg: Config) -> list[Batch] | PreferenceBatches:
+def make_evaluation_batches(cfg: Config) -> list[Batch] | PreferenceBatches | PromptBatches:
     """train.eval_every's fixed batches: DPO pairs (data.eval_path's, else the eval split of data.path; iterable
-    once their reference log-probabilities are attached), or make_eval_batches' documents."""
+    once their reference log-probabilities are attached), GRPO prompts (the same places; eval_prompts gives the first
+    ones, whose mean reward is the measure), or make_eval_batches' documents."""
+    if cfg.finetune.objective == "grpo":
+        return make_evaluation_prompts(cfg)
     if cfg.finetune.objective != "dpo":
         return make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches)
     count = cfg.train.eval_batches
@@ -164,3 +174,13 @@ def make_evaluation_batches(cfg: Config) -> list[Batch] | PreferenceBatches:
         raise ConfigError("train.eval_every needs evaluation pairs: set data.eval_path, or prepare data.path with "
                           "--eval-fraction")
     return PreferenceBatches(cfg, cfg.data.path, "eval", eval_batches=count)
+
+
+def make_evaluation_prompts(cfg: Config) -> PromptBatches:
+    """GRPO's held-out prompts: data.eval_path's (its train split), else the eval split of data.path."""
+    if cfg.data.eval_path:
+        return PromptBatches(cfg, cfg.data.eval_path, "train", "data.eval_path", evaluation=True)
+    if not is_prepared(cfg.data.path):
+        raise ConfigError("train.eval_every needs evaluation prompts: set data.eval_path, or prepare data.path with "
+                          "--eval-fraction")
+    return PromptBatches(cfg, cfg.data.path, "eval", evaluation=True)

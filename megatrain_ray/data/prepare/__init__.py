@@ -15,6 +15,9 @@ stops at the first instead). Tokenizing runs in --workers processes. The output 
 at once, complete, or not at all. A `dataset_info.json` registry in LLaMA-Factory's style can name
 files, format and columns.
 
+`--format preference` writes DPO pairs (preference.py), `--format prompts` GRPO prompts with their other columns
+(prompts.py): token ids of the prompt alone, the prompt and the columns as JSON (shards.PROMPT_COLUMNS).
+
 records.py reads and converts records, tokenize.py makes documents (chat_render.py: chat records without
 transformers' per-call work; chat_assembled.py: ChatML-family templates without Jinja), tokenizing.py runs it in
 worker processes (spec_check_cache.py: the tokenizer check's verdict kept between runs), shards.py writes the

@@ -44,6 +44,8 @@ from megatrain_ray.system.files import atomic_directory, contained, read_json_ob
 log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
+TRANSFORMERS_FORMATS = ("text", "preference", "prompts")
+"""Formats tokenized by transformers' own tokenizer in each worker (no TokenizerSpec); a chat template per record."""
 CHUNK_RECORDS = 256
 PROGRESS_SECONDS = 5.0
 
@@ -213,6 +215,13 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     if fmt == "preference" and opts.train_on_inputs:
         raise DataError("--train-on-inputs does not apply to --format preference: DPO scores the completions only, "
                         "as TRL does; leave it out")
+    if fmt == "prompts" and opts.train_on_inputs:
+        raise DataError("--train-on-inputs does not apply to --format prompts: GRPO learns from the generated "
+                        "completions, never from the prompt; leave it out")
+    if fmt == "prompts" and opts.seq_len:
+        raise DataError("--seq-len does not apply to --format prompts: prompts are stored whole, and "
+                        "finetune.grpo.max_prompt_length keeps a longer prompt's last tokens when training; leave it "
+                        "out")
     if opts.workers < 0:
         raise DataError(f"--workers {opts.workers} must be >= 1 (0: one per available core)")
     out = Path(opts.output_dir)
@@ -232,7 +241,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     workers = min(opts.workers or available_cores(), math.ceil(total / CHUNK_RECORDS))
     job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs)
     # Chat formats in worker processes: they start with the tokenizer files' spec, checked while they run.
-    spec = spec_from_files(directory) if workers > 1 and fmt not in ("text", "preference") else None
+    spec = spec_from_files(directory) if workers > 1 and fmt not in TRANSFORMERS_FORMATS else None
     # ... unless an earlier run's check found the same files (and versions) read as this spec: spec_check_cache.py.
     check_key = spec_check_cache.directory_key(directory) if spec is not None else None
     vocab_size = spec_check_cache.stored_vocab_size(check_key, spec) if spec is not None else None
@@ -251,7 +260,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
 
 def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int], directory: str,
              tokenizing: Tokenizing, t0: float) -> dict[str, Any]:
-    if fmt not in ("text", "preference") and not tokenizing.has_template():  # preference: per record
+    if fmt not in TRANSFORMERS_FORMATS and not tokenizing.has_template():  # preference, prompts: per record
         raise DataError(NO_TEMPLATE)
     total, out = sum(counts), Path(opts.output_dir)
     # At least one record once a fraction is asked (a tiny set would otherwise round to no eval split at all).
@@ -261,7 +270,8 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
     skipped: Counter[str] = Counter()
     first_skipped = ""
     truncated = records = 0
-    split_records: Counter[str] = Counter()  # records that became documents (or pairs), per split
+    split_records: Counter[str] = Counter()  # records that became documents (or pairs, or prompts), per split
+    prompt_columns: dict[str, None] = {}  # prompts: every other column's name, in first-seen order
     progress = Progress(total)
     log.info("prepare: %d records in %d files, %d tokenizing %s", total, len(files), tokenizing.workers,
              "process" if tokenizing.workers <= 1 else "processes")
@@ -273,13 +283,16 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
             for result in results:
                 records += 1
                 split = "eval" if sample.next() else "train"
-                split_records[split] += result[0] in ("doc", "pair")
+                split_records[split] += result[0] in ("doc", "pair", "prompt")
                 if result[0] == "doc":
                     writers[split].add(result[1], result[2])
                     truncated += result[3]
                 elif result[0] == "pair":
                     writers[split].add_pair(*result[1:5])
                     truncated += result[5]
+                elif result[0] == "prompt":
+                    writers[split].add_prompt(*result[1:4], record=records - 1)
+                    prompt_columns.update(dict.fromkeys(result[4]))
                 elif result[0] == "dropped":
                     dropped[result[1]] += 1
                     truncated += result[2]
@@ -307,12 +320,20 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
         }
         if pairs:  # documents 2k and 2k + 1 of a split are pair k's chosen and rejected sequences
             manifest["preference_pairs"] = True
+        if fmt == "prompts":  # one prompt a document; a record without a column has null in it (as datasets does)
+            manifest["prompts"] = True
+            manifest["prompt_columns"] = list(prompt_columns)
         for split, writer in writers.items():
             if writer.documents:
                 manifest["splits"][split] = writer.summary()
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    summary = ", ".join(f"{k}: {v['documents']} documents, {v['tokens']} tokens ({v['loss_tokens']} in the loss)"
-                        for k, v in manifest["splits"].items())
+    if fmt == "prompts":
+        summary = ", ".join(f"{k}: {v['documents']} prompts, {v['tokens']} tokens (longest {v['max_document_tokens']})"
+                            for k, v in manifest["splits"].items())
+        summary += f"; columns for the reward functions: {', '.join(manifest['prompt_columns']) or 'none'}"
+    else:
+        summary = ", ".join(f"{k}: {v['documents']} documents, {v['tokens']} tokens ({v['loss_tokens']} in the loss)"
+                            for k, v in manifest["splits"].items())
     seconds = time.perf_counter() - t0
     if opts.eval_fraction:
         warn_eval_split(opts.eval_fraction, total, split_records["train"], split_records["eval"])

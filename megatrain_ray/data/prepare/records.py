@@ -16,7 +16,7 @@ from typing import Any
 from megatrain_ray.exceptions import DataError
 from megatrain_ray.system.files import read_text_file
 
-FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference")
+FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompts")
 # ShareGPT speaker names -> chat roles (LLaMA-Factory's defaults, its function-calling tags, and the OpenAI names).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "function_call": "assistant", "observation": "tool", "tool": "tool"}

@@ -21,6 +21,10 @@ ROW_GROUP_ROWS = 4096
 SPLIT_IDS = {"train": 0, "eval": 1}
 PAIR_ROLE = "pair_role"
 """Preference data: the column saying a row is a pair's chosen (0) or rejected (1) sequence; pairs are adjacent rows."""
+PROMPT_COLUMNS = ("prompt", "columns", "record")
+"""Prompt data (GRPO): the prompt as given (JSON text: a string, or a list of chat messages), the record's other
+columns (JSON text of an object) and its record number in the input (files in order, from 0); `input_ids` holds the
+prompt's tokens, `loss_mask` zeros."""
 
 
 def list_array(parts: list[np.ndarray], dtype: np.dtype, kind: pa.DataType) -> pa.Array:
@@ -38,6 +42,7 @@ class SplitWriter:
         self.directory, self.split, self.seed, self.pairs = directory, split, seed, pairs
         self.ids: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []
+        self.prompts: list[tuple[str, str, int]] = []  # PROMPT_COLUMNS of each row, prompt data only
         self.buffered = 0
         self.files: list[str] = []
         self.documents = self.tokens = self.loss_tokens = self.longest = 0
@@ -54,6 +59,11 @@ class SplitWriter:
         self._append(rejected, rejected_mask)
         if self.buffered >= SHARD_TOKENS or len(self.ids) >= DOCS_PER_SHARD:
             self.flush()
+
+    def add_prompt(self, ids: np.ndarray, prompt: str, columns: str, record: int) -> None:
+        """A GRPO prompt: its tokens (no loss), the prompt and the other columns as JSON text, its record number."""
+        self.prompts.append((prompt, columns, record))
+        self.add(ids, np.zeros(len(ids), dtype=np.uint8))
 
     def _append(self, ids: np.ndarray, mask: np.ndarray) -> None:
         self.ids.append(ids)
@@ -77,11 +87,14 @@ class SplitWriter:
                    "loss_mask": list_array([self.masks[i] for i in order], np.uint8, pa.uint8())}
         if self.pairs:
             columns[PAIR_ROLE] = pa.array(np.arange(len(order), dtype=np.uint8) % 2, type=pa.uint8())
+        if self.prompts:
+            for c, (name, kind) in enumerate(zip(PROMPT_COLUMNS, (pa.string(), pa.string(), pa.int64()))):
+                columns[name] = pa.array([self.prompts[i][c] for i in order], type=kind)
         table = pa.table(columns)
         name = f"{self.split}-{k:05d}.parquet"
         pq.write_table(table, self.directory / name, row_group_size=ROW_GROUP_ROWS)
         self.files.append(name)
-        self.ids, self.masks, self.buffered = [], [], 0
+        self.ids, self.masks, self.prompts, self.buffered = [], [], [], 0
 
     def summary(self) -> dict[str, Any]:
         self.flush()

@@ -25,6 +25,7 @@ from megatrain_ray.data.prepare.chat_render import (
     token_byte_lengths,
 )
 from megatrain_ray.data.prepare.preference import preference_chunk
+from megatrain_ray.data.prepare.prompts import prompts_chunk
 from megatrain_ray.data.prepare.records import BadRecord, Columns, Item, parse_item, record_text, to_messages
 from megatrain_ray.exceptions import DataError
 
@@ -33,9 +34,10 @@ NO_TEMPLATE = ("the tokenizer has no chat template (chat_template in tokenizer_c
 
 
 class Tokenizer:
-    """The model's tokenizer: chat records through a `TokenizerSpec` (chat_render.py), text and preference records
-    through transformers' AutoTokenizer (from a model directory, hub name or GGUF file), loaded when first needed.
-    Without `spec` the spec is taken from AutoTokenizer, so it is exact; a worker gets one checked against it."""
+    """The model's tokenizer: chat records through a `TokenizerSpec` (chat_render.py), text, preference and prompt
+    records through transformers' AutoTokenizer (from a model directory, hub name or GGUF file), loaded when first
+    needed. Without `spec` the spec is taken from AutoTokenizer, so it is exact; a worker gets one checked against
+    it."""
 
     def __init__(self, directory: str, spec: TokenizerSpec | None = None):
         self.directory = directory
@@ -47,7 +49,7 @@ class Tokenizer:
 
     @property
     def tok(self) -> Any:
-        """transformers' tokenizer (text and preference formats, the vocabulary size)."""
+        """transformers' tokenizer (text, preference and prompts formats, the vocabulary size)."""
         if self._tok is None:
             self._tok = load_tokenizer(self.directory)
         return self._tok
@@ -136,7 +138,8 @@ class Job:
 
 
 # A chunk's results, in its records' order: ("doc", ids, mask, truncated) | ("dropped", reason, truncated) |
-# ("skipped", reason, message) | ("pair", chosen ids, chosen mask, rejected ids, rejected mask, truncated).
+# ("skipped", reason, message) | ("pair", chosen ids, chosen mask, rejected ids, rejected mask, truncated) |
+# ("prompt", ids, prompt JSON, columns JSON, column names).
 Result = tuple
 
 
@@ -144,6 +147,8 @@ def process_chunk(tok: Tokenizer, job: Job, chunk: list[tuple[Item, int]]) -> li
     """Parse, render and tokenize a chunk of (item, record number) pairs; one batched tokenizer call."""
     if job.fmt == "preference":
         return preference_chunk(tok, job, chunk)
+    if job.fmt == "prompts":
+        return prompts_chunk(tok, chunk)
     results: list[Result | None] = [None] * len(chunk)
     texts, spans, slots = [], [], []
     for k, (item, number) in enumerate(chunk):

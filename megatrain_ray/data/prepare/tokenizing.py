@@ -115,8 +115,8 @@ class Tokenizing:
     processes with at most IN_FLIGHT_PER_WORKER chunks each in flight, so memory does not grow with the input.
 
     spec: what the workers tokenize chat records with; None: transformers' tokenizer, loaded in each worker
-    (text and preference formats). vocab_size None with a spec: the spec is the files' and is checked; a check
-    that finds it transformers' reading is kept under check_key (spec_check_cache.py)."""
+    (text, preference and prompts formats). vocab_size None with a spec: the spec is the files' and is checked; a
+    check that finds it transformers' reading is kept under check_key (spec_check_cache.py)."""
 
     def __init__(self, directory: str, job: Job, workers: int, spec: TokenizerSpec | None = None,
                  vocab_size: int | None = None, check_key: str | None = None):

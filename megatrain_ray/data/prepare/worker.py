@@ -5,7 +5,7 @@ this module once (FORKSERVER_PRELOAD). Chat formats: the workers get a Tokenizer
 and need only the Rust tokenizer, jinja2 and transformers' chat-template module, which the forkserver
 imports once for all of them (the main process never needs it); with a template chat_assembled.py
 renders without Jinja, only the Rust tokenizer.
-Text and preference formats use transformers' tokenizer: with MEGATRAIN_PREPARE_TOKENIZER set the
+Text, preference and prompts formats use transformers' tokenizer: with MEGATRAIN_PREPARE_TOKENIZER set the
 forkserver loads it once, and every worker forked from it starts with it loaded instead of importing
 transformers and loading it again. Each worker tokenizes with one thread: the processes are the
 parallelism. A worker whose main process is gone (killed) exits within a second rather than wait on
