@@ -20,6 +20,7 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.engine.collective import Collectives, RankInfo
 from megatrain_ray.engine.lora_engine import LoraStreamEngine
+from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
 from megatrain_ray.engine.step import StreamEngine
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.hf_io import HFDirectory
@@ -137,6 +138,15 @@ class GPUWorker(ActorBase):
 
     def sequence_logps(self, batch: Batch) -> torch.Tensor:
         return self.engine.sequence_logps(batch)
+
+    def token_logps(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """GRPO: each label's log-probability at `temperature` under the current weights, [rows, seq_len]
+        (engine/forward_only.py)."""
+        return self.engine.token_logps(batch, temperature)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutResult:
+        """Completions of the prompts under the current weights (the rollout engine, engine/rollout/)."""
+        return self.engine.generate(prompts, sampling)
 
     def flush(self) -> float:
         return self.engine.flush()

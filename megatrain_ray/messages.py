@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 
@@ -91,6 +91,10 @@ class StepResult:
     router_aux_loss_coef times it, as transformers' loss does). None otherwise."""
     speculative_redone: int | None = None
     """Speculative updates of the step redone after the norm (it clipped or was dropped); None: none speculated."""
+    token_logps: torch.Tensor | None = None
+    """GRPO (a Batch with `policy`): [rows, seq_len] log-probability of each label under the weights before the step,
+    this rank's rows, on the host; 0 where labels == -100. float32 (float64 when computing in it). The driver keeps
+    them as old_logps (num_iterations > 1) and compares them with the rollout's. None for other batches."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +124,80 @@ class PreferenceRows:
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyRows:
+    """What makes a batch a GRPO batch (finetune.objective=grpo): each row is a prompt and one sampled completion,
+    its labels the next token where that is a completion token and -100 elsewhere (prompt, padding). The loss is
+    TRL 1.16's GRPOTrainer._compute_loss (model/policy_gradient.py, in the head: model/policy_head.py).
+
+    Every per-token tensor is [rows, seq_len], aligned with the labels (entry t belongs to label t) and read only
+    where labels != -100 (anything, even NaN, elsewhere). The settings carry finetune.grpo's (TRL's) names."""
+
+    advantages: torch.Tensor
+    """[rows] float64: each completion's advantage."""
+    sampling_logps: torch.Tensor | None = None
+    """The rollout engine's log-probability of each sampled token (NaN: it could not score it); needed when
+    vllm_importance_sampling_correction is on."""
+    old_logps: torch.Tensor | None = None
+    """The log-probabilities under the policy that generated the completions; None: on-policy, the head's own
+    (detached), as TRL with num_iterations=1."""
+    ref_logps: torch.Tensor | None = None
+    """The reference model's log-probabilities; needed when beta > 0."""
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = True
+    max_completion_length: int = 512
+    temperature: float = 1.0
+    """The rollout's sampling temperature: the log-probabilities are log_softmax(logits / temperature), as TRL's."""
+    vllm_importance_sampling_correction: bool = False
+    """Weight each token's loss by the ratio of the trainer's (old) to the rollout's log-probabilities; off unless
+    asked (finetune.grpo's default is on: from_config copies it)."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    total_rows: int = 0
+    """Rows in the whole step's batch when the ranks of a data-parallel run share it; 0: this batch's own."""
+    total_tokens: int = 0
+    """Completion tokens (labels != -100) in the whole step's batch when ranks share it; 0: this batch's own."""
+
+    def __post_init__(self) -> None:
+        rows = self.advantages.shape[0] if self.advantages.dim() == 1 else -1
+        for name in ("sampling_logps", "old_logps", "ref_logps"):
+            t = getattr(self, name)
+            if rows < 0 or (t is not None and (t.dim() != 2 or t.shape[0] != rows)):
+                raise ValueError(f"PolicyRows: advantages must be [rows] and {name} [rows, seq_len]; got "
+                                 f"{tuple(self.advantages.shape)} and {None if t is None else tuple(t.shape)}")
+
+    @classmethod
+    def from_config(cls, grpo: Any, advantages: torch.Tensor, *, sampling_logps: torch.Tensor | None = None,
+                    old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                    total_rows: int = 0, total_tokens: int = 0) -> PolicyRows:
+        """With the settings of the config's finetune.grpo section (config/grpo_section.py: GRPOConfig; read by
+        name, as this module imports no config)."""
+        return cls(advantages, sampling_logps, old_logps, ref_logps, loss_type=grpo.loss_type, beta=grpo.beta,
+                   epsilon=grpo.epsilon, epsilon_high=grpo.epsilon_high,
+                   importance_sampling_level=grpo.importance_sampling_level,
+                   use_bias_correction_kl=grpo.use_bias_correction_kl,
+                   max_completion_length=grpo.max_completion_length, temperature=grpo.temperature,
+                   vllm_importance_sampling_correction=grpo.vllm_importance_sampling_correction,
+                   vllm_importance_sampling_mode=grpo.vllm_importance_sampling_mode,
+                   vllm_importance_sampling_clip_min=grpo.vllm_importance_sampling_clip_min,
+                   vllm_importance_sampling_clip_max=grpo.vllm_importance_sampling_clip_max,
+                   total_rows=total_rows, total_tokens=total_tokens)
+
+    def select(self, rows: Any, total_rows: int, total_tokens: int) -> PolicyRows:
+        """These rows only (an index or slice of the rows: a data-parallel rank's share), dividing by the whole
+        batch's `total_rows` and `total_tokens`."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+        return replace(self, advantages=self.advantages[rows], sampling_logps=pick(self.sampling_logps),
+                       old_logps=pick(self.old_logps), ref_logps=pick(self.ref_logps), total_rows=total_rows,
+                       total_tokens=total_tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One step's inputs, sent by the driver to the GPU worker (small: token ids, not weights)."""
 
@@ -134,6 +212,12 @@ class Batch:
     each. None: every row is one sequence (no per-document work at all)."""
     preference: PreferenceRows | None = None
     """DPO: the rows are preference pairs (the head computes the DPO loss); None: cross-entropy."""
+    policy: PolicyRows | None = None
+    """GRPO: the rows are sampled completions (the head computes the GRPO loss); None: cross-entropy."""
+
+    def __post_init__(self) -> None:
+        if self.preference is not None and self.policy is not None:
+            raise ValueError("a batch is DPO pairs (preference) or GRPO completions (policy), not both")
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor) -> Batch:

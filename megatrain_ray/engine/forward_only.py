@@ -1,5 +1,5 @@
-"""The layer stream's passes without gradients: full logits, the evaluation loss, and DPO's reference
-log-probabilities, each the forward of a training step with its own head at the end."""
+"""The layer stream's passes without gradients: full logits, the evaluation loss, DPO's reference log-probabilities
+and GRPO's per-token ones, each the forward of a training step with its own head at the end."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from megatrain_ray.messages import IGNORE_INDEX, Batch
 from megatrain_ray.model.head import head_logits, head_loss_and_grads
+from megatrain_ray.model.policy_head import policy_eval_loss, policy_token_logps
 from megatrain_ray.model.preference import preference_eval_loss, preference_logps
 
 
@@ -30,9 +31,17 @@ class ForwardOnlyPasses:
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
         """Mean loss over the batch's loss tokens, and their number, without gradients or updates (DPO: the mean
-        loss over the batch's pairs, and their number)."""
+        loss over the batch's pairs, and their number; GRPO: the loss of the batch's completions, and their number)."""
         n_valid = max(1, batch.loss_tokens)
         labels = batch.labels.to(self.device, non_blocking=True)
+        if self.generic is not None:
+            self.refuse_objective_on_generic(batch)
+        if batch.policy is not None:
+            def grpo(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+                return policy_eval_loss(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                        batch.policy, self.head_spec, self.engine_cfg.loss_chunk_tokens)
+
+            return float(self._forward_only(batch, grpo)), batch.input_ids.shape[0]
         if batch.preference is not None:
             def dpo(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
                 return preference_eval_loss(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
@@ -61,6 +70,28 @@ class ForwardOnlyPasses:
                                     self.head_spec, self.engine_cfg.loss_chunk_tokens).double().cpu()
 
         return self._forward_only(batch, head)
+
+    @torch.no_grad()
+    def token_logps(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """[rows, seq_len] log-probability of each label (0 where labels == -100) at `temperature`, forward only, on
+        the host: GRPO's old (generating policy's) or reference log-probabilities. float32 (float64 when computing in
+        it)."""
+        labels = batch.labels.to(self.device, non_blocking=True)
+        if self.generic is not None:
+            raise ValueError("per-token log-probabilities (GRPO) need a native layer template (model.template "
+                             "generic computes cross-entropy only)")
+
+        def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
+            return policy_token_logps(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
+                                      self.head_spec, self.engine_cfg.loss_chunk_tokens, temperature).cpu()
+
+        return self._forward_only(batch, head)
+
+    def refuse_objective_on_generic(self, batch: Batch) -> None:
+        """The DPO and GRPO heads work on the native final norm; the generic template's head is cross-entropy only."""
+        if batch.preference is not None or batch.policy is not None:
+            raise ValueError(f"a {'DPO' if batch.preference is not None else 'GRPO'} batch needs a native layer "
+                             "template (model.template generic computes cross-entropy only)")
 
     def _forward_only(self, batch: Batch, head: Any) -> Any:
         """The forward of train_step (same stream, same templates) with `head(x, head_weights, embed_w)` at the end."""

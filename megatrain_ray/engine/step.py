@@ -45,6 +45,7 @@ from megatrain_ray.engine.compiled import CompiledDecoderLayer, CompiledFunction
 from megatrain_ray.engine.forward_only import ForwardOnlyPasses
 from megatrain_ray.engine.grads import GradientSink
 from megatrain_ray.engine.resident import ResidentTier
+from megatrain_ray.engine.rollout.passes import RolloutPasses
 from megatrain_ray.engine.rope_cache import RopeCache
 from megatrain_ray.engine.router_aux import RouterAux
 from megatrain_ray.engine.streams import DeviceStreams
@@ -58,6 +59,7 @@ from megatrain_ray.model.head import HeadResult, HeadSpec, chunk_cross_entropy, 
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
+from megatrain_ray.model.policy_head import policy_loss_and_grads
 from megatrain_ray.model.preference import preference_loss_and_grads
 from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_backward, embed_scale
 from megatrain_ray.observe.log import get_logger
@@ -67,7 +69,7 @@ from megatrain_ray.store.segments import HostStore
 log = get_logger(__name__)
 
 
-class StreamEngine(ForwardOnlyPasses):
+class StreamEngine(ForwardOnlyPasses, RolloutPasses):
     def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
                  run: RunSpec, layout: ModelLayout, store: HostStore, optimizers: list[Any], device: torch.device,
                  rank: RankInfo | None = None):
@@ -214,9 +216,11 @@ class StreamEngine(ForwardOnlyPasses):
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
             comm_seconds=device_seconds["comm"],
-            objective_metrics={k: float(v) for k, v in head.metrics.items()} if batch.preference else None,
+            objective_metrics={k: float(v) for k, v in head.metrics.items()}
+            if batch.preference is not None or batch.policy is not None else None,
             aux_loss=None if self.router_aux.loss is None else float(self.router_aux.loss),
-            speculative_redone=self.speculative_redone if self.updates.speculative else None)
+            speculative_redone=self.speculative_redone if self.updates.speculative else None,
+            token_logps=head.token_logps.cpu() if batch.policy is not None else None)
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
@@ -300,12 +304,14 @@ class StreamEngine(ForwardOnlyPasses):
     def _loss_head(self, x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor, labels: torch.Tensor,
                    n_valid: int, batch: Batch, lm_grads: torch.Tensor | None,
                    input_grad_only: bool = False) -> HeadResult:
-        """The batch's loss (cross-entropy, or DPO for preference pairs) and its gradients, the LM head's into
-        `lm_grads` (None with `input_grad_only`: a frozen head, the gradient of x only)."""
+        """The batch's loss (cross-entropy, DPO for preference pairs, GRPO for policy rows) and its gradients, the
+        LM head's into `lm_grads` (None with `input_grad_only`: a frozen head, the gradient of x only)."""
         chunk = self.engine_cfg.loss_chunk_tokens
         if batch.preference is not None:
             return preference_loss_and_grads(x, norm_w, lm_w, labels, batch.preference, self.head_spec, chunk,
                                              lm_grads)
+        if batch.policy is not None:
+            return policy_loss_and_grads(x, norm_w, lm_w, labels, batch.policy, self.head_spec, chunk, lm_grads)
         return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec, chunk, lm_grads,
                                    input_grad_only=input_grad_only, chunk_loss=self._chunk_loss)
 
@@ -320,6 +326,7 @@ class StreamEngine(ForwardOnlyPasses):
         start = self.telemetry.timeline.start(compute)
         self.vocab_acc.zero_()
         if self.generic is not None:  # the final norm's gradients and an untied LM head's (vocab_acc) by name
+            self.refuse_objective_on_generic(batch)
             head, head_grads = self.generic.head_loss(x, head_w, embed_w, labels, n_valid,
                                                       self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
         else:

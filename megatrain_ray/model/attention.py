@@ -87,8 +87,19 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: L
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     spec: LayerSpec) -> torch.Tensor:
+    """Attention of q [B, H, Tq, D] over k, v [B, H_kv, Tk, D] where `allowed` [B, 1, Tq, Tk] is True (the rollout's
+    cached keys: left padding, causality and the sliding window already in the mask)."""
+    scale = spec.scale or spec.head_dim ** -0.5
+    if spec.softcap:
+        return _softcapped_attention(q, k, v, spec, scale, allowed)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                          enable_gqa=spec.num_kv_heads != spec.num_heads)
+
+
 def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,
-                          scale: float) -> torch.Tensor:
+                          scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Attention whose scores are soft-capped, cap * tanh(score / cap), before the mask and softmax (Gemma 2):
     SDPA cannot do it, so explicit products over a [B, H, T, T] score tensor, as transformers' eager path
     (k and v repeated to q's heads, the softmax in float32). Memory grows with T^2: for long sequences the
@@ -99,10 +110,10 @@ def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spe
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     scores = torch.tanh(scores / spec.softcap) * spec.softcap
     seq_len = q.shape[2]
-    if spec.sliding_window and seq_len > spec.sliding_window:
-        allowed = _sliding_mask(seq_len, spec.sliding_window, q.device)
-    else:
-        allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    if allowed is None:  # else the caller's mask (masked_attention)
+        allowed = _sliding_mask(seq_len, spec.sliding_window, q.device) \
+            if spec.sliding_window and seq_len > spec.sliding_window \
+            else torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)

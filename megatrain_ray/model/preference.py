@@ -10,7 +10,8 @@ log-probabilities of the same rows (computed once before training), the loss of 
 averaged over the pairs. Because the loss couples whole sequences, the head runs twice over the tokens:
 once for each row's log-probability (no gradients), then, knowing d loss / d logp_s of every row s, once
 more for the gradients: d loss / d logits_t = (d loss / d logp_s) * (onehot(label_t) - softmax_t) on the
-completion tokens of row s. Full logits never exist, only one chunk of them.
+completion tokens of row s (model/label_logps.py, shared with GRPO's head). Full logits never exist, only one chunk
+of them.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.messages import IGNORE_INDEX, PreferenceRows
+from megatrain_ray.messages import PreferenceRows
 from megatrain_ray.model.head import HeadResult, HeadSpec
-from megatrain_ray.model.norms import norm_dtype, rms_norm
+from megatrain_ray.model.label_logps import label_token_logps, normed_for_backward, token_grads_backward
+from megatrain_ray.model.norms import rms_norm
 
 LOSS_TYPES = ("sigmoid", "robust")
 
@@ -73,36 +75,11 @@ class PreferenceHeadResult(HeadResult):
     logps/chosen, logps/rejected) as 0-d tensors on the device."""
 
 
-def _chunk_logits(h: torch.Tensor, lm_weight: torch.Tensor, spec: HeadSpec,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's logits upcast to `dtype` (soft-capped when the model caps), and tanh for the cap's derivative."""
-    logits = F.linear(h, lm_weight).to(dtype)
-    if not spec.softcap:
-        return logits, None
-    capped = logits.div_(spec.softcap).tanh_()
-    return capped * spec.softcap, capped
-
-
-def _rows_of(start: int, count: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(start, start + count, device=device) // seq_len
-
-
 def sequence_logps(normed: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor, spec: HeadSpec,
                    chunk_tokens: int) -> torch.Tensor:
     """[rows] sums of log softmax(logits)[label] over each row's labels != -100 (`normed`: the final norm's
     output, [rows, seq_len, hidden]), in float32 (float64 when the model computes in it)."""
-    rows, seq_len, hidden = normed.shape
-    flat, flat_labels = normed.reshape(-1, hidden), labels.reshape(-1)
-    dtype = norm_dtype(normed.dtype)
-    out = torch.zeros(rows, dtype=dtype, device=normed.device)
-    for start in range(0, flat.shape[0], chunk_tokens):
-        lab = flat_labels[start:start + chunk_tokens]
-        logits, _ = _chunk_logits(flat[start:start + chunk_tokens], lm_weight, spec, dtype)
-        valid = lab != IGNORE_INDEX
-        target = logits.gather(1, torch.where(valid, lab, 0)[:, None]).squeeze(1)
-        token_logps = torch.where(valid, target - torch.logsumexp(logits, dim=-1), 0)
-        out.index_add_(0, _rows_of(start, lab.shape[0], seq_len, out.device), token_logps)
-    return out
+    return label_token_logps(normed, lm_weight, labels, spec, chunk_tokens).sum(dim=1)
 
 
 def preference_logps(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor,
@@ -124,39 +101,15 @@ def preference_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_wei
     """The DPO loss of the batch's pairs and its gradients (x, the final norm's weight, the LM head into
     `grad_lm_acc`), the DPO counterpart of head.head_loss_and_grads; see the module docstring.
     `grad_lm_acc=None` (a frozen head, LoRA): the gradient of x only."""
-    rows, seq_len, hidden = x.shape
+    rows, seq_len = x.shape[:2]
     if rows != pref.reference_logps.shape[0] or rows % 2:
         raise ValueError(f"a DPO batch needs 2P rows with a reference log-probability each; got {rows} rows and "
                          f"{pref.reference_logps.shape[0]} reference values")
-    head_grads = grad_lm_acc is not None
-    x = x.detach().requires_grad_(True)
-    norm_weight = norm_weight.detach().requires_grad_(head_grads)
-    with torch.enable_grad():
-        normed = rms_norm(x, norm_weight, spec.eps, spec.plus_one)
-    flat, flat_labels = normed.detach().reshape(-1, hidden), labels.reshape(-1)
-    logps = sequence_logps(normed.detach(), lm_weight, labels, spec, chunk_tokens)
+    x, norm_weight, normed = normed_for_backward(x, norm_weight, spec, grad_lm_acc is not None)
+    logps = sequence_logps(normed, lm_weight, labels, spec, chunk_tokens)
     loss, row_grads, metrics = dpo_loss_and_row_grads(logps, pref)
-    dtype = logps.dtype
-    grad_flat = torch.empty_like(flat)
-    for start in range(0, flat.shape[0], chunk_tokens):
-        h, lab = flat[start:start + chunk_tokens], flat_labels[start:start + chunk_tokens]
-        logits, capped = _chunk_logits(h, lm_weight, spec, dtype)
-        valid = lab != IGNORE_INDEX
-        safe = torch.where(valid, lab, 0)
-        # d loss / d logits = g_s (onehot - softmax) = -g_s (softmax - onehot), on completion tokens only.
-        weight = torch.where(valid, -row_grads[_rows_of(start, lab.shape[0], seq_len, logits.device)], 0)
-        grad_logits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
-        grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(weight[:, None]))
-        grad_logits.mul_(weight[:, None].to(dtype))
-        if capped is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
-            grad_logits.mul_(capped.square_().neg_().add_(1.0))
-            del capped
-        grad_logits = grad_logits.to(h.dtype)
-        grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
-        if head_grads:
-            grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
-    if not head_grads:
-        (grad_x,) = torch.autograd.grad(normed, (x,), grad_flat.view(rows, seq_len, hidden))
-        return PreferenceHeadResult(loss, grad_x, None, metrics)
-    grad_x, grad_norm = torch.autograd.grad(normed, (x, norm_weight), grad_flat.view(rows, seq_len, hidden))
+    # Every labelled token of row s has d loss / d logp_t = d loss / d logp_s.
+    token_grads = row_grads[:, None].expand(rows, seq_len)
+    grad_x, grad_norm = token_grads_backward(x, norm_weight, normed, lm_weight, labels, token_grads, spec,
+                                             chunk_tokens, grad_lm_acc)
     return PreferenceHeadResult(loss, grad_x, grad_norm, metrics)

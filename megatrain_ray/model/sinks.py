@@ -48,14 +48,15 @@ def fused_sink_attention_applies(q: torch.Tensor) -> bool:
 
 
 def explicit_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
-                            window: int) -> torch.Tensor:
-    """As transformers' eager gpt-oss attention (module docstring)."""
+                            window: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """As transformers' eager gpt-oss attention (module docstring). `allowed` [B, 1, Tq, Tk]: the caller's mask (the
+    rollout's cached keys), else causal within `window`."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     seq_len = q.shape[2]
-    scores = scores.masked_fill(~_allowed(seq_len, window, q.device), float("-inf"))
+    scores = scores.masked_fill(~(_allowed(seq_len, window, q.device) if allowed is None else allowed), float("-inf"))
     sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, seq_len, 1).to(scores.dtype)
     combined = torch.cat([scores, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values

@@ -71,9 +71,10 @@ def embed_backward(acc: torch.Tensor, ids: torch.Tensor, grad_y: torch.Tensor, s
     acc.index_add_(0, flat, rows)
 
 
-def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                    spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
-    """The first half of a pre-norm decoder layer: x + attn(norm(x)). x: [B, T, hidden]."""
+def attention_qkv(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                  spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's inputs from x [B, T, hidden]: q [B, H, T, D] and k [B, H_kv, T, D] rotated, v [B, H_kv, T, D]
+    (shared by the training layer and the rollout's cached layer, model/decode.py)."""
     batch, seq_len, _ = x.shape
     cos, sin = rope
     h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.gemma)
@@ -92,15 +93,28 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
         k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps, spec.gemma)
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
-    if "self_attn.sinks" in w:  # gpt-oss: a learned logit per head in the softmax's denominator
-        a = sink_attention(q, k, v, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window, documents)
-    else:
-        a = attention(q, k, v, spec, documents)
+    return q, k, v
+
+
+def attention_out(x: torch.Tensor, a: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
+    """x plus the attention's output projection of `a` [B, H, T, D] (Gemma: normed before the add)."""
+    batch, seq_len, _ = x.shape
     a = a.transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
     out = project(a, w, "self_attn.o_proj", spec)
     if spec.gemma:  # Gemma: the attention's output normed before the residual add
         out = rms_norm(out, w["post_attention_layernorm.weight"], spec.eps, True)
     return x + out
+
+
+def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                    spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
+    """The first half of a pre-norm decoder layer: x + attn(norm(x)). x: [B, T, hidden]."""
+    q, k, v = attention_qkv(x, w, rope, spec)
+    if "self_attn.sinks" in w:  # gpt-oss: a learned logit per head in the softmax's denominator
+        a = sink_attention(q, k, v, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window, documents)
+    else:
+        a = attention(q, k, v, spec, documents)
+    return attention_out(x, a, w, spec)
 
 
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
@@ -141,7 +155,12 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
     With mlp_chunk_tokens > 0 (no autograd), the MLP runs over slices of that many tokens, so its
     [tokens, intermediate] tensors exist for one slice at a time (long sequences). `router`: where a MoE
     layer records its routing (the load-balancing loss)."""
-    x = attention_block(x, w, rope, spec, documents)
+    return mlp_in_chunks(attention_block(x, w, rope, spec, documents), w, spec, mlp_chunk_tokens, router)
+
+
+def mlp_in_chunks(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec, mlp_chunk_tokens: int,
+                  router: RouterRecord | None = None) -> torch.Tensor:
+    """mlp_block over slices of `mlp_chunk_tokens` tokens (0: in one piece; no autograd across slices)."""
     chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
     if len(chunks) == 1:
         return mlp_block(x, w, spec, router)

@@ -1,0 +1,110 @@
+"""The built-in rollout engine's passes through the layer stream: one prefill over the left-padded prompts, then one
+decode pass per generated token with every row together (no loop over rows), each pass through every stage with its
+KV cache (model/decode.py). A mixin of StreamEngine, like engine/forward_only.py: the weights come from the same
+WeightStream, so a resident stage is read where it lives and a streamed one is copied in; LoRA adapters and an NF4
+base arrive bound as in training (the engine's _load / _bind)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
+from megatrain_ray.engine.rollout.sampling import next_tokens
+from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.model.decode import KVCache, cache_mask, cached_decoder_layer, positions_of
+from megatrain_ray.model.head import head_logits
+from megatrain_ray.model.templates import embed
+
+
+class RolloutPasses:
+    """A base of StreamEngine: generation reads its weights, specs, RoPE cache and head spec, and updates nothing."""
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutResult:
+        """One completion per prompt (RolloutEngine.generate)."""
+        if self.generic is not None:
+            raise ConfigError("generation runs on the native templates only; this model uses model.template: "
+                              "generic (transformers' own modules), which has no KV-cache path here")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        rows, longest, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
+        capacity = longest + new
+        if capacity > self.model_cfg.max_position_embeddings:
+            raise ConfigError(f"a prompt of {longest} tokens plus {new} new tokens exceeds the model's "
+                              f"max_position_embeddings={self.model_cfg.max_position_embeddings}")
+        device = self.device
+        ids = torch.zeros((rows, longest), dtype=torch.int64)  # the padding's ids are never attended to
+        valid = torch.ones((rows, capacity), dtype=torch.bool)
+        for r, prompt in enumerate(prompts):  # left padding: every row's next token lands at the same index
+            ids[r, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+            valid[r, :longest - len(prompt)] = False
+        ids, valid = ids.to(device), valid.to(device)
+        positions = positions_of(valid)
+        caches = [KVCache.empty(rows, spec, capacity, self.compute_dtype, device) for spec in self.specs]
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        stop = torch.tensor(sampling.stop_token_ids, dtype=torch.int64, device=device)
+        tokens = torch.full((rows, new), sampling.pad_token_id, dtype=torch.int64, device=device)
+        logps = torch.zeros((rows, new), dtype=torch.float32, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        lengths = torch.zeros(rows, dtype=torch.int64, device=device)
+
+        self.weights.invalidate()  # the slots may hold weights from before the last update
+        t0 = time.perf_counter()
+        logits = self._rollout_pass(ids, 0, valid, positions, caches)
+        self._synchronize()
+        t1 = time.perf_counter()
+        steps = 0
+        for t in range(new):
+            token, logp = next_tokens(logits, sampling, generator)
+            live = ~done
+            tokens[:, t] = torch.where(live, token, sampling.pad_token_id)
+            logps[:, t] = torch.where(live, logp.float(), 0.0)
+            lengths += live
+            done |= live & torch.isin(token, stop)
+            steps = t + 1
+            # one host sync per token: stop as soon as every row has (most rollouts end well before the limit)
+            if t + 1 == new or bool(done.all()):
+                break
+            # a stopped row decodes on (its tokens are dropped): the batch keeps one shape, no row is a special case
+            logits = self._rollout_pass(token[:, None], longest + t, valid, positions, caches)
+        self._synchronize()
+        t2 = time.perf_counter()
+        self.weights.end_step()
+        generated = int(lengths.sum())
+        cache_bytes = sum(c.keys.numel() * c.keys.element_size() * 2 for c in caches)
+        stats = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "generated_tokens": float(generated),
+                 "decode_steps": float(steps), "tokens_per_s": generated / max(t2 - t0, 1e-9),
+                 "kv_cache_bytes": float(cache_bytes)}
+        return RolloutResult(tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(), done.cpu(), stats)
+
+    def _rollout_pass(self, ids: torch.Tensor, start: int, valid: torch.Tensor, positions: torch.Tensor,
+                      caches: list[KVCache]) -> torch.Tensor:
+        """Embedding, every layer through its cache, the final norm and LM head at each row's last token:
+        [rows, vocab] logits in float32 (float64 when computing in it)."""
+        count, capacity = ids.shape[1], valid.shape[1]
+        self.weights.begin_step(False)
+        embed_slot = self.weights.load(self.layout.embed)
+        embed_w = self._embed_weight(self.weights.bind(self.layout.embed, embed_slot))
+        x = embed(ids, embed_w, self.embed_scale)
+        rope = self.rope_cache.tables(capacity, positions[:, start:start + count])
+        masks = {window: cache_mask(valid, start, count, window) for window in {s.sliding_window for s in self.specs}}
+        layers = self.layout.layers
+        upcoming = self._load(layers[0])
+        for i, stage in enumerate(layers):
+            slot = upcoming
+            upcoming = self._load(layers[i + 1] if i + 1 < len(layers) else self.layout.head)
+            spec = self.specs[i]
+            x = cached_decoder_layer(x, self._bind(stage, slot), rope[spec.local_rope], spec, caches[i], start,
+                                     masks[spec.sliding_window], self.mlp_chunk)
+            self._release(slot)
+        head_w = self._bind(self.layout.head, upcoming)
+        logits = head_logits(x[:, -1], head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), self.head_spec)
+        self._release(upcoming)
+        self.weights.release(embed_slot)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
