@@ -32,6 +32,11 @@ class DataError(MegatrainError):
     """A data file is missing, unreadable or too small for the configured batch."""
 
 
+class RewardFunctionError(MegatrainError, ValueError):
+    """A GRPO reward function raised, or returned the wrong number of rewards or a value that is not a finite number
+    or None; the message names the function."""
+
+
 class HostMemoryError(MegatrainError):
     """The host store does not fit: RAM, /dev/shm or pinned memory; the message gives the numbers."""
 

@@ -215,6 +215,16 @@ class EngineConfig:
     at 8k tokens per step. Every GPU worker holds its own copy. An NF4 base (finetune.lora.base_quantization)
     keeps its resident layers packed (about 0.56 bytes per parameter), dequantized at each use."""
 
+    rollout_weights: Literal["auto", "resident", "streamed"] = "auto"
+    """Where the rollout engine (GRPO's generation) reads the weights. resident: a copy of every stage in the
+    compute dtype on the device, refreshed from the host's streaming copy before each generation (after the
+    optimizer's updates; full fine-tuning), so a decode step copies nothing; it costs the model's size in device
+    memory beside the training buffers. streamed: each decode step streams every stage through the layer slots as
+    training does (no extra memory; a host-to-device copy of the whole model per generated token). auto: resident on
+    a GPU where the copy and the KV cache fit the free memory (with a 10 % margin), else streamed; streamed on the
+    CPU. With finetune.method=lora the base is read where training keeps it (engine.gpu_resident) and the adapters
+    where they live."""
+
     def __post_init__(self) -> None:
         if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:
             _fail("engine.gpu_resident", self.gpu_resident, "must be none, auto or a number of layers >= 0")

@@ -121,8 +121,8 @@ class FinetuneConfig:
     """sft: cross-entropy on the loss-mask tokens (pre-training, supervised fine-tuning). dpo: direct preference
     optimization on preference pairs from `megatrain prepare --format preference`; the reference log-probabilities
     come from one forward pass of the initial model before the first step (see finetune.dpo). grpo: group relative
-    policy optimization with reward functions (see finetune.grpo); its loss and settings exist, but the rollout
-    engine does not yet, so `megatrain train` refuses it in this version."""
+    policy optimization with reward functions on prompts from `megatrain prepare --format prompts`; each step's
+    completions are sampled by the built-in rollout engine in the GPU worker (see finetune.grpo)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """The DPO loss's settings (finetune.objective=dpo; read only then)."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

@@ -1,7 +1,8 @@
 """The `finetune.grpo` section: GRPO's settings with TRL 1.16's GRPOConfig names and defaults, and the reward
 functions named `module:function` (resolved by importing the user's module; config/sections.py: check_objective).
-The loss is megatrain_ray/model/policy_gradient.py; the rollout engine that generates the completions is not in
-this version, so `megatrain train` refuses finetune.objective=grpo (config/sections.py: check_trainable)."""
+The loss is megatrain_ray/model/policy_gradient.py (in the head: model/policy_head.py), the completions come from the
+rollout engine (engine/rollout/), the driver's side of a step is driver/grpo.py; config/sections.py's check_trainable
+refuses the settings this version does not run (beta > 0, num_iterations > 1)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ REWARD_SIGNATURE = "def reward(prompts, completions, **kwargs) -> list[float | N
 @dataclass(kw_only=True, slots=True)
 class GRPOConfig:
     """Group relative policy optimization (finetune.objective=grpo), with TRL 1.16's GRPOConfig names and defaults
-    (docs/fine-tuning.md, megatrain_ray/model/policy_gradient.py). The loss and these settings exist; the rollout
-    engine does not yet, so `megatrain train` refuses the objective."""
+    (docs/fine-tuning.md, megatrain_ray/model/policy_gradient.py). This version's trainer runs beta 0 and
+    num_iterations 1 (TRL's defaults) on one GPU worker, and refuses other values of those two before anything
+    starts."""
 
     SECTION: ClassVar[str] = "finetune.grpo"
     reward_funcs: list[str] = field(default_factory=list)
@@ -51,7 +53,8 @@ class GRPOConfig:
     its completion share a row: data.seq_len must hold the longest prompt (max_prompt_length when set, else the
     data's longest) plus this."""
     temperature: float = 1.0
-    """Sampling temperature of the rollout."""
+    """Sampling temperature of the rollout; the loss's log-probabilities are log_softmax(logits / temperature), as
+    TRL's."""
     top_p: float = 1.0
     """Nucleus sampling: the smallest set of tokens whose probabilities add up to top_p; 1 keeps all."""
     top_k: int = 0

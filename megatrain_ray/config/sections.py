@@ -174,7 +174,9 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
 
 
 def check_grpo(cfg: Config) -> None:
-    """finetune.objective=grpo: reward functions given and importable, whole groups per batch."""
+    """finetune.objective=grpo: reward functions given and importable, whole groups per batch, and rows that hold a
+    prompt and its completion where finetune.grpo.max_prompt_length bounds the prompt (else the prompts' lengths are
+    known from the data only: data/prompts.py checks them)."""
     grpo = cfg.finetune.grpo
     if not grpo.reward_funcs:
         _fail("finetune.grpo.reward_funcs", grpo.reward_funcs, "finetune.objective=grpo needs at least one reward "
@@ -184,18 +186,30 @@ def check_grpo(cfg: Config) -> None:
         _fail("data.batch_size", cfg.data.batch_size, f"finetune.objective=grpo counts completions, "
               f"finetune.grpo.num_generations={grpo.num_generations} per prompt: set data.batch_size to a multiple "
               f"of {grpo.num_generations}")
-
-
-GRPO_NOT_TRAINABLE = ("the GRPO loss and its settings (finetune.grpo) are in this version, but the rollout engine "
-                      "that generates the completions is not yet, so `megatrain train` cannot run GRPO; use "
-                      "finetune.objective=sft or dpo")
+    if grpo.max_prompt_length is not None and grpo.max_prompt_length + grpo.max_completion_length > cfg.data.seq_len:
+        _fail("data.seq_len", cfg.data.seq_len, f"finetune.objective=grpo puts a prompt and its completion in one row: "
+              f"finetune.grpo.max_prompt_length={grpo.max_prompt_length} + max_completion_length="
+              f"{grpo.max_completion_length} = {grpo.max_prompt_length + grpo.max_completion_length} tokens; raise "
+              "data.seq_len or lower those")
 
 
 def check_trainable(cfg: Config) -> None:
-    """What `megatrain train` refuses although the config is valid: finetune.objective=grpo (no rollout engine
-    yet). Called by the trainer before anything else, so a GRPO config never trains as something else."""
-    if cfg.finetune.objective == "grpo":
-        _fail("finetune.objective", "grpo", GRPO_NOT_TRAINABLE)
+    """What `megatrain train` refuses although the config is valid: the GRPO settings this version's trainer does not
+    run yet. Called by the trainer before anything else, so such a config never trains as something else."""
+    if cfg.finetune.objective != "grpo":
+        return
+    grpo = cfg.finetune.grpo
+    if grpo.beta > 0:
+        _fail("finetune.grpo.beta", grpo.beta, "a KL term needs the reference model's log-probabilities, which this "
+              "version's GRPO trainer does not compute yet; set beta: 0 (TRL's default: no reference model)")
+    if grpo.num_iterations > 1:
+        _fail("finetune.grpo.num_iterations", grpo.num_iterations, "reusing a generated batch for several optimizer "
+              "steps is not in this version's GRPO trainer; set num_iterations: 1 (TRL's default)")
+    if cfg.model.template == "generic":
+        _fail("model.template", "generic", "the rollout engine generates with the native templates only (its KV cache "
+              "path); GRPO needs a model family with a native template")
+    if cfg.data.packing:
+        _fail("data.packing", True, "a GRPO row is one prompt and one completion; set data.packing: false")
 
 
 def check_generic(cfg: Config) -> None:

@@ -224,3 +224,61 @@ class Cluster:
 
     def _rank_names(self) -> list[tuple[str, Handle]]:
         return [(f"{node.prefix}{gpu_actor(r)}", g) for node in self.nodes for r, g in enumerate(node.gpus)]
+
+
+class ClusterView:
+    """A part of `Trainer` (driver/trainer.py): its actors as its cluster (`self.cluster`) holds them."""
+
+    cluster: Cluster
+
+    @property
+    def nodes(self) -> list[NodeActors]:
+        """Every node's actors; node 0's shards write the checkpoints and serve the inspection methods."""
+        return self.cluster.nodes
+
+    @property
+    def shards(self) -> list[Handle]:
+        """Node 0's HostShards: they write the checkpoints."""
+        return self.nodes[0].shards if self.nodes else []
+
+    @property
+    def optimizers(self) -> list[Handle]:
+        return self.nodes[0].optimizers if self.nodes else []
+
+    @property
+    def specs(self) -> list[SegmentSpec]:
+        """Node 0's segments: what the inspection methods (master_weights, export) read."""
+        return self.nodes[0].specs if self.nodes else []
+
+    @property
+    def placement(self) -> RunPlacement | None:
+        return self.nodes[0].placement if self.nodes else None
+
+    @property
+    def gpus(self) -> list[Handle]:
+        """Every rank, in rank order."""
+        return self.cluster.gpus
+
+    @property
+    def gpu(self) -> Handle | None:
+        """Rank 0: evaluation and logits run there, on node 0's copy."""
+        return self.cluster.gpu
+
+    @property
+    def actor_names(self) -> list[str]:
+        return self.cluster.actor_names
+
+    @property
+    def actor_pids(self) -> list[int]:
+        return self.cluster.actor_pids
+
+    @property
+    def device_name(self) -> str:
+        return self.cluster.device_name
+
+    def actor_handles(self) -> dict[str, Handle]:
+        """Every actor by its short name: host<k>, optim<w>, gpu, gpu<r> (node 0), node<k>-... (others)."""
+        return self.cluster.actor_handles()
+
+    def host_memory_bytes(self) -> int:
+        return self.cluster.host_memory_bytes()

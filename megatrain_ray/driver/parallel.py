@@ -105,6 +105,9 @@ def split_batch(batch: Batch, ranks: int) -> tuple[list[Batch], int]:
         return [batch], total
     if batch.preference is not None:  # DPO: whole pairs per rank
         return split_pairs(batch, ranks), total
+    if batch.policy is not None:  # its per-rank metrics (minima, maxima, means over a rank's tokens) do not add up
+        raise ConfigError(f"finetune.objective=grpo trains on one GPU worker in this version; this run has {ranks} "
+                          "(parallel.gpus x parallel.nodes): set parallel.gpus: 1 and parallel.nodes: 1")
     rows = batch.input_ids.shape[0] // ranks
 
     def part(r: int) -> Batch:

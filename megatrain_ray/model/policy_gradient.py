@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from megatrain_ray.exceptions import RewardFunctionError
+
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -70,19 +72,29 @@ def score_completions(functions: Sequence[Callable], prompts: Sequence[Any], com
     NaN (the function does not apply to that completion); a wrong count is an error naming the function."""
     rewards = torch.empty(len(prompts), len(functions), dtype=dtype)
     for i, fn in enumerate(functions):
-        out = fn(prompts=list(prompts), completions=list(completions), completion_ids=completion_ids,
-                 **dict(columns or {}))
+        try:
+            out = fn(prompts=list(prompts), completions=list(completions), completion_ids=completion_ids,
+                     **dict(columns or {}))
+        except Exception as exc:  # the user's code: name it, keep its traceback as the cause
+            raise RewardFunctionError(f"reward function {reward_name(fn)!r} raised {type(exc).__name__}: {exc}") \
+                from exc
         if inspect.isawaitable(out):
-            raise TypeError(f"reward function {reward_name(fn)!r} is async; only plain functions are supported")
+            raise RewardFunctionError(f"reward function {reward_name(fn)!r} is async; only plain functions are "
+                                      "supported")
         out = list(out)
         if len(out) != len(prompts):
-            raise ValueError(f"reward function {reward_name(fn)!r} returned {len(out)} rewards, but {len(prompts)} "
-                             "were expected (one per prompt-completion pair)")
+            raise RewardFunctionError(f"reward function {reward_name(fn)!r} returned {len(out)} rewards, but "
+                                      f"{len(prompts)} were expected (one per prompt-completion pair)")
         try:
-            rewards[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out], dtype=dtype)
+            values = [math.nan if r is None else float(r) for r in out]
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"reward function {reward_name(fn)!r} returned a value that is not a number or None: "
-                            f"{exc}") from exc
+            raise RewardFunctionError(f"reward function {reward_name(fn)!r} returned a value that is not a number "
+                                      f"or None: {exc}") from exc
+        bad = next((k for k, (r, v) in enumerate(zip(out, values)) if r is not None and not math.isfinite(v)), None)
+        if bad is not None:  # None says "does not apply"; a NaN or infinity is a bug that would poison the step
+            raise RewardFunctionError(f"reward function {reward_name(fn)!r} returned {out[bad]!r} for completion "
+                                      f"{bad}; return a finite number, or None where the function does not apply")
+        rewards[:, i] = torch.tensor(values, dtype=dtype)
     return rewards
 
 

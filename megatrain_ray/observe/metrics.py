@@ -74,8 +74,8 @@ class MetricsWriter:
 
 class Progress:
     """A one-line progress bar on a terminal, a log line every `every` steps otherwise: loss, lr, gradient
-    norm, speed and an ETA, and eval_loss on the steps that computed it (such a step always prints, and on a
-    terminal keeps its line). The ETA leaves out the first step of the run (or of a resume), which pays for
+    norm, speed and an ETA (DPO: reward accuracy and margin; GRPO: mean reward and completion length), and eval_loss
+    (GRPO: eval_reward) on the steps that computed it (such a step always prints, and on a terminal keeps its line). The ETA leaves out the first step of the run (or of a resume), which pays for
     compilation and warm-up; until a second step ends it reads '--'."""
 
     def __init__(self, total: int, every: int, first: int = 0, stream: TextIO | None = None):
@@ -87,14 +87,17 @@ class Progress:
     def update(self, record: dict[str, Any]) -> None:
         step, done = record["step"], record["step"] + 1
         now = time.perf_counter()
-        evaluated = "eval_loss" in record
+        evaluated = "eval_loss" in record or "eval_reward" in record
         if self.warm_since is None:  # the first step ends now: time the rest from here
             self.warm_since, eta = now, "--"
         else:
             per_step = (now - self.warm_since) / (step - self.first)
             eta = _duration(per_step * (self.total - done))
         text = (f"step {done}/{self.total} loss {record['loss']:.4f}"
-                + (f" eval_loss {record['eval_loss']:.4f}" if evaluated else "")
+                + (f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+                + (f" reward {record['reward']:.3f} length {record['completions/mean_length']:.1f}"
+                   if "completions/mean_length" in record else "")
+                + (f" eval_reward {record['eval_reward']:.3f}" if "eval_reward" in record else "")
                 + (f" reward_acc {record['rewards/accuracies']:.2f} margin {record['rewards/margins']:.3g}"
                    if "rewards/margins" in record else "")
                 + f" lr {record['lr']:.2e} gnorm {record['grad_norm']:.3g} {record['tok_per_s']:,.0f} tok/s "

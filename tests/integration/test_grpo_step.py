@@ -164,3 +164,29 @@ def test_lora_step_matches_peft_and_trl(tmp_path, base, float64_transformers):  
         final = trainer.adapters()
     check_step(result, trl, logps, before, norm)
     assert_changes_exact(final, initial, peft.get_peft_model_state_dict(model), initial)
+
+
+def test_lora_rollout_rows_equal_peft_generate(tmp_path, base, float64_transformers):  # noqa: F811
+    """The rollout engine through the LoRA engine (the base streamed, the adapters bound as in training): greedy rows
+    of a left-padded batch equal peft's generate of each prompt alone, float64."""
+    from megatrain_ray.engine.rollout.interface import SamplingSettings
+
+    lora = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}
+    cfg = grpo_config(tmp_path, base, finetune=lora)
+    prompts = [[5, 9, 3, 17, 2], [40, 41, 7], [88, 1, 23, 54, 9, 11, 3]]
+    with Trainer(cfg) as trainer:
+        g = torch.Generator().manual_seed(7)
+        adapters = {k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) if "lora_B" in k else v
+                    for k, v in trainer.adapters().items()}
+        trainer.set_adapters(adapters)
+        ours = trainer.gpu.generate(prompts, SamplingSettings(max_new_tokens=10, temperature=0)).result()
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    model = peft_model(base, cfg, adapters, torch.float64)
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            theirs = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+            base_only = plain.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(prompt):]
+            assert ours.tokens[row].tolist() == theirs.tolist(), f"row {row}"
+            assert not torch.equal(theirs, base_only) or row > 0  # the adapters change what is generated

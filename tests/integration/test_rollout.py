@@ -43,20 +43,26 @@ def prompts_for(vocab: int, lengths=(5, 11, 3)) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def generated(tmp_path, model, prompts, sampling: SamplingSettings, dtype: str):
+def generated(tmp_path, model, prompts, sampling: SamplingSettings, dtype: str, weights: str = "auto"):
     mcfg = model_config_from_hf(model.config.to_dict())
     cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), precision={"master_dtype": dtype,
-                                                                          "compute_dtype": dtype})
+                                                                          "compute_dtype": dtype},
+                      engine={"device": "cpu", "poison_buffers": True, "rollout_weights": weights})
     with Trainer(cfg) as trainer:
         trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
         return trainer.gpu.generate(prompts, sampling).result()
 
 
-@pytest.mark.parametrize("name", DENSE + MOE)
-def test_greedy_rows_equal_transformers_generate_of_each_prompt(tmp_path, name):
+@pytest.mark.parametrize("name,weights", [(name, "streamed") for name in DENSE + MOE] +
+                         [("llama-gqa", "resident"), ("gpt-oss", "resident")])
+def test_greedy_rows_equal_transformers_generate_of_each_prompt(tmp_path, name, weights):
+    """`weights`: engine.rollout_weights, the stages streamed through the training slots for every token, or the
+    rollout's resident copy."""
     model = float64_twin(build(name))
     prompts = prompts_for(model.config.vocab_size)
-    result = generated(tmp_path, model, prompts, SamplingSettings(max_new_tokens=NEW, temperature=0), "float64")
+    result = generated(tmp_path, model, prompts, SamplingSettings(max_new_tokens=NEW, temperature=0), "float64",
+                       weights)
+    assert result.stats["weights_resident"] == (weights == "resident")
     assert result.tokens.shape == (len(prompts), NEW) and result.lengths.tolist() == [NEW] * len(prompts)
     assert not result.stopped.any()
     with torch.no_grad(), one_thread():

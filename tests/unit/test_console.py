@@ -47,6 +47,19 @@ def test_progress_line_shows_eval_lr_gnorm_and_an_eta_without_the_first_step(mon
     assert "step 4/10" in lines[2] and "eval_loss" not in lines[2] and lines[2].endswith("eta 6s")
 
 
+def test_a_grpo_line_shows_the_reward_and_completion_length_and_an_eval_reward_step_prints(monkeypatch):
+    clock = iter([100.0, 101.0])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    stream = io.StringIO()
+    progress = Progress(total=10, every=5, stream=stream)
+    grpo = {"reward": 0.5625, "completions/mean_length": 7.5}
+    progress.update(_record(0, **grpo))
+    progress.update(_record(1, **grpo, eval_reward=1.40625))  # an evaluation prints between log lines
+    (line,) = stream.getvalue().splitlines()
+    assert line.startswith("[megatrain] step 2/10 loss 1.9000 reward 0.562 length 7.5 eval_reward 1.406 lr")
+    assert "eval_loss" not in line
+
+
 def test_on_a_terminal_an_eval_step_keeps_its_line_and_later_bars_show_no_eval_loss(monkeypatch):
     clock = iter([100.0, 101.0, 102.0])
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))

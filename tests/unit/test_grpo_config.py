@@ -1,5 +1,6 @@
 """finetune.objective=grpo: TRL's defaults, what the config refuses (one message naming the key), reward functions
-resolved from `module:function`, and `megatrain train` refusing GRPO until the rollout engine exists."""
+resolved from `module:function`, and what `megatrain train` refuses of GRPO in this version (before anything
+starts)."""
 
 from __future__ import annotations
 
@@ -115,9 +116,13 @@ def test_reward_functions_are_resolved_with_clear_errors(tmp_path, monkeypatch):
         grpo(reward_funcs=["my_rewards:length_reward"] * 2)
 
 
-def test_train_refuses_grpo_until_the_rollout_engine_exists():
+@pytest.mark.parametrize("settings,message", [
+    ({"finetune": {"grpo": {"beta": 0.04}}}, r"finetune\.grpo\.beta.*reference model's log-probabilities"),
+    ({"finetune": {"grpo": {"num_iterations": 2}}}, r"finetune\.grpo\.num_iterations.*num_iterations: 1"),
+    ({"data": {"batch_size": 8, "packing": True}}, r"data\.packing.*one prompt and one completion"),
+])
+def test_train_refuses_the_grpo_settings_this_version_does_not_run(settings, message):
     from megatrain_ray.driver.trainer import Trainer
 
-    cfg = grpo()
-    with pytest.raises(ConfigError, match=r"finetune\.objective.*grpo.*rollout engine .* not yet"):
-        Trainer(cfg)
+    with pytest.raises(ConfigError, match=message):
+        Trainer(grpo(**settings))

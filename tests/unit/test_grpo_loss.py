@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatrain_ray.exceptions import RewardFunctionError
 from megatrain_ray.model.policy_gradient import (
     GRPOLossSettings,
     group_advantages,
@@ -154,7 +155,20 @@ def test_reward_function_errors_name_the_function():
     def text(prompts, completions, **kwargs):
         return ["high"] * len(prompts)
 
-    with pytest.raises(ValueError, match="'short' returned 1 rewards, but 2"):
+    def nan(prompts, completions, **kwargs):
+        return [None, float("nan")]
+
+    def raises(prompts, completions, **kwargs):
+        return {}["missing"]
+
+    with pytest.raises(RewardFunctionError, match="'short' returned 1 rewards, but 2"):
         score_completions([short], ["a", "b"], ["x", "y"])
-    with pytest.raises(TypeError, match="'text' returned a value that is not a number"):
+    with pytest.raises(RewardFunctionError, match="'text' returned a value that is not a number"):
         score_completions([text], ["a", "b"], ["x", "y"])
+    with pytest.raises(RewardFunctionError, match="'nan' returned nan for completion 1; return a finite number"):
+        score_completions([nan], ["a", "b"], ["x", "y"])
+    with pytest.raises(RewardFunctionError, match="'raises' raised KeyError: 'missing'") as caught:
+        score_completions([raises], ["a", "b"], ["x", "y"])
+    assert isinstance(caught.value.__cause__, KeyError)  # the user's traceback is kept
+    none = score_completions([lambda prompts, completions, **kw: [None, 1.0]], ["a", "b"], ["x", "y"])
+    assert torch.isnan(none[0, 0]) and none[1, 0] == 1.0  # None: the function does not apply (TRL's NaN)

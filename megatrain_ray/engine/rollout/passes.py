@@ -7,11 +7,13 @@ base arrive bound as in training (the engine's _load / _bind)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
 from megatrain_ray.engine.rollout.sampling import next_tokens
+from megatrain_ray.engine.rollout.weights import RolloutWeights, choose_resident, resident_bytes
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.decode import KVCache, cache_mask, cached_decoder_layer, positions_of
 from megatrain_ray.model.head import head_logits
@@ -50,9 +52,12 @@ class RolloutPasses:
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.zeros(rows, dtype=torch.int64, device=device)
 
+        cache_bytes = sum(c.keys.numel() * c.keys.element_size() * 2 for c in caches)
+        t_sync = time.perf_counter()
         self.weights.invalidate()  # the slots may hold weights from before the last update
+        copy = self._rollout_copy(cache_bytes)
         t0 = time.perf_counter()
-        logits = self._rollout_pass(ids, 0, valid, positions, caches)
+        logits = self._rollout_pass(ids, 0, valid, positions, caches, copy)
         self._synchronize()
         t1 = time.perf_counter()
         steps = 0
@@ -68,42 +73,75 @@ class RolloutPasses:
             if t + 1 == new or bool(done.all()):
                 break
             # a stopped row decodes on (its tokens are dropped): the batch keeps one shape, no row is a special case
-            logits = self._rollout_pass(token[:, None], longest + t, valid, positions, caches)
+            logits = self._rollout_pass(token[:, None], longest + t, valid, positions, caches, copy)
         self._synchronize()
         t2 = time.perf_counter()
         self.weights.end_step()
         generated = int(lengths.sum())
-        cache_bytes = sum(c.keys.numel() * c.keys.element_size() * 2 for c in caches)
-        stats = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "generated_tokens": float(generated),
+        stats = {"weights_sync_s": t0 - t_sync, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+                 "generated_tokens": float(generated), "weights_resident": float(copy is not None),
                  "decode_steps": float(steps), "tokens_per_s": generated / max(t2 - t0, 1e-9),
                  "kv_cache_bytes": float(cache_bytes)}
         return RolloutResult(tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(), done.cpu(), stats)
 
+    def _rollout_copy(self, cache_bytes: int) -> RolloutWeights | None:
+        """The rollout's resident weights, refreshed (engine.rollout_weights resolved now), or None: streamed."""
+        own = [s for s in self.layout.stages if not (s.kind == "layer" and self.resident.holds(s))]
+        wanted = choose_resident(self.engine_cfg.rollout_weights, self.device, self.run.frozen_base,
+                                 resident_bytes(own, self.compute_dtype), cache_bytes)
+        if not wanted:
+            self._rollout_weights = None  # memory back to training
+            return None
+        if getattr(self, "_rollout_weights", None) is None:
+            self._rollout_weights = RolloutWeights(own, self.compute_dtype, self.device)
+        self._rollout_weights.refresh(self.weights.store, self.updates.wait)
+        return self._rollout_weights
+
     def _rollout_pass(self, ids: torch.Tensor, start: int, valid: torch.Tensor, positions: torch.Tensor,
-                      caches: list[KVCache]) -> torch.Tensor:
+                      caches: list[KVCache], copy: RolloutWeights | None) -> torch.Tensor:
         """Embedding, every layer through its cache, the final norm and LM head at each row's last token:
-        [rows, vocab] logits in float32 (float64 when computing in it)."""
+        [rows, vocab] logits in float32 (float64 when computing in it). `copy`: the resident weights, else the
+        stages stream through the training slots."""
         count, capacity = ids.shape[1], valid.shape[1]
-        self.weights.begin_step(False)
-        embed_slot = self.weights.load(self.layout.embed)
-        embed_w = self._embed_weight(self.weights.bind(self.layout.embed, embed_slot))
+        if copy is None:
+            self.weights.begin_step(False)
+            embed_slot = self.weights.load(self.layout.embed)
+            embed_w = self._embed_weight(self.weights.bind(self.layout.embed, embed_slot))
+        else:
+            embed_w = self._embed_weight(copy.bound(self.layout.embed))
         x = embed(ids, embed_w, self.embed_scale)
         rope = self.rope_cache.tables(capacity, positions[:, start:start + count])
         masks = {window: cache_mask(valid, start, count, window) for window in {s.sliding_window for s in self.specs}}
+        stages = self._stage_weights(copy)
+        for i, w in zip(range(len(self.layout.layers)), stages):
+            spec = self.specs[i]
+            x = cached_decoder_layer(x, w, rope[spec.local_rope], spec, caches[i], start, masks[spec.sliding_window],
+                                     self.mlp_chunk)
+        head_w = next(stages)
+        logits = head_logits(x[:, -1], head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), self.head_spec)
+        next(stages, None)  # the head's slot released
+        if copy is None:
+            self.weights.release(embed_slot)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def _stage_weights(self, copy: RolloutWeights | None) -> Iterator[dict[str, torch.Tensor]]:
+        """Each layer's bound weights in order, then the head's: from the resident copy (the GPU-resident tier's
+        layers where they live), or streamed, the next stage loading while one computes, each slot released once
+        the caller asks for the next."""
+        if copy is not None:
+            for stage in self.layout.layers:
+                yield copy.bound(stage) if copy.holds(stage) else self.resident.weights(stage)
+            yield copy.bound(self.layout.head)
+            return
         layers = self.layout.layers
         upcoming = self._load(layers[0])
         for i, stage in enumerate(layers):
             slot = upcoming
             upcoming = self._load(layers[i + 1] if i + 1 < len(layers) else self.layout.head)
-            spec = self.specs[i]
-            x = cached_decoder_layer(x, self._bind(stage, slot), rope[spec.local_rope], spec, caches[i], start,
-                                     masks[spec.sliding_window], self.mlp_chunk)
+            yield self._bind(stage, slot)
             self._release(slot)
-        head_w = self._bind(self.layout.head, upcoming)
-        logits = head_logits(x[:, -1], head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), self.head_spec)
-        self._release(upcoming)
-        self.weights.release(embed_slot)
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        yield self.weights.bind(self.layout.head, upcoming)  # the head always streams (never resident)
+        self.weights.release(upcoming)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -1,0 +1,144 @@
+"""GRPO's steps on the driver (finetune.objective=grpo): each step's prompts (data/prompts.py) sampled
+num_generations times by the rollout engine in the GPU worker (engine/rollout/), the completions decoded and scored
+by the reward functions, the advantages normalised within each group (model/policy_gradient.py), and the training
+batch built: each row one prompt and one of its completions, labels on the completion's tokens, the rollout's
+log-probabilities of them beside (the importance-sampling correction). The GPU worker's head computes the loss
+(model/policy_head.py).
+
+A step's completions are a pure function of the weights, the prompts and (train.seed, step), so a resumed run samples
+what the uninterrupted one did."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatrain_ray.config.sections import Config
+from megatrain_ray.data.prepare.tokenize import load_tokenizer, resolve_tokenizer
+from megatrain_ray.data.prompts import PromptBatches, PromptRows
+from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
+from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.messages import IGNORE_INDEX, Batch, PolicyRows
+from megatrain_ray.model.policy_gradient import group_advantages, reward_name, score_completions, weighted_rewards
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """A GRPO step's training batch and what its generation and scoring measured (TRL's metric names)."""
+
+    batch: Batch
+    metrics: dict[str, float]
+
+
+def policy_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rollout_logps: torch.Tensor,
+                 advantages: torch.Tensor, grpo: Any, pad_id: int) -> Batch:
+    """The training rows: prompt then completion, right-padded to the longest (causal attention never lets a real
+    token see the padding after it); the labels are the completion's tokens, each at the position that predicts it,
+    and the rollout's log-probabilities sit at the same positions."""
+    rows = len(prompt_ids)
+    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)) - 1
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.int64)
+    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.int64)
+    sampling = torch.zeros((rows, width), dtype=torch.float32)
+    for r, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        sequence = prompt + completion
+        input_ids[r, :len(sequence) - 1] = torch.tensor(sequence[:-1])
+        first = len(prompt) - 1  # the position whose next token is the completion's first
+        labels[r, first:first + len(completion)] = torch.tensor(completion)
+        sampling[r, first:first + len(completion)] = rollout_logps[r, :len(completion)]
+    return Batch(input_ids, labels, policy=PolicyRows.from_config(grpo, advantages, sampling_logps=sampling))
+
+
+class GRPOSteps:
+    """The rollout, scoring and batch of each GRPO step."""
+
+    def __init__(self, cfg: Config, prompts: PromptBatches):
+        self.cfg, self.grpo, self.prompts = cfg, cfg.finetune.grpo, prompts
+        self.functions = self.grpo.reward_functions()
+        self.names = [reward_name(fn) for fn in self.functions]
+        self.weights = torch.tensor(self.grpo.weights, dtype=torch.float64)
+        source = prompts.docs.manifest.get("tokenizer")
+        if not source:
+            raise ConfigError(f"data.path={cfg.data.path!r}: its manifest names no tokenizer to decode the completions "
+                              "with; prepare it again with `megatrain prepare --format prompts`")
+        self.tokenizer = load_tokenizer(resolve_tokenizer(source, None))
+        self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0))
+
+    def sampling(self, step: int) -> SamplingSettings:
+        """The rollout's settings at `step`: its generator seeded by (train.seed, step)."""
+        g = self.grpo
+        return SamplingSettings(max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
+                                top_k=g.top_k, stop_token_ids=tuple(self.stop_ids), pad_token_id=self.pad_id,
+                                seed=(self.cfg.train.seed * 1_000_003 + step) % (1 << 63))
+
+    def batch(self, step: int, gpu: Any) -> RolloutBatch:
+        """Generate, score and batch the completions of step `step` on `gpu` (the GPU worker of rank 0)."""
+        rows = self.prompts.step_prompts(step)
+        group = self.grpo.num_generations
+        prompt_ids = [ids for ids in rows.ids for _ in range(group)]
+        t0 = time.perf_counter()
+        rollout: RolloutResult = gpu.generate(prompt_ids, self.sampling(step)).result()
+        t1 = time.perf_counter()
+        completion_ids = rollout.completions()
+        rewards, prompts, completions = self.score(rows, completion_ids)
+        scored = group_advantages(rewards, self.weights, group, self.grpo.scale_rewards,
+                                  self.grpo.multi_objective_aggregation, self.names)
+        t2 = time.perf_counter()
+        batch = policy_batch(prompt_ids, completion_ids, rollout.logps, scored.advantages, self.grpo, self.pad_id)
+        lengths = rollout.lengths.double()
+        metrics = {name: float(value) for name, value in scored.metrics.items()}
+        truncated = ~rollout.stopped
+        metrics.update({
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.double().mean()),
+            "rollout_s": t1 - t0, "reward_s": t2 - t1, "rollout_tokens_per_s": rollout.stats["tokens_per_s"],
+            "rollout_tokens": rollout.stats["generated_tokens"],
+        })
+        return RolloutBatch(batch, metrics)
+
+    def evaluate(self, prompts: PromptBatches, gpu: Any) -> dict[str, float]:
+        """The mean reward of the first train.eval_batches x (data.batch_size / num_generations) held-out prompts,
+        num_generations completions each, sampled as in training but with one fixed seed: evaluations differ only by
+        the weights."""
+        rows = prompts.eval_prompts(self.cfg.train.eval_batches * self.prompts.prompts_per_step)
+        prompt_ids = [ids for ids in rows.ids for _ in range(self.grpo.num_generations)]
+        sampling = dataclasses.replace(self.sampling(0), seed=self.cfg.train.seed)
+        rollout: RolloutResult = gpu.generate(prompt_ids, sampling).result()
+        rewards = self.score(rows, rollout.completions())[0]
+        metrics = {"eval_reward": float(weighted_rewards(rewards, self.weights).nanmean())}
+        for name, column in zip(self.names, rewards.T):
+            metrics[f"eval_rewards/{name}/mean"] = float(column.nanmean())
+        return metrics
+
+    def score(self, rows: PromptRows, completion_ids: list[list[int]]) -> tuple[torch.Tensor, list, list]:
+        """[N, F] rewards of the completions (TRL's call: prompts, completions as text, or as an assistant message
+        for chat prompts, completion_ids, and the dataset's other columns, one value per completion)."""
+        group = self.grpo.num_generations
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [p for p in rows.prompts for _ in range(group)]
+        completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                       for prompt, text in zip(prompts, texts)]
+        columns = {name: [v for v in values for _ in range(group)] for name, values in rows.columns.items()}
+        rewards = score_completions(self.functions, prompts, completions, completion_ids, columns)
+        return rewards, prompts, completions
+
+
+def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
+    """The tokens that end a completion: the model's generation_config.json eos_token_id (one or a list) where
+    model.path has one, else the tokenizer's eos token."""
+    ids: list[int] = []
+    config = Path(model_path) / "generation_config.json" if model_path else None
+    if config is not None and config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids = [eos] if isinstance(eos, int) else [i for i in (eos or []) if isinstance(i, int)]
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [int(tokenizer.eos_token_id)]
+    return ids

@@ -1,0 +1,57 @@
+"""The rollout's own copy of the weights on the device (engine.rollout_weights): every stage in the compute dtype,
+refreshed from the host's streaming copy (what the optimizer writes after each update) before each generation, so a
+decode step copies no weights. The alternative, streaming every stage through the training slots for each generated
+token, costs a host-to-device copy of the whole model per token."""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain_ray.model.layout import StageLayout
+from megatrain_ray.model.templates import bind
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.store.segments import HostStore
+
+log = get_logger(__name__)
+MARGIN = 0.10
+"""The share of the free device memory left unused when auto decides whether the copy fits."""
+
+
+def resident_bytes(stages: list[StageLayout], dtype: torch.dtype) -> int:
+    return sum(stage.numel for stage in stages) * torch.tensor([], dtype=dtype).element_size()
+
+
+def choose_resident(setting: str, device: torch.device, frozen_base: bool, copy_bytes: int, cache_bytes: int) -> bool:
+    """engine.rollout_weights resolved for one generation: resident, streamed, or auto (module docstring)."""
+    if setting != "auto":
+        return setting == "resident" and not frozen_base
+    if frozen_base or device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    return copy_bytes + cache_bytes <= free * (1 - MARGIN)
+
+
+class RolloutWeights:
+    """The weights of `stages` (those not already on the device: the GPU-resident tier's layers are read where they
+    live) in the compute dtype on the device, one flat buffer per stage."""
+
+    def __init__(self, stages: list[StageLayout], dtype: torch.dtype, device: torch.device):
+        self.buffers = {stage.index: torch.empty(stage.numel, dtype=dtype, device=device) for stage in stages}
+        self.stages = stages
+        log.info("rollout weights resident on %s: %.2f GiB", device, resident_bytes(stages, dtype) / 2**30)
+
+    def refresh(self, store: HostStore, wait_for_update) -> None:
+        """Copy each stage's streaming copy in, once its pending update is applied (`wait_for_update(index)`)."""
+        for stage in self.stages:
+            wait_for_update(stage.index)
+            self.buffers[stage.index].copy_(store.stream(stage.index)[:stage.numel], non_blocking=True)
+        for buffer in self.buffers.values():
+            if buffer.is_cuda:  # pinned sources: the copies must be done before anything reads or frees them
+                torch.cuda.current_stream(buffer.device).synchronize()
+            break
+
+    def holds(self, stage: StageLayout) -> bool:
+        return stage.index in self.buffers
+
+    def bound(self, stage: StageLayout) -> dict[str, torch.Tensor]:
+        return bind(self.buffers[stage.index], stage)
