@@ -36,6 +36,8 @@
 #   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape, clipping
 #                 on and off (SYSTEMS overrides), then the 2-GPU NCCL parity test (NCCL_TEST=0 skips)  nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
+#   grpo-step     issue 49: a GRPO step in MegaTrain's configuration (Qwen2.5-7B shape, 8 x 2 completions, 512 +
+#                 1024 tokens, full precision): rollout / sync / train seconds, beside transformers' generate nvidia-h200
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -43,6 +45,8 @@ export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/
 case "${1:-}" in
   gpu-tests)
     python -m pytest -q tests/gpu/test_gpu.py -m gpu -s ;;
+  grpo-step)
+    python benchmarks/grpo_step.py --out "$OUT" ;;
   load-8b)
     python benchmarks/load_checkpoint.py --dir /tmp/llama8b-random --layers 32 --shards 2 --out "$OUT" ;;
   long-context)

@@ -1,0 +1,150 @@
+"""A GRPO step on the GPU machine in MegaTrain's published configuration (issue 49): the Qwen2.5-7B shape with
+random-init weights, 8 prompts x 2 completions, prompts of 512 tokens, completions sampled to 1024 tokens (a random
+model rarely stops; pass --stop to allow it), full fine-tuning (fp32 master and AdamW moments in host RAM, bf16
+compute), through the Trainer's actors in process (runtime local). Each step is what driver/grpo.py does: the
+rollout (GPUWorker.generate: the resident copy's refresh, prefill, decode), the batch (policy_batch; the rewards
+drawn at random, group-normalised as TRL does: the scoring of a verifiable task costs milliseconds), the training
+step, and the wait for the optimizer's updates that the next rollout reads. Then, in the same call, transformers'
+`generate` (static cache, sampling, the same shape, random-init bf16 on the GPU) on the same number of sequences and
+tokens: its generated tok/s against the rollout's.
+
+    python benchmarks/grpo_step.py [--steps 3] [--config configs/shapes/qwen2.5-7b.yaml] [--set KEY=VALUE ...]
+
+Writes benchmarks/results/grpo-step-<device>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+from common import RESULTS, ROOT, provenance, write_result  # noqa: E402
+
+from megatrain_ray.config.load import load_config  # noqa: E402
+from megatrain_ray.driver.grpo import policy_batch  # noqa: E402
+from megatrain_ray.driver.trainer import Trainer  # noqa: E402
+from megatrain_ray.engine.rollout.interface import SamplingSettings  # noqa: E402
+from megatrain_ray.model.policy_gradient import group_advantages  # noqa: E402
+
+
+def megatrain_steps(args) -> tuple[dict, list[dict]]:
+    rows, width = args.prompts * args.generations, args.prompt_len + args.completion_len
+    cfg = load_config(ROOT / args.config, [f"data.batch_size={rows}", f"data.seq_len={width}", "runtime.mode=local",
+                                           "train.output_dir=/tmp/grpo-step-bench", "checkpoint.at_end=false",
+                                           f"finetune.grpo.num_generations={args.generations}",
+                                           f"finetune.grpo.max_completion_length={args.completion_len}",
+                                           *args.overrides])
+    g = torch.Generator().manual_seed(0)
+    vocab = cfg.model.vocab_size
+    records = []
+    t_start = time.perf_counter()
+    with Trainer(cfg) as trainer:
+        started = time.perf_counter() - t_start
+        for step in range(args.steps):
+            prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+            prompt_ids = [p for p in prompts for _ in range(args.generations)]
+            sampling = SamplingSettings(max_new_tokens=args.completion_len, temperature=1.0, seed=step,
+                                        stop_token_ids=(0,) if args.stop else ())
+            t0 = time.perf_counter()
+            rollout = trainer.gpu.generate(prompt_ids, sampling).result()
+            t1 = time.perf_counter()
+            rewards = torch.rand(rows, 1, generator=g, dtype=torch.float64)
+            advantages = group_advantages(rewards, torch.ones(1, dtype=torch.float64), args.generations).advantages
+            batch = policy_batch(prompt_ids, rollout.completions(), rollout.logps, advantages, cfg.finetune.grpo, 0)
+            t2 = time.perf_counter()
+            result = trainer.gpu.train_step(batch, cfg.optimizer.lr, step + 1, batch.loss_tokens).result()
+            t3 = time.perf_counter()
+            trainer.flush()  # the next rollout reads the updated weights
+            t4 = time.perf_counter()
+            stats = rollout.stats
+            records.append({
+                "step": step, "step_s": t4 - t0, "rollout_s": t1 - t0, "weights_sync_s": stats["weights_sync_s"],
+                "prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"], "batch_s": t2 - t1,
+                "train_s": t3 - t2, "optimizer_wait_s": t4 - t3, "generated_tokens": stats["generated_tokens"],
+                "rollout_tokens_per_s": stats["generated_tokens"] / (t1 - t0),
+                "decode_tokens_per_s": stats["generated_tokens"] / stats["decode_s"],
+                "weights_resident": bool(stats["weights_resident"]), "kv_cache_gib": stats["kv_cache_bytes"] / 2**30,
+                "train_tokens": int(batch.input_ids.numel()), "loss": result.loss, "grad_norm": result.grad_norm,
+                "gpu_busy_train": result.compute_seconds / max(result.seconds, 1e-9),
+                "gpu_peak_gib_train": result.gpu_peak_bytes / 2**30,
+                "host_gib": trainer.host_memory_bytes() / 2**30,
+                "logp_gap_max": result.objective_metrics.get("sampling/sampling_logp_difference/max"),
+            })
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}, flush=True)
+        params = trainer.layout.num_params
+    setup = {"config": args.config, "rows": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+             "params": params, "startup_s": started,
+             "host_bytes_per_param": records[-1]["host_gib"] * 2**30 / params}
+    return setup, records
+
+
+def transformers_generate(args) -> dict:
+    """transformers' generate on the same shape: static cache, sampling, every row to completion_len tokens."""
+    import transformers
+
+    cfg = load_config(ROOT / args.config)
+    m = cfg.model
+    config = transformers.Qwen2Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                                      intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
+                                      num_attention_heads=m.num_attention_heads,
+                                      num_key_value_heads=m.num_key_value_heads,
+                                      max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+                                      rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    rows = args.prompts * args.generations
+    ids = torch.randint(0, m.vocab_size, (rows, args.prompt_len), device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.completion_len,
+                  min_new_tokens=args.completion_len, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        model.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    generated = (out.shape[1] - args.prompt_len) * rows
+    del model
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+            "transformers": transformers.__version__, "cache": "static"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/shapes/qwen2.5-7b.yaml")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--generations", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--completion-len", type=int, default=1024)
+    parser.add_argument("--stop", action="store_true", help="token 0 stops a row (else every row samples to the end)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    setup, records = megatrain_steps(args)
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    baseline = None if args.no_baseline or not torch.cuda.is_available() else transformers_generate(args)
+    steady = records[1:] or records
+    mean = {k: sum(r[k] for r in steady) / len(steady) for k in ("step_s", "rollout_s", "weights_sync_s", "decode_s",
+                                                                 "train_s", "optimizer_wait_s", "rollout_tokens_per_s")}
+    result = {**provenance(device), "what": "GRPO step, MegaTrain's configuration (benchmarks/grpo_step.py)",
+              "overrides": args.overrides, **setup, "steps": records, "mean_after_first": mean,
+              "transformers_generate": baseline,
+              "rollout_vs_transformers": mean["rollout_tokens_per_s"] / baseline["tokens_per_s"] if baseline else None}
+    print({k: v for k, v in result.items() if k != "steps"}, flush=True)
+    write_result("grpo-step", result, args.out)
+
+
+if __name__ == "__main__":
+    main()
