@@ -38,13 +38,32 @@ class KVCache:
         """Keys and values of one token of one row."""
         return 2 * spec.num_kv_heads * spec.head_dim * torch.tensor([], dtype=dtype).element_size()
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: Start) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [rows, H_kv, T, D] at cache indices start..start+T-1; returns the keys and values the queries
+        attend over: the first start + T indices, or with a tensor `start` (one token, a CUDA graph's decode step,
+        whose index lives on the device) the whole cache (cache_mask hides what lies beyond)."""
+        if isinstance(start, int):
+            end = start + k.shape[2]
+            self.keys[:, :, start:end] = k
+            self.values[:, :, start:end] = v
+            return self.keys[:, :, :end], self.values[:, :, :end]
+        self.keys.index_copy_(2, start.view(1), k)
+        self.values.index_copy_(2, start.view(1), v)
+        return self.keys, self.values
 
-def cache_mask(valid: torch.Tensor, start: int, count: int, window: int) -> torch.Tensor:
-    """[rows, 1, count, start + count] which cached keys the queries at cache indices start..start+count-1 may
-    attend to: real tokens (`valid` [rows, capacity]) at or before the query, within `window` tokens when > 0. A
-    padding query may see itself, so no softmax row is empty (its output is never read)."""
-    end = start + count
-    query = torch.arange(start, end, device=valid.device)[:, None]
+
+Start = int | torch.Tensor
+"""The cache index of a pass's first token: a Python int, or a 0-d int64 tensor on the device (a CUDA graph's decode
+step, replayed for every token)."""
+
+
+def cache_mask(valid: torch.Tensor, start: Start, count: int, window: int) -> torch.Tensor:
+    """[rows, 1, count, keys] which cached keys the queries at cache indices start..start+count-1 may attend to
+    (keys: start + count, or the whole cache for a tensor `start`, as KVCache.write returns them): real tokens
+    (`valid` [rows, capacity]) at or before the query, within `window` tokens when > 0. A padding query may see
+    itself, so no softmax row is empty (its output is never read)."""
+    end = start + count if isinstance(start, int) else valid.shape[1]
+    query = (start + torch.arange(count, device=valid.device))[:, None]
     key = torch.arange(end, device=valid.device)[None, :]
     causal = key <= query
     if window:
@@ -59,15 +78,12 @@ def positions_of(valid: torch.Tensor) -> torch.Tensor:
 
 
 def cached_decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                         spec: LayerSpec, cache: KVCache, start: int, allowed: torch.Tensor,
+                         spec: LayerSpec, cache: KVCache, start: Start, allowed: torch.Tensor,
                          mlp_chunk_tokens: int = 0) -> torch.Tensor:
     """decoder_layer for x [rows, T, hidden] at cache indices start..start+T-1: its keys and values go into `cache`,
-    its queries attend to the cache's first start + T indices where `allowed` (cache_mask) says."""
+    its queries attend to the cached keys where `allowed` (cache_mask) says."""
     q, k, v = attention_qkv(x, w, rope, spec)
-    end = start + x.shape[1]
-    cache.keys[:, :, start:end] = k
-    cache.values[:, :, start:end] = v
-    keys, values = cache.keys[:, :, :end], cache.values[:, :, :end]
+    keys, values = cache.write(k, v, start)
     if "self_attn.sinks" in w:  # gpt-oss: the explicit form takes any mask
         a = explicit_sink_attention(q, keys, values, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window,
                                     allowed)

@@ -72,6 +72,28 @@ def test_greedy_rows_equal_transformers_generate_of_each_prompt(tmp_path, name, 
             assert result.tokens[row].tolist() == theirs.tolist(), f"{name}: row {row} (prompt of {len(prompt)})"
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-sliding-window", "gemma2-softcap", "gpt-oss"])
+def test_the_cuda_graph_pass_with_its_index_on_the_device_decodes_the_same(tmp_path, monkeypatch, name):
+    """The decode pass a CUDA graph captures (engine/rollout/graphs.py) takes the cache index as a 0-d tensor, writes
+    the KV cache with index_copy_ and attends over the whole cache under the mask: run here eagerly on the CPU in
+    place of the graph, its greedy rows equal transformers' generate as the int-index pass does."""
+    import megatrain_ray.engine.rollout.passes as passes
+
+    def index_on_device(decode, applies, rows, first_index, device):
+        return lambda token, index: decode(token, torch.tensor(index, device=device))
+
+    monkeypatch.setattr(passes, "graph_or_eager", index_on_device)
+    model = float64_twin(build(name))
+    prompts = prompts_for(model.config.vocab_size)
+    result = generated(tmp_path, model, prompts, SamplingSettings(max_new_tokens=NEW, temperature=0), "float64",
+                       "resident")
+    with torch.no_grad(), one_thread():
+        for row, prompt in enumerate(prompts):
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(prompt):]
+            assert result.tokens[row].tolist() == theirs.tolist(), f"{name}: row {row}"
+
+
 def test_a_stop_token_ends_its_row_and_is_kept(tmp_path):
     model = float64_twin(build("llama-gqa"))
     prompts = prompts_for(model.config.vocab_size)

@@ -11,13 +11,17 @@ from collections.abc import Iterator
 
 import torch
 
+from megatrain_ray.engine.rollout.graphs import DecodeGraph, graph_or_eager
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
 from megatrain_ray.engine.rollout.sampling import next_tokens
 from megatrain_ray.engine.rollout.weights import RolloutWeights, choose_resident, resident_bytes
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.model.decode import KVCache, cache_mask, cached_decoder_layer, positions_of
+from megatrain_ray.model.decode import KVCache, Start, cache_mask, cached_decoder_layer, positions_of
 from megatrain_ray.model.head import head_logits
 from megatrain_ray.model.templates import embed
+
+SYNC_EVERY = 16
+"""Decode steps between the checks whether every row has stopped (each check waits for the GPU)."""
 
 
 class RolloutPasses:
@@ -58,9 +62,13 @@ class RolloutPasses:
         copy = self._rollout_copy(cache_bytes)
         t0 = time.perf_counter()
         logits = self._rollout_pass(ids, 0, valid, positions, caches, copy)
+
+        def decode(token: torch.Tensor, index: Start) -> torch.Tensor:
+            return self._rollout_pass(token[:, None], index, valid, positions, caches, copy)
+
+        step = graph_or_eager(decode, self._graph_applies(copy), rows, longest, device) if new > 1 else decode
         self._synchronize()
         t1 = time.perf_counter()
-        steps = 0
         for t in range(new):
             token, logp = next_tokens(logits, sampling, generator)
             live = ~done
@@ -68,18 +76,20 @@ class RolloutPasses:
             logps[:, t] = torch.where(live, logp.float(), 0.0)
             lengths += live
             done |= live & torch.isin(token, stop)
-            steps = t + 1
-            # one host sync per token: stop as soon as every row has (most rollouts end well before the limit)
-            if t + 1 == new or bool(done.all()):
+            # Stop once every row has (most rollouts end before the limit), asked every SYNC_EVERY tokens only: a
+            # host sync per token would keep the CPU from queueing the next steps while the GPU runs this one.
+            if t + 1 == new or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
                 break
             # a stopped row decodes on (its tokens are dropped): the batch keeps one shape, no row is a special case
-            logits = self._rollout_pass(token[:, None], longest + t, valid, positions, caches, copy)
+            logits = step(token, longest + t)
         self._synchronize()
         t2 = time.perf_counter()
         self.weights.end_step()
         generated = int(lengths.sum())
+        steps = int(lengths.max())  # the decode steps past the last row's end produced padding only
         stats = {"weights_sync_s": t0 - t_sync, "prefill_s": t1 - t0, "decode_s": t2 - t1,
                  "generated_tokens": float(generated), "weights_resident": float(copy is not None),
+                 "cuda_graph": float(isinstance(step, DecodeGraph)),
                  "decode_steps": float(steps), "tokens_per_s": generated / max(t2 - t0, 1e-9),
                  "kv_cache_bytes": float(cache_bytes)}
         return RolloutResult(tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(), done.cpu(), stats)
@@ -97,7 +107,14 @@ class RolloutPasses:
         self._rollout_weights.refresh(self.weights.store, self.updates.wait)
         return self._rollout_weights
 
-    def _rollout_pass(self, ids: torch.Tensor, start: int, valid: torch.Tensor, positions: torch.Tensor,
+    def _graph_applies(self, copy: RolloutWeights | None) -> bool:
+        """A decode step can be one CUDA graph (engine/rollout/graphs.py): on a GPU, resident weights, dense layers,
+        RoPE tables that do not switch with the length."""
+        scaling = self.model_cfg.rope_scaling
+        return (copy is not None and self.device.type == "cuda" and all(s.moe is None for s in self.specs)
+                and not (scaling is not None and scaling.rope_type == "longrope"))
+
+    def _rollout_pass(self, ids: torch.Tensor, start: Start, valid: torch.Tensor, positions: torch.Tensor,
                       caches: list[KVCache], copy: RolloutWeights | None) -> torch.Tensor:
         """Embedding, every layer through its cache, the final norm and LM head at each row's last token:
         [rows, vocab] logits in float32 (float64 when computing in it). `copy`: the resident weights, else the
@@ -110,7 +127,8 @@ class RolloutPasses:
         else:
             embed_w = self._embed_weight(copy.bound(self.layout.embed))
         x = embed(ids, embed_w, self.embed_scale)
-        rope = self.rope_cache.tables(capacity, positions[:, start:start + count])
+        here = positions[:, start:start + count] if isinstance(start, int) else positions.index_select(1, start.view(1))
+        rope = self.rope_cache.tables(capacity, here)
         masks = {window: cache_mask(valid, start, count, window) for window in {s.sliding_window for s in self.specs}}
         stages = self._stage_weights(copy)
         for i, w in zip(range(len(self.layout.layers)), stages):
