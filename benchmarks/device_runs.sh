@@ -36,6 +36,8 @@
 #   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape, clipping
 #                 on and off (SYSTEMS overrides), then the 2-GPU NCCL parity test (NCCL_TEST=0 skips)  nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
+#   dp-x4         issue 48: 1, 2 and 4 GPUs at the same per-GPU batch on the 3.5B bench shape, clipping on and
+#                 off (SYSTEMS, GPUS override)                                                    nvidia-h200-x4
 #   grpo-step     issue 49: a GRPO step in MegaTrain's configuration (Qwen2.5-7B shape, 8 x 2 completions, 512 +
 #                 1024 tokens, full precision): rollout / sync / train seconds, beside transformers' generate nvidia-h200
 set -euo pipefail
@@ -107,6 +109,11 @@ case "${1:-}" in
       --gpus 1,2 --steps 3 --warmup 1 --name data-parallel-x2 --out "$OUT" --trace "$trace"
     for d in "$trace"/*/; do python benchmarks/update_trace.py "$d" --stages; done
     if [ "${NCCL_TEST:-1}" = 1 ]; then python -m pytest -q tests/gpu/test_gpu.py -m gpu -s -p no:logging -k two_gpus; fi ;;
+  dp-x4)
+    trace=$(mktemp -d)
+    python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 16 --systems "${SYSTEMS:-megatrain,megatrain-noclip}" \
+      --gpus "${GPUS:-1,2,4}" --steps 3 --warmup 1 --name data-parallel-x4 --out "$OUT" --trace "$trace"
+    for d in "$trace"/*/; do python benchmarks/update_trace.py "$d" --stages; done ;;
   attention)
     python benchmarks/attention_backends.py --out "$OUT" ;;
   optim-x2)
