@@ -36,6 +36,8 @@
 #   dp-x2         issue 9: 1 vs 2 GPUs at the same per-GPU batch on the 3.5B bench shape, clipping
 #                 on and off (SYSTEMS overrides), then the 2-GPU NCCL parity test (NCCL_TEST=0 skips)  nvidia-h200-x2
 #   optim-x2      issue 7: CPU AdamW for 1..32 workers with and without H2D                      nvidia-h200-x2
+#   qwen32b-x4    issue 48: Qwen2.5-32B shape, all 64 layers, fp32 master and moments, 10 steps on one GPU of the
+#                 512 GiB box (GPUS=4: on four)                                                   nvidia-h200-x4
 #   dp-x4         issue 48: 1, 2 and 4 GPUs at the same per-GPU batch on the 3.5B bench shape, clipping on and
 #                 off (SYSTEMS, GPUS override)                                                    nvidia-h200-x4
 #   grpo-step     issue 49: a GRPO step in MegaTrain's configuration (Qwen2.5-7B shape, 8 x 2 completions, 512 +
@@ -114,6 +116,9 @@ case "${1:-}" in
     python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 16 --systems "${SYSTEMS:-megatrain,megatrain-noclip}" \
       --gpus "${GPUS:-1,2,4}" --steps 3 --warmup 1 --name data-parallel-x4 --out "$OUT" --trace "$trace"
     for d in "$trace"/*/; do python benchmarks/update_trace.py "$d" --stages; done ;;
+  qwen32b-x4)
+    python benchmarks/run.py --config configs/shapes/qwen2.5-32b.yaml --systems megatrain --batches 8 --gpus "${GPUS:-1}" \
+      --steps 9 --warmup 1 --timeout 540 --name qwen32b-full-x4 --out "$OUT" --set optimizer.workers=auto ;;
   attention)
     python benchmarks/attention_backends.py --out "$OUT" ;;
   optim-x2)
