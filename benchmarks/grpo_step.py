@@ -78,7 +78,7 @@ def megatrain_steps(args) -> tuple[dict, list[dict]]:
             })
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}, flush=True)
         params = trainer.layout.num_params
-    setup = {"config": args.config, "rows": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+    setup = {"config": args.config, "completions": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
              "params": params, "startup_s": started,
              "host_bytes_per_param": records[-1]["host_gib"] * 2**30 / params}
     return setup, records

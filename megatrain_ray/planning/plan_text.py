@@ -15,6 +15,7 @@ from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
 from megatrain_ray.planning.host_memory import store_bytes, without_refused_tier
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_tier_lines
 from megatrain_ray.planning.plan import Plan
+from megatrain_ray.planning.rollout import rollout_lines
 from megatrain_ray.planning.speculation import fastest_speculation
 from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, estimate, speed_lines
 from megatrain_ray.store.disk_use import export_bytes, export_dtype
@@ -88,6 +89,7 @@ def format_plan(plan: Plan) -> str:
               f"  {'activations per token (one GPU)':<38}{per_token / 1024:10.1f} KiB"
               + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
                  if plan.offload else ""), ""]
+    lines += rollout_lines(cfg, run, machine.gpu_memory if plan.on_gpu else None, plan.gpu_peak)
     lines += resident_lines(plan)
     lines += speed_lines(cfg, plan.expected, gpu_visible=bool(machine.gpu_memory))
     lines += disk_lines(plan, params)

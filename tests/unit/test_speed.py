@@ -79,6 +79,21 @@ def explicit_attention(point: Point) -> bool:
 
 
 KNOWN_MISSES: dict[tuple[str, str], str] = {
+    ("data-parallel-x4-h200-20261128-211249.json", "megatrain-noclip L16 32k bfloat16 stream"): (
+        "the nvidia-h200-x4 host (64 cores), clipping off: the model has no profile of this host and predicts the "
+        "16-core box's rates; here the GPU waited 0.2-0.3 s a step for updates (GPU busy 0.83-0.86) and the 1-GPU "
+        "point ran at 17,853 tok/s against 20,750 on the x2 host (data-parallel-x2-h200-20261123-232913); its "
+        "clipping-on points are within tolerance"),
+    ("data-parallel-x4-h200-20261128-211249.json", "megatrain-noclip L16 64k bfloat16 stream"): (
+        "the nvidia-h200-x4 host (64 cores), clipping off: the model has no profile of this host and predicts the "
+        "16-core box's rates; here the GPU waited 0.2-0.3 s a step for updates (GPU busy 0.83-0.86) and the 1-GPU "
+        "point ran at 17,853 tok/s against 20,750 on the x2 host (data-parallel-x2-h200-20261123-232913); its "
+        "clipping-on points are within tolerance"),
+    ("data-parallel-x4-h200-20261128-211249.json", "megatrain-noclip L16 128k bfloat16 stream"): (
+        "the nvidia-h200-x4 host (64 cores), clipping off: the model has no profile of this host and predicts the "
+        "16-core box's rates; here the GPU waited 0.2-0.3 s a step for updates (GPU busy 0.83-0.86) and the 1-GPU "
+        "point ran at 17,853 tok/s against 20,750 on the x2 host (data-parallel-x2-h200-20261123-232913); its "
+        "clipping-on points are within tolerance"),
     ("data-parallel-x2-h200-20261123-202401.json", "megatrain-noclip L16 64k bfloat16 stream"): (
         "2 GPUs, clipping off, before commit f4d8951: each GPU waited 0.45 s per step for updates, as both ranks' "
         "dispatcher threads stopped while the main thread blocked on the device for the step's totals; the "
@@ -295,7 +310,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
             adamw.append(r["optimizer_gparams_per_s"])
         d2h.append(r["d2h_gbps_link"])
     assert (len(tflops), len(compiled_tflops), len(moe_tflops), len(moe_compiled_tflops), len(adamw), len(d2h)) == \
-        (34, 41, 5, 24, 11, 39)
+        (34, 48, 5, 24, 11, 39)
     assert H200.model_tflops == pytest.approx(statistics.median(tflops), rel=0.005)
     assert H200.moe_model_tflops == pytest.approx(statistics.median(moe_tflops), rel=0.005)
     assert H200.moe_compiled_model_tflops == pytest.approx(statistics.median(moe_compiled_tflops), rel=0.005)

@@ -1,0 +1,64 @@
+"""GRPO's rollout in the plan (finetune.objective=grpo): the KV cache of a step's completions and the rollout's
+resident weight copy (engine.rollout_weights, engine/rollout/), against the GPU memory the training leaves. The
+rollout and the training take turns on the GPU; both stay allocated, so the copy must fit beside the training's
+peak, as the engine decides at run time (auto: the copy and the cache within 90 % of the free memory)."""
+
+from __future__ import annotations
+
+from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.config.sections import Config
+from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
+from megatrain_ray.units import GiB
+
+MARGIN = 0.10
+"""The share of the free GPU memory auto leaves unused (engine/rollout/weights.py's)."""
+
+
+def rollout_tokens(cfg: Config) -> int:
+    """The KV cache's length: the longest prompt (max_prompt_length, else what data.seq_len leaves after the
+    completion) plus max_completion_length."""
+    grpo = cfg.finetune.grpo
+    prompt = grpo.max_prompt_length or max(cfg.data.seq_len - grpo.max_completion_length, 1)
+    return prompt + grpo.max_completion_length
+
+
+def rollout_bytes(cfg: Config, run: RunSpec) -> dict[str, int]:
+    """{'KV cache': ..., 'resident weights copy': ...} of one GPU worker (its data.batch_size / ranks rows)."""
+    m = cfg.model
+    compute_b = DTYPE_BYTES[run.compute_dtype]
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    rows = cfg.data.batch_size // max(run.world, 1)
+    kv = rows * rollout_tokens(cfg) * m.num_layers * 2 * m.num_key_value_heads * head_dim * compute_b
+    layout = build_layout(m)
+    resident_layers = set(range(1, 1 + run.resident_layers))  # stage indices of the GPU-resident tier's layers
+    copy = 0 if run.frozen_base else sum(s.numel for s in layout.stages if s.index not in resident_layers) * compute_b
+    return {"KV cache": kv, "resident weights copy": copy}
+
+
+def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_peak: int) -> list[str]:
+    """What `megatrain plan` prints for GRPO: the cache, the copy, and where the rollout will read its weights."""
+    if cfg.finetune.objective != "grpo":
+        return []
+    sizes = rollout_bytes(cfg, run)
+    rows = cfg.data.batch_size // max(run.world, 1)
+    setting = cfg.engine.rollout_weights
+    lines = [f"GRPO rollout ({rows} completions of up to {rollout_tokens(cfg):,} tokens with their prompt; "
+             f"engine.rollout_weights={setting}):",
+             f"  {'KV cache':<38}{sizes['KV cache'] / GiB:10.2f} GiB",
+             f"  {'resident weights copy':<38}{sizes['resident weights copy'] / GiB:10.2f} GiB"
+             + ("  (LoRA: the base is read where training keeps it)" if run.frozen_base else "")]
+    if gpu_memory:
+        free = gpu_memory - training_peak - GPU_RESERVE_BYTES
+        fits = sizes["KV cache"] + sizes["resident weights copy"] <= free * (1 - MARGIN)
+        if setting == "auto" and not run.frozen_base:
+            choice = "resident (fits beside the training peak)" if fits else \
+                "streamed (the copy does not fit beside the training peak: every decode step copies the model)"
+        else:
+            choice = "resident" if setting == "resident" and not run.frozen_base else "streamed"
+        lines.append(f"  {'free beside the training peak':<38}{free / GiB:10.2f} GiB  -> weights {choice}")
+        if sizes["KV cache"] > free:
+            lines.append("  the KV cache does not fit beside the training peak: lower data.batch_size or "
+                         "finetune.grpo.max_completion_length")
+    return lines + [""]

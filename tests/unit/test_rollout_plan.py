@@ -1,0 +1,52 @@
+"""`megatrain plan` for GRPO (planning/rollout.py): the rollout's KV cache and resident weight copy, from the shape by
+independent arithmetic, and where auto puts the weights; the KV cache as the GPU run measured it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatrain_ray.config.load import load_config
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.planning.machine import Machine
+from megatrain_ray.planning.memory import plan_run
+from megatrain_ray.planning.plan_text import format_plan
+from megatrain_ray.planning.rollout import rollout_bytes
+from tests.conftest import REPO
+
+SHAPE = {"family": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_layers": 28,
+         "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+         "attention_bias": True}
+
+
+def grpo_7b(**finetune):
+    raw = {"model": SHAPE, "data": {"path": "synthetic", "seq_len": 1536, "batch_size": 16},
+           "precision": {"compute_dtype": "bfloat16"},
+           "finetune": {"objective": "grpo", **finetune,
+                        "grpo": {"reward_funcs": ["tests.reference_grpo:first_reward"], "num_generations": 2,
+                                 "max_prompt_length": 512, "max_completion_length": 1024}}}
+    return load_config(raw=raw)
+
+
+def test_the_plan_shows_the_rollouts_cache_and_weight_copy_and_where_auto_puts_them():
+    cfg = grpo_7b()
+    plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
+    sizes = rollout_bytes(cfg, plan.run)
+    # 16 rows x 1536 tokens x 28 layers x (keys + values) x 4 heads x 128 wide x 2 bytes
+    assert sizes["KV cache"] == 16 * 1536 * 28 * 2 * 4 * 128 * 2
+    assert sizes["resident weights copy"] == build_layout(cfg.model).num_params * 2
+    # benchmarks/grpo_step.py on nvidia-h200 allocated this cache
+    measured = json.loads((Path(REPO) / "benchmarks/results/grpo-step-h200-20261128-211007.json").read_text())
+    assert abs(measured["steps"][-1]["kv_cache_gib"] - sizes["KV cache"] / 2**30) < 1e-3
+    text = format_plan(plan)
+    assert "GRPO rollout (16 completions of up to 1,536 tokens" in text
+    assert f"{sizes['KV cache'] / 2**30:10.2f} GiB" in text and "-> weights resident" in text
+
+
+def test_lora_reads_its_base_where_training_keeps_it_and_a_small_gpu_streams():
+    lora = grpo_7b(method="lora")
+    plan = plan_run(lora, Machine.from_preset("h200-128gb"))
+    assert rollout_bytes(lora, plan.run)["resident weights copy"] == 0
+    assert "LoRA: the base is read where training keeps it" in format_plan(plan)
+    small = Machine.from_preset("h200-128gb").override(gpu_memory="36GiB")
+    assert "-> weights streamed (the copy does not fit" in format_plan(plan_run(grpo_7b(), small))
