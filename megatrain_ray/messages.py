@@ -123,6 +123,48 @@ class PreferenceRows:
     the ranks' sums add up to the mean over all pairs); 0: this batch's own pairs."""
 
 
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+IS_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True, slots=True)
+class GRPOLossSettings:
+    """The loss's settings, with the names of finetune.grpo (TRL's GRPOConfig)."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    """None: epsilon."""
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = True
+    max_completion_length: int = 512
+    """dr_grpo's constant divisor per row."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown GRPO loss type {self.loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(f"unknown importance_sampling_level {self.importance_sampling_level!r}; expected one "
+                             f"of {', '.join(IS_LEVELS)}")
+
+    @classmethod
+    def of(cls, grpo: Any) -> GRPOLossSettings:
+        """From the config's finetune.grpo section (config/grpo_section.py: GRPOConfig)."""
+        return cls(loss_type=grpo.loss_type, beta=grpo.beta, epsilon=grpo.epsilon, epsilon_high=grpo.epsilon_high,
+                   importance_sampling_level=grpo.importance_sampling_level,
+                   use_bias_correction_kl=grpo.use_bias_correction_kl,
+                   max_completion_length=grpo.max_completion_length)
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyRows:
     """What makes a batch a GRPO batch (finetune.objective=grpo): each row is a prompt and one sampled completion,
@@ -142,13 +184,8 @@ class PolicyRows:
     (detached), as TRL with num_iterations=1."""
     ref_logps: torch.Tensor | None = None
     """The reference model's log-probabilities; needed when beta > 0."""
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    importance_sampling_level: str = "token"
-    use_bias_correction_kl: bool = True
-    max_completion_length: int = 512
+    loss: GRPOLossSettings = GRPOLossSettings()
+    """The loss's settings (finetune.grpo's)."""
     temperature: float = 1.0
     """The rollout's sampling temperature: the log-probabilities are log_softmax(logits / temperature), as TRL's."""
     vllm_importance_sampling_correction: bool = False
@@ -176,11 +213,8 @@ class PolicyRows:
                     total_rows: int = 0, total_tokens: int = 0) -> PolicyRows:
         """With the settings of the config's finetune.grpo section (config/grpo_section.py: GRPOConfig; read by
         name, as this module imports no config)."""
-        return cls(advantages, sampling_logps, old_logps, ref_logps, loss_type=grpo.loss_type, beta=grpo.beta,
-                   epsilon=grpo.epsilon, epsilon_high=grpo.epsilon_high,
-                   importance_sampling_level=grpo.importance_sampling_level,
-                   use_bias_correction_kl=grpo.use_bias_correction_kl,
-                   max_completion_length=grpo.max_completion_length, temperature=grpo.temperature,
+        return cls(advantages, sampling_logps, old_logps, ref_logps, loss=GRPOLossSettings.of(grpo),
+                   temperature=grpo.temperature,
                    vllm_importance_sampling_correction=grpo.vllm_importance_sampling_correction,
                    vllm_importance_sampling_mode=grpo.vllm_importance_sampling_mode,
                    vllm_importance_sampling_clip_min=grpo.vllm_importance_sampling_clip_min,

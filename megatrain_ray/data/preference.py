@@ -11,8 +11,9 @@ every other data source. Each row carries its reference log-probability (driver/
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,20 +168,21 @@ def make_evaluation_batches(cfg: Config) -> list[Batch] | PreferenceBatches | Pr
         return make_evaluation_prompts(cfg)
     if cfg.finetune.objective != "dpo":
         return make_eval_batches(cfg.data, cfg.model, cfg.train.eval_batches)
-    count = cfg.train.eval_batches
-    if cfg.data.eval_path:
-        return PreferenceBatches(cfg, cfg.data.eval_path, "train", "data.eval_path", eval_batches=count)
-    if not is_prepared(cfg.data.path):
-        raise ConfigError("train.eval_every needs evaluation pairs: set data.eval_path, or prepare data.path with "
-                          "--eval-fraction")
-    return PreferenceBatches(cfg, cfg.data.path, "eval", eval_batches=count)
+    return held_out(cfg, "pairs", lambda path, split, key: PreferenceBatches(cfg, path, split, key,
+                                                                             eval_batches=cfg.train.eval_batches))
 
 
 def make_evaluation_prompts(cfg: Config) -> PromptBatches:
     """GRPO's held-out prompts: data.eval_path's (its train split), else the eval split of data.path."""
+    return held_out(cfg, "prompts", lambda path, split, key: PromptBatches(cfg, path, split, key, evaluation=True))
+
+
+def held_out(cfg: Config, what: str, make: Callable[[str, str, str], Any]) -> Any:
+    """`make(directory, split, config key)` of the held-out data: data.eval_path's train split, else data.path's
+    eval split (prepared with --eval-fraction); `what` names the data in the error when there is neither."""
     if cfg.data.eval_path:
-        return PromptBatches(cfg, cfg.data.eval_path, "train", "data.eval_path", evaluation=True)
+        return make(cfg.data.eval_path, "train", "data.eval_path")
     if not is_prepared(cfg.data.path):
-        raise ConfigError("train.eval_every needs evaluation prompts: set data.eval_path, or prepare data.path with "
+        raise ConfigError(f"train.eval_every needs evaluation {what}: set data.eval_path, or prepare data.path with "
                           "--eval-fraction")
-    return PromptBatches(cfg, cfg.data.path, "eval", evaluation=True)
+    return make(cfg.data.path, "eval", "data.path")

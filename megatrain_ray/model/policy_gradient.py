@@ -27,11 +27,10 @@ from typing import Any
 import torch
 
 from megatrain_ray.exceptions import RewardFunctionError
+from megatrain_ray.messages import IS_LEVELS, LOSS_TYPES, GRPOLossSettings  # noqa: F401 (this module's names)
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-IS_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STD_EPS = 1e-4
 """Added to the standard deviation before dividing by it (TRL's constant)."""
@@ -206,44 +205,6 @@ def rollout_importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Te
 
 
 # ------------------------------------------------------------------ the loss
-
-
-@dataclass(frozen=True, slots=True)
-class GRPOLossSettings:
-    """The loss's settings, with the names of finetune.grpo (TRL's GRPOConfig)."""
-
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    """None: epsilon."""
-    importance_sampling_level: str = "token"
-    use_bias_correction_kl: bool = True
-    max_completion_length: int = 512
-    """dr_grpo's constant divisor per row."""
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"unknown GRPO loss type {self.loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
-        if self.importance_sampling_level not in IS_LEVELS:
-            raise ValueError(f"unknown importance_sampling_level {self.importance_sampling_level!r}; expected one "
-                             f"of {', '.join(IS_LEVELS)}")
-
-    @classmethod
-    def of(cls, grpo: Any) -> GRPOLossSettings:
-        """From the config's finetune.grpo section (config/grpo_section.py: GRPOConfig)."""
-        return cls(loss_type=grpo.loss_type, beta=grpo.beta, epsilon=grpo.epsilon, epsilon_high=grpo.epsilon_high,
-                   importance_sampling_level=grpo.importance_sampling_level,
-                   use_bias_correction_kl=grpo.use_bias_correction_kl,
-                   max_completion_length=grpo.max_completion_length)
-
-    @property
-    def epsilon_low(self) -> float:
-        return self.epsilon
-
-    @property
-    def epsilon_upper(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 def grpo_token_losses(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,

@@ -20,7 +20,7 @@ from megatrain_ray.messages import IGNORE_INDEX, PolicyRows
 from megatrain_ray.model.head import HeadResult, HeadSpec
 from megatrain_ray.model.label_logps import label_token_logps, normed_for_backward, token_grads_backward
 from megatrain_ray.model.norms import rms_norm
-from megatrain_ray.model.policy_gradient import GRPOLossSettings, grpo_loss_and_token_grads, rollout_importance_weights
+from megatrain_ray.model.policy_gradient import grpo_loss_and_token_grads, rollout_importance_weights
 
 
 @dataclass(slots=True)
@@ -32,13 +32,6 @@ class PolicyHeadResult(HeadResult):
     token_logps: torch.Tensor | None = None
     """[rows, seq_len] each label's log-probability (0 where labels == -100), detached, float32 (float64 when the
     model computes in it), on the device."""
-
-
-def loss_settings(rows: PolicyRows) -> GRPOLossSettings:
-    return GRPOLossSettings(loss_type=rows.loss_type, beta=rows.beta, epsilon=rows.epsilon,
-                            epsilon_high=rows.epsilon_high, importance_sampling_level=rows.importance_sampling_level,
-                            use_bias_correction_kl=rows.use_bias_correction_kl,
-                            max_completion_length=rows.max_completion_length)
 
 
 def _on_labels(t: torch.Tensor, valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -74,7 +67,7 @@ def policy_loss_and_token_grads(logps: torch.Tensor, labels: torch.Tensor, rows:
             logps.detach() if old is None else old, sampling, mask, rows.vllm_importance_sampling_mode,
             rows.vllm_importance_sampling_clip_min, rows.vllm_importance_sampling_clip_max)
     loss, grads, metrics = grpo_loss_and_token_grads(
-        logps, old, mask, rows.advantages.to(logps.device), loss_settings(rows), ref, is_weights,
+        logps, old, mask, rows.advantages.to(logps.device), rows.loss, ref, is_weights,
         total_rows=rows.total_rows or None, total_tokens=rows.total_tokens or None)
     return loss, grads, {**metrics, **is_metrics}
 

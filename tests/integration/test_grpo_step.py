@@ -26,7 +26,7 @@ pytest.importorskip("trl")
 
 from megatrain_ray.config.load import load_config
 from megatrain_ray.driver.trainer import Trainer
-from megatrain_ray.messages import IGNORE_INDEX, Batch, PolicyRows
+from megatrain_ray.messages import IGNORE_INDEX, Batch, GRPOLossSettings, PolicyRows
 from tests.conftest import learnable_tokens, tiny_raw
 from tests.integration.test_lora_parity import float64_transformers, make_base, peft_model  # noqa: F401 - a fixture
 from tests.numerics import assert_exact, relative_error
@@ -95,7 +95,7 @@ def reference_step(model, ids: torch.Tensor, labels: torch.Tensor, cols: torch.T
 def policy_batch(trl, rollout: Rollout, ids: torch.Tensor, labels: torch.Tensor, cols: torch.Tensor) -> Batch:
     rows = PolicyRows(trl.advantages, sampling_logps=to_rows(rollout.sampling_logps, cols),
                       old_logps=to_rows(rollout.old_logps, cols), ref_logps=to_rows(rollout.ref_logps, cols),
-                      **SETTINGS, vllm_importance_sampling_correction=True,
+                      loss=GRPOLossSettings(**SETTINGS), vllm_importance_sampling_correction=True,
                       vllm_importance_sampling_mode=IS["is_mode"], vllm_importance_sampling_clip_min=IS["is_clip_min"],
                       vllm_importance_sampling_clip_max=IS["is_clip_max"])
     return Batch(ids, labels, policy=rows)

@@ -23,7 +23,7 @@ from megatrain_ray.engine.forward_only import ForwardOnlyPasses
 from megatrain_ray.messages import IGNORE_INDEX, Batch, PolicyRows, PreferenceRows
 from megatrain_ray.model.head import HeadSpec
 from megatrain_ray.model.policy_gradient import GRPOLossSettings
-from megatrain_ray.model.policy_head import loss_settings, policy_eval_loss, policy_loss_and_grads, policy_token_logps
+from megatrain_ray.model.policy_head import policy_eval_loss, policy_loss_and_grads, policy_token_logps
 from tests.numerics import assert_exact
 from tests.reference_grpo import Rollout, first_reward, trl_grpo
 
@@ -91,9 +91,10 @@ def policy_rows(trl, rollout: Rollout, inputs: dict, on_policy: bool, *, loss_ty
                 is_clip_min=None, is_clip_max=3.0, temperature=1.0) -> PolicyRows:
     return PolicyRows(trl.advantages, sampling_logps=to_rows(rollout.sampling_logps, inputs),
                       old_logps=None if on_policy else to_rows(rollout.old_logps, inputs),
-                      ref_logps=to_rows(rollout.ref_logps, inputs) if beta else None, loss_type=loss_type, beta=beta,
-                      epsilon_high=epsilon_high, importance_sampling_level=importance_sampling_level,
-                      max_completion_length=max_completion_length, temperature=temperature,
+                      ref_logps=to_rows(rollout.ref_logps, inputs) if beta else None,
+                      loss=GRPOLossSettings(loss_type=loss_type, beta=beta, epsilon_high=epsilon_high,
+                                            importance_sampling_level=importance_sampling_level,
+                                            max_completion_length=max_completion_length), temperature=temperature,
                       vllm_importance_sampling_correction=is_mode is not None,
                       vllm_importance_sampling_mode=is_mode or "sequence_mask",
                       vllm_importance_sampling_clip_min=is_clip_min, vllm_importance_sampling_clip_max=is_clip_max)
@@ -211,7 +212,7 @@ def test_rows_from_the_config_carry_its_loss_settings():
                       vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
                       vllm_importance_sampling_clip_max=2.0, temperature=0.6)
     rows = PolicyRows.from_config(grpo, torch.zeros(2, dtype=torch.float64), total_rows=4, total_tokens=9)
-    assert loss_settings(rows) == GRPOLossSettings.of(grpo)
+    assert rows.loss == GRPOLossSettings.of(grpo)
     assert (rows.vllm_importance_sampling_correction, rows.vllm_importance_sampling_mode,
             rows.vllm_importance_sampling_clip_min, rows.vllm_importance_sampling_clip_max) == (True, "token_mask",
                                                                                                 0.5, 2.0)
