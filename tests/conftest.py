@@ -112,6 +112,50 @@ def ray_session(_shared_ray):
     yield
 
 
+@pytest.fixture(scope="session")
+def private_ray_cli_run(tmp_path_factory) -> dict:
+    """`megatrain train configs/tiny.yaml` for 5 steps through the private Ray it starts, in a HOME of its own, run
+    once for the suite (a private Ray's start is some 15 s on 2 cores): test_cli checks the run, test_ray_privacy
+    its token. Returns {"result": the CompletedProcess, "pid": the driver's, "home", "out", "modes": every mode
+    ~/.ray/auth_token was seen with, watched from before the run starts}."""
+    import stat
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    home = tmp_path_factory.mktemp("private-ray") / "home"
+    home.mkdir()
+    out, token = home.parent / "run", home / ".ray" / "auth_token"
+    modes: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        # Tight until the file first exists (its creation is where a mode set afterwards would be seen), then
+        # every millisecond (a spinning thread would take one of the run's 2 cores for its whole length).
+        while not done.is_set():
+            try:
+                modes.add(stat.S_IMODE(os.stat(token).st_mode))
+                time.sleep(0.001)
+            except FileNotFoundError:
+                pass
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env.update(HOME=str(home), PYTHONPATH=REPO)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with subprocess.Popen([sys.executable, "-m", "megatrain_ray", "train", "configs/tiny.yaml", "--set",
+                               f"train.output_dir={out}", "--set", "train.steps=5"], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+            stdout, stderr = child.communicate(timeout=300)
+    finally:
+        done.set()
+        watcher.join()
+    result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    return {"result": result, "pid": child.pid, "home": home, "out": out, "modes": modes}
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_state():
     dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
@@ -120,8 +164,9 @@ def _restore_torch_state():
     torch.set_num_threads(threads)
 
 
-# Modules that shut the suite's shared Ray down to start one of their own: run last, so the shared one starts once.
-OWN_RAY_MODULES = ("test_placement.py", "test_runtime.py")
+# Modules that shut the suite's shared Ray down to start one of their own: run last, so the shared one starts once
+# (test_data_parallel's two-node cluster comes after its tests on the shared one).
+OWN_RAY_MODULES = ("test_data_parallel.py", "test_placement.py", "test_runtime.py")
 
 
 def pytest_collection_modifyitems(config, items):

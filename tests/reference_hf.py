@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import one_thread
+from tests.reference_cache import ReferenceRuns
 from tests.reference_llama import reference_lr
 
 
@@ -84,14 +85,24 @@ def float64_throughout(model) -> None:
 
 
 def train_hf(model, cfg, state: dict[str, torch.Tensor], batches: list[torch.Tensor],
-             dtype: torch.dtype, aux: bool = False, exact: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+             dtype: torch.dtype, aux: bool = False, exact: bool = False,
+             runs: ReferenceRuns | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The Hugging Face model itself, trained with torch.optim.AdamW and clip_grad_norm_ as megatrain is
     configured (lr schedule, betas, eps, weight decay on matrices only, clipping); with `aux` (a mixture of
     experts), the loss adds router_aux_loss_coef * the aux_loss transformers computes. With `exact`, a float64
     model is float64 throughout (float64_throughout): the float64 twin of a float32 run, whose difference from
-    it is then all of float32's rounding. On one thread (tests.conftest.one_thread: a tiny model's ops)."""
-    with one_thread():
-        return _train_hf(model, cfg, state, batches, dtype, aux, exact)
+    it is then all of float32's rounding. On one thread (tests.conftest.one_thread: a tiny model's ops).
+    `runs`: where a module keeps the runs made (by the content of all they read: the model's class, config and
+    tensors, the settings, weights and batches), for a module whose models and their classes are not patched."""
+    def train() -> tuple[list[float], dict[str, torch.Tensor]]:
+        with one_thread():
+            return _train_hf(model, cfg, state, batches, dtype, aux, exact)
+    if runs is None:
+        return train()
+    o, s = cfg.optimizer, cfg.schedule
+    settings = (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip, s.warmup_steps, s.kind, s.min_lr_ratio)
+    return runs.get(train, type(model).__qualname__, model.config.to_json_string(), model.state_dict(), settings,
+                    state, batches, dtype, aux, exact)
 
 
 def _train_hf(model, cfg, state, batches, dtype, aux, exact):

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.reference_cache import ReferenceRuns
+
 
 class RefRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -171,8 +173,13 @@ def train_reference(c: dict, state: dict[str, torch.Tensor], batches: list[torch
 
 def train_reference_like(cfg, state: dict[str, torch.Tensor], batches: list[torch.Tensor], dtype: torch.dtype,
                          device: str = "cpu") -> tuple[list[float], dict]:
-    """train_reference with the model, optimizer and schedule settings of a megatrain Config."""
+    """train_reference with the model, optimizer and schedule settings of a megatrain Config; made once per distinct
+    input (tests/reference_cache.py: the same reference serves the local and the Ray run, 1 or 3 workers)."""
     o, s = cfg.optimizer, cfg.schedule
-    return train_reference(config_of(cfg.model), state, batches, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                           weight_decay=o.weight_decay, grad_clip=o.grad_clip, warmup=s.warmup_steps, kind=s.kind,
-                           min_ratio=s.min_lr_ratio, dtype=dtype, device=device)
+    model = config_of(cfg.model)
+    settings = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+                    warmup=s.warmup_steps, kind=s.kind, min_ratio=s.min_lr_ratio, dtype=dtype, device=device)
+    return _RUNS.get(lambda: train_reference(model, state, batches, **settings), model, settings, state, batches)
+
+
+_RUNS = ReferenceRuns()

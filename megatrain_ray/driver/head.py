@@ -135,17 +135,15 @@ def start(num_gpus: int | None = None, allow_unauthenticated: bool = False,
 
 
 def stop(wait_s: float = 15.0) -> int:
-    """End the cluster's processes (SIGTERM, then SIGKILL after `wait_s`); how many there were."""
+    """End the cluster's processes (SIGTERM, then SIGKILL after `wait_s`); how many there were. The GCS last, as
+    `ray stop` does: sent SIGTERM while the raylet and its agents are going down, Ray's GCS waits on a flush of its
+    events that never ends and is only killed after `wait_s`; alone, it ends at once (well under a second)."""
     temp_dir = _recorded_temp_dir()
     pids = _cluster_processes(temp_dir)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    gcs = [pid for pid in pids if _is_gcs(pid)]
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and _cluster_processes(temp_dir):
-        time.sleep(0.2)
+    _terminate([pid for pid in pids if pid not in gcs], temp_dir, deadline, keep=set(gcs))
+    _terminate(gcs, temp_dir, deadline)
     for pid in _cluster_processes(temp_dir):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -153,6 +151,21 @@ def stop(wait_s: float = 15.0) -> int:
             pass
     env_file().unlink(missing_ok=True)
     return len(pids)
+
+
+def _is_gcs(pid: int) -> bool:
+    return os.path.basename(cmdline(pid).split(b"\0", 1)[0]) == b"gcs_server"
+
+
+def _terminate(pids: list[int], temp_dir: Path, deadline: float, keep: set[int] = frozenset()) -> None:
+    """SIGTERM to `pids`, then wait until the cluster's processes are `keep` alone, or until `deadline`."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    while time.monotonic() < deadline and set(_cluster_processes(temp_dir)) - keep:
+        time.sleep(0.1)
 
 
 def exports_text() -> str:

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open
 
 from tests.conftest import REPO
-from tests.integration.test_cli import megatrain
+from tests.integration.test_cli import megatrain, side_by_side
 
 EXAMPLE = f"{REPO}/examples/finetune_qwen2"
 
@@ -54,8 +54,10 @@ def test_finetune_example_end_to_end(tmp_path):
 
 def test_cli_errors_are_one_line_without_traceback(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"instruction": "Say hi."}) + "\n")
-    proc = megatrain("prepare", "--tokenizer", str(tmp_path / "no-model"), "--format", "alpaca", "--input",
-                     str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "out"))
-    assert proc.returncode == 2 and "--tokenizer" in proc.stderr and "Traceback" not in proc.stderr
-    proc = megatrain("export", str(tmp_path), str(tmp_path / "out"))
-    assert proc.returncode == 2 and "neither a model directory" in proc.stderr and "Traceback" not in proc.stderr
+    prepared, exported = side_by_side(
+        lambda: megatrain("prepare", "--tokenizer", str(tmp_path / "no-model"), "--format", "alpaca", "--input",
+                          str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "out")),
+        lambda: megatrain("export", str(tmp_path), str(tmp_path / "exported")))
+    assert prepared.returncode == 2 and "--tokenizer" in prepared.stderr and "Traceback" not in prepared.stderr
+    assert exported.returncode == 2 and "neither a model directory" in exported.stderr
+    assert "Traceback" not in exported.stderr

@@ -32,11 +32,12 @@ def state(trainer: Trainer) -> dict[str, torch.Tensor]:
 @pytest.mark.ray
 def test_dead_actors_are_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path, ray_session):
     """An optimizer worker killed in step 5, then a host shard in step 8 of the same run: each death restarts
-    the run from its newest checkpoint (every 3 steps), and the losses and weights are the uninterrupted run's."""
-    common = {"optimizer": {"workers": 2}, "runtime": {"mode": "ray"}, "train": {"steps": 10},
-              "checkpoint": {"every": 3}}
+    the run from its newest checkpoint (every 3 steps), and the losses and weights are the uninterrupted run's
+    (made in-process: the same actors' code, bit for bit the run through Ray, without its actors' start-up)."""
+    common = {"optimizer": {"workers": 2}, "train": {"steps": 10}, "checkpoint": {"every": 3}}
     _, ref_losses, ref_weights = run(tiny_config(tmp_path / "ref", **common))
-    cfg = tiny_config(tmp_path / "cut", fault={"max_restarts": 2, "drill": "kill:optim1@5,kill:host0@8"}, **common)
+    cfg = tiny_config(tmp_path / "cut", fault={"max_restarts": 2, "drill": "kill:optim1@5,kill:host0@8"},
+                      runtime={"mode": "ray"}, **common)
     trainer, losses, weights = run(cfg)
     assert trainer.restarts == 2
     assert losses == ref_losses

@@ -19,7 +19,7 @@ from megatrain_ray.data.hub_datasets import hub_dataset_files
 from megatrain_ray.exceptions import DataError
 from tests.conftest import REPO
 from tests.hub_cache import add_snapshot
-from tests.integration.test_cli import megatrain
+from tests.integration.test_cli import megatrain, side_by_side
 
 CHATS = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
                        {"role": "assistant", "content": f"{i} + {i} = {2 * i}."}]} for i in range(7)]
@@ -69,12 +69,13 @@ def test_prepare_from_a_hub_dataset_equals_the_same_records_as_input(offline_dat
     model = make_tiny_qwen2(tmp_path / "model")
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS[:5]))
     common = ["--tokenizer", str(model), "--format", "messages", "--workers", "1"]
-    by_name = megatrain("prepare", *common, "--hf-dataset", "tiny-org/chats", "--output", str(tmp_path / "a"))
+    by_name, by_file, missing = side_by_side(
+        lambda: megatrain("prepare", *common, "--hf-dataset", "tiny-org/chats", "--output", str(tmp_path / "a")),
+        lambda: megatrain("prepare", *common, "--input", str(tmp_path / "chats.jsonl"), "--output", str(tmp_path / "b")),
+        lambda: megatrain("prepare", *common, "--hf-dataset", "tiny-org/chats", "--hf-split", "dev",
+                          "--output", str(tmp_path / "c")))
     assert by_name.returncode == 0, by_name.stderr
-    by_file = megatrain("prepare", *common, "--input", str(tmp_path / "chats.jsonl"), "--output", str(tmp_path / "b"))
     assert by_file.returncode == 0, by_file.stderr
     shards = sorted(p.name for p in (tmp_path / "a").glob("*.parquet"))
     assert shards and all(pq.read_table(tmp_path / "a" / s).equals(pq.read_table(tmp_path / "b" / s)) for s in shards)
-    missing = megatrain("prepare", *common, "--hf-dataset", "tiny-org/chats", "--hf-split", "dev",
-                        "--output", str(tmp_path / "c"))
     assert missing.returncode == 2 and "has no split 'dev'" in missing.stderr and "Traceback" not in missing.stderr

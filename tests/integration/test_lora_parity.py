@@ -35,8 +35,9 @@ peft = pytest.importorskip("peft")
 
 from megatrain_ray.config.load import load_config
 from megatrain_ray.driver.trainer import Trainer
-from tests.conftest import learnable_tokens, tiny_raw
+from tests.conftest import learnable_tokens, one_thread, tiny_raw
 from tests.numerics import Reference, assert_run_exact, assert_run_within_noise, reference_in_both, relative_error
+from tests.reference_cache import ReferenceRuns, code_of
 from tests.reference_llama import reference_lr
 
 
@@ -93,7 +94,23 @@ def peft_model(base: Path, cfg, adapters: dict[str, torch.Tensor], dtype: torch.
 def train_peft(model, cfg, batches: list[torch.Tensor], aux_coef: float = 0.0
                ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: torch.optim.AdamW over the peft model's trainable parameters, the run's schedule and
-    clipping; `aux_coef` > 0 adds the MoE router's load-balancing loss as transformers computes it."""
+    clipping; `aux_coef` > 0 adds the MoE router's load-balancing loss as transformers computes it. On one thread
+    (tests.conftest.one_thread), and made once per distinct input (tests/reference_cache.py: the model's code,
+    configs and tensors, the settings and batches), so the model passed in is trained only the first time."""
+    o, s = cfg.optimizer, cfg.schedule
+    settings = (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip, s.warmup_steps, s.kind, s.min_lr_ratio)
+
+    def train() -> tuple[list[float], dict[str, torch.Tensor]]:
+        with one_thread():
+            return _train_peft(model, cfg, batches, aux_coef)
+    return PEFT_RUNS.get(train, code_of(model), model.config.to_json_string(), repr(model.peft_config),
+                         model.state_dict(), settings, batches, aux_coef)
+
+
+PEFT_RUNS = ReferenceRuns()
+
+
+def _train_peft(model, cfg, batches: list[torch.Tensor], aux_coef: float) -> tuple[list[float], dict[str, torch.Tensor]]:
     o, s = cfg.optimizer, cfg.schedule
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
@@ -358,21 +375,6 @@ def test_lora_matches_peft_through_ray(tmp_path, ray_session, family):
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, loss) of a run's metrics.jsonl."""
     return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
-
-
-def assert_restart_is_exact(tmp_path: Path, base: Path, steps: int, drill: str, **common) -> None:
-    """A LoRA run whose process `drill` kills restarts from the adapters' checkpoint and ends bit-identical to an
-    uninterrupted run: the same per-step losses and the same final adapters."""
-    with Trainer(lora_config(tmp_path / "ref", base, steps=steps, **common)) as trainer:
-        trainer.train()
-        reference = trainer.adapters()
-    cfg = lora_config(tmp_path / "cut", base, steps=steps, fault={"max_restarts": 1, "drill": drill}, **common)
-    with Trainer(cfg) as trainer:
-        trainer.train()
-        assert trainer.restarts == 1
-        adapters = trainer.adapters()
-    assert losses(tmp_path / "cut" / "run") == losses(tmp_path / "ref" / "run")
-    assert all(torch.equal(adapters[k], reference[k]) for k in reference)
 
 
 def exported_adapter_logits(base: Path, adapter_dir: Path, ids: torch.Tensor, **hf_kwargs

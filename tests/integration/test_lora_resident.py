@@ -19,14 +19,8 @@ pytest.importorskip("peft")
 
 from megatrain_ray.driver.trainer import Trainer
 from tests.conftest import interrupted_and_resumed
-from tests.integration.test_lora_parity import (
-    assert_lora_parity,
-    assert_restart_is_exact,
-    lora_config,
-    losses,
-    make_base,
-    run_both,
-)
+from tests.integration.test_lora_parity import assert_lora_parity, lora_config, losses, make_base, run_both
+from tests.integration.test_lora_state import assert_restart_is_exact
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +122,12 @@ def test_overwritten_base_weights_reach_the_resident_layers(tmp_path, base):
 
 @pytest.mark.float32_parity
 @pytest.mark.ray
-def test_two_gpu_workers_each_with_a_resident_base_match_peft_and_survive_a_restart(tmp_path, base, ray_session):
+def test_two_gpu_workers_each_with_a_resident_base_match_peft_and_survive_a_restart(tmp_path, ray_session):
     """Through Ray: two GPU workers (parallel.gpus=2), each holding the whole base on its device, against peft on
     the whole batch; then a killed GPU worker restarts from the adapters' checkpoint, copies the base again and
-    ends bit-identical to an uninterrupted run."""
+    ends bit-identical to an uninterrupted run: the one compared with peft."""
     ray = {"runtime": {"mode": "ray"}, "parallel": {"gpus": 2}, "engine": {"gpu_resident": 3}}
-    assert_lora_parity(run_both(tmp_path / "peft", "qwen2", world=2, **ray))
-    assert_restart_is_exact(tmp_path, base, 6, "kill:gpu1@4", checkpoint={"every": 3}, **ray)
+    run = run_both(tmp_path / "peft", "qwen2", world=2, **ray)
+    assert_lora_parity(run)
+    assert_restart_is_exact(tmp_path, run.base, len(run.losses), "kill:gpu1@4", reference=(run.losses, run.final),
+                            checkpoint={"every": 3}, **ray)

@@ -27,14 +27,30 @@ from megatrain_ray.engine.adapters import ADAPTER_FILE, ADAPTER_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.store.checkpoint import CheckpointDir
 from tests.conftest import interrupted_and_resumed, one_thread
-from tests.integration.test_lora_parity import (
-    assert_restart_is_exact,
-    exported_adapter_logits,
-    lora_config,
-    losses,
-    make_base,
-)
+from tests.integration.test_lora_parity import exported_adapter_logits, lora_config, losses, make_base
 from tests.numerics import assert_within_noise, bound, relative_error
+
+
+def assert_restart_is_exact(tmp_path: Path, base: Path, steps: int, drill: str,
+                            reference: tuple[list[float], dict[str, torch.Tensor]] | None = None,
+                            reference_sections: dict | None = None, **common) -> None:
+    """A LoRA run whose process `drill` kills restarts from the adapters' checkpoint and ends bit-identical to an
+    uninterrupted run: the same per-step losses and the same final adapters. `reference`: that run's losses and
+    adapters if made already; else it is made here, with `common` updated by `reference_sections` (in-process
+    rather than through Ray: the same actors' code, bit for bit)."""
+    if reference is None:
+        sections = {**common, **(reference_sections or {})}
+        with Trainer(lora_config(tmp_path / "ref", base, steps=steps, **sections)) as trainer:
+            trainer.train()
+            reference = [loss for _, loss in losses(tmp_path / "ref" / "run")], trainer.adapters()
+    cfg = lora_config(tmp_path / "cut", base, steps=steps, fault={"max_restarts": 1, "drill": drill}, **common)
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        assert trainer.restarts == 1
+        adapters = trainer.adapters()
+    assert losses(tmp_path / "cut" / "run") == list(enumerate(reference[0]))
+    assert adapters.keys() == reference[1].keys()
+    assert all(torch.equal(adapters[k], reference[1][k]) for k in reference[1])
 
 
 def exported_logits_float64(base: Path, export_dir: Path, ids: torch.Tensor, **hf_kwargs
@@ -138,7 +154,7 @@ def test_nan_gradient_drops_the_step_and_leaves_the_adapters(tmp_path, base):
 @pytest.mark.ray
 def test_a_killed_gpu_worker_restarts_from_the_adapters_checkpoint(tmp_path, base, ray_session):
     assert_restart_is_exact(tmp_path, base, 8, "kill:gpu@4", runtime={"mode": "ray"}, checkpoint={"every": 3},
-                            host={"num_shards": 2})
+                            host={"num_shards": 2}, reference_sections={"runtime": {"mode": "local"}})
 
 
 @pytest.mark.float32_parity

@@ -5,7 +5,6 @@ with HF_HUB_OFFLINE=1."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from megatrain_ray.exceptions import CheckpointError, ConfigError
 from megatrain_ray.system.model_sources import fetch_weights
 from tests.conftest import REPO
 from tests.hub_cache import add_snapshot
-from tests.integration.test_cli import megatrain
+from tests.integration.test_cli import megatrain, side_by_side
 
 EXAMPLE = f"{REPO}/examples/finetune_qwen2"
 NAME = "tiny-org/tiny-qwen2"
@@ -84,41 +83,31 @@ def test_uncached_name_is_one_clear_error(tmp_path, models):
 
 
 def _cli_offline(hf_home: Path, *args: str):
-    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE")}
-    os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
-    try:
-        return megatrain(*args)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return megatrain(*args, env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
 
 
 def test_prepare_and_train_by_hub_name_equal_the_local_directory(tmp_path, models):
     hub = models["hf_home"]
     by_name, by_dir = tmp_path / "data-name", tmp_path / "data-dir"
-    proc = _cli_offline(hub, "prepare", "--tokenizer", NAME, "--format", "alpaca", "--input",
-                        f"{EXAMPLE}/alpaca_tiny.json", "--output", str(by_name))
-    assert proc.returncode == 0, proc.stderr
-    proc = megatrain("prepare", "--tokenizer", str(models["main"]), "--format", "alpaca", "--input",
-                     f"{EXAMPLE}/alpaca_tiny.json", "--output", str(by_dir))
-    assert proc.returncode == 0, proc.stderr
+    prepared = side_by_side(
+        lambda: _cli_offline(hub, "prepare", "--tokenizer", NAME, "--format", "alpaca", "--input",
+                             f"{EXAMPLE}/alpaca_tiny.json", "--output", str(by_name)),
+        lambda: megatrain("prepare", "--tokenizer", str(models["main"]), "--format", "alpaca", "--input",
+                          f"{EXAMPLE}/alpaca_tiny.json", "--output", str(by_dir)))
+    assert [p.returncode for p in prepared] == [0, 0], [p.stderr for p in prepared]
     shards = sorted(p.name for p in by_name.glob("*.parquet"))
     assert shards and all((by_name / s).read_bytes() == (by_dir / s).read_bytes() for s in shards)
 
-    losses = {}
-    for label, model in (("name", NAME), ("dir", str(models["main"]))):
-        run = tmp_path / f"run-{label}"
-        proc = _cli_offline(hub, "train", f"{EXAMPLE}/config.yaml", "--local", "--set", f"model.path={model}",
-                            "--set", f"data.path={by_dir}", "--set", f"train.output_dir={run}",
+    def train(label: str, model: str):
+        return _cli_offline(hub, "train", f"{EXAMPLE}/config.yaml", "--local", "--set", f"model.path={model}",
+                            "--set", f"data.path={by_dir}", "--set", f"train.output_dir={tmp_path / f'run-{label}'}",
                             "--set", "train.export_dir=", "--set", "train.steps=6", "--set", "train.eval_every=0")
-        assert proc.returncode == 0, proc.stderr
-        losses[label] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-        if label == "name":
-            resolved = yaml.safe_load((run / "config.yaml").read_text())
-            assert Path(resolved["model"]["path"]) == models["snapshot-main"]
+    trained = side_by_side(lambda: train("name", NAME), lambda: train("dir", str(models["main"])))
+    assert [p.returncode for p in trained] == [0, 0], [p.stderr for p in trained]
+    losses = {label: [json.loads(line)["loss"] for line in (tmp_path / f"run-{label}" / "metrics.jsonl").read_text()
+                      .splitlines()] for label in ("name", "dir")}
+    resolved = yaml.safe_load((tmp_path / "run-name" / "config.yaml").read_text())
+    assert Path(resolved["model"]["path"]) == models["snapshot-main"]
     assert len(losses["name"]) == 6 and losses["name"] == losses["dir"]
 
 

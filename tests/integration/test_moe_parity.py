@@ -49,6 +49,7 @@ from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from tests.conftest import one_thread, tiny_config  # noqa: E402
 from tests.integration.test_phi3_parity import assert_float32_parity, assert_float64_run  # noqa: E402
 from tests.numerics import EXACT, assert_within_noise, reference_in_both, relative_error  # noqa: E402
+from tests.reference_cache import ReferenceRuns  # noqa: E402
 from tests.reference_hf import train_hf  # noqa: E402
 from tests.unit.test_moe import hf_moe_model  # noqa: E402
 
@@ -67,6 +68,9 @@ LR = {"gpt-oss": 3e-3}
 #   chaotic quantity), so no 4x bound holds it reliably; without the aux loss the ratio is 0.8x, and Mixtral
 #   covers float32 with the aux loss (0.7x).
 RAY_FLOAT64 = {("gpt-oss", True), ("gpt-oss", False), ("qwen3-moe-dense-layer", True)}
+# transformers' runs, each made once (the local float64 test's serves the Ray run's and the float64 twin of a float32
+# Ray run): tests/reference_cache.py.
+REFERENCES = ReferenceRuns()
 
 
 def run_both(tmp_path, name: str, dtype: str, aux: bool, **sections):
@@ -103,7 +107,7 @@ def _run_model(tmp_path, model, name: str, dtype: str, **sections):
     float64_bound)."""
     cfg, records, initial, batches, final = _run_engine(tmp_path, model, name, dtype, **sections)
     ref_losses, ref_state = train_hf(model, cfg, initial, batches, getattr(torch, dtype),
-                                     bool(model.config.output_router_logits), exact=name != "gpt-oss")
+                                     bool(model.config.output_router_logits), exact=name != "gpt-oss", runs=REFERENCES)
     return [r["loss"] for r in records], ref_losses, final, ref_state, initial, records
 
 
@@ -139,7 +143,8 @@ def test_moe_ray_matches_transformers(tmp_path, ray_session, name, aux):
         return
     model = hf_moe_model(name, output_router_logits=aux, router_aux_loss_coef=AUX_COEF)
     cfg, records, initial, batches, final = _run_engine(tmp_path, model, name, "float32", **sections)
-    reference = reference_in_both(lambda dtype: train_hf(model, cfg, initial, batches, dtype, aux, exact=True))
+    reference = reference_in_both(lambda dtype: train_hf(model, cfg, initial, batches, dtype, aux, exact=True,
+                                                         runs=REFERENCES))
     assert_float32_parity([r["loss"] for r in records], final, initial, reference)
 
 

@@ -45,10 +45,14 @@ from tests.numerics import (  # noqa: E402
     relative_error,
     run_noise,
 )
+from tests.reference_cache import ReferenceRuns  # noqa: E402
 from tests.reference_hf import train_hf  # noqa: E402
 from tests.unit.test_templates import hf_model  # noqa: E402
 
 NAME = "phi3-longrope-partial"
+# transformers' runs, each made once (the float64 test's and the float64 twin of a float32 one; the local and the
+# Ray run): tests/reference_cache.py. Shared with test_gemma_parity, which trains through run_both.
+REFERENCES = ReferenceRuns()
 
 
 def run_engine(tmp_path, model, seq_len: int, dtype: str, **sections):
@@ -74,7 +78,7 @@ def run_both(tmp_path, model, seq_len: int, dtype: str, **sections):
     float64 throughout: reference_hf.float64_throughout); returns (our losses, its losses, our final weights, its,
     the initial weights)."""
     cfg, ours, initial, batches, final = run_engine(tmp_path, model, seq_len, dtype, **sections)
-    ref_losses, ref_state = train_hf(model, cfg, initial, batches, getattr(torch, dtype), exact=True)
+    ref_losses, ref_state = train_hf(model, cfg, initial, batches, getattr(torch, dtype), exact=True, runs=REFERENCES)
     return ours, ref_losses, final, ref_state, initial
 
 
@@ -85,7 +89,7 @@ def run_against_reference_pair(tmp_path, model, seq_len: int, **sections):
     weights, the reference)."""
     cfg, ours, initial, batches, final = run_engine(tmp_path, model, seq_len, "float32", **sections)
     return ours, final, initial, reference_in_both(
-        lambda dtype: train_hf(model, cfg, initial, batches, dtype, exact=True))
+        lambda dtype: train_hf(model, cfg, initial, batches, dtype, exact=True, runs=REFERENCES))
 
 
 def assert_float64_run(ours, ref, final, ref_state, initial, limit: float = EXACT) -> None:

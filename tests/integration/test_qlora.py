@@ -24,6 +24,7 @@ from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4
 from tests.conftest import interrupted_and_resumed, one_thread
 from tests.integration.test_lora_parity import lora_config, make_base, peft_model
 from tests.numerics import assert_all_within_noise, assert_within_noise, bound, relative_error
+from tests.reference_cache import ReferenceRuns
 
 NF4 = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear",
                                    "base_quantization": "nf4"}}
@@ -98,6 +99,16 @@ TRACK = dict(precision={"compute_dtype": "bfloat16"}, optimizer={"lr": 1e-2}, sc
 the adapters move the loss in 50 steps."""
 
 
+_TRACKED = ReferenceRuns()
+
+
+def tracked_losses(tmp_path: Path, base: Path, quantization: str) -> list[float]:
+    """lora_losses of TRACK's 50 steps in-process, made once per base (by its files' content) and quantization: the
+    local runs of the tracking test and of the Ray test are the same runs."""
+    files = [(base / name).read_bytes() for name in ("config.json", "model.safetensors")]
+    return _TRACKED.get(lambda: lora_losses(tmp_path, base, quantization, 50, **TRACK), files, quantization)
+
+
 def assert_tracks(nf4: list[float], dense: list[float]) -> float:
     """Every step's loss within 3 % (issue 30's bound) of the dense base's; returns the largest relative gap.
     The comparison must mean something: the loss falls, and the NF4 base's is not the dense one's."""
@@ -116,21 +127,21 @@ def test_nf4_lora_tracks_the_bf16_base_over_50_steps(tmp_path):
     Measured on the random tiny Llama (3 layers, hidden 48, r 4, lr 1e-2): the largest gap 0.77 %, losses 4.562 ->
     4.379 (bf16 base) and 4.559 -> 4.360 (NF4 base); the bound is issue 30's 3 %."""
     base = make_base(tmp_path / "base", "llama")
-    dense = lora_losses(tmp_path, base, "none", 50, **TRACK)
-    nf4 = lora_losses(tmp_path, base, "nf4", 50, **TRACK)
+    dense = tracked_losses(tmp_path, base, "none")
+    nf4 = tracked_losses(tmp_path, base, "nf4")
     assert_tracks(nf4, dense)
 
 
 @pytest.mark.ray
 def test_nf4_lora_through_ray_equals_the_local_run(tmp_path, ray_session):
     """Through Ray (host shards and the GPU worker as actors, the NF4 segments shared between them), 50 steps,
-    two host shards: the losses equal the local run's exactly (the same arithmetic), and track the dense base."""
+    two host shards: the losses equal the local run's exactly (the same arithmetic), and track the dense base (its
+    local run: the dense base through Ray is the LoRA parity tests')."""
     base = make_base(tmp_path / "base", "llama")
-    local = lora_losses(tmp_path / "local", base, "nf4", 50, **TRACK)
+    local = tracked_losses(tmp_path / "local", base, "nf4")
     ray = lora_losses(tmp_path / "ray", base, "nf4", 50, **TRACK, runtime={"mode": "ray"}, host={"num_shards": 2})
     assert ray == local
-    dense = lora_losses(tmp_path / "ray", base, "none", 50, **TRACK, runtime={"mode": "ray"}, host={"num_shards": 2})
-    assert_tracks(ray, dense)
+    assert_tracks(ray, tracked_losses(tmp_path / "local", base, "none"))
 
 
 def test_the_host_store_holds_what_the_plan_counts(tmp_path):

@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,43 +26,31 @@ def _train(home: Path, out: Path, *extra: str, env: dict[str, str] | None = None
                           cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
 
 
-def test_the_token_is_0600_from_its_first_moment_and_auth_is_on(tmp_path):
-    home = tmp_path / "home"
-    home.mkdir()
-    token = home / ".ray" / "auth_token"
-    modes: set[int] = set()
-    done = threading.Event()
-
-    def watch() -> None:  # a tight poll: any moment the file exists with another mode is seen
-        while not done.is_set():
-            try:
-                modes.add(stat.S_IMODE(os.stat(token).st_mode))
-            except FileNotFoundError:
-                pass
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        result = _train(home, tmp_path / "run")
-    finally:
-        done.set()
-        watcher.join()
+def test_the_token_is_0600_from_its_first_moment_and_auth_is_on(private_ray_cli_run):
+    """A run through the private Ray it starts, in a HOME without a token (tests/conftest.private_ray_cli_run,
+    whose watcher saw every mode the token file had, from before the run started)."""
+    result, home = private_ray_cli_run["result"], private_ray_cli_run["home"]
     assert result.returncode == 0, result.stderr
     assert "token auth on" in result.stderr
+    modes = private_ray_cli_run["modes"]
     assert modes == {0o600}, f"modes seen: {sorted(oct(m) for m in modes)}"
     assert stat.S_IMODE((home / ".ray").stat().st_mode) & 0o077 == 0
 
 
 def test_auth_turned_off_by_the_environment_is_refused_before_ray_unless_allowed(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
     home = tmp_path / "home"
     home.mkdir()
-    refused = _train(home, tmp_path / "run", env={"RAY_AUTH_MODE": "disabled"})
+    off = {"RAY_AUTH_MODE": "disabled"}
+    with ThreadPoolExecutor(2) as pool:  # side by side: the refused run ends before the other's Ray is up
+        refusing = pool.submit(_train, home, tmp_path / "run", env=off)
+        allowing = pool.submit(_train, home, tmp_path / "run2", "--set", "runtime.allow_unauthenticated=true", env=off)
+        refused, allowed = refusing.result(), allowing.result()
     assert refused.returncode == 2, refused.stderr
     errors = [line for line in refused.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "RAY_AUTH_MODE='disabled'" in errors[0] and "runtime.allow_unauthenticated" in errors[0]
     assert "Traceback" not in refused.stderr and not (tmp_path / "run").exists()
-    allowed = _train(home, tmp_path / "run2", "--set", "runtime.allow_unauthenticated=true",
-                     env={"RAY_AUTH_MODE": "disabled"})
     assert allowed.returncode == 0, allowed.stderr
     assert "token auth OFF" in allowed.stderr and "token auth on" not in allowed.stderr
 

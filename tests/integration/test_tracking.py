@@ -303,9 +303,8 @@ def test_an_automatic_restart_rewinds_the_tracked_runs_in_process(offline, ray_s
     tracked runs go on, each with steps 0..9 once (TensorBoard with the rerun's values of steps 3-4)."""
     for package in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(package)
-    cfg = tracked_config(offline, ["tensorboard", "mlflow", "wandb"], steps=10, optimizer={"workers": 2},
-                         runtime={"mode": "ray"}, checkpoint={"every": 3},
-                         fault={"max_restarts": 1, "drill": "kill:optim1@5"})
+    cfg = tracked_config(offline, ["tensorboard", "mlflow", "wandb"], steps=10, runtime={"mode": "ray"},
+                         checkpoint={"every": 3}, fault={"max_restarts": 1, "drill": "kill:optim0@5"})
     with Trainer(cfg) as trainer:
         trainer.train()
         assert trainer.restarts == 1

@@ -61,7 +61,13 @@ def test_compile_in_process_leaves_the_users_choice(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_inductor_compiles_in_process_unless_the_user_asks_for_workers():
-    """On the CPU Inductor starts no pool either way (it serves Triton only): the setting is what is checked."""
-    assert probe("cpu") == (1, 0)
-    assert probe("cpu", TORCHINDUCTOR_COMPILE_THREADS="2")[0] == 2  # the user's choice stands
+    """On the CPU Inductor starts no pool either way (it serves Triton only): the setting is what is checked. The two
+    probes run side by side (each is a fresh process importing torch on one core first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        default = pool.submit(probe, "cpu")
+        chosen = pool.submit(probe, "cpu", TORCHINDUCTOR_COMPILE_THREADS="2")
+        assert default.result() == (1, 0)
+        assert chosen.result()[0] == 2  # the user's choice stands
 
