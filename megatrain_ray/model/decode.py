@@ -31,7 +31,9 @@ class KVCache:
     @classmethod
     def empty(cls, rows: int, spec: LayerSpec, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         shape = (rows, spec.num_kv_heads, capacity, spec.head_dim)
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        # Zeros, not empty: the CUDA graph's decode step attends over the whole cache under a mask, and a masked
+        # slot's value still enters the weighted sum times 0, so a NaN left in unwritten memory would poison it.
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @staticmethod
     def bytes_per_token(spec: LayerSpec, dtype: torch.dtype) -> int:
