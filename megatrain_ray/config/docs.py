@@ -13,10 +13,18 @@ import inspect
 import re
 import typing
 
-from megatrain_ray.config import engine_sections, finetune_section, grpo_section, loop_sections, model_section
+from megatrain_ray.config import (
+    engine_sections,
+    finetune_section,
+    grpo_section,
+    linear_attention_section,
+    loop_sections,
+    model_section,
+)
 
 SECTIONS = {
     "model": model_section.ModelConfig, "model.rope_scaling": model_section.RopeScalingConfig,
+    "model.linear_attention": linear_attention_section.LinearAttentionConfig,
     "data": loop_sections.DataConfig, "optimizer": engine_sections.OptimizerConfig,
     "schedule": loop_sections.ScheduleConfig, "precision": engine_sections.PrecisionConfig,
     "engine": engine_sections.EngineConfig, "host": engine_sections.HostConfig, "runtime": engine_sections.RuntimeConfig,
@@ -56,7 +64,8 @@ def _default(f: dataclasses.Field) -> str:
 
 def render() -> str:
     lines = ["# Configuration reference", "",
-             "Generated from the section classes in `megatrain_ray/config/` (model_section.py, loop_sections.py, "
+             "Generated from the section classes in `megatrain_ray/config/` (model_section.py, linear_attention_section.py, "
+             "loop_sections.py, "
              "engine_sections.py, finetune_section.py, grpo_section.py) by `python -m megatrain_ray.config.docs`. "
              "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]
     for section, cls in SECTIONS.items():

@@ -8,6 +8,7 @@ from typing import Any
 
 from megatrain_ray.config.fields import FieldError
 from megatrain_ray.config.hf_fields import checked_layer_types
+from megatrain_ray.config.hf_hybrid import HYBRID_FAMILIES, hybrid_from_hf, hybrid_to_hf
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
 from megatrain_ray.config.hf_quantization import check_quantization_config
 from megatrain_ray.config.model_section import ModelConfig, RopeScalingConfig
@@ -29,10 +30,14 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
-               "gpt_oss": "gpt_oss"}
+               "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next",
+               "qwen3_5_moe_text": "qwen3_5_moe"}
 HF_MODEL_TYPES = {family: model_type for model_type, family in MODEL_TYPES.items()}
 # Gemma3TextConfig's RoPE bases when config.json names none (global layers, sliding layers).
 GEMMA3_THETAS = (1_000_000.0, 10_000.0)
@@ -190,6 +195,8 @@ def _hf_key(key: str, hf: dict[str, Any]) -> str:
     """config.json's name of a ModelConfig key (`model.num_layers` -> num_hidden_layers)."""
     name = key.removeprefix("model.")
     experts = next((k for k in ("num_experts", "num_local_experts") if k in hf), "num_experts")
+    if name.startswith("linear_attention."):  # the nested section of config.json's linear_* keys
+        return "linear_" + name.removeprefix("linear_attention.")
     return {"num_layers": "num_hidden_layers", "num_experts": experts}.get(name, name)
 
 
@@ -208,7 +215,10 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     if head_dim == hidden // heads:
         head_dim = 0
     gemma = _gemma(hf, family, where) if family in ("gemma2", "gemma3") else {}
-    moe = moe_from_hf(hf, family, where) if family in MOE_FAMILIES else {}
+    hybrid = hybrid_from_hf(hf, family, where) if family in HYBRID_FAMILIES else {}
+    # Qwen3-Next with num_experts 0 is dense (Qwen3NextConfig allows it)
+    sparse = family in MOE_FAMILIES and not (family == "qwen3_next" and hf.get("num_experts") == 0)
+    moe = moe_from_hf(hf, family, where) if sparse else {}
     try:
         if family == "gemma3":
             theta, scaling, gemma["rope_local_base_freq"] = _gemma3_rope(hf)
@@ -216,6 +226,7 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
             theta, scaling = _rope(hf, family)
         partial = float((hf.get("rope_parameters") or {}).get("partial_rotary_factor")
                         or hf.get("partial_rotary_factor") or 1.0) if family == "phi3" else 1.0
+        partial = hybrid.pop("partial_rotary_factor", partial)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -231,20 +242,22 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     elif hf.get("use_sliding_window"):
         raise ConfigError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
     vocab = _count(hf, "vocab_size", where)
+    # Qwen3.5-MoE has no dense layer and no intermediate_size: its experts' width stands in (never read)
+    intermediate = moe["moe_intermediate_size"] if family == "qwen3_5_moe" else _count(hf, "intermediate_size", where)
     return ModelConfig(
         family=family,  # type: ignore[arg-type]
         vocab_size=vocab, hidden_size=hidden, pad_token_id=_pad_token(hf, family, vocab, where),
-        intermediate_size=_count(hf, "intermediate_size", where), num_layers=_count(hf, "num_hidden_layers", where),
+        intermediate_size=intermediate, num_layers=_count(hf, "num_hidden_layers", where),
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         rms_norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),  # Gemma ties by default
         # Qwen2 always has qkv bias; Phi-3's fused qkv_proj never has one, whatever config.json says.
         attention_bias={"qwen2": True, "phi3": False}.get(family, bool(hf.get("attention_bias") or False)),
-        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"), sliding_window=sliding,
+        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", *HYBRID_FAMILIES), sliding_window=sliding,
         max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
         initializer_range=_number(hf, "initializer_range", where, 0.02),
-        **gemma, **moe,
+        **gemma, **moe, **hybrid,
     )
 
 
@@ -307,6 +320,11 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
                    final_logit_softcapping=cfg.final_logit_softcapping or None)
     if cfg.is_moe:
         out.update(moe_to_hf(cfg))
+    if cfg.family in HYBRID_FAMILIES:
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+        out.update(hybrid_to_hf(cfg))
+        if cfg.family == "qwen3_5_moe":  # its config class has no intermediate_size
+            del out["intermediate_size"]
     if cfg.family == "gemma3":
         local = cfg.rope_local_base_freq or cfg.rope_theta
         out["rope_parameters"] = {"full_attention": rope,

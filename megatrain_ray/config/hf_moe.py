@@ -1,4 +1,5 @@
-"""The mixture-of-experts keys of a Hugging Face config.json (Qwen3-MoE, Mixtral, gpt-oss), in and out."""
+"""The mixture-of-experts keys of a Hugging Face config.json (Qwen3-MoE, Mixtral, gpt-oss, Qwen3-Next, Qwen3.5-MoE),
+in and out."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe")
 # transformers' names of the expert count: Qwen3MoeConfig's own key, and the one 5.x writes for all three.
-EXPERT_COUNT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "gpt_oss": "num_local_experts"}
+EXPERT_COUNT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
+                     "qwen3_next": "num_experts", "qwen3_5_moe": "num_experts"}
 
 
 def _whole(hf: dict[str, Any], key: str, where: str, default: int, minimum: int) -> int:
@@ -43,7 +45,9 @@ def moe_from_hf(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
         "output_router_logits": bool(hf.get("output_router_logits") or False),
         "router_aux_loss_coef": _real(hf, "router_aux_loss_coef", where, 0.001),
     }
-    if family == "qwen3_moe":
+    if family == "qwen3_5_moe":  # every layer sparse, the top-k always renormalised (MoeSpec)
+        out["moe_intermediate_size"] = _whole(hf, "moe_intermediate_size", where, 512, 1)
+    if family in ("qwen3_moe", "qwen3_next"):
         out.update(moe_intermediate_size=_whole(hf, "moe_intermediate_size", where, 0, 0),
                    norm_topk_prob=bool(hf.get("norm_topk_prob") or False),
                    decoder_sparse_step=_whole(hf, "decoder_sparse_step", where, 1, 1),
@@ -74,10 +78,14 @@ def moe_to_hf(cfg: Any) -> dict[str, Any]:
         EXPERT_COUNT_KEYS[cfg.family]: cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
         "output_router_logits": cfg.output_router_logits, "router_aux_loss_coef": cfg.router_aux_loss_coef,
     }
-    if cfg.family == "qwen3_moe":
+    if cfg.family in ("qwen3_moe", "qwen3_next"):
         out.update(moe_intermediate_size=cfg.expert_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                    decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
-                   attention_bias=cfg.attention_bias, use_sliding_window=False)
+                   attention_bias=cfg.attention_bias)
+    if cfg.family == "qwen3_moe":
+        out["use_sliding_window"] = False
+    if cfg.family == "qwen3_5_moe":
+        out["moe_intermediate_size"] = cfg.expert_intermediate_size
     if cfg.family == "mixtral":
         out.update(sliding_window=cfg.sliding_window or None, router_jitter_noise=0.0)
     if cfg.family == "gpt_oss":

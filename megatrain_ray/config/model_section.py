@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megatrain_ray.config.fields import refuse as _fail
+from megatrain_ray.config.linear_attention_section import HYBRID_FAMILIES, LinearAttentionConfig, check_hybrid_model
 
 
 def flash_attention_takes(compute_dtype: str, head_width: int) -> bool:
@@ -112,11 +113,13 @@ class ModelConfig:
     revision: str = ""
     """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
     family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-                    "gpt_oss", "generic"] = "llama"
+                    "gpt_oss", "qwen3_5", "qwen3_next", "qwen3_5_moe", "generic"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
     gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
     norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size).
-    qwen3_moe, mixtral and gpt_oss are mixtures of experts (num_experts and the keys below it).
+    qwen3_moe, mixtral and gpt_oss are mixtures of experts (num_experts and the keys below it). qwen3_5 (Qwen3.5 text),
+    qwen3_next and qwen3_5_moe (Qwen3.5-MoE text) interleave linear-attention layers (model.linear_attention) with
+    gated full-attention ones by layer_types, (1 + weight) norms; the latter two have experts with a shared expert.
     generic: a model of model.path with no native template, run by the generic path (model.template);
     set from config.json, never by hand."""
     template: Literal["auto", "native", "generic"] = "auto"
@@ -152,7 +155,7 @@ class ModelConfig:
     Gemma 3's configs; 0: rope_theta). Other families: every layer uses rope_theta and rope_scaling."""
     partial_rotary_factor: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unrotated).
-    Phi-3 only, as transformers: below 1 for other families is refused."""
+    Phi-3 and the qwen3_5 / qwen3_next / qwen3_5_moe families (their configs: 0.25) only, as transformers."""
     rms_norm_eps: float = 1e-6
     """Epsilon inside every RMSNorm's square root."""
     tie_word_embeddings: bool = False
@@ -168,10 +171,13 @@ class ModelConfig:
     sliding_window: int = 0
     """Tokens each query may look back over (Mistral, Phi-3; Gemma: in its sliding layers only, see
     layer_types); 0 means full causal attention."""
-    layer_types: list[Literal["full_attention", "sliding_attention"]] = field(default_factory=list)
-    """Gemma and gpt-oss only: one entry per layer, sliding_attention (within sliding_window, Gemma 3: local
+    layer_types: list[Literal["full_attention", "sliding_attention", "linear_attention"]] = field(default_factory=list)
+    """Gemma and gpt-oss: one entry per layer, sliding_attention (within sliding_window, Gemma 3: local
     RoPE) or full_attention (global), as Hugging Face's config.json lists them. Empty: from
-    sliding_window_pattern (gpt-oss: every layer slides when sliding_window is set)."""
+    sliding_window_pattern (gpt-oss: every layer slides when sliding_window is set). qwen3_5, qwen3_next and
+    qwen3_5_moe: linear_attention or full_attention per layer (required)."""
+    linear_attention: LinearAttentionConfig | None = None
+    """qwen3_5, qwen3_next and qwen3_5_moe only (required there): the shape of their linear-attention layers."""
     sliding_window_pattern: int = 0
     """Gemma only, when layer_types is empty: every n-th layer (n, 2n, ...) is global, the others slide
     (6 for Gemma 3: 5 local to 1 global; 2 for Gemma 2). 0 with layer_types empty: every layer slides
@@ -198,7 +204,10 @@ class ModelConfig:
     """Qwen3-MoE: layer i (from 0) is a MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in
     mlp_only_layers; the others have a dense MLP of intermediate_size."""
     mlp_only_layers: list[int] = field(default_factory=list)
-    """Qwen3-MoE: layers (from 0) with a dense MLP whatever decoder_sparse_step says."""
+    """Qwen3-MoE and Qwen3-Next: layers (from 0) with a dense MLP whatever decoder_sparse_step says."""
+    shared_expert_intermediate_size: int = 0
+    """qwen3_next and qwen3_5_moe: the width of the shared expert every token of a MoE layer also passes through,
+    its output scaled by sigmoid(mlp.shared_expert_gate(x)). 0: none (the other families)."""
     output_router_logits: bool = False
     """MoE: add router_aux_loss_coef times the load-balancing loss (transformers' load_balancing_loss_func over
     all MoE layers, padding included as transformers does without an attention mask) to the training loss,
@@ -235,7 +244,7 @@ class ModelConfig:
             _fail(f"{s}.rope_theta", self.rope_theta, "must be > 0")
         if not 0 < self.partial_rotary_factor <= 1:
             _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor, "must be > 0 and <= 1")
-        if self.partial_rotary_factor != 1 and self.family != "phi3":
+        if self.partial_rotary_factor != 1 and self.family not in ("phi3", *HYBRID_FAMILIES):
             _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
                   f"is read by the phi3 family only (family is {self.family}); leave it at 1")
         if self.rotary_dim < 2 or self.rotary_dim % 2:
@@ -261,6 +270,7 @@ class ModelConfig:
         if self.family == "generic" and self.template != "generic":
             _fail(f"{s}.family", self.family, "is the generic path's (model.template=generic); name a native family")
         self._check_moe()
+        check_hybrid_model(self)
         if self.initializer_range <= 0:
             _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
 
@@ -273,9 +283,9 @@ class ModelConfig:
             value = getattr(self, key)
             if not math.isfinite(value) or value < 0:
                 _fail(f"{s}.{key}", value, "must be a finite number >= 0 (0: off)")
-        if self.family == "gpt_oss":  # its layer_types alternate sliding and full attention
+        if self.family in ("gpt_oss", *HYBRID_FAMILIES):  # their own layer_types (hybrid: linear_attention_section)
             del gemma_keys["layer_types"]
-            if self.layer_types and len(self.layer_types) != self.num_layers:
+            if self.family == "gpt_oss" and self.layer_types and len(self.layer_types) != self.num_layers:
                 _fail(f"{s}.layer_types", self.layer_types, f"needs one entry per layer ({self.num_layers}), "
                       f"has {len(self.layer_types)}")
         if not self.is_gemma:
@@ -301,7 +311,9 @@ class ModelConfig:
 
     def _check_moe(self) -> None:
         s = self.SECTION
-        moe_families = ("qwen3_moe", "mixtral", "gpt_oss")
+        moe_families = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+        if self.family == "qwen3_next" and not self.num_experts:
+            return  # Qwen3NextConfig takes num_experts 0: every layer a dense MLP
         if self.family not in moe_families:
             if self.num_experts:
                 _fail(f"{s}.num_experts", self.num_experts, f"is read by the {', '.join(moe_families)} families only "
@@ -319,7 +331,8 @@ class ModelConfig:
             _fail(f"{s}.mlp_only_layers", self.mlp_only_layers, f"lists layers from 0 to {self.num_layers - 1}")
         if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
             _fail(f"{s}.router_aux_loss_coef", self.router_aux_loss_coef, "must be a finite number >= 0")
-        fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True)}
+        fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True),
+                 "qwen3_next": ("qk_norm", True), "qwen3_5_moe": ("qk_norm", True)}
         key, value = fixed[self.family]
         if getattr(self, key) != value:
             _fail(f"{s}.{key}", getattr(self, key), f"{self.family} {'always has' if value else 'has no'} "
@@ -355,10 +368,21 @@ class ModelConfig:
         Qwen3-MoE and Mixtral layers match the eager template with and without the load-balancing loss
         (tests/unit/test_moe_compile.py). On the CPU, computing the record's router logits apart from the routing's
         gave the right gradient; not yet tried on the GPU."""
+        if self.family in HYBRID_FAMILIES:  # the chunked delta rule is not tried through torch.compile yet
+            return False
         if not self.is_moe:
             return True
         return self.family != "gpt_oss" and compute_dtype == "bfloat16" and \
             self.hidden_size % 8 == 0 and self.expert_intermediate_size % 8 == 0
+
+    @property
+    def zero_centered_norms(self) -> bool:
+        """RMSNorms that scale by (1 + weight), their weights zeros at the start (Gemma, the hybrid families)."""
+        return self.is_gemma or self.family in HYBRID_FAMILIES
+
+    def layer_is_linear(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) is a linear-attention (Gated DeltaNet) layer, by layer_types."""
+        return self.linear_attention is not None and self.layer_types[layer] == "linear_attention"
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has experts, as transformers decides (Qwen3-MoE's

@@ -25,6 +25,7 @@ from megatrain_ray.config.engine_sections import (
 )
 from megatrain_ray.config.fields import refuse as _fail
 from megatrain_ray.config.finetune_section import FinetuneConfig
+from megatrain_ray.config.linear_attention_section import check_hybrid_run
 from megatrain_ray.config.loop_sections import CheckpointConfig, DataConfig, FaultConfig, ScheduleConfig, TrainConfig
 from megatrain_ray.config.model_section import ModelConfig
 
@@ -69,6 +70,7 @@ class Config:
         if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
             pass  # allowed (slow); tests of the bf16 path use it on purpose
         check_parallel(self)
+        check_hybrid_run(self)
         check_finetune(self)
         check_objective(self)
 

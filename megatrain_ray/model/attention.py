@@ -87,6 +87,14 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: L
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
+def split_gated_query(projected: torch.Tensor, spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_proj's output [B, T, H * 2 D] of a gated attention (LayerSpec.output_gate: Qwen3.5, Qwen3-Next): per head its
+    query [B, T, H, D] then its gate, flattened as the attention's output is [B, T, H * D], as transformers splits it."""
+    batch, seq_len, _ = projected.shape
+    q, gate = projected.view(batch, seq_len, spec.num_heads, 2 * spec.head_dim).chunk(2, dim=-1)
+    return q, gate.reshape(batch, seq_len, spec.num_heads * spec.head_dim)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                      spec: LayerSpec) -> torch.Tensor:
     """Attention of q [B, H, Tq, D] over k, v [B, H_kv, Tk, D] where `allowed` [B, 1, Tq, Tk] is True (the rollout's

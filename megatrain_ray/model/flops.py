@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatrain_ray.config.hf_generic import attention_width
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.model.delta_rule import delta_rule_flops_per_token
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.model.moe import active_fraction
 
@@ -35,11 +36,19 @@ def stage_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -
     """The same model FLOPs per token split by stage (layout.stages order), summing to
     model_flops_per_token: the embedding lookup 0, each layer 6 x its matrices + 6 T d_attn, the
     head 6 x the LM head's matrix (the embedding's when tied). The speed model times each stage by it. MoE
-    layers: their expert matrices count by the share a token uses (top-k of the experts), the router fully."""
+    layers: their expert matrices count by the share a token uses (top-k of the experts), the router fully.
+    Linear-attention layers (Qwen3.5, Qwen3-Next): no T-long attention; their chunked delta rule's products, 3x its
+    forward (model/delta_rule.delta_rule_flops_per_token: independent of T); their depthwise convolution is a 3-d
+    weight, so it counts as a matrix: 2 FLOPs per weight and token forward, as its products are."""
     d_attn = attention_width(cfg)
     flops = [0.0]
-    for stage in layout.layers:
+    for i, stage in enumerate(layout.layers):
         matmul = sum(s.numel * active_fraction(cfg, s.name) for s in stage.slots if s.decay)
-        flops.append(6.0 * matmul + 6.0 * seq_len * d_attn)
+        if cfg.template != "generic" and cfg.layer_is_linear(i):
+            la = cfg.linear_attention
+            mixer = 3.0 * delta_rule_flops_per_token(la.num_value_heads, la.key_head_dim, la.value_head_dim)
+        else:
+            mixer = 6.0 * seq_len * d_attn
+        flops.append(6.0 * matmul + mixer)
     flops.append(6.0 * layout.embed.slots[0].numel)
     return flops

@@ -19,13 +19,13 @@ class HeadSpec:
 
     eps: float
     plus_one: bool = False
-    """Gemma's (1 + weight) final norm."""
+    """The (1 + weight) final norm of Gemma, Qwen3.5 and Qwen3-Next."""
     softcap: float = 0.0
     """Final logit soft-cap, cap * tanh(logit / cap) (Gemma 2); 0: off."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "HeadSpec":
-        return cls(cfg.rms_norm_eps, cfg.is_gemma, cfg.final_logit_softcapping)
+        return cls(cfg.rms_norm_eps, cfg.zero_centered_norms, cfg.final_logit_softcapping)
 
 
 def head_logits(x: torch.Tensor, norm_weight: torch.Tensor, lm_weight: torch.Tensor,

@@ -42,6 +42,9 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja",
                    "chat_template.json")
+# Qwen3-Next and Qwen3.5 checkpoints carry a multi-token-prediction head (`mtp.*`) that transformers' causal LM does
+# not load (its _keys_to_ignore_on_load_unexpected): neither does megatrain, nor does its export write it.
+MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # safetensors header dtype codes of floating formats we convert from, and the torch dtypes we write.
 FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 EXPORT_DTYPES = ("bfloat16", "float32")
@@ -92,6 +95,10 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         # MoE hub checkpoints keep one tensor per expert: seen here fused, as transformers 5 loads them.
         config = self.dir / "config.json"
         model_type = read_hf_config(self.dir).get("model_type") if config.is_file() else None
+        self.ignored = {n for n in self.entries if n.startswith("mtp.")} if model_type in MTP_MODEL_TYPES else set()
+        if self.ignored:
+            log.info("%s: %d multi-token-prediction tensors (mtp.*) are not read, as transformers' causal LM "
+                     "does not load them", self.dir, len(self.ignored))
         self.stacks = ExpertStacks(self.entries, str(self.dir), model_type)
         self.on_disk = self.entries
         if self.stacks:
@@ -134,7 +141,8 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         not have (weights for another shape, a layer more): raised before allocating."""
         wanted = {stage.hf_name(slot) for stage in layout.stages for slot in stage.slots}
         fixed = {*layout.buffers, *layout.frozen}  # a generic model's untrained tensors: read as transformers does
-        extra = sorted(n for n in self.entries if n not in wanted and n not in fixed and not _derived(n, wanted))
+        extra = sorted(n for n in self.entries if n not in wanted and n not in fixed and n not in self.ignored
+                       and not _derived(n, wanted))
         if extra:
             raise CheckpointError(f"{self.dir} holds {len(extra)} tensor(s) the model of its config.json does not have, "
                                   f"first {extra[0]!r}; the weights and config.json do not belong together")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.model.linear_attention import LinearAttentionSpec
 from megatrain_ray.model.moe import MoeSpec
 from megatrain_ray.model.rope import uses_local_rope
 
@@ -38,16 +39,26 @@ class LayerSpec:
     forward and again in the recompute); -1: no dropout (evaluation)."""
     moe: MoeSpec | None = None
     """A mixture-of-experts layer's router and experts (model/moe.py); None: a dense MLP."""
+    plus_one: bool = False
+    """Its RMSNorms scale by (1 + weight) (Gemma; Qwen3.5 and Qwen3-Next: input, post-attention and q/k norms)."""
+    output_gate: bool = False
+    """q_proj also yields a gate per head and dimension: the attention's output times sigmoid(gate) before o_proj
+    (Qwen3.5 and Qwen3-Next's full-attention layers; model/attention.py split_gated_query)."""
+    linear: LinearAttentionSpec | None = None
+    """A linear-attention (Gated DeltaNet) layer's token mixer in place of attention (model/linear_attention.py)."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
         """The spec of decoder layer `layer` (from 0): Gemma's layers differ in window and RoPE by layer_types."""
         slides = cfg.layer_slides(layer)
+        hybrid = cfg.linear_attention is not None
         return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.rms_norm_eps,
                    cfg.qk_norm, cfg.attention_bias, cfg.sliding_window if slides else 0, gemma=cfg.is_gemma,
                    scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping,
                    local_rope=slides and uses_local_rope(cfg),
-                   moe=MoeSpec.from_config(cfg) if cfg.layer_is_moe(layer) else None)
+                   moe=MoeSpec.from_config(cfg) if cfg.layer_is_moe(layer) else None,
+                   plus_one=cfg.zero_centered_norms, output_gate=hybrid,
+                   linear=LinearAttentionSpec.from_config(cfg) if cfg.layer_is_linear(layer) else None)
 
 
 def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:

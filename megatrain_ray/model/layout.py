@@ -18,6 +18,7 @@ from typing import Literal
 
 from megatrain_ray.config.hf_generic import architecture
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.config.linear_attention_section import FUSED_PROJECTIONS, LinearAttentionConfig
 from megatrain_ray.model.moe import moe_mlp_tensors
 
 # Offsets are multiples of this many elements (256 bytes in fp32): vectorised loops and
@@ -111,6 +112,8 @@ def layer_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[int
         ("mlp.up_proj.weight", (f, h), "normal"),
         ("mlp.down_proj.weight", (h, f), "normal"),
     ]
+    if cfg.linear_attention is not None:
+        return _hybrid_layer_tensors(cfg, layer, projections)
     if cfg.is_gemma:
         # Gemma: norms before and after attention and MLP, each scaled by (1 + weight): zeros are the identity
         # (as transformers initialises them); Gemma 3 adds the q/k norms, zeros too.
@@ -130,6 +133,43 @@ def layer_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[int
             tensors += [("self_attn.o_proj.bias", (h,), "zeros"), ("self_attn.sinks", (cfg.num_attention_heads,),
                                                                     "normal")]
     return tensors
+
+
+def linear_attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors of a linear-attention layer's token mixer (model/linear_attention.py), by transformers' names.
+    Random initialisation takes A_log 0 (A = 1, a log-decay of -softplus(a + 1) per token) where transformers draws
+    log U(0.01, 16)."""
+    la: LinearAttentionConfig = cfg.linear_attention
+    h, heads = cfg.hidden_size, la.num_value_heads
+    if cfg.family in FUSED_PROJECTIONS:
+        projections = [("linear_attn.in_proj_qkvz.weight", (2 * la.key_width + 2 * la.value_width, h), "normal"),
+                       ("linear_attn.in_proj_ba.weight", (2 * heads, h), "normal")]
+    else:
+        projections = [("linear_attn.in_proj_qkv.weight", (la.conv_width, h), "normal"),
+                       ("linear_attn.in_proj_z.weight", (la.value_width, h), "normal"),
+                       ("linear_attn.in_proj_b.weight", (heads, h), "normal"),
+                       ("linear_attn.in_proj_a.weight", (heads, h), "normal")]
+    return [*projections,
+            ("linear_attn.conv1d.weight", (la.conv_width, 1, la.conv_kernel_dim), "normal"),
+            ("linear_attn.out_proj.weight", (h, la.value_width), "normal"),
+            ("linear_attn.dt_bias", (heads,), "ones"), ("linear_attn.A_log", (heads,), "zeros"),
+            ("linear_attn.norm.weight", (la.value_head_dim,), "ones")]
+
+
+def _hybrid_layer_tensors(cfg: ModelConfig, layer: int, projections: list) -> list[tuple[str, tuple[int, ...], str]]:
+    """Qwen3.5 and Qwen3-Next: a linear-attention token mixer (model/linear_attention.py) or a gated attention, whose
+    q_proj yields each head's query and gate (twice the query width); (1 + weight) norms, zeros at the start, as
+    transformers initialises them; the dense MLP or the experts with their shared expert."""
+    h, hd = cfg.hidden_size, cfg.resolved_head_dim
+    if cfg.layer_is_linear(layer):
+        mixer = linear_attention_tensors(cfg)
+    else:
+        mixer = [(n, (2 * shape[0], shape[1]) if n == "self_attn.q_proj.weight" else shape, init)
+                 for n, shape, init in projections if n.startswith("self_attn.")]
+        mixer += [("self_attn.q_norm.weight", (hd,), "zeros"), ("self_attn.k_norm.weight", (hd,), "zeros")]
+    mlp = moe_mlp_tensors(cfg) if cfg.layer_is_moe(layer) else [t for t in projections if t[0].startswith("mlp.")]
+    norms = [("input_layernorm.weight", (h,), "zeros"), ("post_attention_layernorm.weight", (h,), "zeros")]
+    return [*mixer, *mlp, *norms]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +254,7 @@ def build_layout(cfg: ModelConfig) -> ModelLayout:
     for i in range(cfg.num_layers):
         stages.append(_stage(i + 1, "layer", f"model.layers.{i}.", layer_tensors(cfg, i)))
     # The head's prefix is empty: its tensors are `model.norm.weight` and `lm_head.weight`.
-    head = [("model.norm.weight", (h,), "zeros" if cfg.is_gemma else "ones")]  # Gemma: (1 + weight)
+    head = [("model.norm.weight", (h,), "zeros" if cfg.zero_centered_norms else "ones")]  # (1 + weight)
     if not cfg.tie_word_embeddings:
         head.append(("lm_head.weight", (v, h), "normal"))
     stages.append(_stage(cfg.num_layers + 1, "head", "", head))

@@ -5,6 +5,8 @@ modeling file operation by operation:
 - Qwen3-MoE: softmax over the router's logits (float32), top-k, renormalised when norm_topk_prob, cast
   back to the model's dtype; experts are SwiGLU MLPs.
 - Mixtral: the same with renormalisation always on and the routing weights kept in float32.
+- Qwen3-Next and Qwen3.5-MoE: Qwen3-MoE's router (Qwen3.5-MoE: always renormalised) and experts, plus a shared
+  SwiGLU expert every token passes through, scaled by sigmoid(shared_expert_gate(x)).
 - gpt-oss: the router has a bias; top-k over the logits, softmax over those k; experts have biases, their
   gate and up columns interleaved, and a clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g) with
   g = min(gate, limit).
@@ -50,6 +52,8 @@ class MoeSpec:
     swiglu_limit: float = 0.0
     """gpt-oss's clamped SwiGLU (0: the plain one)."""
     swiglu_alpha: float = 0.0
+    shared_expert: bool = False
+    """Qwen3-Next, Qwen3.5-MoE: a shared expert (mlp.shared_expert.*) gated by sigmoid(mlp.shared_expert_gate(x))."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "MoeSpec":
@@ -57,7 +61,8 @@ class MoeSpec:
             return cls(cfg.num_experts, cfg.num_experts_per_tok, "topk_softmax", False,
                        swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
         return cls(cfg.num_experts, cfg.num_experts_per_tok, "softmax_topk",
-                   cfg.norm_topk_prob or cfg.family == "mixtral", float32_weights=cfg.family == "mixtral")
+                   cfg.norm_topk_prob or cfg.family in ("mixtral", "qwen3_5_moe"),
+                   float32_weights=cfg.family == "mixtral", shared_expert=cfg.shared_expert_intermediate_size > 0)
 
     @property
     def gpt_oss(self) -> bool:
@@ -72,8 +77,15 @@ def moe_mlp_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
                 ("mlp.experts.gate_up_proj", (e, h, 2 * f), "normal"),
                 ("mlp.experts.gate_up_proj_bias", (e, 2 * f), "zeros"),
                 ("mlp.experts.down_proj", (e, f, h), "normal"), ("mlp.experts.down_proj_bias", (e, h), "zeros")]
-    return [("mlp.gate.weight", (e, h), "normal"), ("mlp.experts.gate_up_proj", (e, 2 * f, h), "normal"),
-            ("mlp.experts.down_proj", (e, h, f), "normal")]
+    tensors = [("mlp.gate.weight", (e, h), "normal"), ("mlp.experts.gate_up_proj", (e, 2 * f, h), "normal"),
+               ("mlp.experts.down_proj", (e, h, f), "normal")]
+    if cfg.shared_expert_intermediate_size:
+        s = cfg.shared_expert_intermediate_size
+        tensors += [("mlp.shared_expert.gate_proj.weight", (s, h), "normal"),
+                    ("mlp.shared_expert.up_proj.weight", (s, h), "normal"),
+                    ("mlp.shared_expert.down_proj.weight", (h, s), "normal"),
+                    ("mlp.shared_expert_gate.weight", (1, h), "normal")]
+    return tensors
 
 
 def active_fraction(cfg: ModelConfig, name: str) -> float:
@@ -280,7 +292,13 @@ def moe_mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
     shape = h.shape
     flat = h.reshape(-1, shape[-1])
     weights, index = route(flat, w, spec, record)
-    return experts(flat, weights, index, w, spec).view(shape)
+    out = experts(flat, weights, index, w, spec)
+    if spec.shared_expert:  # as transformers: the routed sum plus sigmoid(gate(x)) * the shared SwiGLU expert
+        gated = F.silu(F.linear(flat, w["mlp.shared_expert.gate_proj.weight"])) \
+            * F.linear(flat, w["mlp.shared_expert.up_proj.weight"])
+        shared = F.linear(gated, w["mlp.shared_expert.down_proj.weight"])
+        out = out + torch.sigmoid(F.linear(flat, w["mlp.shared_expert_gate.weight"])) * shared
+    return out.view(shape)
 
 
 def load_balancing_loss(records: list[RouterRecord], num_experts: int,

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config.model_section import ModelConfig
-from megatrain_ray.model.attention import DocumentBucket, attention
+from megatrain_ray.model.attention import DocumentBucket, attention, split_gated_query
 from megatrain_ray.model.head import HeadSpec, head_logits
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import StageLayout, token_chunks
+from megatrain_ray.model.linear_attention import linear_attention
 from megatrain_ray.model.lora import chunk_spec, project
 from megatrain_ray.model.lora_moe import with_param_adapters
 from megatrain_ray.model.moe import RouterRecord, moe_mlp
@@ -75,12 +76,23 @@ def attention_qkv(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
                   spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention's inputs from x [B, T, hidden]: q [B, H, T, D] and k [B, H_kv, T, D] rotated, v [B, H_kv, T, D]
     (shared by the training layer and the rollout's cached layer, model/decode.py)."""
+    return gated_attention_inputs(x, w, rope, spec)[:3]
+
+
+def gated_attention_inputs(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                           spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """attention_qkv and the output gate [B, T, H * D] of a gated attention (LayerSpec.output_gate; else None)."""
     batch, seq_len, _ = x.shape
     cos, sin = rope
-    h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.gemma)
+    gate = None
+    h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.plus_one)
     if "self_attn.qkv_proj.weight" in w:  # Phi-3: one product, split into views as transformers does
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         q, k, v = project(h, w, "self_attn.qkv_proj", spec).split((q_width, kv_width, kv_width), dim=-1)
+    elif spec.output_gate:  # one product, each head's query then its gate
+        q, gate = split_gated_query(project(h, w, "self_attn.q_proj", spec), spec)
+        k = project(h, w, "self_attn.k_proj", spec)
+        v = project(h, w, "self_attn.v_proj", spec)
     else:
         q = project(h, w, "self_attn.q_proj", spec)
         k = project(h, w, "self_attn.k_proj", spec)
@@ -89,17 +101,21 @@ def attention_qkv(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[to
     k = k.view(batch, seq_len, spec.num_kv_heads, spec.head_dim)
     v = v.view(batch, seq_len, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     if spec.qk_norm:
-        q = rms_norm(q, w["self_attn.q_norm.weight"], spec.eps, spec.gemma)
-        k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps, spec.gemma)
+        q = rms_norm(q, w["self_attn.q_norm.weight"], spec.eps, spec.plus_one)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], spec.eps, spec.plus_one)
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
-    return q, k, v
+    return q, k, v, gate
 
 
-def attention_out(x: torch.Tensor, a: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec) -> torch.Tensor:
-    """x plus the attention's output projection of `a` [B, H, T, D] (Gemma: normed before the add)."""
+def attention_out(x: torch.Tensor, a: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x plus the attention's output projection of `a` [B, H, T, D] (Gemma: normed before the add; a gated attention:
+    times sigmoid(gate) before it)."""
     batch, seq_len, _ = x.shape
     a = a.transpose(1, 2).reshape(batch, seq_len, spec.num_heads * spec.head_dim)
+    if gate is not None:
+        a = a * torch.sigmoid(gate)
     out = project(a, w, "self_attn.o_proj", spec)
     if spec.gemma:  # Gemma: the attention's output normed before the residual add
         out = rms_norm(out, w["post_attention_layernorm.weight"], spec.eps, True)
@@ -108,13 +124,16 @@ def attention_out(x: torch.Tensor, a: torch.Tensor, w: Mapping[str, torch.Tensor
 
 def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                     spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
-    """The first half of a pre-norm decoder layer: x + attn(norm(x)). x: [B, T, hidden]."""
-    q, k, v = attention_qkv(x, w, rope, spec)
+    """The first half of a pre-norm decoder layer: x + attn(norm(x)), or a linear-attention layer's token mixer in
+    place of attn. x: [B, T, hidden]."""
+    if spec.linear is not None:  # Qwen3.5 / Qwen3-Next's Gated DeltaNet layers (no RoPE, no packed documents)
+        return x + linear_attention(rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.plus_one), w, spec.linear)
+    q, k, v, gate = gated_attention_inputs(x, w, rope, spec)
     if "self_attn.sinks" in w:  # gpt-oss: a learned logit per head in the softmax's denominator
         a = sink_attention(q, k, v, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window, documents)
     else:
         a = attention(q, k, v, spec, documents)
-    return attention_out(x, a, w, spec)
+    return attention_out(x, a, w, spec, gate)
 
 
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
@@ -123,13 +142,14 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
     router statistics go to `router` when given (the load-balancing loss)."""
     if spec.moe is not None:
         w = with_param_adapters(w, spec.lora_scaling)  # LoRA on the router or experts (model/lora_moe.py)
-        return x + moe_mlp(rms_norm(x, w["post_attention_layernorm.weight"], spec.eps), w, spec.moe, router)
+        return x + moe_mlp(rms_norm(x, w["post_attention_layernorm.weight"], spec.eps, spec.plus_one), w, spec.moe,
+                           router)
     if spec.gemma:  # norms before and after the GeLU-tanh MLP
         h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)
         m = F.gelu(project(h, w, "mlp.gate_proj", spec), approximate="tanh") * project(h, w, "mlp.up_proj", spec)
         out = project(m, w, "mlp.down_proj", spec)
         return x + rms_norm(out, w["post_feedforward_layernorm.weight"], spec.eps, True)
-    h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps)
+    h = rms_norm(x, w["post_attention_layernorm.weight"], spec.eps, spec.plus_one)
     if "mlp.gate_up_proj.weight" in w:  # Phi-3: gate and up from one product, halves of its output
         gate, up = project(h, w, "mlp.gate_up_proj", spec).chunk(2, dim=-1)
         m = up * F.silu(gate)

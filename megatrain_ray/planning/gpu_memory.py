@@ -19,6 +19,7 @@ import dataclasses
 from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.model.delta_rule import linear_mixer_saved_bytes
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.moe import expert_numel, moe_pair_width
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, resident_base_bytes
@@ -94,6 +95,8 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
     grad_elems += grad_elems // ranks if ranks > 1 else 0  # each buffer's piece of the sum over the ranks
     backward = int(layer_backward_bytes(tokens, mlp_tokens, h, q, kv, mlp_width, compute_b)
                    * (COMPILED_WORKING_SET if run.layers_compiled else 1)) + explicit_attention_bytes(cfg, tokens, compute_b)
+    if m.linear_attention is not None:  # the hybrids' linear layers (never compiled) may lead
+        backward = max(backward, linear_layer_backward_bytes(cfg, tokens, mlp_tokens, mlp_width, compute_b))
     if run.frozen_base:  # LoRA: no gradient leaves the device, the vocabulary-sized sums do not exist
         return lora_gpu_bytes(cfg, run, offload, per_slot, mlp_tokens, backward)
     layer_slots = 2 if run.resident_layers < len(layout.layers) else 0  # none when every layer is resident
@@ -216,6 +219,23 @@ def layer_backward_bytes(tokens: int, mlp_tokens: int, h: int, q: int, kv: int, 
     mlp_piece = mlp_tokens * (mlp_width + 4 * h) * compute_b
     attention_grads = tokens * ((5 * q + 2 * kv) * compute_b + 4 * q)
     return saved + max(mlp_piece, attention_grads)
+
+
+def linear_layer_backward_bytes(cfg: Config, tokens: int, mlp_tokens: int, mlp_width: int, compute_b: int) -> int:
+    """A linear-attention layer's recompute and backward at its peak (Qwen3.5, Qwen3-Next): the norm's output and
+    the half's output (and its gradient with the MLP in pieces) as layer_backward_bytes counts them, the mixer's
+    saved tensors (model/delta_rule.linear_mixer_saved_bytes: counted from autograd's saved tensors on the CPU), and
+    the larger of an MLP piece and the mixer's gradients in progress, taken as many again as it saved (counted, not
+    traced on a GPU)."""
+    m = cfg.model
+    la = m.linear_attention
+    work_b = max(4, compute_b)
+    mixer = linear_mixer_saved_bytes(la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_width,
+                                     la.value_width, work_b, compute_b)
+    h = m.hidden_size
+    half_grad = h if mlp_tokens < tokens else 0
+    saved = tokens * ((2 * h + half_grad) * compute_b + 4 + mixer)
+    return int(saved + max(mlp_tokens * (mlp_width + 4 * h) * compute_b, tokens * mixer))
 
 
 def resolve_activation_offload(cfg: Config, run: RunSpec, gpu_memory: int | None) -> bool:

@@ -33,6 +33,9 @@ class RolloutPasses:
         if self.generic is not None:
             raise ConfigError("generation runs on the native templates only; this model uses model.template: "
                               "generic (transformers' own modules), which has no KV-cache path here")
+        if self.model_cfg.linear_attention is not None:
+            raise ConfigError(f"generation has no recurrent state for {self.model_cfg.family}'s linear-attention layers "
+                              "yet (the KV cache serves attention layers only)")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows, longest, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens

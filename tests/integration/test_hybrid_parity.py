@@ -1,0 +1,119 @@
+"""Training parity of the hybrid families (Qwen3.5 text, Qwen3-Next, Qwen3.5-MoE text) against transformers' models
+themselves, and their round trip through a Hugging Face directory.
+
+The tiny models of tests/reference_hybrid.py are trained for 20 steps by megatrain (the layer stream, float64, two
+optimizer workers) and by the transformers model with torch.optim.AdamW (matrices and the convolution's 3-d weight
+decayed, vectors not, as megatrain's layout does), clip_grad_norm_ and the same warmup + cosine schedule
+(tests/reference_hf.train_hf), on the same 2 rows of 136 tokens: three chunks of the delta rule, the last 8 tokens
+(the third is the first to read a state decayed across a chunk boundary). lr 3e-3.
+
+Bounds (tests/numerics.py), each step's loss and each final tensor: 1e-10 (EXACT), the reference float64 throughout
+(tests/reference_hybrid.float64_hybrid: the delta rule, the norms, the RoPE tables and the attention's softmax in
+float64, where transformers keeps them float32 in a float64 model). The MoE families run with the load-balancing loss
+on (output_router_logits, coef 0.02): its routers' probabilities are summed in float32 on both sides, as transformers
+sums them, and with these models' two MoE layers both sides add the same two float32 sums in the same order, so
+EXACT holds (tests/integration/test_moe_parity.py's models, with more layers and chunked MLPs, part there and keep
+1e-5). Measured (pytest -s): Qwen3.5 losses within 2.6e-16, weights 1.8e-14; Qwen3-Next 4.2e-16 and 1.7e-12;
+Qwen3.5-MoE 4.0e-16 and 1.0e-12. The round trip's logits (float32, forward only): within 4x the noise of
+transformers' float32 logits against its float64 twin, floor 16 float32 ulps (1.9e-6); measured 1.7e-7 against a
+noise of 2.1e-7, the bound the floor.
+
+Fault injection (by hand, reverted): the attention's output gate as sigmoid(-gate) fails these tests from the first
+step's loss (8e-6 to 1.3e-4 relative) and the round trip's logits by 5.7e-2; the chunk state left undecayed between
+chunks fails the first step's loss by 6.8e-7 to 9.4e-7 (at 80 tokens, two chunks, it went unseen: hence 136).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
+from megatrain_ray.driver.trainer import Trainer  # noqa: E402
+from tests.conftest import learnable_tokens, one_thread, tiny_config, tiny_raw  # noqa: E402
+from tests.integration.test_phi3_parity import assert_float64_run  # noqa: E402
+from tests.numerics import EXACT, assert_within_noise  # noqa: E402
+from tests.reference_hf import train_hf  # noqa: E402
+from tests.reference_hybrid import float64_hybrid, hf_hybrid_model  # noqa: E402
+
+SEQ_LEN = 136
+AUX_COEF = 0.02
+LR = 3e-3  # at 1e-3 the linear layers' dt_bias (about 1) moves by less than the 1e-3 that proves it trained
+
+
+def run_both(tmp_path, model, aux: bool):
+    """20 float64 steps through megatrain and through `model` (float64 throughout); returns (our losses, its losses,
+    our final weights, its, the initial weights)."""
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": SEQ_LEN, "batch_size": 2},
+                      precision={"master_dtype": "float64", "compute_dtype": "float64"},
+                      optimizer={"workers": 2, "lr": LR})
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        initial = trainer.master_weights()
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
+        records = [trainer.step(s) for s in range(cfg.train.steps)]
+        final = trainer.master_weights()
+    assert all(("aux_loss" in r) == aux for r in records)
+    tied = {"lm_head.weight"} if mcfg.tie_word_embeddings else set()
+    assert set(initial) == set(model.state_dict()) - tied
+    ref_losses, ref_state = train_hf(float64_hybrid(model), cfg, initial, batches, torch.float64, aux=aux)
+    return [r["loss"] for r in records], ref_losses, final, ref_state, initial
+
+
+def test_qwen3_5_float64_training_matches_transformers(tmp_path):
+    """Qwen3.5: dense, its four projections apart."""
+    assert_float64_run(*run_both(tmp_path, hf_hybrid_model("qwen3_5"), aux=False), limit=EXACT)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+def test_hybrid_moe_with_load_balancing_loss_matches_transformers(tmp_path, name):
+    """Qwen3-Next: the fused projections, MoE layers with a shared expert around a dense one, tied; Qwen3.5-MoE: its
+    four projections, its router always renormalised. Both with the load-balancing loss."""
+    model = hf_hybrid_model(name, output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+    assert_float64_run(*run_both(tmp_path, model, aux=True), limit=EXACT)
+
+
+@pytest.mark.float32_parity
+@pytest.mark.parametrize("name", ["qwen3_next"])
+def test_hybrid_hf_round_trip(tmp_path, name):
+    """A directory as save_pretrained writes it (Qwen3-Next's experts one tensor each), with a multi-token-prediction
+    tensor beside it (mtp.*, which transformers does not load and megatrain does not read) -> import -> one step ->
+    export -> transformers loads it with no missing, unexpected or mismatched key, its logits megatrain's."""
+    from safetensors.torch import load_file, save_file
+
+    from megatrain_ray.config.load import load_config
+
+    model = hf_hybrid_model(name)
+    source = tmp_path / "source"
+    model.save_pretrained(source)
+    weights = load_file(str(source / "model.safetensors"))
+    assert ("model.layers.0.mlp.experts.0.gate_proj.weight" in weights) == (name == "qwen3_next")
+    save_file({**weights, "mtp.fc.weight": torch.zeros(4, 4)}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
+    raw = tiny_raw(data={"seq_len": SEQ_LEN}, train={"steps": 1, "output_dir": str(tmp_path / "run")},
+                   optimizer={"lr": 1e-2}, schedule={"warmup_steps": 0})
+    raw["model"] = {"path": str(source)}
+    raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", model.config.vocab_size)
+    ids = torch.randint(0, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(4))
+    with Trainer(load_config(raw=raw)) as trainer:
+        initial = trainer.master_weights()
+        assert all(torch.equal(initial[k], v) for k, v in model.state_dict().items() if k in initial)
+        trainer.train()
+        moved = trainer.master_weights()
+        assert all(not torch.equal(moved[k], initial[k]) for k in moved)
+        ours = trainer.logits(ids)
+        trainer.export(tmp_path / "hf")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                    output_loading_info=True,
+                                                                    experts_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(loaded) is type(model)
+    with torch.no_grad(), one_thread():
+        theirs = loaded.eval()(ids).logits
+        theirs64 = float64_hybrid(loaded)(ids).logits
+    err = assert_within_noise("round-trip logits", ours, theirs, theirs64)
+    print(f"{name}: round-trip logits relative error {err:.2e}")
