@@ -20,7 +20,7 @@ from megatrain_ray.exceptions import HostMemoryError
 from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
-from megatrain_ray.store.checkpoint import OPTIMIZER_KINDS, CheckpointInfo, StageWriter, load_stage
+from megatrain_ray.store.checkpoint import CheckpointInfo, StageWriter, load_stage
 from megatrain_ray.store.initial_values import init_stage, load_hf_stage
 from megatrain_ray.store.liveness import RunLock
 from megatrain_ray.store.nf4_base import (
@@ -178,7 +178,7 @@ class HostShard(ActorBase):
         return specs, self.layout.stages[stage], run, model_path, seed, std
 
     def _flats(self, stage: int) -> dict[str, torch.Tensor]:
-        return {kind: self.store.get(kind, stage) for kind in ("master", *OPTIMIZER_KINDS)}  # type: ignore[misc]
+        return self.store.state_flats(stage)
 
     def _restore_stage(self, info: CheckpointInfo, stage: int) -> None:
         load_stage(info.directory, self.layout.stages[stage], self._flats(stage), info.entry_of(stage))

@@ -14,6 +14,7 @@ from megatrain_ray.messages import UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.optim.adamw import FlatAdamW, split_span
+from megatrain_ray.optim.lean_adamw import FlatLeanAdamW, span_align
 from megatrain_ray.optim.updater import StageUpdater
 from megatrain_ray.store.disk_tier import MOMENT_KINDS, MomentStager, piece_elems, update_order
 from megatrain_ray.store.segments import HostStore, SegmentSpec
@@ -43,8 +44,12 @@ class OptimizerWorker(ActorBase):
         init_logger(f"optim{index}")
         threads = pin_to_cores(cores)
         store = HostStore(specs)
-        adamw = FlatAdamW(cfg.optimizer, TORCH_DTYPES[run.master_dtype], threads)
-        spans = {s.index: split_span(s.numel, index, num_workers) for s in layout.stages}
+        if run.optimizer_state == "lean":  # blocks of 8-bit moments are never split between workers
+            adamw: FlatAdamW | FlatLeanAdamW = FlatLeanAdamW(cfg.optimizer, threads)
+            align = span_align(run.lean_block)
+        else:
+            adamw, align = FlatAdamW(cfg.optimizer, TORCH_DTYPES[run.master_dtype], threads), 64
+        spans = {s.index: split_span(s.numel, index, num_workers, align) for s in layout.stages}
         disk: MomentStager | None = None
         if cfg.host.moments_tier == "disk":
             paths = {(kind, s.index): store.get(kind, s.index).path for kind in MOMENT_KINDS for s in layout.stages}

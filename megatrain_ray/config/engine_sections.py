@@ -68,8 +68,39 @@ class OptimizerConfig:
     (precision.stream_dtype below master_dtype), the moments in RAM (host.moments_tier=ram), full
     fine-tuning and one GPU per node. 0: every update waits for the norm."""
 
+    state: Literal["full", "lean"] = "full"
+    """What the optimizer keeps per parameter in host RAM. full: the float32 master weights, both AdamW moments
+    (optimizer.moment_dtype) and a separate bfloat16 streaming copy that also receives the gradients (14 bytes
+    per parameter with float32 moments). lean: NOT full precision; a bfloat16 master that is itself the
+    streaming copy, its rounding error carried in a bfloat16 compensation buffer (Kahan-compensated update, as
+    in "Revisiting BFloat16 Training" and the optimi library: master + compensation hold about 16 bits of
+    mantissa), and the moments in optimizer.lean_moments: with int8 moments 2 + 2 + 1 + 1 bytes plus a float32
+    scale per optimizer.lean_block elements of each moment (6.03 bytes per parameter at block 256, 6.004 at
+    2048), with bfloat16 moments 8. The gradients cannot land in the master (it is read by the next forward),
+    so they take 2 more bytes per parameter with clipping on (per-stage buffers) or a few layer-sized slabs with
+    clipping off, as with precision.stream_dtype=float32. The update (optim/lean_adamw.py, native kernel
+    kernels/lean_adamw.cpp) computes in float32 and reads and writes 14 bytes per parameter with int8 moments
+    and bf16 gradients (18 with bfloat16 moments), against 28 for full. Needs precision.compute_dtype=bfloat16
+    (and stream_dtype auto or bfloat16), full fine-tuning, host.moments_tier=ram, moment_dtype float32 (the
+    lean moments have their own key), no speculative stages; the GPU-resident tier keeps its own float32 state
+    and is not combined with it. The first bfloat16 master is the loaded or initialised weights rounded to
+    nearest, the compensation zero. Part of the saved state: a checkpoint resumes only with the same state,
+    lean_moments and lean_block."""
+    lean_moments: Literal["int8", "bfloat16"] = "int8"
+    """With optimizer.state=lean, the format of both moments. int8: 8-bit blockwise quantization as
+    bitsandbytes' 8-bit optimizers (its dynamic map, signed for exp_avg, unsigned for exp_avg_sq; one float32
+    absmax scale per block, recomputed from the block's float32 moments at every update, each moment rounded
+    to the nearest code): 1 byte each. bfloat16: 2 bytes each, rounded stochastically with the hashed noise of
+    moment_dtype=bfloat16."""
+    lean_block: int = 256
+    """With lean_moments=int8, elements per quantization block (256 or 2048, bitsandbytes' blockwise sizes):
+    each block's scale costs 4 bytes per moment (0.031 bytes per parameter at 256, 0.004 at 2048); smaller
+    blocks follow the moments' local range more closely. Optimizer workers split stages on block boundaries."""
+
     def __post_init__(self) -> None:
         s = self.SECTION
+        if self.lean_block not in (256, 2048):
+            _fail(f"{s}.lean_block", self.lean_block, "must be 256 or 2048 (bitsandbytes' blockwise sizes)")
         if not self.lr > 0:
             _fail(f"{s}.lr", self.lr, "must be > 0")
         for name in ("beta1", "beta2"):

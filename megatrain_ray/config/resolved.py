@@ -75,6 +75,12 @@ class RunSpec:
     speculative_stages: int = 0
     """Stages updated before the step's gradient norm is known (optimizer.speculative_stages; model.layout's
     speculative_stages says which), each with a second set of state in the host store."""
+    optimizer_state: Literal["full", "lean"] = "full"
+    """optimizer.state: lean keeps a bfloat16 master (kind `master`, streamed directly) with its compensation
+    (`master_comp`) and lean moments (moment_dtype uint8: 8-bit codes with `*_scale` blocks; or bfloat16)."""
+    lean_block: int = 0
+    """Elements per quantization block of 8-bit lean moments (optimizer.lean_block); 0 for any other state: the
+    optimizer workers' spans start on multiples of it (optim/lean_adamw.span_align)."""
     base_quantization: Literal["none", "nf4"] = "none"
     """finetune.lora.base_quantization of a frozen base: nf4 holds its decoder layers packed in NF4 (kind `nf4`,
     store/nf4_base.py), dequantized on the device into the compute dtype."""
@@ -85,9 +91,12 @@ class RunSpec:
 
     def checkpoint_bytes(self, num_params: int, adapter_params: int = 0) -> int:
         """A checkpoint's size: the master weights and both AdamW moments (LoRA: the float32 adapters' and their
-        moments only; `adapter_params`: model/lora.adapter_numel)."""
+        moments only; `adapter_params`: model/lora.adapter_numel); lean: with the compensation and the scales."""
         if self.frozen_base:
             return 3 * 4 * adapter_params
+        if self.optimizer_state == "lean":
+            scales = 2 * 4 * num_params // self.lean_block if self.lean_block else 0
+            return num_params * (2 * DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.moment_dtype]) + scales
         return num_params * (DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.moment_dtype])
 
     def resident_stage_bytes(self, numel: int) -> int:
@@ -138,6 +147,20 @@ class RunSpec:
                 activation_offload=e.activation_offload is True, resident_layers=resident_layer_count(cfg, ranks),
                 frozen_base=True,
                 base_quantization=cfg.finetune.lora.base_quantization)
+        if o.state == "lean":  # config/sections.check_lean refused what it cannot take
+            int8 = o.lean_moments == "int8"
+            grad_home = "stage" if o.grad_clip > 0 else "pool"  # the master is streamed: gradients land apart
+            return cls(
+                device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
+                master_dtype="bfloat16", compute_dtype=p.compute_dtype, stream_dtype="bfloat16",
+                stream_is_master=True, grad_home=grad_home, grad_dtype=p.resolved_grad_dtype,
+                moment_dtype="uint8" if int8 else "bfloat16",
+                # Vocabulary pieces cut stages at multiples of a layer's size, not of a quantization block.
+                vocab_in_pieces=(e.vocab_grad_pieces and grad_home == "pool" and ranks == 1 and not int8),
+                compiles=compiles, device_compiles=device_compiles,
+                layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
+                activation_offload=e.activation_offload is True, resident_layers=0,
+                optimizer_state="lean", lean_block=o.lean_block if int8 else 0)
         return cls(
             device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
             master_dtype=p.master_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,
@@ -174,7 +197,8 @@ def resident_tier_refusal(cfg: Config, world: int) -> str:
         return ""
     for refused, why in ((world > 1, "one GPU worker (parallel.gpus=1)"),
                          (cfg.host.moments_tier != "ram", "host.moments_tier=ram"),
-                         (cfg.optimizer.moment_dtype != "float32", "optimizer.moment_dtype=float32")):
+                         (cfg.optimizer.moment_dtype != "float32", "optimizer.moment_dtype=float32"),
+                         (cfg.optimizer.state != "full", "optimizer.state=full")):
         if refused:
             return why
     return ""

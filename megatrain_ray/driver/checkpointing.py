@@ -44,8 +44,13 @@ def state_config(cfg: Config) -> dict[str, dict[str, Any]]:
     rows train, not what the tensors are; checkpoints from before it was read hold none)."""
     finetune = cfg.to_dict()["finetune"] if cfg.finetune.method == "lora" else {"method": "full"}
     model = {k: v for k, v in cfg.to_dict()["model"].items() if k != "pad_token_id"}
+    o = cfg.optimizer
+    optimizer: dict[str, Any] = {"moment_dtype": o.moment_dtype, "state": o.state}
+    if o.state == "lean":  # the lean state's format (a full run's checkpoint is refused by `state` first)
+        optimizer.update(lean_moments=o.lean_moments, **({"lean_block": o.lean_block} if o.lean_moments == "int8"
+                                                         else {}))
     return {"model": model, "precision": {"master_dtype": cfg.precision.master_dtype},
-            "optimizer": {"moment_dtype": cfg.optimizer.moment_dtype}, "finetune": finetune}
+            "optimizer": optimizer, "finetune": finetune}
 
 
 def find_checkpoint(resume: str | None, checkpoints: CheckpointDir, layout: ModelLayout,

@@ -15,6 +15,7 @@ from megatrain_ray.messages import UpdateDone, UpdateOrder
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.optim.adamw import FlatAdamW
+from megatrain_ray.optim.lean_adamw import FlatLeanAdamW, LeanStage
 from megatrain_ray.store.checkpoint import wait_for_gate
 from megatrain_ray.store.disk_tier import MomentStager
 from megatrain_ray.store.segments import HostStore
@@ -23,10 +24,11 @@ log = get_logger(__name__)
 
 
 class StageUpdater:
-    def __init__(self, worker: int, layout: ModelLayout, store: HostStore, adamw: FlatAdamW,
+    def __init__(self, worker: int, layout: ModelLayout, store: HostStore, adamw: FlatAdamW | FlatLeanAdamW,
                  spans: dict[int, tuple[int, int]], disk: MomentStager | None, gates: list[torch.Tensor]):
         """`worker`: this worker's index; `spans`: stage -> [start, end) of the stage this worker updates;
-        `disk`: the moments' stager (host.moments_tier disk, else None); `gates`: the checkpoint gates."""
+        `disk`: the moments' stager (host.moments_tier disk, else None); `gates`: the checkpoint gates. `adamw`:
+        FlatLeanAdamW with optimizer.state=lean (whose spans start on its span_align)."""
         self.worker = worker
         self.layout = layout
         self.store = store
@@ -57,7 +59,12 @@ class StageUpdater:
             into, save_grad = store.other_set(order.stage), store.get("saved_grad", order.stage)
         elif order.speculative == "redo":  # the streaming copy holds the speculative weights now
             grad = store.get("saved_grad", order.stage)
-        if not order.apply:
+        if isinstance(self.adamw, FlatLeanAdamW):  # the master is the streaming copy: a dropped step changes nothing
+            if order.apply and end > start:
+                self.adamw.update(state=lean_stage(store, order.stage), grad=grad, start=start, end=end,
+                                  decay_end=stage.decay_numel, adam_step=order.adam_step, lr=order.lr,
+                                  grad_coef=order.grad_coef, stage=order.stage, grad_base=grad_base)
+        elif not order.apply:
             if stream_out is not None:
                 self.adamw.refresh(store.get("master", order.stage), stream_out, start, end)
         elif end > start:
@@ -78,7 +85,8 @@ class StageUpdater:
                 if self.disk is not None:
                     self.disk.release((order.stage, k))
         ended = time.perf_counter()
-        per_element = self.adamw.bytes_per_element(grad, stream_out, order.apply, speculative=save_grad is not None)
+        per_element = self.adamw.bytes_per_element(grad, order.apply) if isinstance(self.adamw, FlatLeanAdamW) else \
+            self.adamw.bytes_per_element(grad, stream_out, order.apply, speculative=save_grad is not None)
         return UpdateDone(order.stage, self.worker, ended - t0, end - start, (end - start) * per_element, t0, ended)
 
     def sync(self) -> None:
@@ -93,3 +101,11 @@ class StageUpdater:
             self.disk = None
         if self.adamw.pool is not None:
             self.adamw.pool.shutdown(wait=True)
+
+
+def lean_stage(store: HostStore, stage: int) -> LeanStage:
+    """A stage's lean state in the store (optimizer.state=lean)."""
+    scales = (store.get("exp_avg_scale", stage), store.get("exp_avg_sq_scale", stage)) \
+        if store.has("exp_avg_scale", stage) else None
+    return LeanStage(store.get("master", stage), store.get("master_comp", stage), store.get("exp_avg", stage),
+                     store.get("exp_avg_sq", stage), scales)

@@ -13,6 +13,7 @@ from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.lora import lora_params
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
 from megatrain_ray.planning.host_memory import store_bytes, without_refused_tier
+from megatrain_ray.planning.lean import lean_alternatives, lean_lines
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_tier_lines
 from megatrain_ray.planning.plan import Plan
 from megatrain_ray.planning.rollout import rollout_lines
@@ -29,7 +30,9 @@ _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg
            "stream": "streaming copy", "grad": "gradients (per stage)", "gradpool": "gradient slabs",
            "gate": "checkpoint gates", "sync": "data-parallel counters", "nf4": "frozen base layers (NF4)",
            "alt_master": "second set: master weights", "alt_exp_avg": "second set: 1st moment",
-           "alt_exp_avg_sq": "second set: 2nd moment", "saved_grad": "saved gradients", "parity": "set parities"}
+           "alt_exp_avg_sq": "second set: 2nd moment", "saved_grad": "saved gradients", "parity": "set parities",
+           "master_comp": "master compensation (lean)", "exp_avg_scale": "1st moment block scales",
+           "exp_avg_sq_scale": "2nd moment block scales"}
 
 
 CHECKPOINT_WRITE_GBPS = 1.0
@@ -55,7 +58,10 @@ def format_plan(plan: Plan) -> str:
              "", "host (shared memory, per kind):"]
     dtypes = {"master": run.master_dtype, "exp_avg": run.moment_dtype, "exp_avg_sq": run.moment_dtype,
               "stream": run.stream_dtype, "nf4": "nf4", "alt_master": run.master_dtype,
-              "alt_exp_avg": run.moment_dtype, "alt_exp_avg_sq": run.moment_dtype}
+              "alt_exp_avg": run.moment_dtype, "alt_exp_avg_sq": run.moment_dtype,
+              "master_comp": run.master_dtype, "exp_avg_scale": "float32", "exp_avg_sq_scale": "float32"}
+    if run.optimizer_state == "lean" and run.lean_block:
+        dtypes.update(exp_avg="int8", exp_avg_sq="int8")  # 8-bit codes (stored as uint8 bytes)
     for kind, nbytes in plan.host.items():
         if nbytes >= 2**20:
             label = (("frozen embedding, LM head" if run.base_quantization == "nf4" else "frozen base (streamed)")
@@ -128,16 +134,19 @@ def tier_lines(plan: Plan) -> list[str]:
     if plan.run.frozen_base:
         return lora_tier_lines(plan, params)
     configured = (cfg.optimizer.moment_dtype, cfg.host.moments_tier)
+    lean = cfg.optimizer.state == "lean"
     ram_now = plan.shm_total + plan.staging
     disk_now = sum(plan.disk.values())
-    lines = [f"memory tiers (optimizer.moment_dtype={configured[0]}, host.moments_tier={configured[1]}): "
+    setting = f"optimizer.state=lean, lean_moments={cfg.optimizer.lean_moments}" if lean else \
+        f"optimizer.moment_dtype={configured[0]}, host.moments_tier={configured[1]}"
+    lines = [f"memory tiers ({setting}): "
              f"store {ram_now / g:.2f} GiB RAM ({ram_now / params:.1f} B/param)"
              + (f" + {disk_now / 1e9:.1f} GB disk ({disk_now / params:.1f} B/param)" if disk_now else "")]
     profile = plan.profile
     if profile is not None:
         lines[0] += f"; expected {plan.expected.tok_per_s:,.0f} tok/s"
-    alternatives = []
-    for dtype in ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",):
+    alternatives = lean_alternatives(cfg)
+    for dtype in () if lean else ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",):
         for tier in ("ram", "disk"):
             if (dtype, tier) == configured:
                 continue
@@ -149,7 +158,7 @@ def tier_lines(plan: Plan) -> list[str]:
                 host=dataclasses.replace(cfg.host, moments_tier=tier, disk_dir=cfg.host.disk_dir or "DISK_DIR"))))
     # The streaming copy: its own bf16 copy in RAM, or the fp32 master streamed (RAM for PCIe bytes).
     stream = cfg.precision.master_dtype if not cfg.precision.stream_is_master else cfg.precision.compute_dtype
-    if stream != cfg.precision.resolved_stream_dtype:
+    if stream != cfg.precision.resolved_stream_dtype and not lean:
         streams_master = stream == cfg.precision.master_dtype  # and so no speculative updates
         alternatives.append((f"streaming copy {'none (master streamed)' if streams_master else stream}",
                              dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, stream_dtype=stream),
@@ -170,9 +179,11 @@ def tier_lines(plan: Plan) -> list[str]:
         change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
         speed = f"  {tok_per_s:9,.0f} tok/s" if profile else ""
         lines.append(f"  {label + ':':<40}{change:<34}{ram / params:5.1f} B/param RAM"
-                     + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16" else "")
+                     + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16"
+                                or other.optimizer.state == "lean" else "")
                      + ("  (no speculative updates)" if cfg.optimizer.speculative_stages
                         and not other.optimizer.speculative_stages else ""))
+    lines += [f"  {line}" for line in lean_lines(cfg, plan.host, params, profile.host if profile else None)]
     if profile is not None:
         lines.append(f"  (tok/s: the speed model; AdamW scaled by DRAM bytes per parameter, the disk tier at "
                      f"{profile.host.disk_gbps:g} GB/s read + write, an assumption unless --disk-gbps)")
@@ -300,7 +311,11 @@ def host_fixes(plan: Plan) -> list[str]:
                            "separate streaming copy, twice the PCIe bytes per step)",
                            dataclasses.replace(cfg, optimizer=unspeculative, precision=dataclasses.replace(
                                precision, stream_dtype=precision.master_dtype))))
-    if precision.master_dtype == "float64":
+    if optimizer.state == "lean":  # the precision and tier keys are fixed by the lean state (config.check_lean)
+        candidates = [(f"{label.replace('state', 'optimizer.state', 1)} (not full precision)", other)
+                      for label, other in lean_alternatives(cfg) if other.optimizer.lean_moments == "int8"
+                      and other.optimizer.state == "lean"]
+    elif precision.master_dtype == "float64":
         candidates.append(("precision.master_dtype=float32", dataclasses.replace(
             cfg, precision=dataclasses.replace(precision, master_dtype="float32"))))
     else:
@@ -312,6 +327,10 @@ def host_fixes(plan: Plan) -> list[str]:
                                "memory tiers above)", dataclasses.replace(cfg, optimizer=unspeculative,
                                                                           host=dataclasses.replace(
                                    host, moments_tier="disk", disk_dir=host.disk_dir or "DISK_DIR"))))
+    if optimizer.state == "full":
+        candidates += [(f"optimizer.state=lean with optimizer.lean_moments=int8 (a bf16 master with its compensation, "
+                        "8-bit moments; not full precision)", other) for label, other in lean_alternatives(cfg)
+                       if other.optimizer.lean_moments == "int8"]
     ram_now = plan.shm_total + plan.staging
     fixes = []
     for text, other in [(text, without_refused_tier(other)) for text, other in candidates]:

@@ -55,9 +55,14 @@ REFERENCE_OPTIMIZER_BYTES = 28
 read and written (24), the bf16 gradient read (2), the bf16 streaming copy written (2)."""
 
 
-def optimizer_dram_bytes(cfg: Config) -> int:
-    """DRAM bytes per parameter of one update (FlatAdamW.bytes_per_element of the config's formats)."""
+def optimizer_dram_bytes(cfg: Config) -> float:
+    """DRAM bytes per parameter of one update (FlatAdamW.bytes_per_element of the config's formats; with
+    optimizer.state=lean FlatLeanAdamW's: 14 with int8 moments and bf16 gradients, plus the scales)."""
     run = RunSpec.resolve(cfg)
+    if run.optimizer_state == "lean":
+        moments = DTYPE_BYTES[run.moment_dtype]
+        scales = 2 * 4 / run.lean_block if run.lean_block else 0.0
+        return 2 * (2 * DTYPE_BYTES[run.master_dtype] + 2 * moments + scales) + DTYPE_BYTES[run.grad_dtype]
     master = DTYPE_BYTES[run.master_dtype]
     moments = DTYPE_BYTES[cfg.optimizer.moment_dtype]
     copy = 0 if run.stream_is_master else DTYPE_BYTES[run.stream_dtype]
@@ -79,7 +84,9 @@ def speculative_extra_bytes(cfg: Config) -> int:
 def adamw_gparams(cfg: Config, host: "HostProfile") -> float:
     """The profile's AdamW rate for this config: DRAM-bound, so scaled by the bytes per parameter against
     the measured configuration's; with the moments on disk, at most what the disk moves (each moment read
-    and written once per step)."""
+    and written once per step). The lean state (optimizer.state=lean): its measured fraction of the full rate."""
+    if cfg.optimizer.state == "lean":  # compute-bound where it was measured: its own fraction, not DRAM bytes
+        return host.adamw_gparams * LEAN_RATE_FRACTION[cfg.optimizer.lean_moments]
     rate = host.adamw_gparams * REFERENCE_OPTIMIZER_BYTES / optimizer_dram_bytes(cfg)
     if cfg.host.moments_tier == "disk":
         rate = min(rate, host.disk_gbps / (4 * DTYPE_BYTES[cfg.optimizer.moment_dtype]))
@@ -132,6 +139,8 @@ HOSTS = {kind: HostProfile(h["name"], h2d_gbps=h["h2d_gbps"], h2d_loaded_gbps=h[
                            control_seconds=MACHINES["control_seconds"], source=" ".join(h["source"].split()),
                            disk_gbps=MACHINES["disk_gbps"]) for kind, h in MACHINES["hosts"].items()}
 H100, H200, H100_BOX, H200_BOX = GPUS["h100"], GPUS["h200"], HOSTS["h100"], HOSTS["h200"]
+LEAN_RATE_FRACTION = MACHINES["lean_rate_fraction"]
+"""The lean state's update rate as a fraction of the full state's, by optimizer.lean_moments (machines.yaml)."""
 HOST_RAM = {"128gb": 128 * GiB, "512gb": 512 * GiB, "1tb": 1024 * GiB, "1.5tb": 1536 * GiB}
 """Installed RAM of the presets (DIMM sizes are binary: 16 x 32 GB = 512 GiB); 128gb: the single-GPU boxes the
 measurements came from (nvidia-h100-x1, nvidia-h200)."""

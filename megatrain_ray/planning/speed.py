@@ -319,6 +319,8 @@ class SpeedEstimate:
     """A mixture-of-experts model, at the GPU's MoE rate."""
     lora: bool = False
     """A LoRA run (a frozen base), at the GPU's LoRA fraction of that rate."""
+    lean: bool = False
+    """The lean optimizer state (optimizer.state=lean): AdamW at its measured fraction of the full rate."""
 
     @property
     def tok_per_s(self) -> float:
@@ -366,7 +368,8 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
     flops = sum(stage_flops_per_token(cfg.model, layout, cfg.data.seq_len))
     return SpeedEstimate(profile, cfg.data.tokens_per_step, end - start, flops, busy["compute"], busy["h2d"],
                          busy["d2h"], busy["optimizer"], dict(replay.idle), cfg.optimizer.grad_clip > 0,
-                         replay.adamw_gparams, run.layers_compiled, cfg.model.is_moe, run.frozen_base)
+                         replay.adamw_gparams, run.layers_compiled, cfg.model.is_moe, run.frozen_base,
+                         run.optimizer_state == "lean")
 
 
 def format_speed(est: SpeedEstimate) -> list[str]:
@@ -385,7 +388,8 @@ def format_speed(est: SpeedEstimate) -> list[str]:
         f"{p.host.h2d_loaded_gbps:g} while AdamW runs)",
         f"  {'D2H per step':<38}{est.d2h_seconds:10.2f} s    ({p.host.d2h_gbps:g} GB/s)",
         f"  {'CPU AdamW per step':<38}{est.optimizer_seconds:10.2f} s    ({est.optimizer_gparams:.3g} G params/s"
-        + (f"; {p.host.adamw_gparams:g} measured at {REFERENCE_OPTIMIZER_BYTES} B/param, scaled by DRAM bytes"
+        + (f"; {p.host.adamw_gparams:g} measured at {REFERENCE_OPTIMIZER_BYTES} B/param, "
+           + ("times the lean state's measured fraction" if est.lean else "scaled by DRAM bytes")
            if abs(est.optimizer_gparams - p.host.adamw_gparams) > 1e-9 else "") + ")",
         f"  {'bound by':<38}{est.bound}   (GPU idle "
         + ", ".join(f"{s:.2f} s on {what}" for what, s in est.gpu_waits.items()) + ")",

@@ -4,7 +4,10 @@
         stage-0000.safetensors   one file per stage (embedding, each layer, head): the master weights
                                  by Hugging Face name, then `optimizer.exp_avg.<name>` and
                                  `optimizer.exp_avg_sq.<name>` in their own dtype (F32, or BF16 with
-                                 optimizer.moment_dtype=bfloat16)
+                                 optimizer.moment_dtype=bfloat16); with optimizer.state=lean a BF16
+                                 master, `optimizer.master_comp.<name>` (BF16), and the moments
+                                 either BF16 by name or, 8-bit, whole (`optimizer.exp_avg`, U8) with
+                                 their scales (`optimizer.exp_avg_scale`, F32)
         ...
         manifest.json            written last: step, updates applied, config, RNG states, and for
                                  each file its size and CRC-32
@@ -68,12 +71,24 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+LEAN_OPTIMIZER_KINDS = ("master_comp", "exp_avg_scale", "exp_avg_sq_scale")
+"""The lean state's kinds beyond master and moments (optimizer.state=lean; store/segments.LEAN_KINDS)."""
+
+
 def stage_tensors(stage: StageLayout, flats: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Named views into a stage's flat buffers (`master`, `exp_avg`, `exp_avg_sq`), in file order."""
+    """Named views into a stage's flat buffers (`master`, `exp_avg`, `exp_avg_sq`; with the lean state also
+    `master_comp` and the scales), in file order. Per tensor by Hugging Face name, except what is blockwise: 8-bit
+    moments (uint8, a block may span tensors) and their scales are saved whole, padding included, as
+    `optimizer.<kind>`, so that a resumed run has every block as it was."""
     out = []
-    for kind in ("master", *OPTIMIZER_KINDS):
+    for kind in ("master", "master_comp", *OPTIMIZER_KINDS, "exp_avg_scale", "exp_avg_sq_scale"):
+        if kind not in flats and kind in LEAN_OPTIMIZER_KINDS:
+            continue
         prefix = "" if kind == "master" else f"optimizer.{kind}."
         flat = flats[kind]
+        if flat.dtype == torch.uint8 or kind.endswith("_scale"):
+            out.append((f"optimizer.{kind}", flat))
+            continue
         for slot in stage.slots:
             out.append((prefix + stage.hf_name(slot), flat[slot.offset:slot.offset + slot.numel].view(slot.shape)))
     return out
@@ -289,7 +304,8 @@ def read_manifest(directory: str | Path) -> CheckpointInfo:
 
 
 # State-defining keys added after checkpoints already existed: what those checkpoints hold.
-_STATE_KEYS_BEFORE = {("optimizer", "moment_dtype"): "float32", ("finetune", "method"): "full"}
+_STATE_KEYS_BEFORE = {("optimizer", "moment_dtype"): "float32", ("finetune", "method"): "full",
+                      ("optimizer", "state"): "full"}
 
 
 def check_compatible(info: CheckpointInfo, layout: ModelLayout, state_config: dict,

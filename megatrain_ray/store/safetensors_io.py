@@ -20,7 +20,8 @@ import torch
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.store.disk_tier import DiskTensor, byte_view
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16"}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
+                       torch.uint8: "U8"}  # U8: the lean state's 8-bit moments (optimizer.lean_moments=int8)
 _CHUNK = 64 << 20
 
 

@@ -8,6 +8,10 @@ Ray; the bytes never do. Kinds per stage:
 - `master`, `exp_avg`, `exp_avg_sq`: the fp32 (or fp64) weights and AdamW moments (the moments in
   `optimizer.moment_dtype`; with `host.moments_tier: disk` they are files in `host.disk_dir`, read and
   written by offset, never mapped: megatrain_ray/store/disk_tier.py);
+- with optimizer.state=lean instead `master` in bfloat16 (streamed directly: there is no `stream`),
+  `master_comp` (its bfloat16 compensation), `exp_avg` and `exp_avg_sq` in uint8 codes (with
+  `exp_avg_scale` and `exp_avg_sq_scale`, one float32 per optimizer.lean_block elements) or bfloat16
+  (LEAN_KINDS, optim/lean_adamw.py);
 - `stream`: the copy the GPU reads each step, in `precision.stream_dtype`; absent when it
   would equal the master weights, which are then streamed directly;
 - `grad`: per-stage gradients, only when the master weights are streamed and clipping is on
@@ -53,10 +57,16 @@ from megatrain_ray.store.disk_tier import DiskSegment, allocate_file
 log = get_logger(__name__)
 
 SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync", "nf4",
-                      "alt_master", "alt_exp_avg", "alt_exp_avg_sq", "saved_grad", "parity"]
+                      "alt_master", "alt_exp_avg", "alt_exp_avg_sq", "saved_grad", "parity", "master_comp",
+                      "exp_avg_scale", "exp_avg_sq_scale"]
 STATE_KINDS: tuple[SegmentKind, ...] = ("master", "exp_avg", "exp_avg_sq")
 """What AdamW keeps of a stage: the master weights and both moments."""
 ALT_KINDS: tuple[SegmentKind, ...] = ("alt_master", "alt_exp_avg", "alt_exp_avg_sq")
+LEAN_KINDS: tuple[SegmentKind, ...] = ("master", "master_comp", "exp_avg", "exp_avg_sq", "exp_avg_scale",
+                                       "exp_avg_sq_scale")
+"""What the lean state (optimizer.state=lean, optim/lean_adamw.py) keeps of a stage: the bfloat16 master (streamed
+directly), its bfloat16 compensation, the moments (8-bit codes, or bfloat16) and, for 8-bit ones, a float32 scale
+per block of each."""
 """The second set of a speculatively updated stage (optimizer.speculative_stages): its update reads the current
 set and writes the other, and the stage's one-element `parity` segment says which set is current (0: the plain
 kinds). HostStore.get follows it, so every reader of a stage's state sees the current set. The gradients the
@@ -117,6 +127,13 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
             kinds = [("master", master)]
             if run.base_quantization == "nf4" and stage.kind == "layer":  # its bytes packed (store/nf4_base.py)
                 kinds, numel = [("nf4", "uint8")], nf4_stage_bytes(stage, run.compute_dtype)
+        sizes = {}
+        if run.optimizer_state == "lean":
+            kinds = [("master", "bfloat16"), ("master_comp", "bfloat16"), ("exp_avg", moments),
+                     ("exp_avg_sq", moments)]
+            if run.lean_block:  # 8-bit moments: a float32 scale per block of each
+                kinds += [("exp_avg_scale", "float32"), ("exp_avg_sq_scale", "float32")]
+                sizes = dict.fromkeys(("exp_avg_scale", "exp_avg_sq_scale"), -(-numel // run.lean_block))
         if not run.stream_is_master:
             kinds.append(("stream", run.stream_dtype))
         if home == "stage":
@@ -126,7 +143,7 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
         for kind, dtype in kinds:
             disk = on_disk and kind in ("exp_avg", "exp_avg_sq")
             path = os.path.join(host.disk_dir if disk else directory, f"{segment_prefix(run_id)}{stage.name}-{kind}")
-            specs.append(SegmentSpec(path, dtype, numel, kind, index, on_disk=disk))
+            specs.append(SegmentSpec(path, dtype, sizes.get(kind, numel), kind, index, on_disk=disk))
         if index in speculative:
             specs.append(SegmentSpec(os.path.join(directory, f"{segment_prefix(run_id)}{stage.name}-parity"), "int32",
                                      1, "parity", index))
@@ -287,6 +304,11 @@ class HostStore:
         """Make the other set current (a speculative update kept)."""
         parity = self._tensors[("parity", stage)]
         parity[0] = 1 - int(parity[0])
+
+    def state_flats(self, stage: int) -> dict[str, torch.Tensor]:
+        """The optimizer state this store maps of `stage` (what a checkpoint holds), by kind: master and both
+        moments; with the lean state also the compensation and the scales."""
+        return {kind: self.get(kind, stage) for kind in LEAN_KINDS if self.has(kind, stage)}
 
     def has(self, kind: SegmentKind, stage: int) -> bool:
         return (kind, stage) in self._tensors

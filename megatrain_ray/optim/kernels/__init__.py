@@ -22,6 +22,7 @@ from megatrain_ray.observe.log import get_logger
 log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("adamw.cpp")
+LEAN_SOURCE = Path(__file__).with_name("lean_adamw.cpp")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -40,25 +41,30 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain_ray"))
 
 
-@lru_cache(maxsize=1)
-def adamw_library() -> ctypes.CDLL:
-    """The compiled AdamW kernel (raises KernelUnavailable when it cannot be built)."""
+def _build(source_path: Path, flags: list[str], what: str) -> ctypes.CDLL:
+    """Compile `source_path` with `flags` (cached by source, compiler and flags) and load it."""
     cxx = _compiler()
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(source + repr((cxx, version, FLAGS, os.uname().machine)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"adamw-{key}.so"
+    key = hashlib.sha256(source + repr((cxx, version, flags, os.uname().machine)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source_path.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *flags, str(source_path), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[:2000]}")
+            raise KernelUnavailable(f"compiling {source_path.name} failed: {proc.stderr.strip()[:2000]}")
         os.replace(tmp, target)
-        log.info("built the native AdamW kernel: %s", target)
-    lib = ctypes.CDLL(str(target))
+        log.info("built the native %s kernel: %s", what, target)
+    return ctypes.CDLL(str(target))
+
+
+@lru_cache(maxsize=1)
+def adamw_library() -> ctypes.CDLL:
+    """The compiled AdamW kernel (raises KernelUnavailable when it cannot be built)."""
+    lib = _build(SOURCE, FLAGS, "AdamW")
     pointer, i64, f32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
     # p, m, v, g, out, n, lr, beta1, beta2 (double, as torch takes them), eps, weight_decay, bc1, bc2_sqrt,
     # grad_coef, threads, the index of element 0 in its stage and the noise key (of the bf16 moments' rounding),
@@ -72,4 +78,26 @@ def adamw_library() -> ctypes.CDLL:
         fn.restype = None
     lib.megatrain_adamw_streams.argtypes = []
     lib.megatrain_adamw_streams.restype = ctypes.c_int  # 1: a speculative update streams its other set out
+    return lib
+
+
+LEAN_FLAGS = [*FLAGS, "-ffp-contract=off"]
+"""The lean kernel repeats optim/lean_adamw.py's float32 math bit for bit: no multiply-add may be fused."""
+
+
+@lru_cache(maxsize=1)
+def lean_library() -> ctypes.CDLL:
+    """The compiled lean AdamW kernel (kernels/lean_adamw.cpp; raises KernelUnavailable when it cannot be built)."""
+    lib = _build(LEAN_SOURCE, LEAN_FLAGS, "lean AdamW")
+    pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    # p, comp, m, v, m_scale, v_scale, g, n, index of element 0 in the stage, elements with weight decay (from
+    # element 0), then the float32 constants (1-beta1, beta2, 1-beta2, eps, bc2_sqrt, step size, lr*wd, grad_coef),
+    # block, the maps (values, bounds, prefix counts, zero) of exp_avg and exp_avg_sq, the noise key and the threads.
+    signature = [pointer] * 7 + [i64, i64, i64] + [f32] * 8 + [i32] + [pointer, pointer, pointer, i32] * 2 + \
+        [ctypes.c_uint32, i32]
+    for name in ("megatrain_lean_adamw_f32grad_q8", "megatrain_lean_adamw_bf16grad_q8",
+                 "megatrain_lean_adamw_f32grad_bf16m", "megatrain_lean_adamw_bf16grad_bf16m"):
+        fn = getattr(lib, name)
+        fn.argtypes = signature
+        fn.restype = None
     return lib
