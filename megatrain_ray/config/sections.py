@@ -69,6 +69,7 @@ class Config:
             check_generic(self)
         if self.precision.compute_dtype in ("bfloat16", "float16") and self.engine.device == "cpu":
             pass  # allowed (slow); tests of the bf16 path use it on purpose
+        check_lean(self)
         check_parallel(self)
         check_hybrid_run(self)
         check_finetune(self)
@@ -121,6 +122,36 @@ def check_speculative(cfg: Config, ranks: int | None) -> None:
         why = "one GPU worker per node (parallel.gpus = parallel.nodes)"
     if why:
         _fail("optimizer.speculative_stages", count, f"needs {why}; or set it to 0")
+
+
+def check_lean(cfg: Config) -> None:
+    """optimizer.state=lean against the rest of the config, on load (before Ray starts): one error naming the
+    keys that conflict."""
+    o, p = cfg.optimizer, cfg.precision
+    if o.state != "lean":
+        return
+    conflicts = [(key, value, want) for key, value, want, ok in (
+        ("precision.compute_dtype", p.compute_dtype, "bfloat16", p.compute_dtype == "bfloat16"),
+        ("precision.stream_dtype", p.stream_dtype, "auto or bfloat16 (the bfloat16 master is streamed)",
+         p.stream_dtype in ("auto", "bfloat16")),
+        ("precision.grad_dtype", p.grad_dtype, "auto, bfloat16 or float32", p.grad_dtype in ("auto", "bfloat16",
+                                                                                              "float32")),
+        ("precision.master_dtype", p.master_dtype, "float32 (the default; lean keeps a bfloat16 master of its own)",
+         p.master_dtype == "float32"),
+        ("optimizer.moment_dtype", o.moment_dtype, "float32 (lean moments are set by optimizer.lean_moments)",
+         o.moment_dtype == "float32"),
+        ("optimizer.speculative_stages", o.speculative_stages, "0 (the master is the streaming copy)",
+         o.speculative_stages == 0),
+        ("host.moments_tier", cfg.host.moments_tier, "ram", cfg.host.moments_tier == "ram"),
+        ("finetune.method", cfg.finetune.method, "full (LoRA adapters keep their own state on the device)",
+         cfg.finetune.method == "full"),
+        ("engine.gpu_resident", cfg.engine.gpu_resident, "none or auto (resident layers keep float32 state; auto "
+         "keeps none with lean)", cfg.engine.gpu_resident in ("none", "auto")),
+    ) if not ok]
+    if conflicts:
+        _fail("optimizer.state", "lean", "needs " + "; ".join(f"{key}={want} (it is {value!r})"
+                                                            for key, value, want in conflicts)
+              + "; or set optimizer.state=full")
 
 
 def check_finetune(cfg: Config) -> None:
