@@ -101,71 +101,97 @@ def generate_file(options: GenerationOptions) -> int:
     with GenerationSession(setup.source) as session:
         out = out_path.open("x", encoding="utf-8") if out_path is not None else sys.stdout
         try:
-            _generate_batches(session, setup, batches, out)
+            done = _generate_batches(session, setup, batches, out)
         finally:
             if out_path is not None:
                 out.close()
-    log.info("%d completions%s", len(prompts), f" in {out_path}" if out_path else "")
+    where = f" in {out_path}" if out_path else ""
+    if done < len(prompts):
+        log.warning("interrupted: %d of %d completions%s", done, len(prompts), where)
+        return 130
+    log.info("%d completions%s", len(prompts), where)
     return 0
 
 
 def _generate_batches(session: GenerationSession, setup: GenerationSetup, batches: list[list[GenerationPrompt]],
-                      out: TextIO) -> None:
-    """Each batch's lines written as soon as it is done (a long file keeps what finished); a line per batch to
-    the log."""
-    t0 = time.perf_counter()
+                      out: TextIO) -> int:
+    """Each batch's lines written as soon as it is done (an interrupted file keeps what finished); a line per
+    batch to the log. Returns the completions written (fewer than the prompts after Ctrl-C)."""
+    t0, done = time.perf_counter(), 0
     for k, batch in enumerate(batches):
-        # each batch its own seed: a batch's samples do not depend on which batches came before it
-        result = session.generate([p.ids for p in batch], replace(setup.sampling, seed=setup.sampling.seed + k))
+        try:
+            # each batch its own seed: a batch's samples do not depend on which batches came before it
+            result = session.generate([p.ids for p in batch], replace(setup.sampling, seed=setup.sampling.seed + k))
+        except KeyboardInterrupt:
+            return done
+        done += len(batch)
         for row, prompt in enumerate(batch):
             out.write(json.dumps({**prompt.record, **setup.completion(result, row)}, ensure_ascii=False) + "\n")
         out.flush()
         log.info("batch %d/%d: %d prompts, %d new tokens, %.1f tok/s (%.0f s in all)", k + 1, len(batches),
                  len(batch), int(result.lengths.sum()), result.stats["tokens_per_s"], time.perf_counter() - t0)
+    return done
 
 
 def chat(options: GenerationOptions, lines: TextIO | None = None, out: TextIO | None = None) -> int:
     """`megatrain chat`: each line of `lines` (stdin) a user turn; the whole conversation goes through the chat
     template each turn and the reply is printed to `out` (stdout). /reset forgets the conversation (the --system
-    prompt stays); /exit or the end of the input leaves."""
+    prompt stays); /exit or the end of the input leaves; Ctrl-C too (exit code 130)."""
     lines, out = lines or sys.stdin, out or sys.stdout
     setup = GenerationSetup.open(options)
     if setup.tokenizer.chat_template is None:
         raise ConfigError(f"the tokenizer in {setup.source.tokenizer_dir} has no chat template; `megatrain "
                           "generate` with text prompts needs none")
     opening = [{"role": "system", "content": options.system}] if options.system else []
-    conversation = list(opening)
-    interactive = lines.isatty()
     with GenerationSession(setup.source) as session:
-        if interactive:
-            out.write(f"chatting with {options.source}; {RESET} starts again, {EXIT} or Ctrl-D leaves\n")
-        turn = 0
-        while True:
-            if interactive:
-                out.write("> ")
-                out.flush()
-            line = lines.readline()
-            text = line.strip()
-            if not line or text == EXIT:
-                return 0
-            if text == RESET:
-                conversation = list(opening)
-                log.info("conversation reset")
-                continue
-            if not text:
-                continue
-            asked = [*conversation, {"role": "user", "content": line.rstrip("\n")}]
+        try:
+            _converse(session, setup, opening, lines, out)
+        except KeyboardInterrupt:
+            out.write("\n")
+            return 130
+    return 0
+
+
+def _read_turn(lines: TextIO, out: TextIO, interactive: bool) -> str | None:
+    """The next line (None at the end of the input); at a terminal through input(), which edits the line."""
+    if interactive and lines is sys.stdin and out is sys.stdout:
+        try:
+            return input("> ") + "\n"
+        except EOFError:
+            out.write("\n")
+            return None
+    return lines.readline() or None
+
+
+def _converse(session: GenerationSession, setup: GenerationSetup, opening: list[dict[str, str]], lines: TextIO,
+              out: TextIO) -> None:
+    interactive = lines.isatty()
+    if interactive:
+        out.write(f"chatting with {setup.source.what}; {RESET} starts again, {EXIT} or Ctrl-D leaves\n")
+    conversation, turn = list(opening), 0
+    while (line := _read_turn(lines, out, interactive)) is not None and line.strip() != EXIT:
+        if line.strip() == RESET:
+            conversation = list(opening)
+            log.info("conversation reset")
+            continue
+        if not line.strip():
+            continue
+        asked = [*conversation, {"role": "user", "content": line.rstrip("\n")}]
+        try:
             ids = list(setup.tokenizer.apply_chat_template(asked, tokenize=True, return_dict=True,
-                                                             add_generation_prompt=True)["input_ids"])
-            if (problem := setup.room_for(len(ids))) is not None:
-                log.error("%s: %s to start again (or a lower --max-new-tokens)", problem, RESET)
-                continue
-            # each turn its own seed: the same conversation replays the same replies
-            result = session.generate([ids], replace(setup.sampling, seed=setup.sampling.seed + turn))
-            reply = setup.completion(result, 0)
-            out.write(reply["completion"] + "\n")
-            out.flush()
-            if reply["finish_reason"] == "length":
-                log.warning("the reply stopped at --max-new-tokens %d", setup.sampling.max_new_tokens)
-            conversation = [*asked, {"role": "assistant", "content": reply["completion"]}]
-            turn += 1
+                                                           add_generation_prompt=True)["input_ids"])
+        except Exception as exc:  # the template's own raise_exception (e.g. no system role), or a field it lacks
+            raise ConfigError(f"the chat template cannot render the conversation: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}") from None
+        if (problem := setup.room_for(len(ids))) is not None:
+            log.error("%s: %s to start again (or a lower --max-new-tokens)", problem, RESET)
+            continue
+        # each turn its own seed: the same conversation replays the same replies
+        result = session.generate([ids], replace(setup.sampling, seed=setup.sampling.seed + turn))
+        reply = setup.completion(result, 0)
+        out.write(reply["completion"] + "\n")
+        out.flush()
+        if reply["finish_reason"] == "length":
+            log.warning("the reply stopped at --max-new-tokens %d", setup.sampling.max_new_tokens)
+        conversation = [*asked, {"role": "assistant", "content": reply["completion"]}]
+        turn += 1

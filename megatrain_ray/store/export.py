@@ -19,8 +19,8 @@ log = get_logger(__name__)
 
 
 def run_source(run_dir: Path) -> Path:
-    """What `megatrain export RUN_DIR` exports: the newest complete checkpoint of the run (its
-    checkpoint.dir, from the run's config.yaml), else the run's train.export_dir."""
+    """What `megatrain export RUN_DIR` exports and `megatrain generate RUN_DIR` loads: the newest complete
+    checkpoint of the run (its checkpoint.dir, from the run's config.yaml), else the run's train.export_dir."""
     what = f"run config {str(run_dir / 'config.yaml')!r}"
     saved = read_yaml(read_text_file(run_dir / "config.yaml", what, CheckpointError), what)
     section = (lambda name: saved.get(name) if isinstance(saved, dict) and isinstance(saved.get(name), dict) else {})
@@ -29,12 +29,11 @@ def run_source(run_dir: Path) -> Path:
         root = run_dir / checkpoint_dir  # an absolute checkpoint_dir stays as it is
         newest = CheckpointDir(root).latest() if root.is_dir() else None
         if newest is not None:
-            log.info("export: the newest complete checkpoint of %s, step %d (%s)", run_dir, newest.step,
-                     newest.directory)
+            log.info("%s: the newest complete checkpoint, step %d (%s)", run_dir, newest.step, newest.directory)
             return newest.directory
     export_dir = section("train").get("export_dir")
     if isinstance(export_dir, str) and export_dir and (Path(export_dir) / "config.json").is_file():
-        log.info("export: the weights %s exported at the end of training", export_dir)
+        log.info("%s: no checkpoint; the weights it exported at the end of training, %s", run_dir, export_dir)
         return Path(export_dir)
     raise CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint (in "
                           f"{checkpoint_dir}) and no exported weights (train.export_dir="
