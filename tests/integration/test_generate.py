@@ -7,7 +7,8 @@ token one the greedy decoding reaches, so rows end by stopping and by the length
 float64 (--set), where greedy choices are exact: generate's tokens equal transformers' generate(do_sample=False) of
 each prompt alone, token for token, for text prompts and for chat messages through the template, in batches of
 uneven prompts (left-padded). From a run directory generate decodes with the newest checkpoint's weights
-(transformers on those tensors), which greedy-decode differently from the older checkpoint's. Chat renders the whole
+(transformers on those tensors), which greedy-decode differently from the older checkpoint's; from a LoRA run, with
+its base and trained adapters (transformers on W + (alpha / r) B A, merged here). Chat renders the whole
 conversation (the replies so far included) through the template each turn, and /reset and /exit work. Bad input is
 one error naming the file, line or field, before the model loads."""
 
@@ -138,6 +139,30 @@ def test_generate_from_a_run_decodes_with_its_newest_checkpoint(tmp_path, tiny_l
 
     assert ours == greedy_rows(checkpoints[-1])
     assert ours != greedy_rows(checkpoints[0])  # the step-1 weights decode otherwise: the test tells them apart
+
+
+def test_generate_from_a_lora_run_decodes_with_the_base_and_its_adapters(tmp_path, tiny_llama, tok):
+    """Against transformers on the merged weights, W + (lora_alpha / r) B A, merged here from the trained adapters."""
+    cfg = run_config(tmp_path, tiny_llama)
+    cfg.finetune.method, cfg.finetune.lora.r, cfg.finetune.lora.lora_alpha = "lora", 4, 8.0
+    with Trainer(cfg) as trainer:
+        trainer.train()
+        adapters = trainer.adapters()
+    prompts, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2]), tmp_path / "out.jsonl"
+    assert main(["generate", str(tmp_path / "run"), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", str(NEW), "--device", "cpu"]) == 0
+    ours = [line["completion_ids"] for line in read_jsonl(out)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64).eval()
+    base = [greedy(model, prompt_ids(tok, record)) for record in PROMPTS[:2]]
+    weights = model.state_dict()
+    for name, a in adapters.items():
+        if name.endswith(".lora_A.weight"):
+            target = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+            b = adapters[name.replace(".lora_A.", ".lora_B.")]
+            weights[target] += 8.0 / 4 * (b.double() @ a.double())
+    model.load_state_dict(weights)
+    assert ours == [greedy(model, prompt_ids(tok, record)) for record in PROMPTS[:2]]
+    assert ours != base  # the adapters change the output: the test sees whether they are applied
 
 
 def test_chat_renders_the_whole_conversation_each_turn(tiny_llama, tok, monkeypatch, capsys):
