@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from tests.numerics import current_perturbation
+
 T = TypeVar("T")
 
 
@@ -75,7 +77,7 @@ class ReferenceRuns:
 
     def get(self, compute: Callable[[], T], *inputs: Any) -> T:
         """`compute()`'s result, made once per distinct `inputs` (all that `compute` reads); a copy each time."""
-        key = content_key(*inputs)
+        key = content_key(current_perturbation(), *inputs)  # a perturbed run is another run
         if key not in self._runs:
             self._runs[key] = compute()
         return copy.deepcopy(self._runs[key])
