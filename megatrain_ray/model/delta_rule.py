@@ -66,14 +66,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     chunk_decay = g[..., -1].exp()[..., None, None]
     state = q.new_zeros(batch, heads, q.shape[-1], v.shape[-1])
     outs = []
-    # unbind, not [:, :, i]: the backward of N selects would allocate N zero tensors of the whole sequence (O(N^2)
-    # bytes written); unbind's stacks the N chunks' gradients once
-    for u_i, w_i, q_i, intra_i, k_i, decay_i in zip(u.unbind(2), w.unbind(2), q_decayed.unbind(2), intra.unbind(2),
-                                                    k_decayed.unbind(2), chunk_decay.unbind(2)):
-        v_new = u_i - w_i @ state  # the part of the writes the state does not predict
-        outs.append(q_i @ state + intra_i @ v_new)
-        state = state * decay_i + k_i.transpose(-1, -2) @ v_new
-    out = torch.stack(outs, dim=2).reshape(batch, heads, padded, -1)[:, :, :seq_len]
+    # The loop is the sequential part (T / 64 steps, each a few small kernels): w and q read the state in one
+    # product, the adds ride on the products (baddbmm). unbind, not [:, :, i]: the backward of N selects would
+    # allocate N zero tensors of the whole sequence (O(N^2) bytes written); unbind's stacks the N gradients once.
+    reads = torch.cat((w, q_decayed), dim=-2)  # [B, H, N, 2C, d_k]
+    for u_i, read_i, intra_i, k_i, decay_i in zip(u.unbind(2), reads.unbind(2), intra.unbind(2),
+                                                   k_decayed.transpose(-1, -2).unbind(2), chunk_decay.unbind(2)):
+        predicted, inter = (read_i @ state).split(chunk, dim=-2)
+        v_new = u_i - predicted  # the part of the writes the state does not predict
+        outs.append(torch.baddbmm(inter.flatten(0, 1), intra_i.flatten(0, 1), v_new.flatten(0, 1)))
+        state = torch.baddbmm((state * decay_i).flatten(0, 1), k_i.flatten(0, 1),
+                              v_new.flatten(0, 1)).view_as(state)
+    out = torch.stack(outs, dim=1).reshape(batch, heads, padded, -1)[:, :, :seq_len]
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
 
 
@@ -89,12 +93,12 @@ def delta_rule_flops_per_token(value_heads: int, key_dim: int, value_dim: int, c
 def delta_rule_saved_elements(value_heads: int, key_dim: int, value_dim: int, chunk: int = CHUNK) -> float:
     """Elements per token (in the working dtype: float32, float64 when computing in it) of the tensors autograd keeps
     for chunk_gated_delta_rule's backward: per value head 5 C (the decay matrix, the two masked products, the UT
-    system, the intra-chunk scores), 12 d_k and 3 d_v (q, k and their normed, scaled, beta-weighted and decayed forms;
-    v, v_beta and the solve's u), d_k d_v / C (one state per chunk) and 7 per-token scalars. Counted from what
+    system, the intra-chunk scores), 13 d_k and 3 d_v (q, k and their normed, scaled, beta-weighted and decayed forms,
+    the state's reads; v, v_beta and the solve's u), d_k d_v / C (one state per chunk) and 7 per-token scalars. Counted from what
     autograd saves (tests/unit/test_hybrid_templates.py measures it); the plan's estimate of a linear layer's
     backward (planning/gpu_memory.py)."""
     c, dk, dv = chunk, key_dim, value_dim
-    return value_heads * (5.0 * c + 12.0 * dk + 3.0 * dv + dk * dv / c + 7.0)
+    return value_heads * (5.0 * c + 13.0 * dk + 3.0 * dv + dk * dv / c + 7.0)
 
 
 def linear_mixer_saved_bytes(value_heads: int, key_dim: int, value_dim: int, conv_width: int, value_width: int,
@@ -102,6 +106,6 @@ def linear_mixer_saved_bytes(value_heads: int, key_dim: int, value_dim: int, con
     """Bytes per token autograd keeps for a linear-attention token mixer's backward besides its normed input:
     the rule's tensors (delta_rule_saved_elements, working dtype) and at most 4 x (conv_width + value_width)
     elements in the compute dtype for the projections, the convolution, the gates and the output norm (measured on
-    the CPU at 3.4 to 3.3 of them: tests/unit/test_hybrid_templates.py)."""
+    the CPU at 3.1 to 3.4 of them: tests/unit/test_hybrid_templates.py)."""
     return delta_rule_saved_elements(value_heads, key_dim, value_dim) * work_bytes + \
         4.0 * (conv_width + value_width) * compute_bytes

@@ -13,8 +13,8 @@ float64, where transformers keeps them float32 in a float64 model). The MoE fami
 on (output_router_logits, coef 0.02): its routers' probabilities are summed in float32 on both sides, as transformers
 sums them, and with these models' two MoE layers both sides add the same two float32 sums in the same order, so
 EXACT holds (tests/integration/test_moe_parity.py's models, with more layers and chunked MLPs, part there and keep
-1e-5). Measured (pytest -s): Qwen3.5 losses within 2.6e-16, weights 1.8e-14; Qwen3-Next 4.2e-16 and 1.7e-12;
-Qwen3.5-MoE 4.0e-16 and 1.0e-12. The round trip's logits (float32, forward only): within 4x the noise of
+1e-5). Measured (pytest -s, the largest over runs, MKL_CBWR=COMPATIBLE among them): Qwen3.5 losses within 2.7e-16,
+weights 2.3e-13; Qwen3-Next 4.2e-16 and 2.6e-12; Qwen3.5-MoE 4.1e-16 and 1.1e-12. The round trip's logits (float32, forward only): within 4x the noise of
 transformers' float32 logits against its float64 twin, floor 16 float32 ulps (1.9e-6); measured 1.7e-7 against a
 noise of 2.1e-7, the bound the floor.
 
