@@ -8,7 +8,7 @@ from typing import Any
 
 from megatrain_ray.config.fields import FieldError
 from megatrain_ray.config.hf_fields import checked_layer_types
-from megatrain_ray.config.hf_hybrid import HYBRID_FAMILIES, hybrid_from_hf, hybrid_to_hf
+from megatrain_ray.config.hf_hybrid import HYBRID_FAMILIES, hybrid_from_hf, hybrid_to_hf, text_part
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
 from megatrain_ray.config.hf_quantization import check_quantization_config
 from megatrain_ray.config.model_section import ModelConfig, RopeScalingConfig
@@ -183,6 +183,7 @@ def _pad_token(hf: dict[str, Any], family: str, vocab: int, where: str) -> int |
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json mapping; every field is checked before it is used
     (`where` names the file in errors, with the file's own key names)."""
+    hf = text_part(hf)  # a multimodal Qwen3.5 checkpoint: its text model
     try:
         return _model_config_from_hf(hf, where)
     except FieldError as exc:  # ModelConfig's own checks refused a value of this file: name the file and its key

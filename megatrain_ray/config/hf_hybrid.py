@@ -11,6 +11,13 @@ from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 # The config classes' defaults (Qwen3_5TextConfig, Qwen3NextConfig, Qwen3_5MoeTextConfig share them).
 PARTIAL_ROTARY_DEFAULT = 0.25
 FULL_ATTENTION_INTERVAL = 4
+MULTIMODAL = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+"""The hub's Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration, model_type qwen3_5): their text
+model is text_config, its weights under model.language_model., as transformers' text class reads them."""
+LANGUAGE_PREFIX, TEXT_PREFIX = "model.language_model.", "model."
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+"""A multimodal checkpoint's vision tower and the multi-token-prediction head: not read (nor by transformers' text
+class), not exported."""
 LINEAR_DEFAULTS = {"conv_kernel_dim": 4, "key_head_dim": 128, "value_head_dim": 128, "num_key_heads": 16,
                    "num_value_heads": 32}
 
@@ -21,6 +28,31 @@ def _whole(hf: dict[str, Any], key: str, where: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CheckpointError(f"{where}: {key} = {excerpt(value)} must be a whole number >= 1")
     return value
+
+
+def text_part(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json's text model: a multimodal Qwen3.5 one's text_config under its text class, else `hf` itself."""
+    text = hf.get("text_config")
+    if hf.get("model_type") not in MULTIMODAL or not isinstance(text, dict):
+        return hf
+    out = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **text,
+           "architectures": [MULTIMODAL[hf["model_type"]]]}
+    out.setdefault("model_type", f"{hf['model_type']}_text")
+    return out
+
+
+def multimodal_names(names: list[str]) -> tuple[dict[str, str], set[str]]:
+    """For a multimodal Qwen3.5 checkpoint's tensor names: {text model's name: name on disk} of its language model
+    and LM head, and the names not read (the vision tower, the multi-token-prediction head)."""
+    aliases, skipped = {}, set()
+    for name in names:
+        if name.startswith(SKIPPED_PREFIXES):
+            skipped.add(name)
+        elif name.startswith(LANGUAGE_PREFIX):
+            aliases[TEXT_PREFIX + name.removeprefix(LANGUAGE_PREFIX)] = name
+        else:
+            aliases[name] = name
+    return aliases, skipped
 
 
 def hybrid_from_hf(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:

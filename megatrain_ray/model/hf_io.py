@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from megatrain_ray.config.hf import hf_config_from_model, read_hf_config
 from megatrain_ray.config.hf_generic import architecture
+from megatrain_ray.config.hf_hybrid import MULTIMODAL, multimodal_names, text_part
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
@@ -95,12 +96,19 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         # MoE hub checkpoints keep one tensor per expert: seen here fused, as transformers 5 loads them.
         config = self.dir / "config.json"
         model_type = read_hf_config(self.dir).get("model_type") if config.is_file() else None
-        self.ignored = {n for n in self.entries if n.startswith("mtp.")} if model_type in MTP_MODEL_TYPES else set()
-        if self.ignored:
-            log.info("%s: %d multi-token-prediction tensors (mtp.*) are not read, as transformers' causal LM "
-                     "does not load them", self.dir, len(self.ignored))
-        self.stacks = ExpertStacks(self.entries, str(self.dir), model_type)
         self.on_disk = self.entries
+        self.aliases: dict[str, str] = {}
+        """A multimodal Qwen3.5 checkpoint's tensors: {the text model's name: the name on disk}."""
+        self.ignored: set[str] = set()
+        if model_type in MULTIMODAL:  # its language model read as the text model (transformers' text class does so)
+            self.aliases, self.ignored = multimodal_names(list(self.entries))
+            self.entries = {new: self.on_disk[old] for new, old in self.aliases.items()}
+        elif model_type in MTP_MODEL_TYPES:
+            self.ignored = {n for n in self.entries if n.startswith("mtp.")}
+        if self.ignored:
+            log.info("%s: %d tensors of a vision tower or a multi-token-prediction head (model.visual.*, mtp.*) are "
+                     "not read, as transformers' text model does not load them", self.dir, len(self.ignored))
+        self.stacks = ExpertStacks(self.entries, str(self.dir), model_type)
         if self.stacks:
             self.entries = self.stacks.fused_entries(self.entries, str(self.dir))
         # gpt-oss's released experts are MXFP4 pairs: seen here as the float tensors they dequantize to.
@@ -123,9 +131,9 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         return self._read(name)
 
     def _read(self, name: str) -> torch.Tensor:
-        file = self.on_disk[name][0]
-        with self._open(file) as f:
-            return f.get_tensor(name)
+        disk = self.aliases.get(name, name)
+        with self._open(self.on_disk[disk][0]) as f:
+            return f.get_tensor(disk)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default reads (and dequantizes) the tensor
         return name in self.entries
@@ -254,6 +262,7 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         hf = read_hf_config(source_dir) if source_dir and (Path(source_dir) / "config.json").is_file() else {}
+        hf = text_part(hf)  # a multimodal Qwen3.5 source: the text model is what was trained and is written
         if model_cfg.template == "generic":  # the model's own config.json: its class and every key as it was
             hf = read_hf_config(model_cfg.path)
         else:

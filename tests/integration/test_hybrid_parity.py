@@ -117,3 +117,48 @@ def test_hybrid_hf_round_trip(tmp_path, name):
         theirs64 = float64_hybrid(loaded)(ids).logits
     err = assert_within_noise("round-trip logits", ours, theirs, theirs64)
     print(f"{name}: round-trip logits relative error {err:.2e}")
+
+
+def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path):
+    """A directory as the hub's Qwen3.5 checkpoints are (Qwen3_5ForConditionalGeneration: config.json's text_config,
+    the language model under model.language_model., a vision tower under model.visual.) imports as its text model,
+    the vision tower unread: the logits those of transformers' text class loaded from the same directory, and the
+    export after a step a Qwen3_5ForCausalLM directory that transformers loads with no missing or unexpected key, its
+    logits megatrain's; both within the float32 noise as the round trip above (measured 0: both sides through SDPA
+    in the same order on this CPU)."""
+    from megatrain_ray.config.load import load_config
+    from tests.reference_hybrid import BASE, HYBRIDS
+
+    text = {**BASE, **HYBRIDS["qwen3_5"][2]}
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=BASE["hidden_size"],
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                    vision_config=vision)).eval()
+    source = tmp_path / "source"
+    model.save_pretrained(source)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    assert type(reference).__name__ == "Qwen3_5ForCausalLM"
+    raw = tiny_raw(data={"seq_len": 24}, train={"steps": 1, "output_dir": str(tmp_path / "run")},
+                   schedule={"warmup_steps": 0})
+    raw["model"] = {"path": str(source)}
+    raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", text["vocab_size"])
+    ids = torch.randint(0, text["vocab_size"], (2, 70), generator=torch.Generator().manual_seed(5))
+    with Trainer(load_config(raw=raw)) as trainer:
+        assert trainer.cfg.model.family == "qwen3_5"
+        before = trainer.logits(ids)
+        trainer.train()
+        after = trainer.logits(ids)
+        trainer.export(tmp_path / "hf")
+    with torch.no_grad(), one_thread():
+        errors = [assert_within_noise("imported logits", before, reference(ids).logits,
+                                      float64_hybrid(reference)(ids).logits)]
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad(), one_thread():
+        errors.append(assert_within_noise("exported logits", after, loaded.eval()(ids).logits,
+                                          float64_hybrid(loaded)(ids).logits))
+    assert (after - before).abs().max() > 1e-3  # the step moved them
+    print(f"multimodal Qwen3.5: imported and exported logits within {max(errors):.1e} of transformers'")
