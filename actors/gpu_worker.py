@@ -72,7 +72,7 @@ class GPUWorker(ActorBase):
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool", "nf4"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
-        if run.frozen_base:  # LoRA: adapters on the device, a frozen streamed base
+        if run.frozen_base and cfg.finetune.method == "lora":  # adapters on the device, a frozen streamed base
             self.engine = LoraStreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
                                            self.store, self.device, cfg.finetune.lora, cfg.train.seed, rank)
             if restore is not None:

@@ -71,7 +71,8 @@ class RunSpec:
     says which). With a frozen base (LoRA) only their base weights, which the host store keeps too."""
     frozen_base: bool = False
     """finetune.method=lora: the host holds the base once, in the streaming dtype (as its `master`, streamed
-    directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py)."""
+    directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py).
+    A forward-only session (driver/session.py, `megatrain generate`) holds a whole model so, with no adapters."""
     speculative_stages: int = 0
     """Stages updated before the step's gradient norm is known (optimizer.speculative_stages; model.layout's
     speculative_stages says which), each with a second set of state in the host store."""

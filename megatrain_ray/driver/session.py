@@ -2,6 +2,11 @@
 process, for generation (`megatrain generate`, `megatrain chat`). No run directory is written, no step is taken;
 the rollout engine (engine/rollout/) decodes through the same GPU worker GRPO uses.
 
+A model directory is held once, in the streaming dtype, as a LoRA run holds its frozen base (no AdamW moments, no
+gradients, no optimizer workers: 2 bytes per parameter in bfloat16). A run's checkpoint is restored into the store
+its training had (its master weights and moments: the checkpoint's files hold both); a LoRA run's is its base so
+held plus the checkpoint's adapters.
+
 What a session loads (RUN_OR_MODEL):
   a run directory (config.yaml)   its newest complete checkpoint, with the run's own config (a LoRA run: its base
                                   from model.path plus the checkpoint's adapters); else its train.export_dir
@@ -10,6 +15,7 @@ What a session loads (RUN_OR_MODEL):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,17 +23,20 @@ from pathlib import Path
 import torch
 
 from megatrain_ray.config.load import load_config
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.data.prepare.tokenize import resolve_tokenizer
 from megatrain_ray.driver.checkpointing import find_checkpoint
 from megatrain_ray.driver.cluster import Cluster, new_run_id
 from megatrain_ray.driver.parallel import resolve_parallel
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
-from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.exceptions import ConfigError, HostMemoryError
 from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.planning.gpu_memory import resolve_run
+from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.memory import check_plan
 from megatrain_ray.store.checkpoint import MANIFEST, CheckpointDir, CheckpointInfo
 from megatrain_ray.store.export import run_source
@@ -133,6 +142,25 @@ def _tokenizer_dir(flag: str | None, source: str, where: str) -> str:
     return directory
 
 
+def forward_only(run: RunSpec) -> RunSpec:
+    """`run` holding its weights once, in the streaming dtype, as a frozen LoRA base is held (RunSpec.frozen_base),
+    with no layer kept GPU-resident with training state (the rollout keeps its own copy on the device)."""
+    dtype = run.stream_dtype
+    return dataclasses.replace(run, master_dtype=dtype, stream_is_master=True, grad_home="stream", grad_dtype=dtype,
+                               moment_dtype=dtype, vocab_in_pieces=False, resident_layers=0, speculative_stages=0,
+                               frozen_base=True, base_quantization="none")
+
+
+def check_store_fits(store_bytes: int, machine: Machine, shm_dir: str) -> None:
+    """HostMemoryError, before anything is allocated, when the weights do not fit the free shared memory or RAM."""
+    free = min(machine.shm_free, machine.host_available)
+    if store_bytes > free:
+        gib = 2**30
+        raise HostMemoryError(f"the model's weights take {store_bytes / gib:.2f} GiB of host memory, more than is free "
+                              f"({machine.shm_free / gib:.2f} GiB in {shm_dir}, {machine.host_available / gib:.2f} GiB "
+                              "of RAM available); --set precision.compute_dtype=bfloat16 halves float32 weights")
+
+
 class GenerationSession:
     """The source's weights in a host store and one GPU worker (the trainer's actors, in this process), ready to
     generate. A context manager: the segments go when it closes (and when the process ends, however it ends)."""
@@ -146,9 +174,14 @@ class GenerationSession:
         if cfg.model.path:  # a checkpoint that does not fit the model fails before any allocation
             fetch_weights(cfg.model.path)
             HFDirectory(cfg.model.path).check_against_layout(layout)
-        plan = check_plan(cfg)  # refuses a store that does not fit this machine, before allocating it
         parallel = resolve_parallel(cfg)
-        run = resolve_run(cfg, plan.machine.gpu_memory, "cuda" if parallel.use_gpu else "cpu", 1, 1)
+        device = "cuda" if parallel.use_gpu else "cpu"
+        if source.restore is None and cfg.finetune.method == "full":  # a model: its weights alone
+            machine = Machine.detect(cfg.host.shm_dir)
+            run = forward_only(resolve_run(cfg, machine.gpu_memory, device, 1, 1))
+            check_store_fits(layout.num_params * DTYPE_BYTES[run.master_dtype], machine, cfg.host.shm_dir)
+        else:  # refuses a store that does not fit this machine, before allocating it
+            run = resolve_run(cfg, check_plan(cfg).machine.gpu_memory, device, 1, 1)
         # In this process: each HostShard's guardian removes its segments however the process ends.
         self.cluster = Cluster(cfg, layout, new_run_id())
         try:

@@ -44,6 +44,7 @@ from megatrain_ray.store.segments import HostStore
 
 
 class LoraStreamEngine(StreamEngine):
+    binds_adapters = True
     def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
                  run: RunSpec, layout: ModelLayout, store: HostStore, device: torch.device, lora: LoraConfig,
                  seed: int, rank: RankInfo | None = None):

@@ -27,8 +27,9 @@ transformers = pytest.importorskip("transformers")
 import megatrain_ray.driver.generate as generate_module  # noqa: E402
 from megatrain_ray.__main__ import main  # noqa: E402
 from megatrain_ray.config.load import load_config  # noqa: E402
-from megatrain_ray.driver.session import GenerationSession  # noqa: E402
+from megatrain_ray.driver.session import GenerationSession, resolve_source  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
+from megatrain_ray.engine.rollout.interface import SamplingSettings  # noqa: E402
 from megatrain_ray.store.checkpoint import CheckpointDir, CheckpointWeights  # noqa: E402
 from tests.conftest import REPO, learnable_tokens, one_thread, tiny_raw  # noqa: E402
 
@@ -110,6 +111,18 @@ def test_greedy_generate_equals_transformers_generate_token_for_token(tmp_path, 
         assert line["finish_reason"] == ("stop" if stopped else "length")
     assert lines[0]["finish_reason"] == "stop"  # the fixture's eos: its 4th greedy token
     assert any(line["finish_reason"] == "length" for line in lines)
+
+
+def test_a_model_is_held_once_in_its_streaming_dtype_without_optimizer_state(tiny_llama, tok):
+    """A model directory's session (driver/session.forward_only): float32 weights on the CPU and nothing else (no AdamW
+    moments, gradients or optimizer workers); the rollout decodes from its own resident copy of them."""
+    with GenerationSession(resolve_source(str(tiny_llama), "cpu")) as session:
+        node = session.cluster.nodes[0]
+        assert {spec.kind for spec in node.specs} == {"master", "gate"} and node.optimizers == []
+        params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).parameters())
+        assert sum(spec.nbytes for spec in node.specs if spec.kind == "master") == 4 * params
+        result = session.generate([prompt_ids(tok, PROMPTS[0])], SamplingSettings(max_new_tokens=2, temperature=0))
+        assert result.stats["weights_resident"] == 1
 
 
 def run_config(tmp_path: Path, model_dir: Path):

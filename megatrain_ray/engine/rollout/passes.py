@@ -27,6 +27,9 @@ SYNC_EVERY = 16
 class RolloutPasses:
     """A base of StreamEngine: generation reads its weights, specs, RoPE cache and head spec, and updates nothing."""
 
+    binds_adapters = False
+    """The layers' weights come bound with LoRA adapters (engine/lora_engine.py): no resident copy of plain weights."""
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutResult:
         """One completion per prompt (RolloutEngine.generate)."""
@@ -100,7 +103,7 @@ class RolloutPasses:
     def _rollout_copy(self, cache_bytes: int) -> RolloutWeights | None:
         """The rollout's resident weights, refreshed (engine.rollout_weights resolved now), or None: streamed."""
         own = [s for s in self.layout.stages if not (s.kind == "layer" and self.resident.holds(s))]
-        wanted = choose_resident(self.engine_cfg.rollout_weights, self.device, self.run.frozen_base,
+        wanted = choose_resident(self.engine_cfg.rollout_weights, self.device, self.binds_adapters,
                                  resident_bytes(own, self.compute_dtype), cache_bytes)
         if not wanted:
             self._rollout_weights = None  # memory back to training

@@ -21,11 +21,12 @@ def resident_bytes(stages: list[StageLayout], dtype: torch.dtype) -> int:
     return sum(stage.numel for stage in stages) * torch.tensor([], dtype=dtype).element_size()
 
 
-def choose_resident(setting: str, device: torch.device, frozen_base: bool, copy_bytes: int, cache_bytes: int) -> bool:
-    """engine.rollout_weights resolved for one generation: resident, streamed, or auto (module docstring)."""
+def choose_resident(setting: str, device: torch.device, adapters: bool, copy_bytes: int, cache_bytes: int) -> bool:
+    """engine.rollout_weights resolved for one generation: resident, streamed, or auto (module docstring). `adapters`:
+    the layers bind LoRA adapters, so their base is read where training keeps it (never copied)."""
     if setting != "auto":
-        return setting == "resident" and not frozen_base
-    if frozen_base or device.type != "cuda":
+        return setting == "resident" and not adapters
+    if adapters or device.type != "cuda":
         return False
     free, _ = torch.cuda.mem_get_info(device)
     return copy_bytes + cache_bytes <= free * (1 - MARGIN)
