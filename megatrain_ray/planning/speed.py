@@ -41,6 +41,14 @@ from megatrain_ray.store.segments import (
 WAITS = ("CPU optimizer", "H2D", "D2H")
 """What the GPU can wait for in a step (the speed model's `bound`)."""
 
+LINEAR_CHUNK_SECONDS = (2.1e-4, 7.5e-4)
+"""A linear-attention layer's (Qwen3.5, Qwen3-Next) time per chunk of 64 positions, forward and recompute +
+backward, whatever the rows (they share each step of the chunk loop): its delta rule runs one chunk after another,
+each step a few small kernels the host dispatches, so the layer takes at least this long where its FLOPs would
+say far less. Measured on the H200 in bfloat16, a layer of Qwen3-Next-80B's widths at 32K tokens: 108 and 382 ms
+for 512 chunks (benchmarks/linear_layer_memory.py, linear-layer-memory-h200-20261201-220714.json); on a slower
+host, longer."""
+
 GPU_ADAMW_GBPS = {"h100": 0.75 * 3350, "h200": 0.75 * 4800}
 """HBM bytes per second a GPU-resident stage's update moves (engine.gpu_resident): 75 % of the data-sheet
 bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s). An assumption, not measured here; the update is a few
@@ -93,6 +101,9 @@ def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelL
     for stage, f in zip(layout.stages, flops):
         seconds = f * tokens / rate
         fwd, bwd = (seconds / 4, 3 * seconds / 4) if stage.kind == "layer" else (seconds, 0.0)
+        if stage.kind == "layer" and cfg.model.template != "generic" and cfg.model.layer_is_linear(stage.index - 1):
+            chunks = math.ceil(cfg.data.seq_len / 64)  # at least the chunk loop's dispatch (LINEAR_CHUNK_SECONDS)
+            fwd, bwd = max(fwd, chunks * LINEAR_CHUNK_SECONDS[0]), max(bwd, chunks * LINEAR_CHUNK_SECONDS[1])
         if run.frozen_base:  # LoRA: no weight gradients (planning/lora.py); nothing goes back to the host
             fwd, bwd = lora_stage_seconds(cfg, stage, fwd, bwd, tokens, rate)
             on_device = stage.index in resident

@@ -239,3 +239,24 @@ def test_the_qwen3_next_80b_shape_has_the_published_size_and_plans():
     assert gpu_bytes(cfg, run)["layer backward working set"] >= linear
     assert "qwen3_next, 79.7 B parameters (3.9 B active per token)" in format_plan(
         plan_run(cfg, Machine.from_preset("h200-1tb")))
+
+
+def test_the_speed_model_takes_the_linear_layers_chunk_loop_as_a_floor():
+    """Qwen3-Next-80B on one row of 32K tokens: a linear layer's forward and backward 512 chunks x the H200's measured
+    time per chunk (planning/speed.LINEAR_CHUNK_SECONDS), above what its FLOPs give; a full-attention layer by its
+    FLOPs alone, less."""
+    import os
+
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.config.resolved import RunSpec
+    from megatrain_ray.planning.machine import Machine
+    from megatrain_ray.planning.speed import LINEAR_CHUNK_SECONDS, stage_costs
+    from tests.conftest import REPO
+
+    cfg = load_config(os.path.join(REPO, "configs", "shapes", "qwen3-next-80b-a3b.yaml"),
+                      ["data.seq_len=32768", "data.batch_size=1"])
+    costs = stage_costs(cfg, RunSpec.resolve(cfg), Machine.from_preset("h200-1tb").profile, build_layout(cfg.model))
+    linear, full = costs[1], costs[4]  # layers 0 and 3
+    assert (linear.forward_seconds, linear.backward_seconds) == (512 * LINEAR_CHUNK_SECONDS[0],
+                                                                   512 * LINEAR_CHUNK_SECONDS[1])
+    assert full.forward_seconds < linear.forward_seconds and full.backward_seconds == 3 * full.forward_seconds
