@@ -98,9 +98,9 @@ def resolve_source(source: str, device: str = "auto", overrides: list[str] | Non
 
 def _model_source(model_dir: str, sets: list[str], cuda: bool, tokenizer: str | None, what: str) -> SessionSource:
     """A model directory under a config of its own: computing in bfloat16 on a GPU, float32 on the CPU."""
-    # data: a few synthetic tokens, never read (the plan sizes training's activations by them); nothing is written
+    # data: a few synthetic tokens, never read (the RunSpec's training rows: none of its settings for them apply)
     raw = {"model": {"path": model_dir}, "data": {"path": "synthetic", "seq_len": 16, "batch_size": 1},
-           "optimizer": {"workers": 1}, "precision": {"compute_dtype": "bfloat16" if cuda else "float32"}}
+           "precision": {"compute_dtype": "bfloat16" if cuda else "float32"}}
     cfg = load_config(raw=raw, overrides=sets)
     return SessionSource(cfg, None, _tokenizer_dir(tokenizer, cfg.model.path, "RUN_OR_MODEL"), what)
 
