@@ -84,7 +84,7 @@ class OptimizerConfig:
     (and stream_dtype auto or bfloat16), full fine-tuning, host.moments_tier=ram, moment_dtype float32 (the
     lean moments have their own key), no speculative stages; the GPU-resident tier keeps its own float32 state
     and is not combined with it. The first bfloat16 master is the loaded or initialised weights rounded to
-    nearest, the compensation zero. Part of the saved state: a checkpoint resumes only with the same state,
+    nearest, the compensation what that rounding dropped. Part of the saved state: a checkpoint resumes only with the same state,
     lean_moments and lean_block."""
     lean_moments: Literal["int8", "bfloat16"] = "int8"
     """With optimizer.state=lean, the format of both moments. int8: 8-bit blockwise quantization as

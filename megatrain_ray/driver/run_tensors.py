@@ -81,7 +81,7 @@ class RunTensors:
             raise ConfigError("Trainer.load_weights: the base of finetune.lora.base_quantization=nf4 is quantized "
                               "once when the run starts; put the weights in model.path instead")
         for k in nodes if nodes is not None else range(len(self.nodes)):
-            store = HostStore(specs_of(self.nodes[k].specs, ("master", "stream")))
+            store = HostStore(specs_of(self.nodes[k].specs, ("master", "stream", "master_comp")))
             store.write_tensors(self.layout, tensors)  # the stages with segments there
         if self._resident_holder is not None:
             self._resident_holder.write_resident(tensors).result()

@@ -24,12 +24,31 @@ def tensor_seed(seed: int, name: str) -> int:
 def init_stage(store: HostStore, stage: StageLayout, seed: int, std: float) -> None:
     """Random initialisation as in Hugging Face: normal(0, std) matrices, ones for norms, zero biases.
 
-    The moments are fresh segments, zero-filled and allocated whole by create_segment: nothing to write.
+    The moments are fresh segments, zero-filled and allocated whole by create_segment: nothing to write. The lean
+    state's bf16 master (optimizer.state=lean) gets the same rounded values, and its compensation what the rounding
+    dropped (write_compensated).
     """
     master = store.get("master", stage.index)
+    if store.has("master_comp", stage.index):
+        comp = store.get("master_comp", stage.index)
+        for slot in stage.slots:
+            start = slot.offset
+            for piece in init_slot_pieces(stage, slot, seed, std, torch.float32):
+                write_compensated(master[start:start + piece.numel()], comp[start:start + piece.numel()], piece)
+                start += piece.numel()
+        return
     init_master(master, stage, seed, std)
     if store.has("stream", stage.index):
         store.get("stream", stage.index).copy_(master)
+
+
+def write_compensated(master: torch.Tensor, comp: torch.Tensor, values: torch.Tensor) -> None:
+    """A bf16 master and its bf16 compensation from wider values: master their nearest bf16, comp the rest (exact in
+    float32) rounded to bf16, so that master + comp holds about 16 bits of each value. With comp zero instead, the
+    first updates smaller than half a bf16 ulp would be lost, where a float32 master's streamed copy crosses a
+    rounding boundary for every weight its update carries past one (on SmolLM2's first steps: a loss 0.3 higher)."""
+    master.copy_(values)
+    comp.copy_(values.float() - master.float())
 
 
 def init_master(master: torch.Tensor, stage: StageLayout, seed: int, std: float) -> None:
@@ -84,6 +103,14 @@ def load_hf_stage(store: HostStore, stage: StageLayout, source: HFDirectory) -> 
     """Copy one stage's tensors from the checkpoint into its master weights and refresh its streaming copy
     (the moments are fresh zero-filled segments). Extra RAM: one tensor at a time."""
     master = store.get("master", stage.index)
+    if store.has("master_comp", stage.index):  # the lean state: its compensation holds what bf16 dropped
+        comp = store.get("master_comp", stage.index)
+        for slot in stage.slots:
+            tensor = source[stage.hf_name(slot)]
+            finite_or_refuse(tensor, stage.hf_name(slot), source.dir)
+            span = slice(slot.offset, slot.offset + slot.numel)
+            write_compensated(master[span], comp[span], tensor.reshape(-1))
+        return
     load_hf_master(master, stage, source)
     if store.has("stream", stage.index):
         store.get("stream", stage.index).copy_(master)

@@ -366,6 +366,10 @@ class HostStore:
             for kind in ("master", "stream"):
                 if self.has(kind, stage.index):
                     self.get(kind, stage.index)[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+            if self.has("master_comp", stage.index):  # the lean state: what the bf16 master dropped of the value
+                span = slice(slot.offset, slot.offset + slot.numel)
+                comp, master = self.get("master_comp", stage.index)[span], self.get("master", stage.index)[span]
+                comp.copy_(value.reshape(-1).float() - master.float())
 
 
 class StoreTensors(Mapping[str, torch.Tensor]):
