@@ -100,9 +100,6 @@ def check_hybrid_run(cfg: Any) -> None:
     if cfg.model.family not in HYBRID_FAMILIES:
         return
     family = cfg.model.family
-    if cfg.data.packing:
-        _fail("data.packing", True, f"{family}'s linear-attention layers carry a state along each row, which would "
-              "run from one packed document into the next; set data.packing false (one document per row)")
     if cfg.finetune.method == "lora":
         _fail("finetune.method", "lora", f"LoRA targets of {family}'s linear-attention layers are not mapped yet; "
               "use finetune.method=full")

@@ -72,6 +72,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec
     return out
 
 
+def per_document(x: torch.Tensor, documents: tuple[DocumentBucket, ...], fn) -> torch.Tensor:
+    """fn over each document of packed rows x [B, T, C] alone: gathered into its bucket's padded batch [n, width, C]
+    (the padding after its tokens, which a causal fn never lets them see), fn's outputs [n, width, C'] put back in
+    place. For token mixers that carry a state along the row (the linear attention's convolution and delta rule)."""
+    out = None
+    for bucket in documents:
+        y = fn(x[bucket.rows, bucket.positions])
+        if out is None:
+            out = y.new_empty(*x.shape[:2], y.shape[-1])
+        rows = bucket.rows.expand_as(bucket.positions)[bucket.valid]
+        out[rows, bucket.positions[bucket.valid]] = y[bucket.valid]
+    return out
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
     """Causal attention through SDPA (flash on GPU); q: [B, H, T, D], k and v: [B, H_kv, T, D]."""
     seq_len = q.shape[2]

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config.model_section import ModelConfig
-from megatrain_ray.model.attention import DocumentBucket, attention, split_gated_query
+from megatrain_ray.model.attention import DocumentBucket, attention, per_document, split_gated_query
 from megatrain_ray.model.head import HeadSpec, head_logits
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import StageLayout, token_chunks
@@ -126,8 +126,11 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
                     spec: LayerSpec, documents: tuple[DocumentBucket, ...] | None = None) -> torch.Tensor:
     """The first half of a pre-norm decoder layer: x + attn(norm(x)), or a linear-attention layer's token mixer in
     place of attn. x: [B, T, hidden]."""
-    if spec.linear is not None:  # Qwen3.5 / Qwen3-Next's Gated DeltaNet layers (no RoPE, no packed documents)
-        return x + linear_attention(rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.plus_one), w, spec.linear)
+    if spec.linear is not None:  # Qwen3.5 / Qwen3-Next's Gated DeltaNet layers (no RoPE; packed rows: per document)
+        h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.plus_one)
+        if documents is None:
+            return x + linear_attention(h, w, spec.linear)
+        return x + per_document(h, documents, lambda doc: linear_attention(doc, w, spec.linear))
     q, k, v, gate = gated_attention_inputs(x, w, rope, spec)
     if "self_attn.sinks" in w:  # gpt-oss: a learned logit per head in the softmax's denominator
         a = sink_attention(q, k, v, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window, documents)
