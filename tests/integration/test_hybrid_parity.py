@@ -11,18 +11,19 @@ Bounds (tests/numerics.py), each step's loss and each final tensor: 1e-10 (EXACT
 (tests/reference_hybrid.float64_hybrid: the delta rule, the norms, the RoPE tables and the attention's softmax in
 float64, where transformers keeps them float32 in a float64 model). The MoE families run with the load-balancing loss
 on (output_router_logits, coef 0.02): its routers' probabilities are summed in float32 on both sides, as transformers
-sums them, and with these models' two MoE layers both sides add the same two float32 sums in the same order, so
-EXACT holds (tests/integration/test_moe_parity.py's models, with more layers and chunked MLPs, part there and keep
-1e-5). Measured (pytest -s, the largest over runs, MKL_CBWR=COMPATIBLE among them): Qwen3.5 losses within 2.7e-16,
-weights 2.3e-13; Qwen3-Next 4.2e-16 and 2.6e-12; Qwen3.5-MoE 4.1e-16 and 1.1e-12. The round trip's logits (float32, forward only): within 4x the noise of
-transformers' float32 logits against its float64 twin, floor 16 float32 ulps (1.9e-6); measured 1.1e-7 to 1.8e-7
-against noises of about 2e-7, the bound the floor.
+sums them, and with these models' two MoE layers both sides add the same two float32 sums in the same order, so EXACT
+holds (tests/integration/test_moe_parity.py's models, with more layers and chunked MLPs, part there and keep 1e-5).
+Measured (pytest -s, the largest over runs, MKL_CBWR=COMPATIBLE among them): Qwen3.5 losses within 2.7e-16, weights
+2.3e-13; Qwen3-Next 4.2e-16 and 2.6e-12; Qwen3.5-MoE 4.1e-16 and 1.1e-12. The round trip's logits (float32, forward
+only): within 4x the noise of transformers' float32 logits against its float64 twin, floor 16 float32 ulps (1.9e-6);
+measured 1.1e-7 to 1.8e-7 against noises of about 2e-7, the bound the floor.
 
 Fault injection (by hand, reverted): the attention's output gate as sigmoid(-gate) fails these tests from the first
 step's loss (8e-6 to 1.3e-4 relative) and the round trip's logits by 5.7e-2; the chunk state left undecayed between
 chunks fails the first step's loss by 2.8e-9 (Qwen3.5-MoE) to 9.4e-7 (at 80 tokens, two chunks, it went unseen:
 hence 136).
 """
+
 from __future__ import annotations
 
 import dataclasses
