@@ -46,8 +46,8 @@ LINEAR_CHUNK_SECONDS = (2.1e-4, 7.5e-4)
 backward, whatever the rows (they share each step of the chunk loop): its delta rule runs one chunk after another,
 each step a few small kernels the host dispatches, so the layer takes at least this long where its FLOPs would
 say far less. Measured on the H200 in bfloat16, a layer of Qwen3-Next-80B's widths at 32K tokens: 108 and 382 ms
-for 512 chunks (benchmarks/linear_layer_memory.py, linear-layer-memory-h200-20261201-220714.json); on a slower
-host, longer."""
+for 512 chunks (benchmarks/linear_layer_memory.py, linear-layer-memory-h200-20261201-220714.json; another machine of
+the kind 91 and 308 ms, and 0.25 / 0.73 ms a chunk at 8K: -222810.json); on a slower host, longer."""
 
 GPU_ADAMW_GBPS = {"h100": 0.75 * 3350, "h200": 0.75 * 4800}
 """HBM bytes per second a GPU-resident stage's update moves (engine.gpu_resident): 75 % of the data-sheet
