@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from actors.base import DeferredList
 from actors.gpu_worker import GPUWorker
 from actors.host_shard import HostShard
 from actors.optimizer_worker import OptimizerWorker
@@ -130,17 +131,28 @@ class Cluster:
                              *placement.shard_binding(s), restore=restore, name=f"{name}host{s}",
                              ray_options=placement.options(f"host{s}"))
                        for s, stages in enumerate(stage_groups)]
-        for shard in node.shards:
-            node.specs.extend(shard.segments().result())
+        segments = [shard.segments() for shard in node.shards]
+        if mode == "ray":  # the others' processes start beside the shards'; they wait for the specs in there
+            specs: list[SegmentSpec] | DeferredList = DeferredList(segments)
+        else:
+            specs = node.specs = [spec for f in segments for spec in f.result()]
         workers = 0 if self.run.frozen_base else placement.num_workers  # LoRA: no CPU optimizer work
-        node.optimizers = [spawn(mode, OptimizerWorker, cfg, self.run, self.layout, node.specs, w, workers,
+        node.optimizers = [spawn(mode, OptimizerWorker, cfg, self.run, self.layout, specs, w, workers,
                                  placement.worker_cores(w), name=f"{name}optim{w}",
                                  ray_options=placement.options(f"optim{w}")) for w in range(workers)]
-        node.gpus = [spawn(mode, GPUWorker, cfg, self.run, self.layout, node.specs,
+        node.gpus = [spawn(mode, GPUWorker, cfg, self.run, self.layout, specs,
                            node.optimizers if r == 0 else [],
                            plan.rank(k, r), placement.gpu_cores(r), restore=restore, name=f"{name}{gpu_actor(r)}",
                            num_gpus=1 if plan.use_gpu else 0, ray_options=placement.options(gpu_actor(r)))
                      for r in range(ranks)]
+        if mode == "ray":
+            try:
+                node.specs = [spec for f in segments for spec in f.result()]
+            except BaseException:  # a shard's own error (a bad weight, no room), raised here as before; the others
+                for handle in [*node.gpus, *node.optimizers]:  # wait for specs that never come (DeferredList)
+                    handle.kill()
+                node.gpus, node.optimizers = [], []
+                raise
 
     def _join_process_group(self) -> None:
         """Every rank joins one torch.distributed group: through a file in shared memory when all ranks are
