@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from megatrain_ray.config.load import load_config
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import build_layout
@@ -113,6 +114,25 @@ def test_lean_state_starts_from_the_initial_weights_to_16_bits(tmp_path):
         assert w.dtype == torch.float32 and torch.equal(master[name], w.bfloat16())
         assert torch.equal(comp[name], (w - w.bfloat16().float()).bfloat16())
     assert sum(bool(c.any()) for c in comp.values()) > len(comp) // 2  # the draws' rounding errors, not zeros
+
+
+def test_lean_state_without_clipping_updates_vocabulary_pieces_as_whole_stages(tmp_path):
+    """Clipping off, a vocabulary larger than a layer, two workers: with bf16 moments the embedding's and head's
+    gradients pass through the layer slabs in pieces, each updated on its own; bit for bit the run whose vocabulary
+    stages go whole through a slab of their own. (int8 moments always take the slab of their own: a piece's edge
+    would cut a quantization block.)"""
+    runs = {}
+    for pieces in (True, False):
+        cfg = tiny_config(tmp_path / str(pieces), model={"vocab_size": 1024}, train={"steps": 6},
+                          engine={"vocab_grad_pieces": pieces}, **lean("bfloat16", grad_clip=0.0, workers=2))
+        assert RunSpec.resolve(cfg, device_type="cpu").vocab_in_pieces is pieces
+        with Trainer(cfg) as trainer:
+            runs[pieces] = ([trainer.step(s)["loss"] for s in range(6)], state_of(trainer))
+    assert runs[True][0] == runs[False][0]
+    pieces, whole = runs[True][1], runs[False][1]
+    assert all(torch.equal(pieces[k].view(torch.uint8), whole[k].view(torch.uint8)) for k in pieces)
+    cfg = tiny_config(tmp_path / "int8", model={"vocab_size": 1024}, **lean("int8", grad_clip=0.0))
+    assert not RunSpec.resolve(cfg, device_type="cpu").vocab_in_pieces
 
 
 def test_lean_state_is_refused_with_the_keys_that_conflict(tmp_path):
