@@ -1,6 +1,6 @@
 """The package's layers, checked from the source: imports run down only.
 
-    CLI (megatrain_ray/__main__.py)
+    CLI (megatrain_ray/__main__.py, its arguments in cli_arguments.py)
       -> megatrain_ray/driver/        trainer, cluster, checkpointing, faults, placement, runtime, parallel
       -> actors/                      thin Ray-or-local shells: HostShard, OptimizerWorker, GPUWorker
       -> data plane                   megatrain_ray/engine/, store/, optim/, data/, quant/
@@ -131,7 +131,7 @@ def _layer(module: str) -> str:
         return ""
     if len(parts) == 1:
         return "root"
-    if parts[1] == "__main__":
+    if parts[1] in ("__main__", "cli_arguments"):
         return "cli"
     if parts[1] in LEAF_MODULES:
         return "leaf"
