@@ -24,8 +24,6 @@ from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.model.lora import lora_params
 from megatrain_ray.planning.lora import ADAPTER_UPDATE_BYTES, lora_stage_seconds, streamed_bytes
 from megatrain_ray.planning.profiles import (
-    PRESETS,
-    REFERENCE_OPTIMIZER_BYTES,
     HostProfile,
     SpeedProfile,
     adamw_gparams,
@@ -381,39 +379,3 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
                          busy["d2h"], busy["optimizer"], dict(replay.idle), cfg.optimizer.grad_clip > 0,
                          replay.adamw_gparams, run.layers_compiled, cfg.model.is_moe, run.frozen_base,
                          run.optimizer_state == "lean")
-
-
-def format_speed(est: SpeedEstimate) -> list[str]:
-    """The plan's speed lines for an estimate."""
-    p = est.profile
-    return [
-        f"expected speed: a prediction of megatrain_ray/planning/speed.py from measured rates, clipping "
-        f"{'on' if est.clip else 'off'}",
-        f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)",
-        f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: "
-        f"{p.gpu.tflops(est.compiled, est.moe, est.lora):.4g} model TFLOPS on busy time, "
-        f"{'MoE layers' if est.moe else 'layers'} {'compiled' if est.compiled else 'eager'}"
-        + (f", LoRA at {p.gpu.lora_rate_fraction:g} of that rate" if est.lora else "") + "; "
-        f"busy {est.gpu_busy:.0%} of the step)",
-        f"  {'H2D per step':<38}{est.h2d_seconds:10.2f} s    ({p.host.h2d_gbps:g} GB/s, "
-        f"{p.host.h2d_loaded_gbps:g} while AdamW runs)",
-        f"  {'D2H per step':<38}{est.d2h_seconds:10.2f} s    ({p.host.d2h_gbps:g} GB/s)",
-        f"  {'CPU AdamW per step':<38}{est.optimizer_seconds:10.2f} s    ({est.optimizer_gparams:.3g} G params/s"
-        + (f"; {p.host.adamw_gparams:g} measured at {REFERENCE_OPTIMIZER_BYTES} B/param, "
-           + ("times the lean state's measured fraction" if est.lean else "scaled by DRAM bytes")
-           if abs(est.optimizer_gparams - p.host.adamw_gparams) > 1e-9 else "") + ")",
-        f"  {'bound by':<38}{est.bound}   (GPU idle "
-        + ", ".join(f"{s:.2f} s on {what}" for what, s in est.gpu_waits.items()) + ")",
-        f"  rates from: GPU {p.gpu.source}; host {p.host.source}",
-        *(f"  assumption: {a}" for a in p.assumptions),
-    ]
-
-
-def speed_lines(cfg: Config, expected: SpeedEstimate | None, gpu_visible: bool = True) -> list[str]:
-    """The speed part of `megatrain plan`: the estimate (Plan.expected), or why there is none."""
-    if cfg.engine.device == "cpu":
-        return []
-    if expected is None:
-        return [f"expected speed: no measured rates for {'this GPU' if gpu_visible else 'a machine without a GPU'}; "
-                f"name a machine with --machine ({', '.join(PRESETS)})", ""]
-    return [*format_speed(expected), ""]
