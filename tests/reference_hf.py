@@ -136,3 +136,30 @@ def _train_hf(model, cfg, state, batches, dtype, aux, exact):
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_export_and_reload(cfg, model, ids: torch.Tensor, out_dir):
+    """The HF round trip of a parity test: megatrain imports `model`'s directory (every tensor it holds equal to
+    the model's), trains cfg.train.steps (every tensor moves), gives its logits on `ids`, and exports to `out_dir`;
+    transformers loads the export with no missing, unexpected or mismatched key, as the same class. Returns (our
+    float32 logits, the loaded model)."""
+    import transformers
+
+    from megatrain_ray.driver.trainer import Trainer
+
+    with Trainer(cfg) as trainer:
+        initial = trainer.master_weights()
+        for key, value in model.state_dict().items():
+            if key in initial:
+                assert torch.equal(initial[key], value), key
+        trainer.train()
+        moved = trainer.master_weights()
+        assert all(not torch.equal(moved[k], initial[k]) for k in moved)
+        ours = trainer.logits(ids)
+        trainer.export(out_dir)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                                                    output_loading_info=True,
+                                                                    experts_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(loaded) is type(model)
+    return ours, loaded

@@ -38,7 +38,7 @@ from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from tests.conftest import learnable_tokens, one_thread, tiny_config, tiny_raw  # noqa: E402
 from tests.integration.test_phi3_parity import assert_float64_run  # noqa: E402
 from tests.numerics import EXACT, assert_within_noise  # noqa: E402
-from tests.reference_hf import train_hf  # noqa: E402
+from tests.reference_hf import train_export_and_reload, train_hf  # noqa: E402
 from tests.reference_hybrid import float64_hybrid, hf_hybrid_model  # noqa: E402
 
 SEQ_LEN = 136
@@ -103,19 +103,7 @@ def test_hybrid_hf_round_trip(tmp_path, name):
     raw["model"] = {"path": str(source)}
     raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", model.config.vocab_size)
     ids = torch.randint(0, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(4))
-    with Trainer(load_config(raw=raw)) as trainer:
-        initial = trainer.master_weights()
-        assert all(torch.equal(initial[k], v) for k, v in model.state_dict().items() if k in initial)
-        trainer.train()
-        moved = trainer.master_weights()
-        assert all(not torch.equal(moved[k], initial[k]) for k in moved)
-        ours = trainer.logits(ids)
-        trainer.export(tmp_path / "hf")
-    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
-                                                                    output_loading_info=True,
-                                                                    experts_implementation="eager")
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    assert type(loaded) is type(model)
+    ours, loaded = train_export_and_reload(load_config(raw=raw), model, ids, tmp_path / "hf")
     with torch.no_grad(), one_thread():
         theirs = loaded.eval()(ids).logits
         theirs64 = float64_hybrid(loaded)(ids).logits
