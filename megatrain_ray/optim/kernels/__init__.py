@@ -44,7 +44,8 @@ def _cache_dir() -> Path:
 def _build(source_path: Path, flags: list[str], what: str) -> ctypes.CDLL:
     """Compile `source_path` with `flags` (cached by source, compiler and flags) and load it."""
     cxx = _compiler()
-    source = source_path.read_bytes()
+    # The source and the headers it may include (kernels/*.h): a change to either is another library.
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(source + repr((cxx, version, flags, os.uname().machine)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{key}.so"
