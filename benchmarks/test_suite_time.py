@@ -5,6 +5,7 @@ counts, the time per test file and the slowest tests.
 
     python benchmarks/test_suite_time.py                          # the whole suite, serial
     python benchmarks/test_suite_time.py -- -m float32_parity     # extra pytest arguments after --
+    python benchmarks/test_suite_time.py --cold                   # with empty caches, as on a fresh machine
     python benchmarks/test_suite_time.py --junit run.xml --wall 1297.8 --commit de9bb81   # a run made before
 """
 
@@ -66,13 +67,18 @@ def main() -> None:
     parser.add_argument("--wall", type=float, help="with --junit: the run's wall seconds, as pytest printed them")
     parser.add_argument("--idle", type=float, help="with --junit: the CPUs' idle share during that run, if known")
     parser.add_argument("--commit", help="with --junit: the commit that ran (default: this checkout's HEAD)")
+    parser.add_argument("--cold", action="store_true",
+                        help="run with empty caches, as a fresh machine (CI's first run) has them: XDG_CACHE_HOME "
+                             "(GGUF conversions, prepare's checks, matplotlib, datasets), MEGATRAIN_CACHE (the native "
+                             "kernels) and TORCHINDUCTOR_CACHE_DIR (Inductor's compiled graphs) in a new directory")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     args = parser.parse_args()
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                            text=True).stdout.strip()
     record = {"what": "python -m pytest tests -q " + " ".join(args.pytest_args), "commit": commit,
               "host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
-              "python": platform.python_version()}
+              "python": platform.python_version(), "cold_caches": args.cold,
+              "environment": {k: v for k, v in os.environ.items() if k.startswith(("MKL_", "OMP_", "TORCHINDUCTOR_"))}}
     if args.junit:
         if args.wall is None:
             parser.error("--junit needs --wall (the wall time pytest printed)")
@@ -80,10 +86,14 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             junit = Path(tmp) / "suite.xml"
+            env = dict(os.environ)
+            if args.cold:
+                env.update({name: str(Path(tmp) / name.lower()) for name in
+                            ("XDG_CACHE_HOME", "MEGATRAIN_CACHE", "TORCHINDUCTOR_CACHE_DIR")})
             total0, idle0 = cpu_times()
             start = time.monotonic()
             proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider",
-                                   f"--junitxml={junit}", *args.pytest_args], cwd=REPO)
+                                   f"--junitxml={junit}", *args.pytest_args], cwd=REPO, env=env)
             wall = time.monotonic() - start
             total1, idle1 = cpu_times()
             record.update(exit_status=proc.returncode, wall_seconds=round(wall, 1),
