@@ -69,6 +69,16 @@ def auth_wanted(allow_unauthenticated: bool) -> bool:
     return False
 
 
+def set_token_auth_mode() -> None:
+    """RAY_AUTH_MODE=token for the private Ray about to start (and its processes, which inherit it). Ray turns token
+    auth on by itself when the variable is unset, but then warns on every start that it did; set explicitly, it does
+    the same silently. Ray's cached configuration is read again, as Ray does when it sets the mode itself."""
+    os.environ[AUTH_MODE_ENV] = "token"
+    from ray._raylet import Config  # lazy: Ray's import time
+
+    Config.initialize("")
+
+
 def private_directory(path: Path) -> Path:
     """`path`, a directory of this user's with mode 0700 (made so when missing; refused when another user's)."""
     try:

@@ -27,6 +27,7 @@ from megatrain_ray.driver.ray_setup import (
     ensure_private_token,
     private_temp_dir,
     ray_init_ports,
+    set_token_auth_mode,
 )
 from megatrain_ray.exceptions import ActorFailedError, MegatrainError
 from megatrain_ray.observe.log import get_logger
@@ -233,6 +234,9 @@ def start_ray(cfg: RuntimeConfig, num_gpus: int | None = None, resources: dict[s
     # free ports for everything, token auth unless explicitly declined.
     if auth_wanted(cfg.allow_unauthenticated):
         ensure_private_token()
+        # Said explicitly, so that Ray does not warn "Token authentication is enabled for this Ray cluster. Set
+        # RAY_AUTH_MODE=disabled to opt out" on every run (it warns when the mode is unset, and turns it on anyway).
+        set_token_auth_mode()
     if resources is None:
         resources = numa_resources(detect_topology())
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
