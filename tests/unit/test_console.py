@@ -125,7 +125,10 @@ def test_plan_advice_is_computed_for_the_config_and_printed_once(capsys):
     assert not any("precision.stream_dtype" in fix for fix in fixes)
     saved = {fix.split(":")[0][4:]: float(m.group(1)) for fix in fixes if (m := re.search(r"saves ([0-9.]+) GiB", fix))}
     assert saved == {"optimizer.moment_dtype=bfloat16 (not full precision)": 28.4,
-                     "host.moments_tier=disk with host.disk_dir on an NVMe disk (slower": 53.3}
+                     "host.moments_tier=disk with host.disk_dir on an NVMe disk (slower": 53.3,
+                     # 7.6 B x (14 - 8.03) B/param: the lean state with int8 moments, clipping's 2 B/param kept
+                     "optimizer.state=lean with optimizer.lean_moments=int8 (a bf16 master with its compensation, "
+                     "8-bit moments; not full precision)": 42.3}
     assert out.count("optimizer.moment_dtype=bfloat16 (not full precision)") == 1
     # The memory-tiers table agrees with the savings it offers.
     assert "moments bfloat16:                       -28.37 GiB RAM" in out
