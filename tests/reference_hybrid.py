@@ -20,6 +20,8 @@ import types
 
 import torch
 
+from tests.numerics import assert_within_noise
+
 transformers = __import__("transformers")
 
 BASE = dict(vocab_size=128, hidden_size=72, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
@@ -88,13 +90,17 @@ def _rope_forward(self, x, position_ids):
     params = self.config.rope_parameters
     dim = 2 * self.inv_freq.numel()
     inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
-    torch.testing.assert_close(inv_freq, self.inv_freq.to(torch.float64), rtol=1e-6, atol=0)
+    # Elementwise float32 pow, no GEMM: transformers' inverse frequencies are within 0.62 float32 ulps of these
+    # (measured, theta 1e4 to 1e7); 4 ulps allowed.
+    torch.testing.assert_close(inv_freq, self.inv_freq.to(torch.float64), rtol=4 * torch.finfo(torch.float32).eps,
+                               atol=0)
     freqs = position_ids[..., None].to(torch.float64) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
     theirs = type(self).forward(self, x.float(), position_ids[None].expand(3, -1, -1)
                                 if type(self).__name__.startswith("Qwen3_5") else position_ids)
-    torch.testing.assert_close(cos.float(), theirs[0], rtol=0, atol=1e-6)  # the same tables, in float32
+    # The same tables: ours rounded to float32 within the noise of transformers' float32 ones against ours
+    assert_within_noise("RoPE cos table", cos.float(), theirs[0], cos)
     return cos, sin
 
 
