@@ -201,11 +201,11 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
         raise refuse("transformers renames or reshapes its weights between the checkpoint and the modules (a "
                      "conversion mapping), while the generic path loads and saves them name for name (it undoes "
                      f"only the expert fusions of {', '.join(READ_CONVERSIONS)})")
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    if base is None or base is model:
-        raise refuse(f"its base model is not the module its base_model_prefix names ({prefix!r}: the class is "
-                     "part of a composite or multimodal model?), so its decoder layers cannot be found by name")
+    prefix, base = _base_model(model)
+    if base is None:
+        raise refuse(f"its base model is neither the module its base_model_prefix names "
+                     f"({getattr(model, 'base_model_prefix', '')!r}) nor its one child model, so its decoder layers "
+                     "cannot be found by name")
     embedding, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     children = dict(base.named_children())
     layer_lists = [n for n, m in children.items()
@@ -214,11 +214,19 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
     if len(layer_lists) != 1 or len(embed_names) != 1:
         raise refuse(f"its base model ({type(base).__name__}) has no single embedding and list of "
                      f"{model.config.num_hidden_layers} decoder layers among its parts {sorted(children)}")
-    positions = [n for n, m in children.items() if isinstance(m, nn.Embedding) and m is not embedding]
-    if positions:  # GPT-2's wpe: a table added to the token embedding, which the embed stage cannot hold
-        raise refuse(f"it has learned position embeddings ({', '.join(positions)}), a second table added to the "
-                     "token embedding, which the generic path's embedding stage does not hold; it runs models "
-                     "with rotary or no position embeddings")
+    tables = [n for n, m in children.items() if isinstance(m, nn.Embedding) and m is not embedding]
+    if tables:  # GPT-2's wpe, Gemma 4's per-layer inputs: a second table, which the embed stage cannot hold
+        what = (f"learned position embeddings ({', '.join(tables)}), a second table added to the token embedding"
+                if any("pos" in n or n == "wpe" for n in tables) else
+                f"a second embedding table ({', '.join(tables)}: inputs to each decoder layer looked up from the "
+                "tokens)")
+        raise refuse(f"it has {what}, which the generic path's embedding stage does not hold; it runs models with "
+                     "one token embedding and rotary or no position embeddings")
+    shared = getattr(model.config, "num_kv_shared_layers", 0)
+    if isinstance(shared, int) and shared > 0:  # Gemma 4's small models
+        raise refuse(f"its last {shared} decoder layers attend with the keys and values an earlier layer computed "
+                     "(num_kv_shared_layers), a dependence between layers that the layer-by-layer stream does not "
+                     "carry; it runs models whose layers each compute their own")
     rest = [n for n, m in children.items() if n not in (layer_lists[0], embed_names[0])
             and any(True for _ in m.parameters())]
     if not rest:  # a final norm without parameters (OLMo's): known by its class's name
@@ -245,6 +253,20 @@ def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
     return arch
 
 
+def _base_model(model: Any) -> tuple[str, Any]:
+    """(name, module) of the causal LM's base model: the child its base_model_prefix names, else its one child
+    that is a transformers model (Llama 4's text model keeps it as `model` while its base_model_prefix says
+    `language_model`, the name the multimodal model gives the whole causal LM); (prefix, None) when neither."""
+    from transformers import PreTrainedModel
+
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if base is not None and base is not model:
+        return prefix, base
+    children = [(n, m) for n, m in model.named_children() if isinstance(m, PreTrainedModel)]
+    return children[0] if len(children) == 1 else (prefix, None)
+
+
 READ_CONVERSIONS = ("qwen2_moe", "ernie4_5_moe", "phimoe", "granitemoe")
 """transformers' conversion mappings that megatrain's reader undoes (model/moe_io.py): one tensor per expert on
 disk fused into [experts, ...] tensors (Qwen2-MoE's, which OLMoE shares; Ernie 4.5-MoE's, its routing bias
@@ -266,8 +288,20 @@ def architecture(model_dir: str) -> GenericArchitecture:
     return build_architecture(model_dir)
 
 
+def planner_value(config: Any, key: str) -> Any:
+    """config.`key` (None where it has none); where the config sets it per layer (Gemma 4's full-attention layers:
+    another head_dim and key/value head count), the largest of its layers' values, which the plan's estimates
+    take."""
+    layered = getattr(config, "per_layer_attributes", None) or ()
+    if key in layered:
+        values = [getattr(layer, key, None) for layer in config.per_layer_config]
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+    return getattr(config, key, None)
+
+
 def _shape_value(config: Any, key: str, where: str) -> int:
-    value = getattr(config, key, None)
+    value = planner_value(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CheckpointError(f"{where}: {key} = {excerpt(value)} must be a whole number >= 1 (the generic path "
                               "reads the model's shape from it)")
@@ -282,14 +316,14 @@ def generic_model_config(model_dir: str | Path) -> ModelConfig:
     arch = architecture(str(Path(model_dir).resolve()))
     config = arch.model.config
     hidden = _shape_value(config, "hidden_size", where)
-    if getattr(config, "num_attention_heads", None) is None:  # no attention (Mamba): see attention_width
+    if planner_value(config, "num_attention_heads") is None:  # no attention (Mamba): see attention_width
         heads = kv_heads = 1
         head_dim = hidden
     else:
         heads = _shape_value(config, "num_attention_heads", where)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-    intermediate = getattr(config, "intermediate_size", None)
+        kv_heads = planner_value(config, "num_key_value_heads") or heads
+        head_dim = planner_value(config, "head_dim") or hidden // heads
+    intermediate = planner_value(config, "intermediate_size")
     if not isinstance(intermediate, int) or intermediate < 1:
         intermediate = DEFAULT_MLP_RATIO * hidden
     return ModelConfig(
@@ -331,6 +365,6 @@ def attention_width(cfg: ModelConfig) -> int:
     model's from its config.json, 0 when that names no attention heads (the plan then counts 6 FLOPs per
     matrix parameter and token alone; its memory estimate takes one head of hidden_size)."""
     if cfg.template == "generic" and \
-            getattr(architecture(str(Path(cfg.path).resolve())).model.config, "num_attention_heads", None) is None:
+            planner_value(architecture(str(Path(cfg.path).resolve())).model.config, "num_attention_heads") is None:
         return 0
     return cfg.num_attention_heads * cfg.resolved_head_dim

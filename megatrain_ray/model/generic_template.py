@@ -19,7 +19,9 @@ On construction the shell's forward is checked with random probes: each layer is
 receives the previous one's output, the final norm the last one's, the layers' side inputs do not depend
 on the embeddings, and what the model does between the embedding module and the first layer and to the LM
 head's output is nothing or a constant factor (Granite's embedding_multiplier; Cohere's logit_scale,
-Granite's logits_scaling), which is applied; anything else (Gemma 2's logit soft-cap) is refused.
+Granite's logits_scaling), which is applied, or the soft-cap config.json names (final_logit_softcapping:
+cap * tanh(logits / cap), Gemma 2's and Gemma 4's), which the chunked loss applies as for the native Gemma 2;
+anything else is refused.
 """
 
 from __future__ import annotations
@@ -164,11 +166,11 @@ class GenericTemplate:
         """A MoE model's routers and load-balancing loss (None: a dense model)."""
         self.device, self.dtype = device, dtype
         self._inputs: dict[tuple[int, int], list[LayerInputs]] = {}
-        self.shell, (self.embed_scale, self.logit_scale) = self._probed_shell(cfg.path)
+        self.shell, (self.embed_scale, self.logit_scale, self.softcap) = self._probed_shell(cfg.path)
 
     # ------------------------------------------------------------------ per batch shape
 
-    def _probed_shell(self, model_dir: str) -> tuple[_Shell, tuple[float, float]]:
+    def _probed_shell(self, model_dir: str) -> tuple[_Shell, tuple[float, float, float]]:
         """The shell whose layers return what the model's forward expects (a tensor, else a 1-tuple), probed.
         A 1-tuple is accepted only where every check of the probe passes; else the tensor's failure is told."""
         failure: Exception | None = None
@@ -184,9 +186,9 @@ class GenericTemplate:
                                     f"with its layers replaced by recorders ({type(failure).__name__}: "
                                     f"{failure})") from None
 
-    def _probe(self, shell: _Shell) -> tuple[float, float]:
+    def _probe(self, shell: _Shell) -> tuple[float, float, float]:
         """Check the model's forward (see the module docstring); returns its factors on the embedding module's
-        output and on the LM head's."""
+        output and on the LM head's, and its logits' soft-cap (0: none)."""
         name, hidden = self.arch.class_name, self.arch.model.config.hidden_size
         gen = torch.Generator().manual_seed(0)
         # In float32 whatever the compute dtype (a property of the forward, not of rounding), and large enough
@@ -217,10 +219,16 @@ class GenericTemplate:
                 raise refuse(f"decoder layer {index} takes inputs computed from the embeddings beside the hidden "
                              "states")
         logit_scale = constant_factor(logits, norm_input + 0.5)
-        if logit_scale is None:
-            raise refuse("its causal LM transforms the LM head's logits other than by a constant factor (a "
-                         "soft-cap?), which the chunked loss does not reproduce")
-        return embed_scale, logit_scale
+        if logit_scale is not None:
+            return embed_scale, logit_scale, 0.0
+        cap = getattr(self.arch.model.config, "final_logit_softcapping", None)
+        if isinstance(cap, (int, float)) and cap > 0:
+            capped = torch.tanh((norm_input + 0.5) / cap) * cap
+            if torch.allclose(logits.float(), capped.float(), rtol=1e-5, atol=1e-5 * cap):
+                return embed_scale, 1.0, float(cap)
+        raise refuse("its causal LM transforms the LM head's logits other than by a constant factor or the "
+                     "soft-cap its config.json names (final_logit_softcapping), which the chunked loss does not "
+                     "reproduce")
 
     def layer_inputs(self, batch: int, seq_len: int) -> list[LayerInputs]:
         """Each layer's side inputs for rows of seq_len tokens at positions 0..seq_len-1 (one document per
@@ -269,7 +277,8 @@ class GenericTemplate:
     def head_logits(self, x: torch.Tensor, head_w: Mapping[str, torch.Tensor], embed_w: torch.Tensor) -> torch.Tensor:
         normed = functional_call(self.arch.norm, self._norm_params(head_w, False), (x,))
         logits = F.linear(normed, self.lm_matrix(head_w, embed_w))
-        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
+        logits = logits if self.logit_scale == 1.0 else logits * self.logit_scale
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
     def head_loss(self, x: torch.Tensor, head_w: Mapping[str, torch.Tensor], embed_w: torch.Tensor,
                   labels: torch.Tensor, n_valid: int, chunk_tokens: int,
@@ -285,7 +294,7 @@ class GenericTemplate:
             if self.logit_scale != 1.0:
                 normed = normed * self.logit_scale
         result = head_loss_and_grads(normed.detach(), None, self.lm_matrix(head_w, embed_w), labels, n_valid,
-                                     HeadSpec(0.0), chunk_tokens, grad_lm_acc)
+                                     HeadSpec(0.0, softcap=self.softcap), chunk_tokens, grad_lm_acc)
         if not with_grads:
             return result, {}
         grads = torch.autograd.grad(normed, [x, *params.values()], result.grad_x)

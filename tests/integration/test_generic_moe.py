@@ -12,6 +12,14 @@ and run from model.path, in float64 on both sides:
   (`transformer.blocks`, fused experts `ffn.experts.mlp.w1`), normalised top-3.
 - DeepSeek-V3: MLA attention, grouped routing with a correction bias (a persistent buffer), a shared expert, a
   dense first layer; transformers computes no load-balancing loss for it.
+- GLM-4.5 MoE (Glm4MoeForCausalLM): DeepSeek-V3's routing (2 groups of 3 experts, routed_scaling_factor 2.5) beside
+  GQA attention with qkv bias, q/k norms and half-rotary RoPE; no load-balancing loss in transformers either.
+- Llama 4 text (Llama4ForCausalLM): chunked local attention (chunks of 8 in rows of 16) with RoPE and L2 q/k norms,
+  a NoPE full-attention layer with attention temperature tuning (floor_scale 4, so it acts within 16 tokens), a
+  dense first layer, a MoE layer with a shared expert and sigmoid top-3 scores; no load-balancing loss.
+- Gemma 4 text (Gemma4ForCausalLM): a sliding layer (head width 6, 2 KV heads) and a full layer of other widths
+  (10, 1 KV head, keys as values: attention_k_eq_v), a dense MLP beside 5 experts with their own router norm and
+  per-expert scale, a per-layer scalar (a persistent buffer), the final logit soft-cap (3.0, so it bends).
 - Apertus (dense): its xIELU activation keeps two persistent buffers per layer.
 Odd widths: hidden 36 or 40 (never a multiple of 64), GQA where the family has it, 5 experts.
 
@@ -32,7 +40,7 @@ Checked, float64 within 1e-10 (tests/numerics.EXACT) where nothing rounds differ
 - the export loaded by transformers: no missing or unexpected keys (buffers and frozen parameters included), each
   trained tensor the run's rounded to float32, bit for bit.
 And in float32, with transformers' default experts implementation (grouped_mm), the logits within the float32
-noise of transformers' own; a class the generic path cannot place (Llama 4's text model) refused in words.
+noise of transformers' own; Gemma 4's per-layer inputs and KV-shared layers refused in words.
 PHIMOE: in training transformers' Phimoe samples its experts (Gumbel noise in sparsemixer); the generic path runs
 every layer as in evaluation (deterministic top-2), so the reference trains with sparsemixer's evaluation routing.
 """
@@ -56,8 +64,9 @@ from tests.reference_hf import train_hf
 FLOAT64_STEPS = 20
 AUX_COEF = 0.02
 JETMOE_LOSS_BOUND = 1e-8
-FAMILIES = ["qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "jetmoe", "dbrx", "deepseek_v3", "apertus"]
-UNTRAINED = {"ernie4_5_moe", "deepseek_v3", "apertus"}
+FAMILIES = ["qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "jetmoe", "dbrx", "deepseek_v3", "glm4_moe",
+            "llama4", "gemma4", "apertus"]
+UNTRAINED = {"ernie4_5_moe", "deepseek_v3", "glm4_moe", "gemma4", "apertus"}
 """The families whose state_dict holds tensors the model does not train (frozen parameters, persistent buffers)."""
 
 
@@ -105,6 +114,27 @@ def hf_moe_generic_model(name: str):
                                                n_shared_experts=1, num_experts_per_tok=3, n_group=2, topk_group=1,
                                                first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
                                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common)
+    elif name == "glm4_moe":  # GLM-4.5: DeepSeek-V3's router (sigmoid, correction bias, groups) beside GQA attention
+        config = transformers.Glm4MoeConfig(hidden_size=36, intermediate_size=44, moe_intermediate_size=20,
+                                            num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                            partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                                            n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=3, n_group=2,
+                                            topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                            **common)
+    elif name == "llama4":  # text model: chunked local attention with RoPE and L2 q/k norms, a NoPE full layer
+        config = transformers.Llama4TextConfig(hidden_size=36, intermediate_size=20, intermediate_size_mlp=44,
+                                               num_attention_heads=6, num_key_value_heads=2, head_dim=6,
+                                               num_local_experts=5, num_experts_per_tok=3, moe_layers=[1],
+                                               no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4,
+                                               **common)
+    elif name == "gemma4":  # text model: sliding and full layers of other head widths, K = V in the full layer, MoE
+        config = transformers.Gemma4TextConfig(hidden_size=36, intermediate_size=44, num_attention_heads=6,
+                                               num_key_value_heads=2, head_dim=6, global_head_dim=10,
+                                               num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=5,
+                                               top_k_experts=3, moe_intermediate_size=20,
+                                               final_logit_softcapping=3.0, **common)
     elif name == "apertus":
         config = transformers.ApertusConfig(hidden_size=36, intermediate_size=44, num_attention_heads=6,
                                             num_key_value_heads=2, **common)
@@ -161,7 +191,7 @@ def correctly_rounded_float32_routers(name: str):
     while they agreed within 1e-10 on a Xeon. Within the block both sides' router products are computed in float64
     and rounded once to float32: the same float32 logits whatever the shape, so the comparison is of our math
     alone. The routers' float32 softmax, sigmoid and top-k stay as transformers has them."""
-    if name not in ("ernie4_5_moe", "deepseek_v3"):
+    if name not in ("ernie4_5_moe", "deepseek_v3", "glm4_moe"):
         yield
         return
     module = getattr(transformers.models, name).__dict__[f"modeling_{name}"]
@@ -203,7 +233,8 @@ def float64_run(request, tmp_path_factory):
     coef = aux_coef(model)
     reference = copy.deepcopy(model)
     # train_hf adds config.router_aux_loss_coef * aux_loss (DBRX and JetMoE name the coefficient otherwise)
-    reference.config.router_aux_loss_coef = coef
+    if coef is not None:
+        reference.config.router_aux_loss_coef = coef
     # the untrained tensors (buffers, frozen parameters) as the source holds them, the trained ones as ours began
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     start = {k: v for k, v in model.state_dict().items() if k not in tied} | initial
@@ -257,19 +288,26 @@ def test_generic_moe_export_loads_in_transformers_with_every_key(float64_run):
     assert bool(untrained) == (run["name"] in UNTRAINED), sorted(untrained)
 
 
-def test_a_class_whose_base_model_is_not_at_its_prefix_is_refused_in_words(tmp_path):
-    """Llama 4's text model (Llama4ForCausalLM) keeps its base model as `model` while its base_model_prefix says
-    `language_model` (it is the text half of a multimodal model): refused on load, saying so, naming the class."""
+@pytest.mark.parametrize("kind", ["per_layer_inputs", "kv_shared_layers"])
+def test_gemma4_layers_that_need_more_than_their_input_are_refused_in_words(tmp_path, kind):
+    """Gemma 4's small models feed each layer a slice of a second embedding table (hidden_size_per_layer_input)
+    or let their last layers attend with an earlier layer's keys and values (num_kv_shared_layers): refused on load,
+    naming the class and the key, where the forward's probe could only fail with a TypeError."""
     from megatrain_ray.config.hf import UnsupportedArchitectureError
 
-    torch.manual_seed(0)
-    config = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
-                                           intermediate_size_mlp=48, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=2, head_dim=8, num_local_experts=3,
-                                           max_position_embeddings=64, attention_chunk_size=16)
-    source = save(transformers.Llama4ForCausalLM(config), tmp_path / "hf")
-    with pytest.raises(UnsupportedArchitectureError, match=r"Llama4ForCausalLM cannot run on the generic path: its "
-                       r"base model is not the module its base_model_prefix names \('language_model'"):
+    extra = ({"hidden_size_per_layer_input": 4} if kind == "per_layer_inputs" else
+             {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 1, "num_hidden_layers": 3,
+              "layer_types": ["sliding_attention", "full_attention", "full_attention"]})
+    config = transformers.Gemma4TextConfig(**{"vocab_size": VOCAB, "num_hidden_layers": 2, "hidden_size": 36,
+                                              "intermediate_size": 44, "num_attention_heads": 6,
+                                              "num_key_value_heads": 2, "head_dim": 6, "global_head_dim": 10,
+                                              "sliding_window": 8, **extra})
+    source = save(transformers.Gemma4ForCausalLM(config), tmp_path / "hf")
+    why = (r"it has a second embedding table \(embed_tokens_per_layer" if kind == "per_layer_inputs" else
+           r"its last 1 decoder layers attend with the keys and values an earlier layer computed "
+           r"\(num_kv_shared_layers\)")
+    with pytest.raises(UnsupportedArchitectureError, match=r"Gemma4ForCausalLM cannot run on the generic path: "
+                       + why):
         generic_config(tmp_path, source)
 
 

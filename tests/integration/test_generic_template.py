@@ -413,14 +413,39 @@ def test_remote_code_is_refused(tmp_path):
         generic_config(tmp_path, source)
 
 
-def test_a_forward_the_generic_path_cannot_reproduce_is_refused_by_class(tmp_path):
-    """Gemma 2 (run through model.template generic) soft-caps its logits in Gemma2ForCausalLM.forward, which the
-    chunked loss does not do: refused when the engine probes the forward, naming the class."""
+@pytest.mark.float32_parity
+def test_the_soft_cap_config_json_names_is_applied_by_the_chunked_loss(tmp_path):
+    """Gemma 2 through model.template generic soft-caps its logits in Gemma2ForCausalLM.forward by config.json's
+    final_logit_softcapping: the probe recognises it and the head applies it, so the logits are transformers' within its float32 noise (a cap of 1.0, so it bends every logit)."""
+    from tests.unit.test_templates import hf_model
+
+    model = hf_model("gemma2-softcap")
+    cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), model={"template": "generic"})
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    with Trainer(cfg) as trainer:
+        assert trainer.gpu.instance.engine.generic.softcap == 1.0
+        ours = trainer.logits(ids)
+    assert ours.abs().max() < 1.0
+    assert_logits_within_noise("gemma2 generic soft-capped logits", ours, model, ids)
+
+
+def test_a_forward_the_generic_path_cannot_reproduce_is_refused_by_class(tmp_path, monkeypatch):
+    """A causal LM that bends its logits otherwise than by a constant factor or its config's soft-cap (Gemma 2's
+    forward with its logits cubed) is refused when the engine probes the forward, naming the class."""
     from tests.unit.test_templates import hf_model
 
     cfg = generic_config(tmp_path, save(hf_model("gemma2-softcap"), tmp_path / "hf"), model={"template": "generic"})
+    forward = transformers.Gemma2ForCausalLM.forward
+
+    def cubed(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        out.logits = out.logits ** 3
+        return out
+
+    monkeypatch.setattr(transformers.Gemma2ForCausalLM, "forward", cubed)
     with pytest.raises(UnsupportedArchitectureError, match=r"Gemma2ForCausalLM cannot run on the generic path: "
-                       r"its causal LM transforms the LM head's logits other than by a constant factor"):
+                       r"its causal LM transforms the LM head's logits other than by a constant factor or the "
+                       r"soft-cap its config.json names"):
         with Trainer(cfg):
             pass
 
