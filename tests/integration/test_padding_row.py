@@ -1,4 +1,4 @@
-"""The padding token's embedding row trains as in transformers, in the native families (dense and MoE).
+"""The padding token's embedding row trains as in transformers, in the native families (dense, MoE and hybrid).
 
 transformers builds each native family's embedding as nn.Embedding(vocab, hidden, padding_idx=pad_token_id): the
 lookup gives the pad token's row no gradient, so under AdamW (weight decay on the embedding, as megatrain's layout
@@ -16,7 +16,10 @@ the head's gradient moved it beyond that. lr 5e-3, not 1e-2: at 1e-2 the tied Qw
 by 1.1e-11 (5.7e-15 at 5e-3), too near the bound. Measured (pytest -s prints them): losses within 4.2e-16, weights
 within 8.6e-14 (Gemma 3; the others 4.4e-15 to 5.8e-15), the PAD row within 6.2e-15 of transformers' and, untied,
 within 1.7e-16 of its decay alone. With the row trained as any other (megatrain before, every family) the loss of
-step 1 already parts by 1.8e-5 (Llama), 5.9e-4 (Gemma 3), 2.7e-5 (Mixtral), 3.1e-4 (Qwen3-MoE). LoRA's trained
+step 1 already parts by 1.8e-5 (Llama), 5.9e-4 (Gemma 3), 2.7e-5 (Mixtral), 3.1e-4 (Qwen3-MoE), 3.05e-4 (Qwen3.5).
+The hybrids (Qwen3.5 dense untied, Qwen3-Next MoE tied; their linear-attention layers on rows of 24 tokens, one short
+chunk): losses within 2.1e-16, weights within 2.1e-14, the PAD row within 2.4e-16 of transformers' and, Qwen3.5's,
+within 1.7e-16 of its decay alone. LoRA's trained
 embedding (modules_to_save) against peft: losses within 2.1e-16, trained tensors within 9.8e-16; untrained row, the
 loss of step 4 parts by 7.4e-4.
 """
@@ -40,13 +43,17 @@ from tests.integration.test_phi3_parity import assert_float64_run, run_engine  #
 from tests.numerics import assert_exact, relative_error  # noqa: E402
 from tests.reference_hf import train_hf  # noqa: E402
 from tests.reference_llama import reference_lr  # noqa: E402
+from tests.reference_hybrid import float64_hybrid, hf_hybrid_model  # noqa: E402
 from tests.unit.test_moe import hf_moe_model  # noqa: E402
 from tests.unit.test_templates import hf_model  # noqa: E402
 
 PAD, STEPS, EMBED = 7, 10, "model.embed_tokens.weight"
 # name -> (builder, tied head): dense Llama and Gemma 3 (embeddings scaled by sqrt(hidden)), MoE Mixtral and Qwen3-MoE.
+# The hybrids of linear and full attention: Qwen3.5 dense, Qwen3-Next (MoE, tied; its reference's float32 RoPE tables
+# and norms widened to float64 as in tests/integration/test_hybrid_parity.py).
 CASES = {"llama-gqa": (hf_model, False), "gemma3-local-global": (hf_model, True),
-         "mixtral-sliding": (hf_moe_model, False), "qwen3-moe-sparse-step": (hf_moe_model, True)}
+         "mixtral-sliding": (hf_moe_model, False), "qwen3-moe-sparse-step": (hf_moe_model, True),
+         "qwen3_5": (hf_hybrid_model, False), "qwen3_next": (hf_hybrid_model, True)}
 
 
 def padded_model(name: str):
@@ -79,7 +86,9 @@ def test_padding_row_matches_transformers(tmp_path, name):
         optimizer={"lr": 5e-3, "weight_decay": 0.1, "grad_clip": 1.0, "workers": 2})
     assert cfg.model.pad_token_id == PAD and cfg.model.tie_word_embeddings == tied
     assert all((b[:, :-1] == PAD).any(dim=1).all() for b in batches), "PAD in every row's inputs"
-    ref, ref_state = train_hf(model, cfg, initial, batches, torch.float64, exact=True)
+    hybrid = CASES[name][0] is hf_hybrid_model  # float64_hybrid widens its float32 steps itself
+    ref, ref_state = train_hf(float64_hybrid(model) if hybrid else model, cfg, initial, batches, torch.float64,
+                              exact=not hybrid)
     assert_float64_run(ours, ref, final, ref_state, initial)
     row_err = assert_exact("the PAD row", final[EMBED][PAD], ref_state[EMBED][PAD])
     o, s = cfg.optimizer, cfg.schedule
