@@ -66,11 +66,12 @@ class GPUWorker(ActorBase):
             binding = "not pinned (computes on the CPU)"
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world))
         # The parities: the update dispatch switches a speculatively updated stage's current set.
-        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync", "nf4", "parity")
+        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync", "nf4", "parity",
+                                                               "reference")
                                 or (s.kind == "master" and run.stream_is_master)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()
-            gib = self.store.register_pinned(("master", "stream", "grad", "gradpool", "nf4"))
+            gib = self.store.register_pinned(("master", "stream", "grad", "gradpool", "nf4", "reference"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
         if run.frozen_base and cfg.finetune.method == "lora":  # adapters on the device, a frozen streamed base
             self.engine = LoraStreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
@@ -139,10 +140,10 @@ class GPUWorker(ActorBase):
     def sequence_logps(self, batch: Batch) -> torch.Tensor:
         return self.engine.sequence_logps(batch)
 
-    def token_logps(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-        """GRPO: each label's log-probability at `temperature` under the current weights, [rows, seq_len]
-        (engine/forward_only.py)."""
-        return self.engine.token_logps(batch, temperature)
+    def token_logps(self, batch: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
+        """GRPO: each label's log-probability at `temperature` under the current weights, or with `reference` under
+        the reference model's (the initial weights; LoRA: the base alone), [rows, seq_len] (engine/forward_only.py)."""
+        return self.engine.token_logps(batch, temperature, reference)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutResult:
         """Completions of the prompts under the current weights (the rollout engine, engine/rollout/)."""

@@ -81,26 +81,15 @@ class HostShard(ActorBase):
             self.held = [i for i in stages if self.store.has("master", i) or self.store.has(NF4_KIND, i)]
             # A frozen base (LoRA) is not in its checkpoints (they hold the adapters): it is loaded as at the start.
             self.saved = [] if run.frozen_base else self.held
+            # GRPO's KL reference (run.reference_copy): the initial weights, as a fresh run fills them, also on resume
+            # (then the checkpoint is loaded over the trained kinds): a checkpoint never holds them.
+            if restore is None or run.frozen_base or run.reference_copy:
+                self._fill_initial(cfg, run)
+            if run.reference_copy:
+                self._each_stage("reference copy made", lambda i: self.store.get("reference", i).copy_(
+                    self.store.stream(i)))
             if restore is not None and not run.frozen_base:
                 self._each_stage(f"loaded from {restore.directory}", lambda i: self._restore_stage(restore, i))
-            elif cfg.model.path and run.base_quantization == "nf4":  # QLoRA: quantized as the stages load
-                source = HFDirectory(cfg.model.path)
-                self._each_stage(f"loaded from {cfg.model.path} (decoder layers quantized to NF4)",
-                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, source, 0, 0.0),
-                                 thread_bytes=checkpoint_fill_bytes(layout, run),
-                                 in_process=lambda i: self._nf4_fill_args(i, run, str(cfg.model.path), 0, 0.0))
-            elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
-                source = HFDirectory(cfg.model.path)
-                self._each_stage(f"loaded from {cfg.model.path}",
-                                 lambda i: load_hf_stage(self.store, layout.stages[i], source))
-            elif run.base_quantization == "nf4":
-                seed, std = cfg.train.seed, cfg.model.initializer_range
-                self._each_stage("initialised (decoder layers quantized to NF4)",
-                                 lambda i: fill_base_stage(self.store, layout.stages[i], run, None, seed, std),
-                                 in_process=lambda i: self._nf4_fill_args(i, run, "", seed, std))
-            else:
-                self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
-                                                                     cfg.model.initializer_range))
             if cfg.engine.poison_buffers:
                 for spec in self.specs:
                     if spec.kind in ("grad", "gradpool"):
@@ -114,6 +103,29 @@ class HostShard(ActorBase):
         disk = sum(s.nbytes for s in self.specs if s.on_disk)
         log.info("shard %d: %d stages, %d segments, %.2f GiB in %s%s; %s", shard, len(stages), len(self.specs), gib,
                  cfg.host.shm_dir, f", {disk / 1e9:.2f} GB of moments in {cfg.host.disk_dir}" if disk else "", binding)
+
+    def _fill_initial(self, cfg: Config, run: RunSpec) -> None:
+        """The stages' initial values: a Hugging Face directory's (quantized to NF4 for a QLoRA base) or the seeded
+        random initialisation."""
+        layout = self.layout
+        if cfg.model.path and run.base_quantization == "nf4":  # QLoRA: quantized as the stages load
+            source = HFDirectory(cfg.model.path)
+            self._each_stage(f"loaded from {cfg.model.path} (decoder layers quantized to NF4)",
+                             lambda i: fill_base_stage(self.store, layout.stages[i], run, source, 0, 0.0),
+                             thread_bytes=checkpoint_fill_bytes(layout, run),
+                             in_process=lambda i: self._nf4_fill_args(i, run, str(cfg.model.path), 0, 0.0))
+        elif cfg.model.path:  # fine-tuning: the weights come from a Hugging Face directory
+            source = HFDirectory(cfg.model.path)
+            self._each_stage(f"loaded from {cfg.model.path}",
+                             lambda i: load_hf_stage(self.store, layout.stages[i], source))
+        elif run.base_quantization == "nf4":
+            seed, std = cfg.train.seed, cfg.model.initializer_range
+            self._each_stage("initialised (decoder layers quantized to NF4)",
+                             lambda i: fill_base_stage(self.store, layout.stages[i], run, None, seed, std),
+                             in_process=lambda i: self._nf4_fill_args(i, run, "", seed, std))
+        else:
+            self._each_stage("initialised", lambda i: init_stage(self.store, layout.stages[i], cfg.train.seed,
+                                                                 cfg.model.initializer_range))
 
     def _create_segments(self) -> None:
         """Every segment allocated whole (create_segment), in parallel threads: the kernel zero-fills the pages

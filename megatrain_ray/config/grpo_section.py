@@ -1,8 +1,7 @@
 """The `finetune.grpo` section: GRPO's settings with TRL 1.16's GRPOConfig names and defaults, and the reward
 functions named `module:function` (resolved by importing the user's module; config/sections.py: check_objective).
 The loss is megatrain_ray/model/policy_gradient.py (in the head: model/policy_head.py), the completions come from the
-rollout engine (engine/rollout/), the driver's side of a step is driver/grpo.py; config/sections.py's check_trainable
-refuses the settings this version does not run (beta > 0, num_iterations > 1)."""
+rollout engine (engine/rollout/), the driver's side of a step is driver/grpo.py."""
 
 from __future__ import annotations
 
@@ -24,9 +23,7 @@ REWARD_SIGNATURE = "def reward(prompts, completions, **kwargs) -> list[float | N
 @dataclass(kw_only=True, slots=True)
 class GRPOConfig:
     """Group relative policy optimization (finetune.objective=grpo), with TRL 1.16's GRPOConfig names and defaults
-    (docs/fine-tuning.md, megatrain_ray/model/policy_gradient.py). This version's trainer runs beta 0 and
-    num_iterations 1 (TRL's defaults) on one GPU worker, and refuses other values of those two before anything
-    starts."""
+    (docs/fine-tuning.md, megatrain_ray/model/policy_gradient.py)."""
 
     SECTION: ClassVar[str] = "finetune.grpo"
     reward_funcs: list[str] = field(default_factory=list)
@@ -61,10 +58,15 @@ class GRPOConfig:
     """Sample from the top_k most probable tokens only; 0 keeps all."""
     beta: float = 0.0
     """The KL coefficient: 0 loads no reference model; > 0 adds beta times the k3 estimate of KL(policy || reference)
-    per token, the reference being the initial model."""
+    per token, the reference being the initial model: with LoRA the base with the adapters left out (no extra
+    memory); with full fine-tuning a frozen copy of the initial weights in host RAM in precision.stream_dtype (2
+    bytes per parameter in bf16, in `megatrain plan`), streamed once per step for the reference pass (engine.gpu_resident
+    must be none)."""
     num_iterations: int = 1
-    """Optimizer steps on each generated batch (TRL's mu); above 1, the log-probabilities of the generating policy
-    are kept for the clipped ratio."""
+    """Optimizer steps on each generated batch (TRL's mu): a batch is generated every num_iterations steps and each of
+    them trains on it; above 1, the generating policy's log-probabilities (a forward pass right after the rollout) are
+    the old ones of the clipped ratio and of the importance-sampling correction, and a checkpoint inside a group keeps
+    its batch for a resume."""
     epsilon: float = 0.2
     """Lower clipping bound of the probability ratio: 1 - epsilon."""
     epsilon_high: float | None = None

@@ -85,6 +85,10 @@ class RunSpec:
     base_quantization: Literal["none", "nf4"] = "none"
     """finetune.lora.base_quantization of a frozen base: nf4 holds its decoder layers packed in NF4 (kind `nf4`,
     store/nf4_base.py), dequantized on the device into the compute dtype."""
+    reference_copy: bool = False
+    """GRPO with finetune.grpo.beta > 0, full fine-tuning: the host keeps a frozen copy of the initial weights in the
+    streaming dtype (kind `reference`), which the reference pass streams instead of the trained ones. A LoRA run's
+    reference is its base with the adapters left out: no copy."""
 
     @property
     def world(self) -> int:
@@ -148,6 +152,7 @@ class RunSpec:
                 activation_offload=e.activation_offload is True, resident_layers=resident_layer_count(cfg, ranks),
                 frozen_base=True,
                 base_quantization=cfg.finetune.lora.base_quantization)
+        reference = cfg.finetune.objective == "grpo" and cfg.finetune.grpo.beta > 0  # GRPO's KL: the initial weights
         if o.state == "lean":  # config/sections.check_lean refused what it cannot take
             int8 = o.lean_moments == "int8"
             grad_home = "stage" if o.grad_clip > 0 else "pool"  # the master is streamed: gradients land apart
@@ -161,7 +166,7 @@ class RunSpec:
                 compiles=compiles, device_compiles=device_compiles,
                 layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
                 activation_offload=e.activation_offload is True, resident_layers=0,
-                optimizer_state="lean", lean_block=o.lean_block if int8 else 0)
+                optimizer_state="lean", lean_block=o.lean_block if int8 else 0, reference_copy=reference)
         return cls(
             device_type=device, ranks_per_node=ranks, nodes=nodes, rank_tokens=rank_tokens,
             master_dtype=p.master_dtype, compute_dtype=p.compute_dtype, stream_dtype=stream_dtype,
@@ -173,7 +178,8 @@ class RunSpec:
             compiles=compiles, device_compiles=device_compiles,
             layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
             activation_offload=e.activation_offload is True,
-            resident_layers=resident_layer_count(cfg, ranks * nodes), speculative_stages=o.speculative_stages)
+            resident_layers=resident_layer_count(cfg, ranks * nodes), speculative_stages=o.speculative_stages,
+            reference_copy=reference)
 
 
 def resident_layer_count(cfg: Config, world: int) -> int:
@@ -199,7 +205,10 @@ def resident_tier_refusal(cfg: Config, world: int) -> str:
     for refused, why in ((world > 1, "one GPU worker (parallel.gpus=1)"),
                          (cfg.host.moments_tier != "ram", "host.moments_tier=ram"),
                          (cfg.optimizer.moment_dtype != "float32", "optimizer.moment_dtype=float32"),
-                         (cfg.optimizer.state != "full", "optimizer.state=full")):
+                         (cfg.optimizer.state != "full", "optimizer.state=full"),
+                         (cfg.finetune.objective == "grpo" and cfg.finetune.grpo.beta > 0,
+                          "finetune.grpo.beta=0 (the KL reference pass streams every layer's initial weights from "
+                          "host RAM; no layer may live on the device)")):
         if refused:
             return why
     return ""

@@ -231,13 +231,6 @@ def check_trainable(cfg: Config) -> None:
     run yet. Called by the trainer before anything else, so such a config never trains as something else."""
     if cfg.finetune.objective != "grpo":
         return
-    grpo = cfg.finetune.grpo
-    if grpo.beta > 0:
-        _fail("finetune.grpo.beta", grpo.beta, "a KL term needs the reference model's log-probabilities, which this "
-              "version's GRPO trainer does not compute yet; set beta: 0 (TRL's default: no reference model)")
-    if grpo.num_iterations > 1:
-        _fail("finetune.grpo.num_iterations", grpo.num_iterations, "reusing a generated batch for several optimizer "
-              "steps is not in this version's GRPO trainer; set num_iterations: 1 (TRL's default)")
     if cfg.model.template == "generic":
         _fail("model.template", "generic", "the rollout engine generates with the native templates only (its KV cache "
               "path); GRPO needs a model family with a native template")

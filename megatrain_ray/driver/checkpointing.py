@@ -107,6 +107,8 @@ class SaveInFlight:
     started: float
     resident_files: list[dict]
     """The entries of the GPU-resident stages' files (engine.gpu_resident), written by the GPU worker."""
+    extra: dict
+    """The driver's own entries of the manifest (GRPO: a num_iterations group's batch, driver/grpo.py)."""
 
 
 class Checkpointer:
@@ -119,15 +121,17 @@ class Checkpointer:
         """The experiment trackers' run ids (observe/tracking.Tracking.state), kept in each manifest."""
 
     def begin(self, shards: list[Handle], step: int, updates: int, partial: Path, die: bool,
-              resident: Handle | None = None) -> None:
+              resident: Handle | None = None, driver_state: Callable[[int, Path], dict] | None = None) -> None:
         """Every shard holds its stages and starts writing them; `die` arms the kill_during_checkpoint drill.
         `resident`: the GPU worker holding GPU-resident stages, which writes their files before the next step
-        changes them (meanwhile the shards write theirs)."""
+        changes them (meanwhile the shards write theirs). `driver_state(step, partial)`: writes the driver's own
+        files into the directory now and returns their manifest entries."""
         for begun in [shard.save_begin(step, str(partial), die) for shard in shards]:
             begun.result()
         started = time.perf_counter()
         files = resident.save_resident(step, str(partial)).result() if resident is not None else []
-        self.in_flight = SaveInFlight(step, updates, partial, started, files)
+        extra = driver_state(step, partial) if driver_state is not None else {}
+        self.in_flight = SaveInFlight(step, updates, partial, started, files, extra)
 
     def finish(self, shards: list[Handle], run_id: str) -> Path:
         """Wait for the shards' files and commit the save in flight; its directory."""
@@ -138,7 +142,7 @@ class Checkpointer:
         manifest = {"updates_applied": save.updates, "state_config": state_config(self.cfg),
                     "config": self.cfg.to_dict(), "rng": rng_state(),
                     "data": {"seed": self.cfg.data.seed, "epoch": self.data.epoch_of(save.step)},
-                    "run_id": run_id, "tracking": self.tracking(), "files": files}
+                    "run_id": run_id, "tracking": self.tracking(), "files": files, **save.extra}
         final = self.checkpoints.commit(save.partial, save.step, manifest, self.cfg.checkpoint.keep)
         log.info("checkpoint of step %d: %s (%.2f GiB, %.1f s)", save.step, final,
                  sum(e["bytes"] for e in files) / 2**30, time.perf_counter() - save.started)

@@ -5,6 +5,14 @@ batch built: each row one prompt and one of its completions, labels on the compl
 log-probabilities of them beside (the importance-sampling correction). The GPU worker's head computes the loss
 (model/policy_head.py).
 
+With finetune.grpo.beta > 0 the batch also carries the reference model's log-probabilities of the completion tokens
+(GPUWorker.token_logps with reference: the initial weights; LoRA: the base alone), for the KL term. With
+num_iterations = mu > 1 (TRL's semantics) a batch is generated at steps 0, mu, 2 mu, ... and trained on for mu
+optimizer steps, with the generating policy's log-probabilities (the trainer's, computed once right after the rollout)
+as the old ones of the clipped ratio and of the importance-sampling correction; the rollout's metrics are logged at
+the step that generated it. A checkpoint inside such a group keeps the batch (`grpo-rollout.pt`), so a resumed run
+trains on what the uninterrupted one did.
+
 A step's completions are a pure function of the weights, the prompts and (train.seed, step), so a resumed run samples
 what the uninterrupted one did."""
 
@@ -23,9 +31,12 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.data.prepare.tokenize import load_tokenizer, resolve_tokenizer
 from megatrain_ray.data.prompts import PromptBatches, PromptRows
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
-from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.exceptions import CheckpointError, ConfigError
 from megatrain_ray.messages import IGNORE_INDEX, Batch, PolicyRows
 from megatrain_ray.model.policy_gradient import group_advantages, reward_name, score_completions, weighted_rewards
+
+ROLLOUT_FILE = "grpo-rollout.pt"
+"""The batch a checkpoint inside a num_iterations group keeps (GRPOSteps.save_state)."""
 
 
 @dataclass(slots=True)
@@ -71,6 +82,54 @@ class GRPOSteps:
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0))
+        self.pending: tuple[int, Batch] | None = None
+        """(the step that generated it, the batch) of the num_iterations group under way."""
+
+    def step_batch(self, step: int, gpu: Any) -> RolloutBatch:
+        """Step `step`'s batch: generated at the first step of its num_iterations group (with the rollout's metrics),
+        the group's batch again at the others."""
+        start = step - step % self.grpo.num_iterations
+        if self.pending is not None and self.pending[0] == start:
+            return RolloutBatch(self.pending[1], {})
+        if step != start:
+            raise RuntimeError(f"step {step} trains on the batch generated at step {start}, which this run does not "
+                               "hold")
+        generated = self.batch(step, gpu)
+        self.pending = (start, generated.batch) if self.grpo.num_iterations > 1 else None
+        return generated
+
+    def save_state(self, next_step: int, directory: Path) -> dict[str, Any]:
+        """What a checkpoint after `next_step` steps keeps of the GRPO loop: inside a num_iterations group its batch,
+        written into `directory`, and the manifest's entry naming it; else nothing."""
+        if self.pending is None or next_step % self.grpo.num_iterations == 0:
+            return {}
+        start, batch = self.pending
+        rows = batch.policy
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save({"input_ids": batch.input_ids, "labels": batch.labels, "advantages": rows.advantages,
+                    **{name: getattr(rows, name) for name in ("sampling_logps", "old_logps", "ref_logps")
+                       if getattr(rows, name) is not None}}, directory / ROLLOUT_FILE)
+        return {"grpo_rollout": {"file": ROLLOUT_FILE, "generated_at": start}}
+
+    def restore(self, directory: Path | None, manifest: dict[str, Any] | None) -> None:
+        """The group's batch of a checkpoint taken inside one (save_state); none at a group's first step."""
+        self.pending = None
+        if manifest is None or int(manifest["step"]) % self.grpo.num_iterations == 0:
+            return
+        entry, mu = manifest.get("grpo_rollout"), self.grpo.num_iterations
+        if entry is None:
+            raise CheckpointError(f"checkpoint {directory} is at step {manifest['step']}, inside a group of "
+                                  f"finetune.grpo.num_iterations={mu} steps on one generated batch, and holds no batch "
+                                  f"({ROLLOUT_FILE}); resume from a checkpoint at a multiple of {mu} steps")
+        path = Path(directory) / entry["file"]
+        try:
+            saved = torch.load(path, weights_only=True)
+        except Exception as exc:  # a missing or damaged file
+            raise CheckpointError(f"checkpoint {directory}: the GRPO batch {path} cannot be read ({exc}); resume from "
+                                  f"a checkpoint at a multiple of finetune.grpo.num_iterations={mu} steps") from None
+        rows = PolicyRows.from_config(self.grpo, saved["advantages"], sampling_logps=saved.get("sampling_logps"),
+                                      old_logps=saved.get("old_logps"), ref_logps=saved.get("ref_logps"))
+        self.pending = (int(entry["generated_at"]), Batch(saved["input_ids"], saved["labels"], policy=rows))
 
     def sampling(self, step: int) -> SamplingSettings:
         """The rollout's settings at `step`: its generator seeded by (train.seed, step)."""
@@ -93,6 +152,9 @@ class GRPOSteps:
                                   self.grpo.multi_objective_aggregation, self.names)
         t2 = time.perf_counter()
         batch = policy_batch(prompt_ids, completion_ids, rollout.logps, scored.advantages, self.grpo, self.pad_id)
+        t3 = time.perf_counter()
+        batch = self.with_logps(batch, gpu)
+        t4 = time.perf_counter()
         lengths = rollout.lengths.double()
         metrics = {name: float(value) for name, value in scored.metrics.items()}
         truncated = ~rollout.stopped
@@ -102,7 +164,20 @@ class GRPOSteps:
             "rollout_s": t1 - t0, "reward_s": t2 - t1, "rollout_tokens_per_s": rollout.stats["tokens_per_s"],
             "rollout_tokens": rollout.stats["generated_tokens"],
         })
+        if self.grpo.beta > 0 or self.grpo.num_iterations > 1:
+            metrics["logps_s"] = t4 - t3  # the forward passes of the old and reference log-probabilities
         return RolloutBatch(batch, metrics)
+
+    def with_logps(self, batch: Batch, gpu: Any) -> Batch:
+        """The forward-only log-probabilities the loss needs beyond the step's own: the generating policy's
+        (num_iterations > 1: the weights now, before the group's first update) and the reference model's
+        (beta > 0), both at the sampling temperature, as TRL computes them right after generating."""
+        g, rows = self.grpo, batch.policy
+        old = gpu.token_logps(batch, g.temperature).result() if g.num_iterations > 1 else None
+        ref = gpu.token_logps(batch, g.temperature, reference=True).result() if g.beta > 0 else None
+        if old is None and ref is None:
+            return batch
+        return dataclasses.replace(batch, policy=dataclasses.replace(rows, old_logps=old, ref_logps=ref))
 
     def evaluate(self, prompts: PromptBatches, gpu: Any) -> dict[str, float]:
         """The mean reward of the first train.eval_batches x (data.batch_size / num_generations) held-out prompts,

@@ -99,6 +99,7 @@ class Trainer(RunTensors, ClusterView):
         self.restore = find_checkpoint(resume, self.checkpoints, self.layout, cfg)
         self.next_step = self.restore.step if self.restore else 0
         self.updates_applied = int(self.restore.manifest["updates_applied"]) if self.restore else 0
+        self._restore_rollout(self.restore)
         self.drills = FaultDrills(cfg)
         sweep_stale_segments(cfg.host.shm_dir)
         if cfg.host.moments_tier == "disk":
@@ -224,7 +225,7 @@ class Trainer(RunTensors, ClusterView):
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
         if self.rollouts is not None:  # GRPO: sampled after every ordered update is applied (on-policy)
             self.flush()
-        rollout = self.rollouts.batch(step, self.gpu) if self.rollouts is not None else None
+        rollout = self.rollouts.step_batch(step, self.gpu) if self.rollouts is not None else None
         parts, loss_tokens = split_batch(rollout.batch if rollout else self.data.batch(step), self.cluster.parallel.world)
         if self.drills.due("nan_grad", step) is not None:
             self.gpu.arm_nan_grad().result()  # rank 0's next step puts a NaN into a gradient
@@ -331,12 +332,18 @@ class Trainer(RunTensors, ClusterView):
         self.restore = last
         self.next_step = last.step if last else 0
         self.updates_applied = int(last.manifest["updates_applied"]) if last else 0
+        self._restore_rollout(last)
         if self._tracking:
             self._tracking.rewind(self.next_step)
         self._open_metrics()
         self.run_id = new_run_id()
         self.cluster = Cluster(self.cfg, self.layout, self.run_id)
         self._spawn_actors()
+
+    def _restore_rollout(self, info: CheckpointInfo | None) -> None:
+        """GRPO: the batch of the num_iterations group a checkpoint was taken inside (driver/grpo.py)."""
+        if self.rollouts is not None:
+            self.rollouts.restore(info.directory if info else None, info.manifest if info else None)
 
     # ------------------------------------------------------------------ checkpoints (checkpointing.Checkpointer)
 
@@ -351,7 +358,8 @@ class Trainer(RunTensors, ClusterView):
         partial = self.checkpoints.partial(self.next_step, self.run_id)
         die = self.drills.due("kill_during_checkpoint", self.next_step) is not None
         holder = self.gpu if self.run_spec.frozen_base else self._resident_holder  # LoRA: the adapters' file
-        self.saver.begin(self.shards, self.next_step, self.updates_applied, partial, die, holder)
+        self.saver.begin(self.shards, self.next_step, self.updates_applied, partial, die, holder,
+                         self.rollouts.save_state if self.rollouts is not None else None)
         return self._finish_save() if wait else None
 
     def _finish_save(self) -> Path:

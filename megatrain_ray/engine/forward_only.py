@@ -3,6 +3,8 @@ and GRPO's per-token ones, each the forward of a training step with its own head
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -72,10 +74,10 @@ class ForwardOnlyPasses:
         return self._forward_only(batch, head)
 
     @torch.no_grad()
-    def token_logps(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    def token_logps(self, batch: Batch, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
         """[rows, seq_len] log-probability of each label (0 where labels == -100) at `temperature`, forward only, on
-        the host: GRPO's old (generating policy's) or reference log-probabilities. float32 (float64 when computing in
-        it)."""
+        the host: GRPO's old (generating policy's) log-probabilities, or with `reference` the reference model's
+        (reference_weights). float32 (float64 when computing in it)."""
         labels = batch.labels.to(self.device, non_blocking=True)
         if self.generic is not None:
             raise ValueError("per-token log-probabilities (GRPO) need a native layer template (model.template "
@@ -85,7 +87,26 @@ class ForwardOnlyPasses:
             return policy_token_logps(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
                                       self.head_spec, self.engine_cfg.loss_chunk_tokens, temperature).cpu()
 
-        return self._forward_only(batch, head)
+        with self.reference_weights() if reference else nullcontext():
+            return self._forward_only(batch, head)
+
+    @contextmanager
+    def reference_weights(self) -> Iterator[None]:
+        """Passes inside read GRPO's KL reference, the initial weights: full fine-tuning streams every stage from the
+        host's frozen `reference` copy (RunSpec.reference_copy; no stage may be GPU-resident) in place of the
+        trained one (LoRA's engine: the base without its adapters)."""
+        if not self.weights.store.has("reference", self.layout.embed.index):
+            raise ValueError("the reference pass needs the host's reference copy of the initial weights "
+                             "(RunSpec.reference_copy: finetune.objective=grpo with finetune.grpo.beta > 0)")
+        if self.resident.stages:
+            raise ValueError("the reference pass streams every layer; GPU-resident layers hold trained weights only")
+        self.weights.invalidate()  # the slots hold trained weights
+        self.weights.reading = "reference"
+        try:
+            yield
+        finally:
+            self.weights.reading = None
+            self.weights.invalidate()
 
     def refuse_objective_on_generic(self, batch: Batch) -> None:
         """The DPO and GRPO heads work on the native final norm; the generic template's head is cross-entropy only."""

@@ -21,6 +21,8 @@ the run seed, the AdamW step and the layer), from which the forward and the reco
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -45,6 +47,9 @@ from megatrain_ray.store.segments import HostStore
 
 class LoraStreamEngine(StreamEngine):
     binds_adapters = True
+    adapters_off = False
+    """Inside reference_weights: the base alone."""
+
     def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
                  run: RunSpec, layout: ModelLayout, store: HostStore, device: torch.device, lora: LoraConfig,
                  seed: int, rank: RankInfo | None = None):
@@ -90,7 +95,17 @@ class LoraStreamEngine(StreamEngine):
 
     def _bind(self, stage: StageLayout, slot: WeightSlot | None) -> dict[str, torch.Tensor]:
         weights = self.base.weights(stage) if slot is None else self.weights.bind(stage, slot)
-        return {**weights, **self.adapters.layer(stage.index - 1)}
+        return weights if self.adapters_off else {**weights, **self.adapters.layer(stage.index - 1)}
+
+    @contextmanager
+    def reference_weights(self) -> Iterator[None]:
+        """Passes inside read the base alone (GRPO's KL reference, as TRL's under peft's disable_adapter()): the
+        layers bind no adapters, the embedding and LM head are the base's even where modules_to_save trains them."""
+        self.adapters_off = True
+        try:
+            yield
+        finally:
+            self.adapters_off = False
 
     @property
     def resident_base_bytes(self) -> int:
@@ -104,11 +119,11 @@ class LoraStreamEngine(StreamEngine):
         self.weights.invalidate()
 
     def _embed_weight(self, bound: dict[str, torch.Tensor]) -> torch.Tensor:
-        saved = self.adapters.saved.get(SAVED_MODULES["embed_tokens"])
+        saved = None if self.adapters_off else self.adapters.saved.get(SAVED_MODULES["embed_tokens"])
         return bound["embed_tokens.weight"] if saved is None else saved.to(self.compute_dtype)
 
     def _lm_weight(self, head_w: dict[str, torch.Tensor], embed_w: torch.Tensor) -> torch.Tensor:
-        saved = self.adapters.saved.get(SAVED_MODULES["lm_head"])
+        saved = None if self.adapters_off else self.adapters.saved.get(SAVED_MODULES["lm_head"])
         return super()._lm_weight(head_w, embed_w) if saved is None else saved.to(self.compute_dtype)
 
     def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,

@@ -68,6 +68,9 @@ class WeightStream:
         """This step loads weights in pieces gathered over the node's ranks (training steps only)."""
         self.checksum: float | None = None
         self.summed: set[int] = set()
+        self.reading: str | None = None
+        """The host kind the stages are copied from: None, the streaming copy (store.stream); "reference": GRPO's
+        frozen initial weights (ForwardOnlyPasses.reference_weights)."""
         # An NF4 base (finetune.lora.base_quantization): its layers arrive packed and are dequantized on the device.
         self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device, resident_layers, decode)
         self.frozen = frozen
@@ -139,7 +142,9 @@ class WeightStream:
             if packed:  # one rank (LoRA): no pieces; dequantized straight into the compute dtype
                 copied = self.packed.load(stage, slot.compute[:stage.numel])
             else:
-                slot.raw[first:end].copy_(self.store.stream(stage.index)[first:end], non_blocking=True)
+                host = self.store.stream(stage.index) if self.reading is None else \
+                    self.store.get(self.reading, stage.index)  # type: ignore[arg-type]
+                slot.raw[first:end].copy_(host[first:end], non_blocking=True)
                 copied = (end - first) * slot.raw.element_size()
             timeline.stop("h2d", s.h2d, start)
             if self.gather:

@@ -40,7 +40,7 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
                                  gpu_ranks=run.ranks_per_node).workers)
     plan.workers = workers = 0 if run.frozen_base else workers  # LoRA: no CPU optimizer workers
     plan.host, plan.disk, plan.staging = store_bytes(cfg, run, workers)
-    pinned_kinds = {"stream", "grad", "gradpool", "nf4"} | ({"master"} if run.stream_is_master else set())
+    pinned_kinds = {"stream", "grad", "gradpool", "nf4", "reference"} | ({"master"} if run.stream_is_master else set())
     plan.pinned = sum(n for kind, n in plan.host.items() if kind in pinned_kinds)
     plan.processes = (1 + cfg.host.num_shards + workers) * PROCESS_BYTES + run.ranks_per_node * GPU_PROCESS_BYTES
     plan.offload = run.activation_offload

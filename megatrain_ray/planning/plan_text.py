@@ -33,7 +33,7 @@ _LABELS = {"master": "master weights", "exp_avg": "AdamW first moment", "exp_avg
            "alt_master": "second set: master weights", "alt_exp_avg": "second set: 1st moment",
            "alt_exp_avg_sq": "second set: 2nd moment", "saved_grad": "saved gradients", "parity": "set parities",
            "master_comp": "master compensation (lean)", "exp_avg_scale": "1st moment block scales",
-           "exp_avg_sq_scale": "2nd moment block scales"}
+           "exp_avg_sq_scale": "2nd moment block scales", "reference": "GRPO KL reference (initial)"}
 
 
 CHECKPOINT_WRITE_GBPS = 1.0
@@ -58,7 +58,7 @@ def format_plan(plan: Plan) -> str:
                 "node, GPU figures per GPU"] if run.world > 1 else []),
              "", "host (shared memory, per kind):"]
     dtypes = {"master": run.master_dtype, "exp_avg": run.moment_dtype, "exp_avg_sq": run.moment_dtype,
-              "stream": run.stream_dtype, "nf4": "nf4", "alt_master": run.master_dtype,
+              "stream": run.stream_dtype, "reference": run.stream_dtype, "nf4": "nf4", "alt_master": run.master_dtype,
               "alt_exp_avg": run.moment_dtype, "alt_exp_avg_sq": run.moment_dtype,
               "master_comp": run.master_dtype, "exp_avg_scale": "float32", "exp_avg_sq_scale": "float32"}
     if run.optimizer_state == "lean" and run.lean_block:

@@ -14,6 +14,8 @@ Ray; the bytes never do. Kinds per stage:
   (LEAN_KINDS, optim/lean_adamw.py);
 - `stream`: the copy the GPU reads each step, in `precision.stream_dtype`; absent when it
   would equal the master weights, which are then streamed directly;
+- `reference`: GRPO's KL reference (finetune.grpo.beta > 0, full fine-tuning: RunSpec.reference_copy), the initial
+  weights in the streaming dtype, never updated, streamed by the reference pass instead of `stream`;
 - `grad`: per-stage gradients, only when the master weights are streamed and clipping is on
   (all gradients must wait for the global norm). Otherwise gradients land in the stage's
   `stream` buffer, which is free between the layer's backward and its update, or, when the
@@ -58,7 +60,7 @@ log = get_logger(__name__)
 
 SegmentKind = Literal["master", "exp_avg", "exp_avg_sq", "stream", "grad", "gradpool", "gate", "sync", "nf4",
                       "alt_master", "alt_exp_avg", "alt_exp_avg_sq", "saved_grad", "parity", "master_comp",
-                      "exp_avg_scale", "exp_avg_sq_scale"]
+                      "exp_avg_scale", "exp_avg_sq_scale", "reference"]
 STATE_KINDS: tuple[SegmentKind, ...] = ("master", "exp_avg", "exp_avg_sq")
 """What AdamW keeps of a stage: the master weights and both moments."""
 ALT_KINDS: tuple[SegmentKind, ...] = ("alt_master", "alt_exp_avg", "alt_exp_avg_sq")
@@ -138,6 +140,8 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
             kinds.append(("stream", run.stream_dtype))
         if home == "stage":
             kinds.append(("grad", run.grad_dtype))
+        if run.reference_copy:
+            kinds.append(("reference", run.stream_dtype))
         if index in speculative:
             kinds += [*zip(ALT_KINDS, (master, moments, moments)), ("saved_grad", run.grad_dtype)]
         for kind, dtype in kinds:

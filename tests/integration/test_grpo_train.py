@@ -18,6 +18,10 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.exceptions import RewardFunctionError  # noqa: E402
 from tests.conftest import interrupted_and_resumed, tiny_raw  # noqa: E402
+from tests.integration.test_lora_parity import float64_transformers  # noqa: E402, F401  (a fixture)
+from tests.numerics import assert_exact  # noqa: E402
+from tests.reference_dpo import hf_token_logps  # noqa: E402
+from tests.reference_grpo import Rollout, first_reward, trl_grpo  # noqa: E402
 from tests.integration.test_grpo_prompts import (  # noqa: E402, F401  (fixtures)
     TEXT_RECORDS,
     run_prepare,
@@ -37,6 +41,12 @@ def short_reward(prompts, completions, completion_ids, **kwargs):
     return [-len(ids) / 8 for ids in completion_ids]
 
 
+def even_reward(prompts, completions, completion_ids, **kwargs):
+    """The even tokens of the completion / 8: varies within a group (the advantages are not 0), exact in float32
+    (TRL casts rewards to it)."""
+    return [sum(i % 2 == 0 for i in ids) / 8 for ids in completion_ids]
+
+
 def broken_reward(prompts, completions, **kwargs):
     raise KeyError("answer")
 
@@ -49,13 +59,13 @@ def prompts_dir(tmp_path_factory, tokenizer_dir):  # noqa: F811
 
 
 def grpo_config(tmp_path, prompts_dir, steps: int = 3, rewards=("digit_reward", "short_reward"),
-                rollout_weights: str = "auto", **grpo):
+                rollout_weights: str = "auto", sections=None, **grpo):
     raw = tiny_raw(model={"vocab_size": 512, "max_position_embeddings": 256}, train={"steps": steps},
                    engine={"device": "cpu", "poison_buffers": True, "rollout_weights": rollout_weights},
                    data={"path": str(prompts_dir), "seq_len": 40, "batch_size": 8, "seed": 3},
-                   optimizer={"lr": 1e-2}, checkpoint={"dir": str(tmp_path / "ckpt")})
+                   optimizer={"lr": 1e-2}, checkpoint={"dir": str(tmp_path / "ckpt")}, **(sections or {}))
     raw["train"]["output_dir"] = str(tmp_path / "run")
-    raw["finetune"] = {"objective": "grpo", "grpo": {"reward_funcs": [f"{HERE}:{name}" for name in rewards],
+    raw["finetune"] = {**raw.get("finetune", {}), "objective": "grpo", "grpo": {"reward_funcs": [f"{HERE}:{name}" for name in rewards],
                                                      "reward_weights": [1.0, 0.5][:len(rewards)],
                                                      "num_generations": 4, "max_completion_length": 12, **grpo}}
     return load_config(raw=raw)
@@ -99,19 +109,29 @@ def test_resident_rollout_weights_are_refreshed_after_each_update(tmp_path, prom
     assert max(gaps) < 2e-5, gaps
 
 
-def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path, prompts_dir):
+@pytest.mark.parametrize("num_iterations,cut,beta", [(1, 2, 0.0), (2, 3, 0.1)])
+def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path, prompts_dir, num_iterations, cut,
+                                                                         beta):
+    """Cut after `cut` steps and resumed from the checkpoint there; with num_iterations 2 that is inside the group
+    of steps 2 and 3 (the checkpoint keeps its batch), with beta > 0 (the reference copy made again from the
+    initial weights, the checkpoint loaded over the trained ones)."""
     def read(trainer):
         return trainer.master_weights(), [json.loads(line) for line in
                                           (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    with Trainer(grpo_config(tmp_path / "straight", prompts_dir, steps=4)) as trainer:
+    settings = {"num_iterations": num_iterations, "beta": beta}
+    with Trainer(grpo_config(tmp_path / "straight", prompts_dir, steps=4, **settings)) as trainer:
         trainer.train()
         weights, records = read(trainer)
-    resumed_at, (weights2, records2) = interrupted_and_resumed(grpo_config(tmp_path / "cut", prompts_dir, steps=4),
-                                                               stop_after=2, every=2, read=read)
-    assert resumed_at == 2
-    for key in ("loss", "reward", "completions/mean_length", "rollout_tokens"):
-        assert [r[key] for r in records2] == [r[key] for r in records], key
+    resumed_at, (weights2, records2) = interrupted_and_resumed(grpo_config(tmp_path / "cut", prompts_dir, steps=4,
+                                                                           **settings),
+                                                               stop_after=cut, every=cut, read=read)
+    assert resumed_at == cut
+    assert [r["loss"] for r in records2] == [r["loss"] for r in records]
+    for key in ("reward", "completions/mean_length", "rollout_tokens", *(("kl",) if beta else ())):
+        assert [r.get(key) for r in records2] == [r.get(key) for r in records], key
+    if num_iterations > 1:
+        assert [("reward" in r) for r in records] == [True, False, True, False]
     assert all(torch.equal(weights[k], weights2[k]) for k in weights)
 
 
@@ -119,3 +139,70 @@ def test_a_reward_function_that_raises_is_named(tmp_path, prompts_dir):
     cfg = grpo_config(tmp_path, prompts_dir, rewards=("broken_reward",))
     with Trainer(cfg) as trainer, pytest.raises(RewardFunctionError, match="'broken_reward' raised KeyError"):
         trainer.train()
+
+
+def completion_rows(t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Label-aligned [rows, seq_len] values as TRL's [rows, longest completion] (zero padded)."""
+    valid = labels != -100
+    out = torch.zeros(labels.shape[0], int(valid.sum(1).max()), dtype=torch.float64)
+    for i in range(labels.shape[0]):
+        values = t[i][valid[i]]
+        out[i, :len(values)] = values
+    return out
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_kl_to_the_initial_model_and_a_reused_batch_match_trl(tmp_path, prompts_dir, method,
+                                                              float64_transformers):  # noqa: F811
+    """beta > 0 and num_iterations = 2, float64: a batch is generated at steps 0 and 2 and trained on twice. The
+    reference log-probabilities the driver puts in the batch at step 2 are those of the initial model (transformers
+    with the weights before training; LoRA: the base without adapters), after two updates moved the policy; step
+    0's KL is 0 (the policy is the reference), step 2's is the k3 mean of the math; and step 3, on step 2's batch
+    with its old log-probabilities, logs TRL 1.16's loss on the same numbers (_compute_loss, vLLM importance
+    sampling on, as finetune.grpo's defaults)."""
+    sections = {"precision": {"master_dtype": "float64", "compute_dtype": "float64"}}
+    if method == "lora":
+        sections["finetune"] = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}
+    beta = 0.1
+    cfg = grpo_config(tmp_path, prompts_dir, steps=4, rewards=("even_reward",), sections=sections, beta=beta,
+                      num_iterations=2)
+    m = cfg.model
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+        attn_implementation="sdpa")).to(torch.float64).eval()
+    generated, scored, records = [], [], []
+    with Trainer(cfg) as trainer:
+        reference.load_state_dict(trainer.master_weights(), strict=False)  # the initial weights (LoRA: the base)
+        steps = trainer.rollouts
+        batch, score = steps.batch, steps.score
+        steps.batch = lambda step, gpu: generated.append(batch(step, gpu)) or generated[-1]
+        steps.score = lambda rows, ids: scored.append(score(rows, ids)) or scored[-1]
+        for step in range(3):
+            records.append(trainer.step(step))
+            trainer.next_step = step + 1
+        rows = generated[1].batch
+        current = trainer.gpu.token_logps(rows).result()  # the policy after 3 updates
+        records.append(trainer.step(3))
+    assert len(generated) == 2 and "reward" in records[2] and "reward" not in records[3]
+    labels, policy = rows.labels, rows.policy
+    with torch.no_grad():
+        ref = hf_token_logps(reference, rows.input_ids, labels)
+    assert_exact("the reference pass against the initial model", policy.ref_logps, ref)
+    assert records[0]["kl"] == 0.0 and records[2]["kl"] > 1e-6
+    valid = labels != -100
+    d = (ref - policy.old_logps)[valid]
+    assert_exact("step 2's KL", records[2]["kl"], float((torch.exp(d) - d - 1).mean()))
+    lengths = valid.sum(1).tolist()
+    old = completion_rows(policy.old_logps, labels)
+    rollout = Rollout(prompts=[f"p{i // 4}" for i in range(len(lengths))], completions=[""] * len(lengths),
+                      lengths=lengths, old_logps=old, logps=completion_rows(current, labels),
+                      ref_logps=completion_rows(ref, labels), sampling_logps=completion_rows(policy.sampling_logps,
+                                                                                             labels),
+                      reward_funcs=[first_reward], columns={"r1": scored[1][0][:, 0].tolist()})
+    trl = trl_grpo(rollout, num_generations=4, beta=beta, max_completion_length=12, is_mode="sequence_mask")
+    assert_exact("advantages", policy.advantages, trl.advantages)
+    assert_exact("step 3's loss", records[3]["loss"], float(trl.loss))
+    assert_exact("step 3's KL", records[3]["kl"], trl.metrics["kl"])

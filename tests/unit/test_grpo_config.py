@@ -13,6 +13,7 @@ import pytest
 from megatrain_ray.config.grpo_section import GRPOConfig
 from megatrain_ray.config.load import load_config
 from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.policy_gradient import GRPOLossSettings
 from tests.conftest import tiny_raw
 
@@ -117,8 +118,6 @@ def test_reward_functions_are_resolved_with_clear_errors(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("settings,message", [
-    ({"finetune": {"grpo": {"beta": 0.04}}}, r"finetune\.grpo\.beta.*reference model's log-probabilities"),
-    ({"finetune": {"grpo": {"num_iterations": 2}}}, r"finetune\.grpo\.num_iterations.*num_iterations: 1"),
     ({"data": {"batch_size": 8, "packing": True}}, r"data\.packing.*one prompt and one completion"),
 ])
 def test_train_refuses_the_grpo_settings_this_version_does_not_run(settings, message):
@@ -126,3 +125,21 @@ def test_train_refuses_the_grpo_settings_this_version_does_not_run(settings, mes
 
     with pytest.raises(ConfigError, match=message):
         Trainer(grpo(**settings))
+
+
+def test_a_full_fine_tunes_kl_reference_is_planned_in_host_ram():
+    """beta > 0, full fine-tuning: a frozen copy of the initial weights in the streaming dtype (RunSpec.reference_copy,
+    kind `reference`: one per stage, as large as the stage), which no GPU-resident layer may bypass; LoRA needs none
+    (its reference is the base without adapters)."""
+    from megatrain_ray.config.resolved import RunSpec
+    from megatrain_ray.planning.host_memory import store_bytes
+
+    cfg = grpo(finetune={"grpo": {"beta": 0.04}}, precision={"stream_dtype": "bfloat16", "compute_dtype": "bfloat16"})
+    run = RunSpec.resolve(cfg, device_type="cpu")
+    ram = store_bytes(cfg, run, 1)[0]
+    assert run.reference_copy and ram["reference"] == ram["stream"] == 2 * build_layout(cfg.model).num_params
+    assert "reference" not in store_bytes(grpo(), RunSpec.resolve(grpo(), device_type="cpu"), 1)[0]
+    lora = grpo(finetune={"grpo": {"beta": 0.04}, "method": "lora"})
+    assert not RunSpec.resolve(lora, device_type="cpu").reference_copy
+    with pytest.raises(ConfigError, match=r"engine\.gpu_resident=1 needs finetune\.grpo\.beta=0"):
+        RunSpec.resolve(grpo(finetune={"grpo": {"beta": 0.04}}, engine={"gpu_resident": 1}), device_type="cpu")
