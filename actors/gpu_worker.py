@@ -29,7 +29,7 @@ from megatrain_ray.observe.log import get_logger, init_logger
 from megatrain_ray.store.checkpoint import CheckpointInfo, load_stage, write_stage
 from megatrain_ray.store.initial_values import init_master, load_hf_master
 from megatrain_ray.store.segments import STATE_KINDS, HostStore, SegmentSpec
-from megatrain_ray.system.topology import bind_process, format_cpus
+from megatrain_ray.system.topology import bind_process, cpu_compute_threads, format_cpus
 
 log = get_logger(__name__)
 
@@ -64,7 +64,7 @@ class GPUWorker(ActorBase):
             torch.set_num_threads(max(1, min(len(os.sched_getaffinity(0)), 4)))
         else:  # the node's ranks share the cores
             binding = "not pinned (computes on the CPU)"
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world))
+            torch.set_num_threads(cpu_compute_threads(rank.local_world))
         # The parities: the update dispatch switches a speculatively updated stage's current set.
         self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync", "nf4", "parity",
                                                                "reference")

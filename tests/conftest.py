@@ -19,6 +19,13 @@ from megatrain_ray.config.load import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n N`: the worker processes share the machine's cores. One intra-op thread each, inherited by the runs,
+    # Ray actors and subprocesses a worker starts (system.topology.cpu_compute_threads honours OMP_NUM_THREADS):
+    # torch threads of several workers spinning on the same cores wait for each other (see one_thread below).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 def tiny_raw(**sections) -> dict:
     """A tiny Llama on synthetic tokens; keyword arguments update whole sections."""

@@ -106,6 +106,15 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
+def cpu_compute_threads(sharers: int = 1) -> int:
+    """torch's intra-op threads for a worker that computes on the CPU itself: its share of the cores this process
+    may run on (its affinity, not the machine's count: a container's cpuset or `taskset`), capped by
+    OMP_NUM_THREADS when that is set, as torch itself honours it at start."""
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, sharers))
+    limit = os.environ.get("OMP_NUM_THREADS", "")
+    return min(threads, int(limit)) if limit.isdigit() and int(limit) > 0 else threads
+
+
 def format_cpus(cpus: tuple[int, ...] | list[int]) -> str:
     """The inverse of parse_cpulist, for log lines."""
     runs: list[list[int]] = []
