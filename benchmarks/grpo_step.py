@@ -10,6 +10,11 @@ tokens: its generated tok/s against the rollout's.
 
     python benchmarks/grpo_step.py [--steps 3] [--config configs/shapes/qwen2.5-7b.yaml] [--set KEY=VALUE ...]
 
+With --set finetune.method=lora ... the step is a LoRA one (the adapters train on the GPU; with every base layer
+GPU-resident the decode step is one CUDA graph too). Each step records the GPU's peak allocation in the rollout and
+in the training step beside `megatrain plan`'s figures for them (the training peak; for the rollout the plan's fixed
+buffers plus its KV cache), and the host memory beside the plan's.
+
 Writes benchmarks/results/grpo-step-<device>-<time>.json.
 """
 
@@ -31,6 +36,30 @@ from megatrain_ray.driver.grpo import policy_batch  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.engine.rollout.interface import SamplingSettings  # noqa: E402
 from megatrain_ray.model.policy_gradient import group_advantages  # noqa: E402
+from megatrain_ray.planning.rollout import rollout_bytes  # noqa: E402
+
+ACTIVATION_TERMS = ("kept layer inputs", "layer backward working set", "loss head working set", "kept layer graphs")
+"""The plan's GPU terms that exist only during a training step (planning/gpu_memory.gpu_bytes)."""
+
+
+def plan_figures(trainer, cfg) -> dict:
+    """What `megatrain plan` predicts for this run, in GiB: the training peak, the rollout's (the fixed buffers, which
+    stay allocated, plus the KV cache), the host memory."""
+    plan, g = trainer.plan, 2**30
+    fixed = sum(v for k, v in plan.gpu.items() if k not in ACTIVATION_TERMS)
+    kv = rollout_bytes(cfg, trainer.run_spec)["KV cache"]
+    return {"plan_gpu_peak_gib_train": plan.gpu_peak / g, "plan_gpu_peak_gib_rollout": (fixed + kv) / g,
+            "plan_kv_cache_gib": kv / g, "plan_host_gib": plan.host_total / g,
+            "plan_gpu_terms_gib": {k: v / g for k, v in plan.gpu.items()}}
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def megatrain_steps(args) -> tuple[dict, list[dict]]:
@@ -46,14 +75,23 @@ def megatrain_steps(args) -> tuple[dict, list[dict]]:
     t_start = time.perf_counter()
     with Trainer(cfg) as trainer:
         started = time.perf_counter() - t_start
+        probe = None
+        if args.probe:  # a short rollout first: the decode rate (and whether it is a CUDA graph) shows in the log early
+            ids = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()] * (args.prompts * args.generations)
+            short = trainer.gpu.generate(ids, SamplingSettings(max_new_tokens=args.probe, temperature=1.0, seed=99)).result()
+            probe = {k: short.stats[k] for k in ("decode_s", "decode_steps", "cuda_graph", "weights_resident")}
+            probe["decode_ms_per_step"] = 1e3 * probe["decode_s"] / max(probe["decode_steps"] - 1, 1)
+            print({"probe": probe}, flush=True)
         for step in range(args.steps):
             prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
             prompt_ids = [p for p in prompts for _ in range(args.generations)]
             sampling = SamplingSettings(max_new_tokens=args.completion_len, temperature=1.0, seed=step,
                                         stop_token_ids=(0,) if args.stop else ())
+            reset_peak()  # in process (runtime local): this process is the GPU worker's
             t0 = time.perf_counter()
             rollout = trainer.gpu.generate(prompt_ids, sampling).result()
             t1 = time.perf_counter()
+            rollout_peak = peak_gib()
             rewards = torch.rand(rows, 1, generator=g, dtype=torch.float64)
             advantages = group_advantages(rewards, torch.ones(1, dtype=torch.float64), args.generations).advantages
             batch = policy_batch(prompt_ids, rollout.completions(), rollout.logps, advantages, cfg.finetune.grpo, 0)
@@ -72,13 +110,15 @@ def megatrain_steps(args) -> tuple[dict, list[dict]]:
                 "weights_resident": bool(stats["weights_resident"]), "kv_cache_gib": stats["kv_cache_bytes"] / 2**30,
                 "train_tokens": int(batch.input_ids.numel()), "loss": result.loss, "grad_norm": result.grad_norm,
                 "gpu_busy_train": result.compute_seconds / max(result.seconds, 1e-9),
-                "gpu_peak_gib_train": result.gpu_peak_bytes / 2**30,
+                "gpu_peak_gib_train": result.gpu_peak_bytes / 2**30, "gpu_peak_gib_rollout": rollout_peak,
+                "cuda_graph": bool(stats.get("cuda_graph")),
                 "host_gib": trainer.host_memory_bytes() / 2**30,
                 "logp_gap_max": result.objective_metrics.get("sampling/sampling_logp_difference/max"),
             })
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}, flush=True)
         params = trainer.layout.num_params
-    setup = {"config": args.config, "completions": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+        planned = plan_figures(trainer, cfg)
+    setup = {**planned, "method": cfg.finetune.method, "probe": probe,"config": args.config, "completions": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
              "params": params, "startup_s": started,
              "host_bytes_per_param": records[-1]["host_gib"] * 2**30 / params}
     return setup, records
@@ -126,9 +166,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--completion-len", type=int, default=1024)
     parser.add_argument("--stop", action="store_true", help="token 0 stops a row (else every row samples to the end)")
+    parser.add_argument("--probe", type=int, default=0, help="generate this many tokens first and print the rate")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--name", default="grpo-step", help="the result file's name before -<device>-<time>.json")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     setup, records = megatrain_steps(args)
@@ -138,12 +180,17 @@ def main() -> None:
     steady = records[1:] or records
     mean = {k: sum(r[k] for r in steady) / len(steady) for k in ("step_s", "rollout_s", "weights_sync_s", "decode_s",
                                                                  "train_s", "optimizer_wait_s", "rollout_tokens_per_s")}
+    last = records[-1]
+    against_plan = {"gpu_train": last["gpu_peak_gib_train"] / setup["plan_gpu_peak_gib_train"],
+                    "gpu_rollout": (last["gpu_peak_gib_rollout"] or 0) / setup["plan_gpu_peak_gib_rollout"],
+                    "host": last["host_gib"] / setup["plan_host_gib"]}
     result = {**provenance(device), "what": "GRPO step, MegaTrain's configuration (benchmarks/grpo_step.py)",
               "overrides": args.overrides, **setup, "steps": records, "mean_after_first": mean,
+              "measured_over_plan": against_plan,
               "transformers_generate": baseline,
               "rollout_vs_transformers": mean["rollout_tokens_per_s"] / baseline["tokens_per_s"] if baseline else None}
     print({k: v for k, v in result.items() if k != "steps"}, flush=True)
-    write_result("grpo-step", result, args.out)
+    write_result(args.name, result, args.out)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def policy_batch(trl, rollout: Rollout, ids: torch.Tensor, labels: torch.Tensor,
 def grpo_config(tmp_path: Path, base: Path, **sections):
     raw = tiny_raw(precision={"master_dtype": "float64", "compute_dtype": "float64"},
                    optimizer={"lr": LR, "eps": 1.0, "weight_decay": 0.0, "grad_clip": CLIP},
-                   engine={"loss_chunk_tokens": 7}, train={"steps": 1},
+                   engine={"loss_chunk_tokens": 7, **sections.pop("engine", {})}, train={"steps": 1},
                    schedule={"kind": "constant", "warmup_steps": 0}, **sections)
     raw["model"] = {"path": str(base)}
     raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", 96)
@@ -166,13 +166,18 @@ def test_lora_step_matches_peft_and_trl(tmp_path, base, float64_transformers):  
     assert_changes_exact(final, initial, peft.get_peft_model_state_dict(model), initial)
 
 
-def test_lora_rollout_rows_equal_peft_generate(tmp_path, base, float64_transformers):  # noqa: F811
-    """The rollout engine through the LoRA engine (the base streamed, the adapters bound as in training): greedy rows
-    of a left-padded batch equal peft's generate of each prompt alone, float64."""
+@pytest.mark.parametrize("resident", [False, True], ids=["streamed", "resident"])
+def test_lora_rollout_rows_equal_peft_generate(tmp_path, base, float64_transformers, resident):  # noqa: F811
+    """The rollout engine through the LoRA engine (the adapters bound as in training; the base streamed, or every
+    layer GPU-resident: the view a decode step's CUDA graph captures, engine/rollout/weights.ResidentBaseView): greedy
+    rows of a left-padded batch equal peft's generate of each prompt alone, float64."""
+    import json
+
     from megatrain_ray.engine.rollout.interface import SamplingSettings
 
     lora = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}
-    cfg = grpo_config(tmp_path, base, finetune=lora)
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    cfg = grpo_config(tmp_path, base, finetune=lora, engine={"gpu_resident": layers if resident else "none"})
     prompts = [[5, 9, 3, 17, 2], [40, 41, 7], [88, 1, 23, 54, 9, 11, 3]]
     with Trainer(cfg) as trainer:
         g = torch.Generator().manual_seed(7)
@@ -180,6 +185,7 @@ def test_lora_rollout_rows_equal_peft_generate(tmp_path, base, float64_transform
                     for k, v in trainer.adapters().items()}
         trainer.set_adapters(adapters)
         ours = trainer.gpu.generate(prompts, SamplingSettings(max_new_tokens=10, temperature=0)).result()
+        assert ours.stats["weights_resident"] == float(resident)
         plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
     model = peft_model(base, cfg, adapters, torch.float64)
     with torch.no_grad():

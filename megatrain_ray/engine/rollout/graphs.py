@@ -5,7 +5,8 @@ GPU's time alone. The graph reads its inputs from fixed buffers (the token of ea
 tensor) and writes the logits into a fixed buffer; the KV cache and the weights are the same tensors every replay.
 
 It applies where a decode pass has fixed shapes and no host synchronisation: on a GPU, with the rollout's resident
-weights (the streamed path copies through the training slots and events), dense layers (a mixture of experts sorts
+weights or, for LoRA, every base layer GPU-resident (engine/rollout/weights.ResidentBaseView; the streamed path copies
+through the training slots and events), dense layers (a mixture of experts sorts
 its tokens by expert into data-dependent shapes) and RoPE tables that do not switch with the length (LongRoPE)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from megatrain_ray.engine.rollout.graphs import DecodeGraph, graph_or_eager
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
 from megatrain_ray.engine.rollout.sampling import next_tokens
-from megatrain_ray.engine.rollout.weights import RolloutWeights, choose_resident, resident_bytes
+from megatrain_ray.engine.rollout.weights import ResidentBaseView, RolloutWeights, choose_resident, resident_bytes
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.decode import KVCache, Start, cache_mask, cached_decoder_layer, positions_of
 from megatrain_ray.model.head import head_logits
@@ -100,8 +100,12 @@ class RolloutPasses:
                  "kv_cache_bytes": float(cache_bytes)}
         return RolloutResult(tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(), done.cpu(), stats)
 
-    def _rollout_copy(self, cache_bytes: int) -> RolloutWeights | None:
-        """The rollout's resident weights, refreshed (engine.rollout_weights resolved now), or None: streamed."""
+    def _rollout_copy(self, cache_bytes: int) -> RolloutWeights | ResidentBaseView | None:
+        """The rollout's resident weights, refreshed (engine.rollout_weights resolved now), or None: streamed. LoRA
+        with every base layer resident reads them where they are (ResidentBaseView), unless streamed is asked."""
+        if self.binds_adapters:
+            applies = self.engine_cfg.rollout_weights != "streamed" and ResidentBaseView.applies(self)
+            return ResidentBaseView(self) if applies else None
         own = [s for s in self.layout.stages if not (s.kind == "layer" and self.resident.holds(s))]
         wanted = choose_resident(self.engine_cfg.rollout_weights, self.device, self.binds_adapters,
                                  resident_bytes(own, self.compute_dtype), cache_bytes)
@@ -113,7 +117,7 @@ class RolloutPasses:
         self._rollout_weights.refresh(self.weights.store, self.updates.wait)
         return self._rollout_weights
 
-    def _graph_applies(self, copy: RolloutWeights | None) -> bool:
+    def _graph_applies(self, copy: RolloutWeights | ResidentBaseView | None) -> bool:
         """A decode step can be one CUDA graph (engine/rollout/graphs.py): on a GPU, resident weights, dense layers,
         RoPE tables that do not switch with the length."""
         scaling = self.model_cfg.rope_scaling
@@ -121,7 +125,7 @@ class RolloutPasses:
                 and not (scaling is not None and scaling.rope_type == "longrope"))
 
     def _rollout_pass(self, ids: torch.Tensor, start: Start, valid: torch.Tensor, positions: torch.Tensor,
-                      caches: list[KVCache], copy: RolloutWeights | None) -> torch.Tensor:
+                      caches: list[KVCache], copy: RolloutWeights | ResidentBaseView | None) -> torch.Tensor:
         """Embedding, every layer through its cache, the final norm and LM head at each row's last token:
         [rows, vocab] logits in float32 (float64 when computing in it). `copy`: the resident weights, else the
         stages stream through the training slots."""
@@ -148,7 +152,7 @@ class RolloutPasses:
             self.weights.release(embed_slot)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
-    def _stage_weights(self, copy: RolloutWeights | None) -> Iterator[dict[str, torch.Tensor]]:
+    def _stage_weights(self, copy: RolloutWeights | ResidentBaseView | None) -> Iterator[dict[str, torch.Tensor]]:
         """Each layer's bound weights in order, then the head's: from the resident copy (the GPU-resident tier's
         layers where they live), or streamed, the next stage loading while one computes, each slot released once
         the caller asks for the next."""

@@ -56,3 +56,28 @@ class RolloutWeights:
 
     def bound(self, stage: StageLayout) -> dict[str, torch.Tensor]:
         return bind(self.buffers[stage.index], stage)
+
+
+class ResidentBaseView:
+    """A LoRA run whose base layers are all GPU-resident (engine.gpu_resident: every layer; not an NF4 base, which is
+    dequantized at each use): the layers bound as training binds them (the resident base and the adapters, both on the
+    device), the embedding and LM head loaded once into their slots (a frozen base's slots keep them). As with
+    RolloutWeights, a decode step then reads only device tensors that stay put, so it can be one CUDA graph; the
+    adapters are read where they train, so nothing is refreshed."""
+
+    def __init__(self, engine):
+        layout, weights = engine.layout, engine.weights
+        self.engine = engine
+        self.vocab = {}
+        for stage in (layout.embed, layout.head):
+            self.vocab[stage.index] = weights.bind(stage, weights.load(stage))  # the copy waited for, once
+
+    @staticmethod
+    def applies(engine) -> bool:
+        return engine.weights.packed is None and all(engine.base.holds(s) for s in engine.layout.layers)
+
+    def holds(self, stage: StageLayout) -> bool:
+        return True
+
+    def bound(self, stage: StageLayout) -> dict[str, torch.Tensor]:
+        return self.vocab[stage.index] if stage.index in self.vocab else self.engine._bind(stage, None)
