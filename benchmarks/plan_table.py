@@ -87,10 +87,16 @@ def _as_measured(record: dict, compiled: bool = False) -> list[str]:
     (float32); runs from before engine.vocab_grad_pieces sent the embedding's and LM head's through a
     slab of their own; runs from before engine.compile=auto ran the layers eagerly unless their variant
     compiled them (`compiled`); a record that names whether its layers compiled is replayed so (MoE layers
-    ran eagerly before they could compile)."""
+    ran eagerly before they could compile); runs from before engine.kept_activations recomputed every layer."""
     return ([] if "grad_dtype" in record else ["precision.grad_dtype=float32"]) + \
+        ([] if "kept_layers" in record else ["engine.kept_activations=0"]) + \
         ([] if "vocab_grad_pieces" in record else ["engine.vocab_grad_pieces=false"]) + \
         [f"engine.compile={str(record.get('compiled', compiled)).lower()}"]
+
+
+def _tier_as_measured(overrides: list[str]) -> list[str]:
+    """Runs from before engine.gpu_resident=auto became the default streamed every stage unless told otherwise."""
+    return [] if any(o.startswith("engine.gpu_resident=") for o in overrides) else ["engine.gpu_resident=none"]
 
 
 def row_config(result: dict, r: dict, *later: str) -> Config:
@@ -114,7 +120,8 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
         if "plan-large-models" in path.name:
             continue
         if "recovery" in result:
-            cfg = load_config(recorded_config(result["config"]), [*result["overrides"], *_as_measured(result)])
+            cfg = load_config(recorded_config(result["config"]), [*result["overrides"], *_as_measured(result),
+                                                                  *_tier_as_measured(result["overrides"])])
             clean = result["recovery"]["clean"]
             step = statistics.median(clean["step_seconds"][1:])
             points.append(MeasuredPoint(
@@ -126,7 +133,8 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
             if not r.get("system", "").startswith("megatrain") or r.get("status") != "ok":
                 continue
             variant = VARIANTS.get(r["system"], ("", []))[1]
-            cfg = row_config(result, r, *_as_measured(r, "engine.compile=true" in variant))
+            cfg = row_config(result, r, *_as_measured(r, "engine.compile=true" in variant),
+                             *_tier_as_measured([*result["overrides"], *variant]))
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "
                      f"{cfg.precision.resolved_stream_dtype} stream")
             points.append(MeasuredPoint(label, path.name, cfg, profile_for_gpu(r["device"]), r["tok_per_s"],
@@ -203,7 +211,8 @@ def fixture(results: Path = RESULTS) -> dict:
                        "tok_per_s": p.tok_per_s, "step_seconds": p.step_seconds, "gpu_peak_gib": p.gpu_peak_gib,
                        "peak_comparable": peak_comparable(p), "cpu_count": result.get("cpu_count"),
                        "row": {k: r[k] for k in ROW_FIGURES if k in r}, "config": _config_of(p.cfg)})
-    ooms = [{"source": name, "error": r["error"][:200], "config": _config_of(row_config(result, r))}
+    ooms = [{"source": name, "error": r["error"][:200], "config": _config_of(row_config(
+                result, r, *_tier_as_measured([*result["overrides"], *VARIANTS.get(r["system"], ("", []))[1]])))}
             for name, result in files.items() for r in result.get("rows", [])
             if r.get("system", "").startswith("megatrain") and r.get("status") == "oom"
             and "CUDA out of memory" in r.get("error", "")]  # the GPU's; a host OOM (Ray's monitor) is another check
@@ -214,8 +223,8 @@ def fixture(results: Path = RESULTS) -> dict:
             "gpu_peak_gib": trace["depths"][depth]["gpu_peak_gib"],
             "activations_mib": sum(mib for site, mib in trace["depths"][depth]["live_mib_by_site"].items()
                                    if not any(s in site for s in ENGINE_SITES)),
-            "config": _config_of(load_config(recorded_config(trace["config"]), [*trace["overrides"],
-                                                                     f"model.num_layers={depth}"]))}
+            "config": _config_of(load_config(recorded_config(trace["config"]), [
+                *trace["overrides"], f"model.num_layers={depth}", *_tier_as_measured(trace["overrides"])]))}
             for depth in depths}
     [scaling] = [name for name in files if name.startswith("optimizer-scaling-h100-")]
     return {"generated_by": "python benchmarks/plan_table.py --write-fixture", "base_config": BASE_CONFIG,

@@ -150,6 +150,7 @@ def run_megatrain(spec: dict) -> dict:
                  "tok_per_s": plan.expected.tok_per_s if plan.expected else None},
         "startup_seconds": startup_seconds,
         "finetune": cfg.finetune.method, "resident_layers": run.resident_layers,
+        "resident_vocab": run.resident_vocab, "kept_layers": run.kept_layers,
         "h2d_gb_per_step": mean("h2d_gbps") * wall / len(measured),
     })
     import torch

@@ -229,15 +229,18 @@ class EngineConfig:
     poison_buffers: bool = False
     """Fill device and gradient buffers with NaN before first use, so that a read of memory nothing
     wrote fails loudly (tests)."""
-    gpu_resident: int | Literal["none", "auto"] = "none"
+    gpu_resident: int | Literal["none", "auto", "all"] = "auto"
     """Decoder layers whose whole training state lives on the compute device (the GPU-resident tier):
     their master weights, both AdamW moments and gradients stay there and they update there (torch's
     fused AdamW, the same math, step order and exact global-norm clipping as the streamed stages), so
     they cost no host->device or device->host copies and no CPU optimizer time. N: the first N layers
     (their updates are the ones the next forward needs first, and their backward comes last, so the CPU
-    optimizer finishes the streamed layers' updates meanwhile). none: every stage streams. auto: as many
-    layers as fit the GPU memory the plan leaves after its peak, the reserve and a margin (`megatrain plan`
-    prints them and the expected tok/s); none on the CPU, or where the tier does not apply. About 16 bytes
+    optimizer finishes the streamed layers' updates meanwhile). none: every stage streams. all: every layer,
+    the embedding and the LM head (their update on the device too; not with finetune.objective=grpo, whose
+    rollout streams them). auto (the default): as many layers as fit the GPU memory the plan leaves after its
+    peak, the reserve and a margin, and the embedding and LM head too once every layer fits and they do, where
+    the speed model predicts the tier is faster than streaming (`megatrain plan` prints what it chose and why,
+    with the expected tok/s either way); none on the CPU, or where the tier does not apply. About 16 bytes
     of device memory per resident parameter (fp32 master and moments, the gradient and compute copy in
     the streaming format), and no host memory: their segments are never allocated; the GPU worker fills
     them (initialisation, fine-tuning, resume, restart), writes their checkpoint files and serves them to
@@ -247,6 +250,14 @@ class EngineConfig:
     resume or restart); those layers cost no H2D copy; auto keeps every layer of a 32B base on a 141 GB H200
     at 8k tokens per step. Every GPU worker holds its own copy. An NF4 base (finetune.lora.base_quantization)
     keeps its resident layers packed (about 0.56 bytes per parameter), dequantized at each use."""
+
+    kept_activations: int | Literal["auto"] = "auto"
+    """GPU-resident layers (engine.gpu_resident) whose forward keeps its autograd graph, every activation the
+    backward reads, so that their backward recomputes nothing (as a GPU-resident PyTorch run without activation
+    checkpointing). The last N of the resident layers (clamped to their number): their graphs are freed first
+    in the backward. auto: as many as fit the GPU memory the plan leaves after the resident tier, the reserve
+    and a margin (`megatrain plan` prints them); none on the CPU. 0: every layer recomputes its forward in the
+    backward. Not with finetune.method=lora or model.template=generic (both recompute)."""
 
     rollout_weights: Literal["auto", "resident", "streamed"] = "auto"
     """Where the rollout engine (GRPO's generation) reads the weights. resident: a copy of every stage in the
@@ -260,7 +271,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:
-            _fail("engine.gpu_resident", self.gpu_resident, "must be none, auto or a number of layers >= 0")
+            _fail("engine.gpu_resident", self.gpu_resident, "must be none, auto, all or a number of layers >= 0")
+        if isinstance(self.kept_activations, int) and self.kept_activations < 0:
+            _fail("engine.kept_activations", self.kept_activations, "must be auto or a number of layers >= 0")
         if self.loss_chunk_tokens < 1:
             _fail("engine.loss_chunk_tokens", self.loss_chunk_tokens, "must be >= 1")
         if self.grad_slabs < 2:

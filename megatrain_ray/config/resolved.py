@@ -69,6 +69,12 @@ class RunSpec:
     resident_layers: int = 0
     """Decoder layers kept whole on the compute device (engine.gpu_resident; model.layout.resident_stages
     says which). With a frozen base (LoRA) only their base weights, which the host store keeps too."""
+    resident_vocab: bool = False
+    """The embedding and the LM head are GPU-resident too (engine.gpu_resident all, or auto where they fit): their
+    state and update on the device as the resident layers'."""
+    kept_layers: int = 0
+    """Of the resident layers, the last this many keep their forward's autograd graph for the backward (no
+    recompute; engine.kept_activations; model.layout.kept_stages says which)."""
     frozen_base: bool = False
     """finetune.method=lora: the host holds the base once, in the streaming dtype (as its `master`, streamed
     directly); no moments, gradients or optimizer workers. The adapters train on the device (engine/adapters.py).
@@ -178,7 +184,9 @@ class RunSpec:
             compiles=compiles, device_compiles=device_compiles,
             layers_compiled=compiles and takes_compiled_layer(rank_tokens, e.mlp_chunk_tokens, cfg.data.packing),
             activation_offload=e.activation_offload is True,
-            resident_layers=resident_layer_count(cfg, ranks * nodes), speculative_stages=o.speculative_stages,
+            resident_layers=(resident := resident_layer_count(cfg, ranks * nodes)),
+            resident_vocab=resident_vocab(cfg), kept_layers=kept_layer_count(cfg, resident),
+            speculative_stages=o.speculative_stages,
             reference_copy=reference)
 
 
@@ -186,7 +194,7 @@ def resident_layer_count(cfg: Config, world: int) -> int:
     """engine.gpu_resident as a number of layers, refused where the tier does not apply (yet). auto reads as
     none here: planning.gpu_memory.resolve_run decides it from the GPU's memory."""
     choice = cfg.engine.gpu_resident
-    count = 0 if choice in ("none", "auto") else int(choice)
+    count = 0 if choice in ("none", "auto") else cfg.model.num_layers if choice == "all" else int(choice)
     if count == 0:
         return 0
     if count > cfg.model.num_layers:
@@ -195,6 +203,26 @@ def resident_layer_count(cfg: Config, world: int) -> int:
     if why:
         raise ConfigError(f"engine.gpu_resident={count} needs {why}")
     return count
+
+
+def resident_vocab(cfg: Config) -> bool:
+    """engine.gpu_resident=all: the embedding and the LM head resident too (auto: the plan decides); refused for
+    GRPO, whose rollout streams them (engine/rollout/)."""
+    if cfg.engine.gpu_resident != "all":
+        return False
+    if cfg.finetune.objective == "grpo":
+        raise ConfigError("engine.gpu_resident=all keeps the embedding and LM head on the device, which GRPO's rollout "
+                          "streams: set engine.gpu_resident=auto or a number of layers")
+    return True
+
+
+def kept_layer_count(cfg: Config, resident_layers: int) -> int:
+    """engine.kept_activations as a number of layers: at most the resident layers; auto reads as none here
+    (planning.gpu_memory.resolve_run decides it); none for model.template generic (its layers recompute)."""
+    kept = cfg.engine.kept_activations
+    if kept == "auto" or cfg.model.template == "generic":
+        return 0
+    return min(int(kept), resident_layers)
 
 
 def resident_tier_refusal(cfg: Config, world: int) -> str:

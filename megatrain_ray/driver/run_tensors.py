@@ -70,7 +70,8 @@ class RunTensors:
                                shard_bytes)
         if self._resident_holder is not None:  # the GPU-resident stages' weights come from the GPU worker
             tensors = ChainMap(tensors, ResidentTensors(self._resident_holder,
-                                                        self.layout.resident_stages(self.run_spec.resident_layers)))
+                                                        self.layout.resident_stages(self.run_spec.resident_layers,
+                                                                                    self.run_spec.resident_vocab)))
         return export_hf(tensors, self.cfg.model, out_dir, source_dir=source, dtype=dtype, shard_bytes=shard_bytes)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], nodes: list[int] | None = None) -> None:

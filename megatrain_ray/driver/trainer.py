@@ -169,7 +169,7 @@ class Trainer(RunTensors, ClusterView):
         on_age = self._exporter.heartbeat_age if self._exporter else None
         parallel = resolve_parallel(self.cfg)
         self.run_spec = resolve_run(self.cfg, self.plan.machine.gpu_memory, "cuda" if parallel.use_gpu else "cpu",
-                                    parallel.ranks_per_node, parallel.nodes)
+                                    parallel.ranks_per_node, parallel.nodes, self.plan.profile)
         self.cluster.spawn(parallel, self.run_spec, self.stage_groups, self.restore, on_age)
 
     def _open_metrics(self) -> None:

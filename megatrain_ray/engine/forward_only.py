@@ -118,9 +118,9 @@ class ForwardOnlyPasses:
         """The forward of train_step (same stream, same templates) with `head(x, head_weights, embed_w)` at the end."""
         self._begin(training=False)
         x, embed_slot, embed_w, _, _ = self._forward(batch.input_ids.to(self.device), batch, None)
-        head_w = self.weights.bind(self.layout.head, self.weights.head_slot)
-        out = head(x, head_w, embed_w)
-        self.weights.release(self.weights.head_slot)
-        self.weights.release(embed_slot)
+        head_slot = self._vocab_slot(self.layout.head)  # None where the GPU-resident tier holds it
+        out = head(x, self._vocab_weights(self.layout.head, head_slot), embed_w)
+        self._vocab_release(head_slot)
+        self._vocab_release(embed_slot)
         self.weights.end_step()
         return out

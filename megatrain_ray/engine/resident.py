@@ -1,4 +1,6 @@
-"""The GPU-resident tier (engine.gpu_resident): stages whose whole training state lives on the compute device.
+"""The GPU-resident tier (engine.gpu_resident): stages whose whole training state lives on the compute device: the
+first decoder layers, and the embedding and LM head with them where every layer and they fit (RunSpec.resident_vocab;
+their vocabulary-sized gradients, summed on the device as a streamed run's, go into the tier's buffer).
 
 A resident stage keeps on the device its master weights (precision.master_dtype), both AdamW moments, a
 gradient buffer (the host gradients' format, RunSpec.grad_dtype) and, when the compute dtype differs from
@@ -52,14 +54,15 @@ class ResidentStage:
 class ResidentTier:
     def __init__(self, layout: ModelLayout, count: int, optimizer: OptimizerConfig, device: torch.device,
                  master_dtype: torch.dtype, stream_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 grad_dtype: torch.dtype, poison: bool):
-        """`count`: resident layers (RunSpec.resident_layers); the dtypes are the run's (RunSpec); `poison`:
-        engine.poison_buffers (NaN gradient buffers, so a gradient never written fails loudly)."""
+                 grad_dtype: torch.dtype, poison: bool, vocab: bool = False):
+        """`count`: resident layers (RunSpec.resident_layers); `vocab`: the embedding and LM head too
+        (RunSpec.resident_vocab); the dtypes are the run's (RunSpec); `poison`: engine.poison_buffers (NaN gradient
+        buffers, so a gradient never written fails loudly)."""
         self.cfg = optimizer
         self.device = device
         self.master_dtype, self.stream_dtype, self.compute_dtype = master_dtype, stream_dtype, compute_dtype
         self.stages: dict[int, ResidentStage] = {}
-        for stage in layout.resident_stages(count):
+        for stage in layout.resident_stages(count, vocab):
             master = torch.zeros(stage.numel, dtype=master_dtype, device=device)
             grad = torch.full((stage.numel,), float("nan") if poison else 0.0, dtype=grad_dtype, device=device)
             for a, b in _gaps(stage):  # padding between tensors: never written, counted in the norm as zero

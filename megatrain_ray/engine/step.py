@@ -23,9 +23,11 @@ its piece of the sum, and only the node's first rank orders updates. With one ra
 The parts: weights in (engine/weights.py), gradients out (engine/grads.py), updates ordered
 (engine/updates.py), the stages kept whole on the device (engine/resident.py, engine.gpu_resident: no
 copies, their update on the device at the streamed stages' point of the step), the step's measurements
-(engine/telemetry.py), the RoPE tables (engine/rope_cache.py); the passes without gradients (logits, evaluation
-loss, DPO's reference log-probabilities) are its base class's (engine/forward_only.py). This class computes and
-wires them; the settings derived from the config are resolved here, once, and handed to them.
+(engine/telemetry.py), the RoPE tables (engine/rope_cache.py); the head and backward (engine/backward.py; the
+resident layers whose forward keeps its graph, no recompute: engine/kept_graphs.py) and the passes without
+gradients (logits, evaluation loss, DPO's reference log-probabilities: engine/forward_only.py) are its base
+classes'. This class computes and wires them; the settings derived from the config are resolved here, once, and
+handed to them.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
+from megatrain_ray.engine.backward import BackwardPasses
 from megatrain_ray.engine.collective import Collectives, RankInfo, StageSync, global_totals
 from megatrain_ray.engine.compiled import CompiledDecoderLayer, CompiledFunction
 from megatrain_ray.engine.forward_only import ForwardOnlyPasses
 from megatrain_ray.engine.grads import GradientSink
+from megatrain_ray.engine.kept_graphs import KeptLayer, forward_kept
 from megatrain_ray.engine.resident import ResidentTier
 from megatrain_ray.engine.rollout.passes import RolloutPasses
 from megatrain_ray.engine.rope_cache import RopeCache
@@ -54,14 +58,11 @@ from megatrain_ray.engine.updates import UpdateDispatch
 from megatrain_ray.engine.weights import WeightSlot, WeightStream
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.attention import DocumentBucket, document_buckets
-from megatrain_ray.model.generic_template import GenericTemplate, run_layer
-from megatrain_ray.model.head import HeadResult, HeadSpec, chunk_cross_entropy, head_loss_and_grads
+from megatrain_ray.model.generic_template import GenericTemplate
+from megatrain_ray.model.head import HeadSpec, chunk_cross_entropy
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
-from megatrain_ray.model.policy_head import policy_loss_and_grads
-from megatrain_ray.model.preference import preference_loss_and_grads
-from megatrain_ray.model.templates import decoder_layer, decoder_layer_backward, embed, embed_backward, embed_scale
+from megatrain_ray.model.templates import decoder_layer, embed, embed_scale
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.quant.nf4_stage import decode_blocks
 from megatrain_ray.store.segments import HostStore
@@ -69,7 +70,7 @@ from megatrain_ray.store.segments import HostStore
 log = get_logger(__name__)
 
 
-class StreamEngine(ForwardOnlyPasses, RolloutPasses):
+class StreamEngine(BackwardPasses, ForwardOnlyPasses, RolloutPasses):
     def __init__(self, model: ModelConfig, engine: EngineConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
                  run: RunSpec, layout: ModelLayout, store: HostStore, optimizers: list[Any], device: torch.device,
                  rank: RankInfo | None = None):
@@ -116,7 +117,7 @@ class StreamEngine(ForwardOnlyPasses, RolloutPasses):
         self.telemetry = StepTelemetry(self.streams, trace)
         sync = StageSync(store.get("sync", 0), rank, len(layout.stages), parallel.timeout_s) \
             if rank.local_world > 1 else None
-        speculative = layout.speculative_stages(run.speculative_stages, run.resident_layers)
+        speculative = layout.speculative_stages(run.speculative_stages, run.resident_layers, run.resident_vocab)
         self.updates = UpdateDispatch(rank, sync, optimizers, self.telemetry, defer=self.clip > 0,
                                       speculative=speculative, store=store)
         self.speculative_redone = 0
@@ -136,7 +137,11 @@ class StreamEngine(ForwardOnlyPasses, RolloutPasses):
         # frozen base keeps only its weights on the device (engine/resident_base.py, the LoRA engine's).
         self.resident = ResidentTier(layout, 0 if run.frozen_base else run.resident_layers, optimizer, device,
                                      TORCH_DTYPES[run.master_dtype], stream_dtype, self.compute_dtype,
-                                     host_grad_dtype, poison)
+                                     host_grad_dtype, poison, vocab=run.resident_vocab and not run.frozen_base)
+        # Resident layers whose forward keeps its graph (engine/kept_graphs.py), by position; this step's graphs.
+        self.kept_positions = {s.index - 1 for s in layout.kept_stages(run.resident_layers, run.kept_layers)} \
+            if not run.frozen_base and self.generic is None else set()
+        self.kept_graphs: dict[int, KeptLayer] = {}
         v, h = self.model_cfg.vocab_size, self.model_cfg.hidden_size
         self.vocab_acc = None if run.frozen_base else torch.zeros((v, h), dtype=self.acc_dtype, device=device)
         self.trainable: Any = None
@@ -224,6 +229,7 @@ class StreamEngine(ForwardOnlyPasses, RolloutPasses):
 
     def _begin(self, training: bool) -> None:
         self.telemetry.new_step()
+        self.kept_graphs = {}  # a step that failed leaves none behind
         self._begin_gradients()
         self.weights.begin_step(training)
         self.router_aux.begin(training)
@@ -241,13 +247,13 @@ class StreamEngine(ForwardOnlyPasses, RolloutPasses):
         return decoder_layer if self._compiled is None else self._compiled.for_inputs(x, documents, w, spec)
 
     def _forward(self, ids: torch.Tensor, batch: Batch,
-                 keep: ActivationStash | None) -> tuple[torch.Tensor, WeightSlot, torch.Tensor, tuple, Any]:
+                 keep: ActivationStash | None) -> tuple[torch.Tensor, WeightSlot | None, torch.Tensor, tuple, Any]:
         """Embedding and layers over `ids` (the batch's ids on the device); returns the last hidden state,
         the embedding's slot and weight, the RoPE tables and the document buckets (packed rows) that the
         backward reuses."""
         documents = document_buckets(batch.segments, self.device) if batch.segments is not None else None
-        embed_slot = self.weights.load(self.layout.embed)
-        embed_bound = self.weights.bind(self.layout.embed, embed_slot)
+        embed_slot = None if self.resident.holds(self.layout.embed) else self.weights.load(self.layout.embed)
+        embed_bound = self._vocab_weights(self.layout.embed, embed_slot)
         if self.generic is not None:  # "rope": each layer's side inputs from the model's own forward
             rope, embed_w = self.generic.layer_inputs(*ids.shape), self.generic.embed_matrix(embed_bound)
             x = self.generic.embed(ids, embed_bound)
@@ -274,8 +280,12 @@ class StreamEngine(ForwardOnlyPasses, RolloutPasses):
                 x = self.generic.layer(i, x, w, rope, self.router_aux.record(i))
             else:
                 spec = self.specs[i]
-                x = self._layer(x, documents, w, spec)(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk,
-                                              self.router_aux.record(i))
+                layer = self._layer(x, documents, w, spec)
+                if keep is not None and i in self.kept_positions:  # its graph kept for the backward: no recompute
+                    x, self.kept_graphs[i] = forward_kept(layer, x, w, rope[spec.local_rope], spec, documents,
+                                                          self.mlp_chunk, self.trainable, self.router_aux.record(i))
+                else:
+                    x = layer(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk, self.router_aux.record(i))
             timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
         return x
@@ -298,128 +308,6 @@ class StreamEngine(ForwardOnlyPasses, RolloutPasses):
     def _release(self, slot: WeightSlot | None) -> None:
         if slot is not None:
             self.weights.release(slot)
-
-    # ------------------------------------------------------------------ head and backward
-
-    def _loss_head(self, x: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor, labels: torch.Tensor,
-                   n_valid: int, batch: Batch, lm_grads: torch.Tensor | None,
-                   input_grad_only: bool = False) -> HeadResult:
-        """The batch's loss (cross-entropy, DPO for preference pairs, GRPO for policy rows) and its gradients, the
-        LM head's into `lm_grads` (None with `input_grad_only`: a frozen head, the gradient of x only)."""
-        chunk = self.engine_cfg.loss_chunk_tokens
-        if batch.preference is not None:
-            return preference_loss_and_grads(x, norm_w, lm_w, labels, batch.preference, self.head_spec, chunk,
-                                             lm_grads)
-        if batch.policy is not None:
-            return policy_loss_and_grads(x, norm_w, lm_w, labels, batch.policy, self.head_spec, chunk, lm_grads)
-        return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec, chunk, lm_grads,
-                                   input_grad_only=input_grad_only, chunk_loss=self._chunk_loss)
-
-    def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
-              batch: Batch) -> HeadResult:
-        """The loss and its gradients in token chunks (the LM head's weights were loaded after the last layer):
-        cross-entropy, or DPO for a batch of preference pairs; the head's weight gradients go out at once."""
-        layout, compute = self.layout, self.streams.compute
-        head_slot = self.weights.slot_for(layout.head)
-        head_w = self.weights.bind(layout.head, head_slot)
-        lm_w = self._lm_weight(head_w, embed_w)
-        start = self.telemetry.timeline.start(compute)
-        self.vocab_acc.zero_()
-        if self.generic is not None:  # the final norm's gradients and an untied LM head's (vocab_acc) by name
-            self.refuse_objective_on_generic(batch)
-            head, head_grads = self.generic.head_loss(x, head_w, embed_w, labels, n_valid,
-                                                      self.engine_cfg.loss_chunk_tokens, self.vocab_acc)
-        else:
-            head = self._loss_head(x, head_w["model.norm.weight"], lm_w, labels, n_valid, batch, self.vocab_acc)
-            head_grads = {"model.norm.weight": head.grad_norm_weight}
-            if not layout.tied:
-                head_grads["lm_head.weight"] = self.vocab_acc
-        self.weights.release(head_slot)
-        self.grads.write(layout.head, self.grads.head_slot, head_grads)
-        self.telemetry.timeline.stop("compute", compute, start)
-        self.grads.emit(layout.head, self.grads.head_slot)
-        return head
-
-    def _backward(self, head: HeadResult, rope: dict, documents: tuple[DocumentBucket, ...] | None,
-                  inject_nan: bool) -> torch.Tensor:
-        """Recompute each layer from its kept input, in reverse, and send its weight gradients out; returns
-        the gradient of the first layer's input. `inject_nan`: the nan_grad drill."""
-        # The head's own reference to its input gradient would hold a [tokens, hidden] tensor through the
-        # whole backward (8 GiB at 512K tokens of an 8B model).
-        grad_y, head.grad_x = head.grad_x, None
-        layers, acts, timeline = self.layout.layers, self.activations, self.telemetry.timeline
-        compute = self.streams.compute
-        upcoming = self._load(layers[-1])
-        acts.prefetch(len(layers) - 1, self.device)
-        for i in range(len(layers) - 1, -1, -1):
-            stage, slot = layers[i], upcoming
-            if i > 0:
-                upcoming = self._load(layers[i - 1])
-                acts.prefetch(i - 1, self.device)
-            w = self._bind(stage, slot)
-            x_in = acts.take(i, self.device)
-            start = timeline.start(compute)
-            routing = None
-            if self.generic is not None:  # the model's own layer, recomputed in one piece
-                grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[i], self.generic.layers[i], None, grad_y,
-                                                              0, run_layer, router_grad=self.router_aux.layer_grad(i))
-            else:
-                spec = self.specs[i]
-                # A streamed MoE layer (one rank) records its routing: its experts without tokens have zero
-                # gradients, which are not copied to the host. From the recompute, whose routing the gradients follow.
-                if spec.moe is not None and slot is not None and self._comm is None:
-                    routing = RouterRecord()
-                grad_x, weight_grads = decoder_layer_backward(x_in, w, rope[spec.local_rope], spec, documents,
-                                                              grad_y, self.mlp_chunk, self._layer(x_in, documents, w, spec),
-                                                              self.trainable, router_grad=self.router_aux.layer_grad(i),
-                                                              router=routing)
-            del x_in
-            self._release(slot)
-            # The counts' copy waits for the recompute's routing only; its backward is queued already.
-            idle = idle_expert_spans(stage.slots, routing.counts.tolist()) if routing is not None else []
-            self._layer_grads_out(i, stage, slot, weight_grads, inject_nan and i == 0, start, idle)
-            del weight_grads  # else the float32 MLP sums of this layer live through the next layer's backward
-            grad_y = grad_x
-        return grad_y
-
-    def _layer_grads_out(self, i: int, stage: StageLayout, slot: WeightSlot | None,
-                         weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any,
-                         idle: list[tuple[int, int]] = ()) -> None:
-        """Layer i's weight gradients to their home: the host (its update ordered), or the resident tier. `start`:
-        the timing of the layer's backward, stopped here once its gradients are written; `idle`: spans known to
-        hold zeros (a MoE layer's experts without tokens), not copied to the host."""
-        compute, timeline = self.streams.compute, self.telemetry.timeline
-        # A resident stage's gradients stay on the device; they count in the norm where a streamed one's would.
-        if slot is None:
-            grad_buf = self.resident.write(stage, weight_grads)
-        else:
-            grad_slot = self.grads.layer_slot(i)
-            self.grads.write(stage, grad_slot, weight_grads)
-            grad_buf = grad_slot.buf
-        if inject_nan:
-            grad_buf[:1].fill_(float("nan"))
-        timeline.stop("compute", compute, start)
-        if slot is None:
-            self.grads.count(grad_buf[:stage.numel])
-            self.resident.ready(stage, self.clip > 0, self.updates.lr, self.updates.adam_step)
-        else:
-            self.grads.emit(stage, grad_slot, idle)
-
-    def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: WeightSlot) -> None:
-        """The embedding's gradients: a scatter-add of the input gradients (onto the LM head's part when tied), none
-        onto the padding token's row (model.pad_token_id), as transformers'."""
-        layout, compute = self.layout, self.streams.compute
-        start = self.telemetry.timeline.start(compute)
-        if not layout.tied:
-            self.vocab_acc.zero_()
-        if self.generic is not None:  # through the embedding module's own backward
-            self.generic.embed_grad(ids, grad_y, self.weights.bind(layout.embed, embed_slot), self.vocab_acc)
-        else:
-            embed_backward(self.vocab_acc, ids, grad_y, self.embed_scale, self.model_cfg.pad_token_id)
-        self.weights.release(embed_slot)
-        self.grads.write(layout.embed, self.grads.embed_slot, {layout.embed.slots[0].name: self.vocab_acc})
-        self.telemetry.timeline.stop("compute", compute, start)
-        self.grads.emit(layout.embed, self.grads.embed_slot)
 
     # ------------------------------------------------------------------ finish
 

@@ -195,18 +195,25 @@ class ModelLayout:
     def layers(self) -> tuple[StageLayout, ...]:
         return self.stages[1:-1]
 
-    def resident_stages(self, count: int) -> tuple[StageLayout, ...]:
-        """The decoder layers the GPU-resident tier keeps (engine.gpu_resident): the first `count`. The next
-        forward needs their updates first, and their backward comes last, so while they compute and update
-        on the device the CPU optimizer catches up with the streamed layers' updates."""
-        return self.layers[:count]
+    def resident_stages(self, count: int, vocab: bool = False) -> tuple[StageLayout, ...]:
+        """The stages the GPU-resident tier keeps (engine.gpu_resident): the first `count` decoder layers, and with
+        `vocab` (RunSpec.resident_vocab) the embedding and the LM head, in stage order. The next forward needs the
+        first layers' updates first, and their backward comes last, so while they compute and update on the device
+        the CPU optimizer catches up with the streamed layers' updates."""
+        return (self.embed,) * vocab + self.layers[:count] + (self.head,) * vocab
 
-    def speculative_stages(self, count: int, resident_layers: int) -> tuple[int, ...]:
+    def kept_stages(self, resident_layers: int, kept: int) -> tuple[StageLayout, ...]:
+        """The resident layers whose forward keeps its autograd graph (RunSpec.kept_layers): the last `kept` of the
+        first `resident_layers`, whose graphs the backward frees first."""
+        kept = min(kept, resident_layers)
+        return self.layers[resident_layers - kept:resident_layers]
+
+    def speculative_stages(self, count: int, resident_layers: int, vocab: bool = False) -> tuple[int, ...]:
         """The stages updated before the step's gradient norm is known (optimizer.speculative_stages): the first
         `count` whose gradients land, the LM head's then the last layers', none of the GPU-resident tier's
-        (updated on the device) nor the embedding's (the norm is known as it lands)."""
+        (updated on the device; the head too with `vocab`) nor the embedding's (the norm is known as it lands)."""
         streamed = [s.index for s in self.layers[resident_layers:]]
-        return tuple([self.head.index, *reversed(streamed)][:count])
+        return tuple([*([] if vocab else [self.head.index]), *reversed(streamed)][:count])
 
     @property
     def max_layer_numel(self) -> int:

@@ -9,12 +9,15 @@ From the engine's buffers (exact) plus activations (a count of the tensors alive
 - the loss head (`loss_head_bytes`): the larger of its two phases over one chunk of logits (the
   logsumexp, and the LM head's gradient, which forms a [vocab, hidden] product beside the chunk's
   logits), plus the final hidden states and their gradient.
-The choices: engine.activation_offload=auto and engine.gpu_resident=auto (`resolve_run`).
+- the kept forward graphs of the resident layers that keep them (engine.kept_activations: `kept_layer_bytes`).
+The choices: engine.activation_offload=auto, engine.gpu_resident=auto and engine.kept_activations=auto
+(`resolve_run`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
 from megatrain_ray.config.sections import Config
@@ -111,7 +114,8 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         "layer backward working set": backward + mlp_sums + experts * compute_b,
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
         + 2 * tokens * h * acc_b,
-        "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers)),
+        "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers, run.resident_vocab)),
+        "kept layer graphs": run.kept_layers * kept_layer_bytes(cfg, tokens, compute_b),
     }
 
 
@@ -119,7 +123,7 @@ def peak_allocated(g: dict[str, int]) -> int:
     """Peak of torch's allocations on the GPU from the terms of gpu_bytes: the fixed buffers and kept inputs,
     plus the larger of the layer backward and the loss head."""
     return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
-            + g["GPU-resident layers"] + g.get(LORA_ADAPTERS, 0)
+            + g["GPU-resident layers"] + g.get(LORA_ADAPTERS, 0) + g.get("kept layer graphs", 0)
             + max(g["layer backward working set"], g["loss head working set"]))
 
 
@@ -158,20 +162,52 @@ def resident_bytes(run: RunSpec, stages) -> int:
         max(s.numel for s in stages))
 
 
-def resolve_gpu_resident(cfg: Config, run: RunSpec, gpu_memory: int | None) -> int:
+def resolve_gpu_resident(cfg: Config, run: RunSpec, gpu_memory: int | None) -> tuple[int, bool]:
     """engine.gpu_resident=auto: the layers that fit the GPU memory left after the plan's peak (without
-    them), GPU_RESERVE_BYTES and RESIDENT_MARGIN_BYTES; none without a GPU or where the tier does not apply."""
+    them), GPU_RESERVE_BYTES and RESIDENT_MARGIN_BYTES, and whether the embedding and LM head fit beside every
+    layer (not for GRPO, whose rollout streams them, nor LoRA's frozen base); none without a GPU or where the tier
+    does not apply."""
     if not gpu_memory or cfg.engine.device == "cpu" or run.device_type != "cuda" \
             or resident_tier_refusal(cfg, run.world):
-        return 0
+        return 0, False
     layout = build_layout(cfg.model)
-    base = dataclasses.replace(run, resident_layers=0)
+    base = dataclasses.replace(run, resident_layers=0, resident_vocab=False, kept_layers=0)
     free = gpu_memory - peak_allocated(gpu_bytes(cfg, base, run.activation_offload)) - GPU_RESERVE_BYTES \
         - RESIDENT_MARGIN_BYTES
     count = 0
     while count < len(layout.layers) and resident_bytes(run, layout.resident_stages(count + 1)) <= free:
         count += 1
-    return count
+    vocab = (count == len(layout.layers) and not run.frozen_base and cfg.finetune.objective != "grpo"
+             and resident_bytes(run, layout.resident_stages(count, True)) <= free)
+    return count, vocab
+
+
+def kept_layer_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
+    """What one kept layer's forward graph holds for its backward (engine/kept_graphs.py), counted through
+    autograd's saved-tensor hooks on the engine's eager layer (tests/unit/test_kept_activations.py): per token
+    4 hidden-wide, 2 query-wide and 2 key/value-wide tensors, 4 of the MLP's intermediate width (gate, up, the
+    activation, its product), in the compute dtype, and 8 bytes plus 4 per attention head of float32 (the norms'
+    scales, attention's log-sum-exp). A MoE layer's MLP counts MOE_PAIR_TENSORS of its pairs' width instead
+    (the tensors its backward holds, an upper bound of what its forward saves). The layer's input is counted with
+    the kept inputs too. A compiled layer saves what Inductor's partition keeps, at most this (not measured)."""
+    m = cfg.model
+    q = m.num_attention_heads * m.resolved_head_dim
+    kv = m.num_key_value_heads * m.resolved_head_dim
+    dense = 4 * m.intermediate_size if any(not m.layer_is_moe(i) for i in range(m.num_layers)) else 0
+    mlp = max(dense, int(MOE_PAIR_TENSORS * moe_pair_width(m)))
+    return tokens * ((4 * m.hidden_size + 2 * q + 2 * kv + mlp) * compute_b + 8 + 4 * m.num_attention_heads)
+
+
+def resolve_kept_layers(cfg: Config, run: RunSpec, gpu_memory: int | None) -> int:
+    """engine.kept_activations=auto: the resident layers whose forward graphs fit the GPU memory left after the
+    plan's peak (resident tier included), GPU_RESERVE_BYTES and RESIDENT_MARGIN_BYTES; none without a GPU, for
+    LoRA or the generic template."""
+    if not gpu_memory or not run.resident_layers or run.frozen_base or cfg.model.template == "generic":
+        return 0
+    free = gpu_memory - peak_allocated(gpu_bytes(cfg, dataclasses.replace(run, kept_layers=0),
+                                                 run.activation_offload)) - GPU_RESERVE_BYTES - RESIDENT_MARGIN_BYTES
+    per_layer = kept_layer_bytes(cfg, run.rank_tokens, DTYPE_BYTES[run.compute_dtype])
+    return max(0, min(run.resident_layers, int(free // per_layer)))
 
 
 def loss_head_bytes(chunk: int, vocab: int, h: int, compute_b: int, acc_b: int, softcap: bool = False) -> int:
@@ -250,11 +286,27 @@ def resolve_activation_offload(cfg: Config, run: RunSpec, gpu_memory: int | None
 
 
 def resolve_run(cfg: Config, gpu_memory: int | None, device_type: str = "cuda", ranks_per_node: int | None = None,
-                nodes: int | None = None) -> RunSpec:
+                nodes: int | None = None, profile: Any = None) -> RunSpec:
     """The run's RunSpec on a machine whose GPU has `gpu_memory` bytes (None: none or unknown): the
-    config's derived settings, with engine.activation_offload=auto decided by this plan."""
+    config's derived settings, with engine.activation_offload, engine.gpu_resident and engine.kept_activations
+    auto decided by this plan; `profile` (the machine's SpeedProfile, None: none known): gpu_resident=auto keeps
+    no stage on the GPU where the speed model predicts the streamed run faster."""
     run = RunSpec.resolve(cfg, device_type=device_type, ranks_per_node=ranks_per_node, nodes=nodes)
     run = dataclasses.replace(run, activation_offload=resolve_activation_offload(cfg, run, gpu_memory))
     if cfg.engine.gpu_resident == "auto":  # from what the plan leaves once the layer inputs' place is decided
-        run = dataclasses.replace(run, resident_layers=resolve_gpu_resident(cfg, run, gpu_memory))
+        count, vocab = resolve_gpu_resident(cfg, run, gpu_memory)
+        run = dataclasses.replace(run, resident_layers=count, resident_vocab=vocab)
+    if cfg.engine.kept_activations == "auto":  # from what the plan leaves once the tier is decided
+        run = dataclasses.replace(run, kept_layers=resolve_kept_layers(cfg, run, gpu_memory))
+    if cfg.engine.gpu_resident == "auto" and run.resident_layers and profile is not None:
+        from megatrain_ray.planning.speed import estimate  # lazy: planning.speed imports this module's terms
+
+        if estimate(cfg, profile, offload=run.activation_offload, run=run).tok_per_s \
+                < estimate(cfg, profile, offload=run.activation_offload, run=streamed(run)).tok_per_s:
+            run = streamed(run)  # the speed model predicts streaming faster (planning/plan_text.resident_lines)
     return run
+
+
+def streamed(run: RunSpec) -> RunSpec:
+    """`run` without the GPU-resident tier."""
+    return dataclasses.replace(run, resident_layers=0, resident_vocab=False, kept_layers=0)

@@ -35,7 +35,7 @@ from megatrain_ray.units import GiB
 
 def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan = Plan(cfg, machine)
-    plan.run = run = resolve_run(cfg, machine.gpu_memory)
+    plan.run = run = resolve_run(cfg, machine.gpu_memory, profile=plan.profile)
     workers = len(plan_placement(detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
                                  gpu_ranks=run.ranks_per_node).workers)
     plan.workers = workers = 0 if run.frozen_base else workers  # LoRA: no CPU optimizer workers

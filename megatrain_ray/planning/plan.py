@@ -94,4 +94,4 @@ class Plan:
         for every part of the printout that quotes it."""
         if self.profile is None:
             return None
-        return estimate(self.cfg, self.profile, offload=self.offload, resident=self.run.resident_layers)
+        return estimate(self.cfg, self.profile, offload=self.offload, run=self.run)

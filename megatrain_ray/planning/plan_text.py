@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
+from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.model.flops import active_params
 from megatrain_ray.model.layout import build_layout
@@ -16,10 +16,11 @@ from megatrain_ray.planning.host_memory import store_bytes, without_refused_tier
 from megatrain_ray.planning.lean import lean_alternatives, lean_lines
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_tier_lines
 from megatrain_ray.planning.plan import Plan
+from megatrain_ray.planning.resident_text import resident_lines
 from megatrain_ray.planning.rollout import rollout_lines
 from megatrain_ray.planning.speculation import fastest_speculation
 from megatrain_ray.planning.profiles import PRESETS, REFERENCE_OPTIMIZER_BYTES
-from megatrain_ray.planning.speed import GPU_ADAMW_GBPS, SpeedEstimate, estimate
+from megatrain_ray.planning.speed import SpeedEstimate, estimate
 from megatrain_ray.store.disk_use import export_bytes, export_dtype
 from megatrain_ray.units import GiB, human_count
 
@@ -191,37 +192,6 @@ def tier_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def resident_lines(plan: Plan) -> list[str]:
-    """The GPU-resident tier (engine.gpu_resident other than none): which layers, their GPU memory, and the
-    expected tok/s with and without them (the speed model: no copies and no CPU update for them)."""
-    cfg, run, g = plan.cfg, plan.run, GiB
-    if cfg.engine.gpu_resident == "none":
-        return []
-    layout = build_layout(cfg.model)
-    stages = layout.resident_stages(run.resident_layers)
-    head = f"GPU-resident tier (engine.gpu_resident={cfg.engine.gpu_resident}): "
-    if not stages:
-        why = resident_tier_refusal(cfg, run.world) or ("no GPU" if not plan.machine.gpu_memory
-                                                        or cfg.engine.device == "cpu" else
-                                                        "no layer fits the GPU memory the plan leaves")
-        return [head + f"none ({why})", ""]
-    params = sum(s.numel for s in stages)
-    tier = plan.gpu["GPU-resident layers"]
-    first, last = stages[0].index - 1, stages[-1].index - 1
-    where = ("the frozen base, copied once from the host store (which keeps it), no H2D for them" if run.frozen_base
-             else "no host copy: the GPU worker checkpoints and exports them")
-    lines = [head + f"layers {first}-{last} ({len(stages)} of {len(layout.layers)}, {human_count(params)} "
-             f"params): {tier / g:.2f} GiB of GPU memory ({tier / params:.1f} B/param); {where}"]
-    profile = plan.profile
-    if profile is not None:
-        with_tier = plan.expected.tok_per_s
-        without = estimate(cfg, profile, offload=plan.offload, resident=0).tok_per_s
-        lines.append(f"  expected {with_tier:,.0f} tok/s with them, {without:,.0f} tok/s with every layer streamed"
-                     + ("" if run.frozen_base else f" (their updates on the GPU at "
-                                                   f"{GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)"))
-    return [*lines, ""]
-
-
 def disk_lines(plan: Plan, params: int) -> list[str]:
     """What the run leaves on disk: one checkpoint, the ones checkpoint.keep keeps (and one more while a newer is
     written), the export in the format train.export_dtype resolves to."""
@@ -271,7 +241,8 @@ def alternative_run(plan: Plan, other: Config) -> RunSpec:
     (RunSpec.resolve alone, without the machine, reads it as 0), unless the alternative drops the tier."""
     run = RunSpec.resolve(other)
     if other.engine.gpu_resident == "auto":
-        return dataclasses.replace(run, resident_layers=plan.run.resident_layers)
+        return dataclasses.replace(run, resident_layers=plan.run.resident_layers, resident_vocab=plan.run.resident_vocab,
+                                   kept_layers=plan.run.kept_layers)
     return run
 
 
@@ -287,7 +258,7 @@ def alternative_figures(plan: Plan, other: Config) -> tuple[int, int, float]:
     """alternative_store's RAM and disk bytes, and the alternative's expected tok/s (0 without measured rates)."""
     ram, disk, run = alternative_store(plan, other)
     profile = plan.profile
-    tok_per_s = estimate(other, profile, offload=plan.offload, resident=run.resident_layers).tok_per_s \
+    tok_per_s = estimate(other, profile, offload=plan.offload, run=run).tok_per_s \
         if profile else 0.0
     return ram, disk, tok_per_s
 

@@ -93,12 +93,15 @@ def stage_costs(cfg: Config, run: RunSpec, profile: SpeedProfile, layout: ModelL
 
     rate = profile.gpu.tflops(run.layers_compiled, cfg.model.is_moe, lora=run.frozen_base) * 1e12
     activation = tokens * cfg.model.hidden_size * DTYPE_BYTES[run.compute_dtype] if offload else 0
-    resident = {s.index for s in layout.resident_stages(run.resident_layers)}
+    resident = {s.index for s in layout.resident_stages(run.resident_layers, run.resident_vocab)}
+    kept = {s.index for s in layout.kept_stages(run.resident_layers, run.kept_layers)}
     update_rate = GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9 / gpu_adamw_bytes(run)
     costs = []
     for stage, f in zip(layout.stages, flops):
         seconds = f * tokens / rate
         fwd, bwd = (seconds / 4, 3 * seconds / 4) if stage.kind == "layer" else (seconds, 0.0)
+        if stage.index in kept:  # its forward graph kept (engine.kept_activations): the backward recomputes nothing
+            bwd = seconds / 2
         if stage.kind == "layer" and cfg.model.template != "generic" and cfg.model.layer_is_linear(stage.index - 1):
             chunks = math.ceil(cfg.data.seq_len / 64)  # at least the chunk loop's dispatch (LINEAR_CHUNK_SECONDS)
             fwd, bwd = max(fwd, chunks * LINEAR_CHUNK_SECONDS[0]), max(bwd, chunks * LINEAR_CHUNK_SECONDS[1])
@@ -352,13 +355,17 @@ class SpeedEstimate:
 
 
 def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool = False,
-             resident: int | None = None) -> SpeedEstimate:
+             resident: int | None = None, run: RunSpec | None = None) -> SpeedEstimate:
     """Replay `steps` steps of the engine's schedule with the profile's rates; the last one is the estimate.
     `offload`: the layer inputs go through host memory (engine.activation_offload as the plan resolved it);
-    `resident`: GPU-resident layers (engine.gpu_resident as the plan resolved it; None: as the config says)."""
-    layout, run = build_layout(cfg.model), RunSpec.resolve(cfg)
+    `resident`: GPU-resident layers (engine.gpu_resident as the plan resolved it; None: as the config says);
+    `run`: the settings as the plan resolved them (the tier's layers, embedding and head, kept graphs), which
+    `resident` then overrides."""
+    layout = build_layout(cfg.model)
+    run = RunSpec.resolve(cfg) if run is None else run
     if resident is not None:
-        run = replace(run, resident_layers=resident)
+        run = replace(run, resident_layers=resident, resident_vocab=run.resident_vocab and resident > 0,
+                      kept_layers=min(run.kept_layers, resident))
     costs = stage_costs(cfg, run, profile, layout, offload)
     pieces = run.vocab_in_pieces
     turns = SlabTurns(cfg.engine.grad_slabs, len(pool_slab_sizes(layout, cfg.engine.grad_slabs, pieces))) \
@@ -367,7 +374,8 @@ def estimate(cfg: Config, profile: SpeedProfile, steps: int = 4, offload: bool =
                      slab_turns=turns, slab_numel=layout.max_layer_numel if pieces else 0, frozen=run.frozen_base,
                      device_update_seconds=lora_params(cfg) * ADAPTER_UPDATE_BYTES
                      / (GPU_ADAMW_GBPS[profile.gpu.kind] * 1e9),
-                     speculative=frozenset(layout.speculative_stages(run.speculative_stages, run.resident_layers)),
+                     speculative=frozenset(layout.speculative_stages(run.speculative_stages, run.resident_layers,
+                                                                      run.resident_vocab)),
                      speculative_factor=1 + speculative_extra_bytes(cfg) / optimizer_dram_bytes(cfg))
     start = end = 0.0
     for _ in range(steps):

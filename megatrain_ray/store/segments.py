@@ -117,8 +117,9 @@ def plan_segments(layout: ModelLayout, host: HostConfig, grad_slabs: int, run: R
     home, ranks_per_node = run.grad_home, run.ranks_per_node
     moments, on_disk = run.moment_dtype, host.moments_tier == "disk"
     # A frozen base (LoRA) keeps its resident layers here too: the device copies them from the store.
-    resident = set() if run.frozen_base else {s.index for s in layout.resident_stages(run.resident_layers)}
-    speculative = set(layout.speculative_stages(run.speculative_stages, run.resident_layers))
+    resident = set() if run.frozen_base else {s.index for s in layout.resident_stages(run.resident_layers,
+                                                                                 run.resident_vocab)}
+    speculative = set(layout.speculative_stages(run.speculative_stages, run.resident_layers, run.resident_vocab))
     for index in stages:
         if index in resident:
             continue

@@ -81,6 +81,30 @@ def test_resident_layers_train_exactly_like_streamed_ones_in_float64(tmp_path, s
     assert [r["d2h_bytes"] for r in resident[1]] == [r["d2h_bytes"] - 2 * layer for r in streamed[1]]
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
+def test_every_stage_resident_with_kept_graphs_trains_exactly_like_the_streamed_run_in_float64(tmp_path, streamed64,
+                                                                                                clip):
+    """engine.gpu_resident=all: the embedding and LM head on the device with the layers (their update there too),
+    and engine.kept_activations: the last two layers' backward through their forward graph, no recompute. Nothing
+    crosses host<->device; the run is the streamed one's to rounding."""
+    streamed = streamed64(clip)
+    resident = train(tiny_config(tmp_path / "all", engine={"gpu_resident": "all", "kept_activations": 2},
+                                 train={"steps": 10}, optimizer={"grad_clip": clip}, precision=FLOAT64))
+    run = resident[0].run_spec
+    assert (run.resident_layers, run.resident_vocab, run.kept_layers) == (3, True, 2)
+    assert_same_run(resident, streamed, rel=1e-12)
+    assert {(r["h2d_bytes"], r["d2h_bytes"]) for r in resident[1]} == {(0, 0)}
+
+
+def test_kept_graphs_beside_recomputed_and_streamed_layers_in_float64(tmp_path, streamed64):
+    """Layer 0 resident and recomputed, layer 1 resident with its graph kept, layer 2 streamed (clipping on)."""
+    resident = train(tiny_config(tmp_path / "mixed", engine={"gpu_resident": 2, "kept_activations": 1},
+                                 train={"steps": 10}, precision=FLOAT64))
+    run, layout = resident[0].run_spec, resident[0].layout
+    assert [s.index for s in layout.kept_stages(run.resident_layers, run.kept_layers)] == [2] and not run.resident_vocab
+    assert_same_run(resident, streamed64(1.0), rel=1e-12)
+
+
 @pytest.mark.float32_parity
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clip", "noclip"])
 def test_resident_layers_in_float32_and_bf16_compute_track_streamed_ones(tmp_path, streamed64, clip):

@@ -154,7 +154,8 @@ def test_the_plan_offers_the_fastest_speculative_count_that_fits(tmp_path):
 
     def shape(*overrides: str):
         return load_config(os.path.join(REPO, "configs", "shapes", "qwen3-30b-a3b.yaml"),
-                           overrides=["model.num_layers=4", "data.batch_size=8", "data.seq_len=8192", *overrides])
+                           overrides=["model.num_layers=4", "data.batch_size=8", "data.seq_len=8192",
+                                      "engine.gpu_resident=none", *overrides])  # every stage's state on the host
     box = Machine.from_preset("h200-128gb")
     predicted = {n: estimate(shape(f"optimizer.speculative_stages={n}"), box.profile).tok_per_s for n in range(6)}
     fastest = max(predicted, key=lambda n: (predicted[n], -n))
@@ -194,7 +195,8 @@ def test_the_plan_refuses_what_rays_memory_monitor_killed(result, ran, fits):
     assert (row["status"] == "ok") == ran, row.get("status")
     cfg = load_config(os.path.join(REPO, measured["config"]), overrides=[
         f"model.num_layers={row['layers']}", f"data.batch_size={row['batch']}", f"data.seq_len={row['seq_len']}",
-        "optimizer.workers=2", *measured["overrides"]])  # the box's two workers, whatever cores this machine has
+        "optimizer.workers=2", "engine.gpu_resident=none",  # the box's two workers, whatever cores this machine has;
+        *measured["overrides"]])  # streamed, as the runs' default was then
     plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
     assert plan.fits == fits, plan.problems
 

@@ -115,7 +115,7 @@ def test_plan_advice_counts_the_gpu_resident_layers_as_the_plan_resolved_them(ca
 
 def test_plan_advice_is_computed_for_the_config_and_printed_once(capsys):
     config = os.path.join(REPO, "configs", "shapes", "qwen2.5-7b.yaml")
-    small = ["--host-memory", "64GiB", "--gpu-memory", "80GiB"]
+    small = ["--host-memory", "64GiB", "--gpu-memory", "80GiB", "--set", "engine.gpu_resident=none"]  # all on the host
     assert main(["plan", config, *small]) == 2
     out = capsys.readouterr().out
     assert "7.6 B parameters" in out

@@ -142,7 +142,8 @@ def _long_config(layers: int, seq: int, offload="auto"):
                    data={"seq_len": seq, "batch_size": 1},
                    precision={"compute_dtype": "bfloat16", "master_dtype": "float32", "stream_dtype": "float32"},
                    optimizer={"grad_clip": 0.0},
-                   engine={"device": "cuda", "activation_offload": offload, "poison_buffers": False})
+                   engine={"device": "cuda", "activation_offload": offload, "poison_buffers": False,
+                           "gpu_resident": "none"})
     return load_config(raw=raw)
 
 

@@ -42,7 +42,7 @@ def test_the_hand_count_is_the_published_size():
 
 
 def test_plan_counts_the_base_in_bf16_on_the_host_and_the_adapters_on_the_gpu():
-    plan = plan_run(qwen32b_lora(), Machine.from_preset("h100-512gb"))
+    plan = plan_run(qwen32b_lora("engine.gpu_resident=none"), Machine.from_preset("h100-512gb"))  # the base streamed
     assert plan.run.frozen_base and lora_params(plan.cfg) == ADAPTERS_PER_LAYER * L
     assert set(plan.host) == {"master", "gate"}  # no moments, no streaming copy, no gradient buffers
     # 2 bytes per parameter, plus the layout's alignment padding (64 elements per tensor at most).
@@ -52,7 +52,7 @@ def test_plan_counts_the_base_in_bf16_on_the_host_and_the_adapters_on_the_gpu():
     assert plan.gpu["gradient buffers"] == plan.gpu["vocabulary accumulator"] == 0
     # Two layer buffers, the embedding and the head (LM head and final norm), in bf16.
     assert abs(plan.gpu["weight buffers"] - 2 * (2 * LAYER_PARAMS + 2 * V * H + H)) <= 2 * 4 * 64 * 12
-    full = plan_run(load_config(SHAPE), Machine.from_preset("h100-512gb"))
+    full = plan_run(load_config(SHAPE, ["engine.gpu_resident=none"]), Machine.from_preset("h100-512gb"))
     # The full run's host store is over 6x larger (fp32 master and moments); its GPU holds gradient buffers.
     assert full.shm_total > 6 * plan.shm_total and full.gpu_peak > plan.gpu_peak
     assert plan.fits

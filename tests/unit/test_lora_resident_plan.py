@@ -27,7 +27,7 @@ TOKENS_8K = "data.batch_size=2"  # 2 x 4096 tokens per step
 def test_auto_keeps_every_layer_of_the_32b_base_on_the_h200_at_8k_tokens():
     h200 = Machine.from_preset("h200-128gb")
     plan = plan_run(qwen32b_lora("engine.gpu_resident=auto", TOKENS_8K), h200)
-    streamed = plan_run(qwen32b_lora(TOKENS_8K), h200)
+    streamed = plan_run(qwen32b_lora("engine.gpu_resident=none", TOKENS_8K), h200)
     assert plan.run.resident_layers == L and plan.fits
     g, s = plan.gpu, streamed.gpu
     # The base of the 64 layers in bf16: 2 B per parameter.
@@ -85,7 +85,7 @@ def test_an_nf4_base_keeps_its_resident_layers_packed():
 
     h200 = Machine.from_preset("h200-128gb")
     plan = plan_run(qwen32b_lora("engine.gpu_resident=auto", "finetune.lora.base_quantization=nf4", TOKENS_8K), h200)
-    streamed = plan_run(qwen32b_lora("finetune.lora.base_quantization=nf4", TOKENS_8K), h200)
+    streamed = plan_run(qwen32b_lora("engine.gpu_resident=none", "finetune.lora.base_quantization=nf4", TOKENS_8K), h200)
     layout = build_layout(plan.cfg.model)
     packed = stage_format(layout.layers[0], "bfloat16").nbytes
     assert plan.run.resident_layers == L

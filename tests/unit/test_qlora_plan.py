@@ -39,7 +39,9 @@ def hand_layer_bytes() -> int:
 
 
 def qlora_plan(*overrides: str):
-    return plan_run(load_config(SHAPE, overrides=[*QLORA, *overrides]), Machine.from_preset("h200-128gb"))
+    """The QLoRA plan with its base streamed (engine.gpu_resident=none): the packed layers cross each step."""
+    return plan_run(load_config(SHAPE, overrides=[*QLORA, "engine.gpu_resident=none", *overrides]),
+                    Machine.from_preset("h200-128gb"))
 
 
 def test_the_plan_holds_the_layers_packed_as_the_format_counts_them():

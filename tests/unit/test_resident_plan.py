@@ -29,7 +29,9 @@ def test_auto_keeps_the_most_layers_that_fit_beside_the_peak_the_reserve_and_the
     machine = Machine.from_preset("h100-512gb").override(gpu_memory=gpu_memory)
     plan = plan_run(bench(gpu_resident="auto"), machine)
     count, layout = plan.run.resident_layers, build_layout(plan.cfg.model)
-    assert plan.gpu["GPU-resident layers"] == resident_bytes(plan.run, layout.resident_stages(count))
+    stages = layout.resident_stages(count, plan.run.resident_vocab)  # every layer: the embedding and head too
+    assert plan.run.resident_vocab == (count == len(layout.layers))
+    assert plan.gpu["GPU-resident layers"] == resident_bytes(plan.run, stages)
     without = plan.gpu_peak - plan.gpu["GPU-resident layers"]
     budget = machine.gpu_memory - GPU_RESERVE_BYTES - RESIDENT_MARGIN_BYTES - without
     assert plan.gpu["GPU-resident layers"] <= budget and plan.fits
@@ -39,7 +41,7 @@ def test_auto_keeps_the_most_layers_that_fit_beside_the_peak_the_reserve_and_the
     expected = {"80GiB": 16, "48GiB": 10, "30GiB": 4, "16GiB": 0}[gpu_memory]
     assert count == expected
     if count:
-        assert plan.gpu["GPU-resident layers"] // sum(s.numel for s in layout.resident_stages(count)) == 16
+        assert plan.gpu["GPU-resident layers"] // sum(s.numel for s in stages) == 16
 
 
 def test_auto_is_none_without_a_gpu_or_where_the_tier_does_not_apply():
@@ -49,7 +51,8 @@ def test_auto_is_none_without_a_gpu_or_where_the_tier_does_not_apply():
     plan = plan_run(bf16, machine)
     assert plan.run.resident_layers == 0
     assert "GPU-resident tier (engine.gpu_resident=auto): none (optimizer.moment_dtype=float32)" in format_plan(plan)
-    assert plan_run(bench(), machine).run.resident_layers == 0  # none by default
+    assert plan_run(bench(gpu_resident="none"), machine).run.resident_layers == 0
+    assert plan_run(bench(), machine).run == plan_run(bench(gpu_resident="auto"), machine).run  # auto by default
 
 
 def test_an_explicit_count_counts_in_the_gpu_memory_check():
@@ -64,14 +67,15 @@ def test_plan_prints_the_resident_layers_their_memory_and_the_expected_speed(cap
     assert main(["plan", BENCH, "--machine", "h100-512gb", "--set", "engine.gpu_resident=auto"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("GPU-resident tier"))
-    assert line.startswith("GPU-resident tier (engine.gpu_resident=auto): layers 0-15 (16 of 16, 3.2 B params): "
-                           "48.31 GiB of GPU memory (16.0 B/param)")
+    assert line.startswith("GPU-resident tier (engine.gpu_resident=auto): layers 0-15 (16 of 16) with the embedding "
+                           "and LM head (3.5 B params): 52.22 GiB of GPU memory (16.0 B/param)")
+    assert "  chosen: every layer and the embedding and LM head fit, and the speed model predicts it faster" in out
     speeds = next(x for x in out.splitlines() if "tok/s with them" in x)
     with_tier, without = (float(x.split()[0].replace(",", "")) for x in speeds.split("expected ")[1].split(", ")[:2])
     assert with_tier > without
     assert f"{with_tier:,.0f}" in next(x for x in out.splitlines() if x.strip().startswith("tok/s"))
-    assert "  GPU-resident layers                        48.31 GiB" in out
-    assert main(["plan", BENCH, "--machine", "h100-512gb"]) == 0
+    assert "  GPU-resident layers                        52.22 GiB" in out
+    assert main(["plan", BENCH, "--machine", "h100-512gb", "--set", "engine.gpu_resident=none"]) == 0
     assert "GPU-resident" in capsys.readouterr().out  # the table's row, at 0
     assert main(["plan", BENCH, "--machine", "h100-512gb", "--set", "engine.gpu_resident=4"]) == 0
     assert "GPU-resident tier (engine.gpu_resident=4): layers 0-3 (4 of 16" in capsys.readouterr().out
@@ -103,7 +107,7 @@ def test_resident_layers_take_no_host_memory():
     """Their master, moments and streaming copy are never allocated (14 B/param with a bf16 copy); the plan's
     host store and pinned memory shrink by exactly that."""
     machine = Machine.from_preset("h100-512gb")
-    streamed, resident = plan_run(bench(), machine), plan_run(bench(gpu_resident=6), machine)
+    streamed, resident = plan_run(bench(gpu_resident="none"), machine), plan_run(bench(gpu_resident=6), machine)
     params = sum(s.numel for s in build_layout(streamed.cfg.model).resident_stages(6))
     assert streamed.shm_total - resident.shm_total == 14 * params
     assert streamed.pinned - resident.pinned == 2 * params

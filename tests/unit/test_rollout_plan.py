@@ -21,7 +21,7 @@ SHAPE = {"family": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermed
 
 def grpo_7b(**finetune):
     raw = {"model": SHAPE, "data": {"path": "synthetic", "seq_len": 1536, "batch_size": 16},
-           "precision": {"compute_dtype": "bfloat16"},
+           "precision": {"compute_dtype": "bfloat16"}, "engine": {"gpu_resident": "none"},  # every stage streamed
            "finetune": {"objective": "grpo", **finetune,
                         "grpo": {"reward_funcs": ["tests.reference_grpo:first_reward"], "num_generations": 2,
                                  "max_prompt_length": 512, "max_completion_length": 1024}}}
