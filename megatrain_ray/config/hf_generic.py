@@ -92,6 +92,19 @@ _ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "electra", "ernie", "camembe
                   "bert-generation", "rembert", "roberta-prelayernorm", "xlm-roberta-xl", "megatron-bert"}
 
 
+class _EmptyOnMeta(torch.overrides.TorchFunctionMode):
+    """torch.empty without a device gives a meta tensor: what modules allocate their parameters with (nn.Linear,
+    nn.Embedding, transformers' fused experts), so that no parameter is ever allocated on the CPU, not even for the
+    moment before it moves to the meta device (DeepSeek-V3's fused experts are 30 GB a layer in float32, which a
+    small machine cannot allocate). Buffers are made with other factories (zeros, ones, arange) and stay real."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device (no memory) and their buffers as their
@@ -105,7 +118,8 @@ def parameters_on_meta() -> Iterator[None]:
 
     torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
-        yield
+        with _EmptyOnMeta():
+            yield
     finally:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
@@ -185,7 +199,31 @@ def build_architecture(model_dir: str | Path) -> GenericArchitecture:
     except Exception as exc:  # a class that cannot be built from this config: say which and why
         raise UnsupportedModelError(f"{where}: transformers could not build {cls.__name__} from it: "
                                     f"{excerpt(str(exc), 300)}") from None
+    _freeze_no_grad_modules(model)
     return _parts(model.eval(), cls.__name__, where)
+
+
+def _forward_without_grad(module: torch.nn.Module) -> bool:
+    """Whether `module`'s class runs its forward under torch.no_grad (its `@torch.no_grad()` decorator)."""
+    forward = type(module).forward
+    if getattr(getattr(forward, "__code__", None), "co_name", None) != "decorate_context":
+        return False
+    for cell in forward.__closure__ or ():
+        owner = getattr(cell.cell_contents, "__self__", cell.cell_contents)
+        if isinstance(owner, (torch.no_grad, torch.inference_mode)):
+            return True
+    return False
+
+
+def _freeze_no_grad_modules(model: torch.nn.Module) -> None:
+    """The parameters of modules whose forward runs without autograd (DeepSeek-V3.2's sparse-attention indexer,
+    `self_attn.indexer.*`: its top-k picks the keys each query attends to) get no gradient from the loss, so
+    torch.optim.AdamW never moves them in transformers: they are marked requires_grad=False here, which makes them
+    frozen parameters (GenericArchitecture.frozen_parameters: read from the checkpoint, exported, no stage)."""
+    for module in model.modules():
+        if _forward_without_grad(module):
+            for param in module.parameters():
+                param.requires_grad_(False)
 
 
 def _parts(model: Any, name: str, where: str) -> GenericArchitecture:
@@ -323,6 +361,9 @@ def generic_model_config(model_dir: str | Path) -> ModelConfig:
         heads = _shape_value(config, "num_attention_heads", where)
         kv_heads = planner_value(config, "num_key_value_heads") or heads
         head_dim = planner_value(config, "head_dim") or hidden // heads
+        mla = [planner_value(config, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+        if all(isinstance(v, int) and v > 0 for v in mla):  # DeepSeek's latent attention: q.k over nope + rope
+            head_dim = (mla[0] + mla[1] + mla[2]) // 2      # dimensions, the values' own: their mean per product
     intermediate = planner_value(config, "intermediate_size")
     if not isinstance(intermediate, int) or intermediate < 1:
         intermediate = DEFAULT_MLP_RATIO * hidden
@@ -358,6 +399,40 @@ def model_config_for_template(model_dir: str | Path, template: str) -> ModelConf
     log.info("model.template %s: %s runs on the generic path (transformers' %s, its own decoder layers)", template,
              where, architecture(str(Path(model_dir).resolve())).class_name)
     return cfg
+
+
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_k", "moe_top_k")
+"""config.json's names for a MoE model's routed experts and the number each token is routed to (DeepSeek-V3 and
+GLM-4.5; Mixtral-like; Qwen2-MoE, OLMoE and Gemma 4; Ernie 4.5; DBRX's, under ffn_config)."""
+
+
+def _config_number(config: Any, keys: tuple[str, ...]) -> int | None:
+    for part in (config, getattr(config, "ffn_config", None)):
+        for key in keys:
+            value = getattr(part, key, None) if part is not None and not isinstance(part, dict) else \
+                (part or {}).get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def expert_fractions(model_dir: str) -> dict[str, float]:
+    """The share of each routed-expert tensor of a generic MoE model's layers that one token uses (top-k of the
+    experts), by its name in its layer's stage (`mlp.experts.gate_up_proj`): the tensors of 3 dimensions whose
+    first is the expert count, in a module named for experts, as transformers 5 fuses them. Empty for a dense model
+    (or one whose config.json names no expert count or top-k): the plan then counts every tensor as used."""
+    arch = architecture(model_dir)
+    experts, top_k = (_config_number(arch.model.config, keys) for keys in (EXPERT_COUNT_KEYS, TOP_K_KEYS))
+    if not experts or not top_k or top_k >= experts:
+        return {}
+    out = {}
+    for layer in arch.layers:
+        for name, param in layer.named_parameters():
+            if param.dim() == 3 and param.shape[0] == experts and "expert" in name.rpartition(".")[0]:
+                out[name] = top_k / experts
+    return out
 
 
 def attention_width(cfg: ModelConfig) -> int:

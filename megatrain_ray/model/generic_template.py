@@ -71,11 +71,12 @@ def buffers_to(module: Any, device: torch.device) -> None:
                 part._parameters[name] = torch.nn.Parameter(param.detach().to(device), requires_grad=False)
 
 
-def load_fixed(arch: GenericArchitecture, model_dir: str) -> None:
+def load_fixed(arch: GenericArchitecture, model_dir: str, dtype: torch.dtype = torch.float32) -> None:
     """The tensors the model holds but does not train, as model_dir's weights hold them (as transformers loads
     them): its persistent buffers (Apertus's activation constants; those the directory lacks keep their
-    constructor's values) and its frozen parameters (Ernie 4.5-MoE's routing bias), made real tensors in
-    place of their meta ones."""
+    constructor's values) and its frozen parameters (Ernie 4.5-MoE's routing bias, DeepSeek-V3.2's indexer), made
+    real tensors in place of their meta ones: in the compute `dtype`, as the model's other weights, or in float32
+    where the class keeps that module in float32 (_keep_in_fp32_modules[_strict]: Ernie's `moe_statics`)."""
     buffers, frozen = arch.persistent_buffers, arch.frozen_parameters
     if not buffers and not frozen:
         return
@@ -83,10 +84,12 @@ def load_fixed(arch: GenericArchitecture, model_dir: str) -> None:
     for name, buffer in buffers.items():
         if name in source:
             buffer.copy_(source[name])  # the module's own buffer (state_dict shares its storage)
+    kept32 = [*(getattr(arch.model, "_keep_in_fp32_modules", None) or []),
+              *(getattr(arch.model, "_keep_in_fp32_modules_strict", None) or [])]
     for name in frozen:
         owner, _, leaf = name.rpartition(".")
         module = arch.model.get_submodule(owner)
-        value = source[name].to(module._parameters[leaf].dtype)
+        value = source[name].to(torch.float32 if any(k in name for k in kept32) else dtype)
         module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
 
@@ -158,7 +161,7 @@ class GenericTemplate:
         arch = build_architecture(cfg.path)
         if dtype == torch.float64 and getattr(arch.model.config, "_experts_implementation", None) == "grouped_mm":
             arch.model.set_experts_implementation("eager")  # grouped_mm, transformers' default, has no float64 kernel
-        load_fixed(arch, cfg.path)
+        load_fixed(arch, cfg.path, dtype)
         buffers_to(arch.model, device)
         self.arch: GenericArchitecture = arch
         self.layers = list(arch.layers)

@@ -12,6 +12,9 @@ and run from model.path, in float64 on both sides:
   (`transformer.blocks`, fused experts `ffn.experts.mlp.w1`), normalised top-3.
 - DeepSeek-V3: MLA attention, grouped routing with a correction bias (a persistent buffer), a shared expert, a
   dense first layer; transformers computes no load-balancing loss for it.
+- DeepSeek-V3.2: V3's layers and the sparse-attention indexer, each query attending to its top 5 of up to 16 keys
+  (the logits move by 0.16 from attending to all); the indexer runs under torch.no_grad in transformers, so AdamW
+  never moves it there: the generic path keeps it frozen (NO_GRADIENT), and the export holds it as the source.
 - GLM-4.5 MoE (Glm4MoeForCausalLM): DeepSeek-V3's routing (2 groups of 3 experts, routed_scaling_factor 2.5) beside
   GQA attention with qkv bias, q/k norms and half-rotary RoPE; no load-balancing loss in transformers either.
 - Llama 4 text (Llama4ForCausalLM): chunked local attention (chunks of 8 in rows of 16) with RoPE and L2 q/k norms,
@@ -64,9 +67,12 @@ from tests.reference_hf import train_hf
 FLOAT64_STEPS = 20
 AUX_COEF = 0.02
 JETMOE_LOSS_BOUND = 1e-8
-FAMILIES = ["qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "jetmoe", "dbrx", "deepseek_v3", "glm4_moe",
-            "llama4", "gemma4", "apertus"]
-UNTRAINED = {"ernie4_5_moe", "deepseek_v3", "glm4_moe", "gemma4", "apertus"}
+FAMILIES = ["qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "jetmoe", "dbrx", "deepseek_v3",
+            "deepseek_v32", "glm4_moe", "llama4", "gemma4", "apertus"]
+UNTRAINED = {"ernie4_5_moe", "deepseek_v3", "deepseek_v32", "glm4_moe", "gemma4", "apertus"}
+NO_GRADIENT = {"deepseek_v32": ".self_attn.indexer."}
+"""Parameters transformers' forward never differentiates (DeepSeek-V3.2's indexer runs under torch.no_grad): AdamW
+never moves them there, and the generic path keeps them frozen."""
 """The families whose state_dict holds tensors the model does not train (frozen parameters, persistent buffers)."""
 
 
@@ -114,6 +120,13 @@ def hf_moe_generic_model(name: str):
                                                n_shared_experts=1, num_experts_per_tok=3, n_group=2, topk_group=1,
                                                first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
                                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common)
+    elif name == "deepseek_v32":  # V3's layers plus the sparse-attention indexer: each query attends to its top 5
+        config = transformers.DeepseekV32Config(hidden_size=36, intermediate_size=44, moe_intermediate_size=20,
+                                                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6,
+                                                n_shared_experts=1, num_experts_per_tok=3, n_group=2, topk_group=1,
+                                                first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=5,
+                                                index_n_heads=2, index_head_dim=12, **common)
     elif name == "glm4_moe":  # GLM-4.5: DeepSeek-V3's router (sigmoid, correction bias, groups) beside GQA attention
         config = transformers.Glm4MoeConfig(hidden_size=36, intermediate_size=44, moe_intermediate_size=20,
                                             num_attention_heads=6, num_key_value_heads=2, head_dim=8,
@@ -191,7 +204,7 @@ def correctly_rounded_float32_routers(name: str):
     while they agreed within 1e-10 on a Xeon. Within the block both sides' router products are computed in float64
     and rounded once to float32: the same float32 logits whatever the shape, so the comparison is of our math
     alone. The routers' float32 softmax, sigmoid and top-k stay as transformers has them."""
-    if name not in ("ernie4_5_moe", "deepseek_v3", "glm4_moe"):
+    if name not in ("ernie4_5_moe", "deepseek_v3", "deepseek_v32", "glm4_moe"):
         yield
         return
     module = getattr(transformers.models, name).__dict__[f"modeling_{name}"]
@@ -259,7 +272,8 @@ def test_generic_moe_logits_match_transformers_to_1e10(float64_run):
 def test_generic_moe_float64_training_with_the_aux_loss_matches_transformers(float64_run):
     run = float64_run
     name, ours, final, initial = run["name"], [r["loss"] for r in run["records"]], run["final"], run["initial"]
-    trainable = {n for n, p in run["model"].named_parameters() if p.requires_grad}
+    trainable = {n for n, p in run["model"].named_parameters()
+                 if p.requires_grad and not (name in NO_GRADIENT and NO_GRADIENT[name] in n)}
     assert set(final) == trainable  # Hugging Face's names; frozen parameters and buffers are no stage's
     loss_limit = JETMOE_LOSS_BOUND if name == "jetmoe" else EXACT
     print(f"{name} float64 ({'aux ' + str(run['coef']) if run['coef'] else 'no aux loss'}): losses within "
@@ -281,7 +295,8 @@ def test_generic_moe_export_loads_in_transformers_with_every_key(float64_run):
     state = run["loaded"].state_dict()
     for key, value in run["final"].items():
         assert torch.equal(state[key], value.float()), key
-    trained = {n for n, p in run["model"].named_parameters(remove_duplicate=False) if p.requires_grad}
+    trained = {n for n, p in run["model"].named_parameters(remove_duplicate=False)
+               if p.requires_grad and not (run["name"] in NO_GRADIENT and NO_GRADIENT[run["name"]] in n)}
     untrained = {k: v for k, v in run["model"].state_dict().items() if k not in trained}
     for key, value in untrained.items():  # buffers and frozen parameters, exported as the source holds them
         assert torch.equal(state[key].float(), value.float()), key
