@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.exceptions import RewardFunctionError  # noqa: E402
+from megatrain_ray.store.checkpoint import CheckpointDir  # noqa: E402
 from tests.conftest import interrupted_and_resumed, tiny_raw  # noqa: E402
 from tests.integration.test_lora_parity import float64_transformers  # noqa: E402, F401  (a fixture)
 from tests.numerics import assert_exact  # noqa: E402
@@ -109,12 +113,67 @@ def test_resident_rollout_weights_are_refreshed_after_each_update(tmp_path, prom
     assert max(gaps) < 2e-5, gaps
 
 
-@pytest.mark.parametrize("num_iterations,cut,beta", [(1, 2, 0.0), (2, 3, 0.1)])
+KILL_IN_GENERATION = r"""
+import os, signal, socket, sys
+from megatrain_ray.__main__ import main
+from megatrain_ray.engine.rollout import passes
+
+config, step, seed, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+target, calls, sample = (seed * 1_000_003 + step) % (1 << 63), [0], passes.next_tokens
+
+def next_tokens(logits, sampling, generator):  # the driver (runtime local: the GPU worker in it) dies mid-decode
+    if sampling.seed == target:
+        calls[0] += 1
+        if calls[0] == 3:
+            prefix = f"megatrain-{socket.gethostname().replace('-', '_')}-{os.getpid()}-"
+            with open(out, "w") as f:
+                f.write("\n".join(n for n in os.listdir("/dev/shm") if n.startswith(prefix)))
+            os.kill(os.getpid(), signal.SIGKILL)
+    return sample(logits, sampling, generator)
+
+passes.next_tokens = next_tokens
+sys.exit(main(["train", config, "--local"]))
+"""
+
+
+def killed_in_generation(cfg, tmp_path: Path, step: int) -> list[str]:
+    """`megatrain train` of `cfg` (a checkpoint after every step) in a subprocess whose driver kill -9s itself in the
+    middle of step `step`'s decoding, while the checkpoint of the step before is still being written; returns the
+    segments it held, once they are gone (its guardian removes them)."""
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from megatrain_ray.config.load import config_to_yaml
+    from tests.conftest import REPO
+
+    raw = yaml.safe_load(config_to_yaml(cfg))
+    raw["checkpoint"]["every"] = 1
+    path, held = tmp_path / "kill.yaml", tmp_path / "held.txt"
+    path.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", KILL_IN_GENERATION, str(path), str(step), str(cfg.train.seed),
+                           str(held)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    segments = held.read_text().split()
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/dev/shm/{name}") for name in segments):
+        assert time.monotonic() < deadline, "15 s after the kill the driver's segments are still there"
+        time.sleep(0.1)
+    return segments
+
+
+@pytest.mark.parametrize("num_iterations,cut,beta", [(1, 2, 0.0), (2, 3, 0.1)], ids=["kill-9", "mid-group"])
 def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path, prompts_dir, num_iterations, cut,
                                                                          beta):
-    """Cut after `cut` steps and resumed from the checkpoint there; with num_iterations 2 that is inside the group
-    of steps 2 and 3 (the checkpoint keeps its batch), with beta > 0 (the reference copy made again from the
-    initial weights, the checkpoint loaded over the trained ones)."""
+    """kill-9: the driver is killed (SIGKILL) in the middle of step 2's generation, the checkpoint of step 2 still
+    being written: its segments go, the half-written checkpoint is not one (the run resumes from step 1's), no
+    metrics line is cut. mid-group: cut after 3 steps and resumed from the checkpoint there, inside the group of
+    steps 2 and 3 of num_iterations 2 (the checkpoint keeps its batch), with beta > 0 (the reference copy made
+    again from the initial weights, the checkpoint loaded over the trained ones). Either way the run ends as the
+    uninterrupted one, bit for bit."""
     def read(trainer):
         return trainer.master_weights(), [json.loads(line) for line in
                                           (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -123,9 +182,19 @@ def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path
     with Trainer(grpo_config(tmp_path / "straight", prompts_dir, steps=4, **settings)) as trainer:
         trainer.train()
         weights, records = read(trainer)
-    resumed_at, (weights2, records2) = interrupted_and_resumed(grpo_config(tmp_path / "cut", prompts_dir, steps=4,
-                                                                           **settings),
-                                                               stop_after=cut, every=cut, read=read)
+    cfg = grpo_config(tmp_path / "cut", prompts_dir, steps=4, **settings)
+    if num_iterations == 1:
+        assert killed_in_generation(cfg, tmp_path, cut)  # it held segments, and they went
+        lines = (tmp_path / "cut" / "run" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [0, 1]  # whole lines only
+        assert [c.step for c in CheckpointDir(tmp_path / "cut" / "ckpt").complete()] == [1]
+        with Trainer(cfg, resume="auto") as trainer:
+            resumed_at = trainer.next_step
+            trainer.train()
+            weights2, records2 = read(trainer)
+        cut = 1
+    else:
+        resumed_at, (weights2, records2) = interrupted_and_resumed(cfg, stop_after=cut, every=cut, read=read)
     assert resumed_at == cut
     assert [r["loss"] for r in records2] == [r["loss"] for r in records]
     for key in ("reward", "completions/mean_length", "rollout_tokens", *(("kl",) if beta else ())):
