@@ -17,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from megatrain_ray.config.fields import refuse as _fail
-from megatrain_ray.config.hf_generic import model_config_for_template
+from megatrain_ray.config.generic_shape import model_config_for_template
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.sections import Config, _to_plain
 from megatrain_ray.exceptions import ConfigError, excerpt

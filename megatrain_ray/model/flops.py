@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatrain_ray.config.hf_generic import attention_width
+from megatrain_ray.config.generic_shape import attention_width
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.delta_rule import delta_rule_flops_per_token
 from megatrain_ray.model.layout import ModelLayout

@@ -33,7 +33,7 @@ from typing import Literal, Mapping
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.config.hf_generic import expert_fractions
+from megatrain_ray.config.generic_shape import expert_fractions
 from megatrain_ray.config.model_section import ModelConfig
 
 RouterKind = Literal["softmax_topk", "topk_softmax"]
@@ -93,7 +93,7 @@ def moe_mlp_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
 def active_fraction(cfg: ModelConfig, name: str) -> float:
     """The share of tensor `name` (a layer's, by its name in the stage) that one token uses: top-k of the
     experts for the fused expert tensors, all of any other tensor. A generic model's expert tensors are found in
-    its transformers model (config/hf_generic.expert_fractions)."""
+    its transformers model (config/generic_shape.expert_fractions)."""
     if cfg.template == "generic" and cfg.path:
         return expert_fractions(str(Path(cfg.path).resolve())).get(name, 1.0)
     return cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe and name.startswith("mlp.experts.") else 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatrain_ray.config.hf_generic import model_config_for_template
+from megatrain_ray.config.generic_shape import model_config_for_template
 from megatrain_ray.config.load import read_yaml
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_io import HFDirectory, export_hf, source_dtype

@@ -116,7 +116,7 @@ def test_prepare_from_a_directory_says_it_is_a_directory(tmp_path, capsys):
 
 def test_gpt2_is_refused_for_its_learned_position_embeddings(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from megatrain_ray.config.hf_generic import model_config_for_template
+    from megatrain_ray.config.generic_shape import model_config_for_template
 
     transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                             architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)

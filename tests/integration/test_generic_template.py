@@ -352,7 +352,7 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def template_log():
-    records, logger = _Records(), logging.getLogger("megatrain_ray.config.hf_generic")
+    records, logger = _Records(), logging.getLogger("megatrain_ray.config.generic_shape")
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     yield records.messages

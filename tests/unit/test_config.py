@@ -55,7 +55,7 @@ def test_model_shapes_have_the_published_size(name, billions):
 @pytest.mark.parametrize("name, total, active, billions", [
     # Activated parameters as the model cards count them: Qwen3.5-397B-A17B's 17B and DeepSeek-V3's 37B with the
     # embedding and the LM head, GLM-4.5-Air's 12B without them. The generic path finds the experts in transformers'
-    # model (config/hf_generic.expert_fractions: top-8 of 256 and of 128); the native one by its config.
+    # model (config/generic_shape.expert_fractions: top-8 of 256 and of 128); the native one by its config.
     ("qwen3.5-397b-a17b.yaml", 396_346_350_336, 17_349_040_896, 17.0),
     ("deepseek-v3.yaml", 671_026_404_352, 37_552_282_624, 37.0),
     ("glm-4.5-air.yaml", 106_852_245_504, 12_182_609_920, 12.0),
