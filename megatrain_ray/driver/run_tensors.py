@@ -75,14 +75,15 @@ class RunTensors:
         return export_hf(tensors, self.cfg.model, out_dir, source_dir=source, dtype=dtype, shard_bytes=shard_bytes)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], nodes: list[int] | None = None) -> None:
-        """Overwrite master weights (and the streaming copy) by Hugging Face name, before training, on every
-        node (or on `nodes`: tests that make the copies disagree)."""
+        """Overwrite master weights (and the streaming copy; GRPO's reference copy too, as the weights before
+        training) by Hugging Face name, before training, on every node (or on `nodes`: tests that make the copies
+        disagree)."""
         self.flush()
         if self.run_spec.base_quantization == "nf4":  # its layers have no dense segment to write into
             raise ConfigError("Trainer.load_weights: the base of finetune.lora.base_quantization=nf4 is quantized "
                               "once when the run starts; put the weights in model.path instead")
         for k in nodes if nodes is not None else range(len(self.nodes)):
-            store = HostStore(specs_of(self.nodes[k].specs, ("master", "stream", "master_comp")))
+            store = HostStore(specs_of(self.nodes[k].specs, ("master", "stream", "master_comp", "reference")))
             store.write_tensors(self.layout, tensors)  # the stages with segments there
         if self._resident_holder is not None:
             self._resident_holder.write_resident(tensors).result()

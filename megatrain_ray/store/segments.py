@@ -363,12 +363,13 @@ class HostStore:
         return {name: view.clone() for name, view in StoreTensors(self, layout, kind).items()}
 
     def write_tensors(self, layout: ModelLayout, tensors: dict[str, torch.Tensor]) -> None:
-        """Set master weights (and their streaming copy) from Hugging Face-named tensors."""
+        """Set master weights (and their streaming copy, and GRPO's reference copy: the initial weights are these now)
+        from Hugging Face-named tensors."""
         for name, value in tensors.items():
             stage, slot = layout.stage_of(name)
             if tuple(value.shape) != slot.shape:
                 raise ValueError(f"tensor {name}: shape {tuple(value.shape)} != model's {slot.shape}")
-            for kind in ("master", "stream"):
+            for kind in ("master", "stream", "reference"):
                 if self.has(kind, stage.index):
                     self.get(kind, stage.index)[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
             if self.has("master_comp", stage.index):  # the lean state: what the bf16 master dropped of the value

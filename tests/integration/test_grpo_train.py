@@ -244,7 +244,9 @@ def test_kl_to_the_initial_model_and_a_reused_batch_match_trl(tmp_path, prompts_
         attn_implementation="sdpa")).to(torch.float64).eval()
     generated, scored, records = [], [], []
     with Trainer(cfg) as trainer:
-        reference.load_state_dict(trainer.master_weights(), strict=False)  # the initial weights (LoRA: the base)
+        names = trainer.master_weights()
+        # transformers' own random initialisation as the weights before training (LoRA: the base), reference copy too
+        trainer.load_weights({k: v for k, v in reference.state_dict().items() if k in names})
         steps = trainer.rollouts
         batch, score = steps.batch, steps.score
         steps.batch = lambda step, gpu: generated.append(batch(step, gpu)) or generated[-1]
