@@ -15,13 +15,14 @@ from typing import Any
 import torch
 
 from actors.base import ActorBase
+from megatrain_ray.config.hf_vision import vision_config_of_dir
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.engine.adapters import ADAPTER_STAGE
 from megatrain_ray.engine.collective import Collectives, RankInfo
 from megatrain_ray.engine.lora_engine import LoraStreamEngine
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
-from megatrain_ray.engine.step import StreamEngine
+from megatrain_ray.engine.vision_engine import attach_vision, engine_classes
 from megatrain_ray.messages import Batch, StepResult
 from megatrain_ray.model.hf_io import HFDirectory
 from megatrain_ray.model.layout import ModelLayout, StageLayout
@@ -73,14 +74,18 @@ class GPUWorker(ActorBase):
             t0 = time.perf_counter()
             gib = self.store.register_pinned(("master", "stream", "grad", "gradpool", "nf4", "reference"))
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
+        vision = vision_config_of_dir(cfg.model.path) is not None  # a vision-language model: engine/vision_engine.py
+        full_engine, lora_engine = engine_classes(vision)
         if run.frozen_base and cfg.finetune.method == "lora":  # adapters on the device, a frozen streamed base
-            self.engine = LoraStreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
+            self.engine = lora_engine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
                                            self.store, self.device, cfg.finetune.lora, cfg.train.seed, rank)
             if restore is not None:
                 self.engine.adapters.load(restore.directory, restore.entry_of(ADAPTER_STAGE))
         else:
-            self.engine = StreamEngine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
+            self.engine = full_engine(cfg.model, cfg.engine, cfg.parallel, cfg.optimizer, run, layout,
                                        self.store, optimizers, self.device, rank)
+        if vision:
+            attach_vision(self.engine, cfg, run, restore)
         self.layout = layout
         self._fill_resident(cfg, restore)
         self.comm: Collectives | None = None
@@ -134,8 +139,12 @@ class GPUWorker(ActorBase):
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
         return self.engine.eval_loss(batch)
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.engine.logits(ids)
+    def logits(self, ids: torch.Tensor, images: Any = None) -> torch.Tensor:
+        if images is None:
+            return self.engine.logits(ids)
+        if getattr(self.engine, "vision", None) is None:
+            raise ValueError("the batch has images but the model has no vision tower (model.path is a text model)")
+        return self.engine.logits(ids, images)
 
     def sequence_logps(self, batch: Batch) -> torch.Tensor:
         return self.engine.sequence_logps(batch)
@@ -183,7 +192,14 @@ class GPUWorker(ActorBase):
         entries = [write_stage(Path(directory), stage, tier.take(stage), step) for stage in tier.layouts]
         if isinstance(self.engine, LoraStreamEngine):  # the adapters and their AdamW state
             entries.append(self.engine.adapters.save(Path(directory), step))
+        if getattr(self.engine, "vision", None) is not None:  # the vision tower and projector's trained state
+            entries.append(self.engine.vision.save(Path(directory), step))
         return entries
+
+    def vision_state(self) -> dict[str, torch.Tensor]:
+        """(A vision-language model) The tower's and projector's tensors by module name, on the CPU."""
+        self.engine.flush()
+        return self.engine.vision.state()
 
     def reload_base(self) -> None:
         """(LoRA) The host's base was overwritten: the device's copies of it are read again."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -232,6 +232,21 @@ class PolicyRows:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """The images of a batch of a vision-language model (model/vision/): the processor's output for them, in the
+    order their placeholder tokens appear in the rows (row by row), read by the model's own get_image_features."""
+
+    pixel_values: torch.Tensor
+    """As the model's processor returns them: [images, channels, height, width] (LLaVA, Gemma 3)."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Further inputs of get_image_features the processor gives (image_sizes, ...), by their names there."""
+
+    @property
+    def count(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One step's inputs, sent by the driver to the GPU worker (small: token ids, not weights)."""
 
@@ -248,6 +263,9 @@ class Batch:
     """DPO: the rows are preference pairs (the head computes the DPO loss); None: cross-entropy."""
     policy: PolicyRows | None = None
     """GRPO: the rows are sampled completions (the head computes the GRPO loss); None: cross-entropy."""
+    images: ImageInputs | None = None
+    """A vision-language model's images of these rows (their features replace the image tokens' embeddings);
+    None: text only."""
 
     def __post_init__(self) -> None:
         if self.preference is not None and self.policy is not None:

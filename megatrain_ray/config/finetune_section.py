@@ -127,3 +127,9 @@ class FinetuneConfig:
     """The DPO loss's settings (finetune.objective=dpo; read only then)."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """GRPO's settings and reward functions (finetune.objective=grpo; read only then)."""
+    vision: Literal["frozen", "lora", "full"] = "frozen"
+    """A vision-language model's vision tower (model.path a LLaVA or Gemma 3 multimodal checkpoint; read only then):
+    frozen: the tower is frozen and the multimodal projector trains (as LLaMA-Factory's default); full: tower and
+    projector train. Either way their weights, gradients and AdamW state live on the compute device in the master
+    dtype, are checkpointed with the run (vision.safetensors) and exported with the model (docs/vision.md). lora
+    (adapters on the tower) is not implemented yet: refused when the run starts."""

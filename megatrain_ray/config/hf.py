@@ -11,6 +11,7 @@ from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.config.hf_hybrid import HYBRID_FAMILIES, hybrid_from_hf, hybrid_to_hf, text_part
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
 from megatrain_ray.config.hf_quantization import check_quantization_config
+from megatrain_ray.config.hf_vision import vision_text_part
 from megatrain_ray.config.model_section import ModelConfig, RopeScalingConfig
 from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
 from megatrain_ray.system.files import read_json_object
@@ -183,7 +184,7 @@ def _pad_token(hf: dict[str, Any], family: str, vocab: int, where: str) -> int |
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json mapping; every field is checked before it is used
     (`where` names the file in errors, with the file's own key names)."""
-    hf = text_part(hf)  # a multimodal Qwen3.5 checkpoint: its text model
+    hf = text_part(vision_text_part(hf, where))  # a vision-language or multimodal Qwen3.5 checkpoint: its text model
     try:
         return _model_config_from_hf(hf, where)
     except FieldError as exc:  # ModelConfig's own checks refused a value of this file: name the file and its key

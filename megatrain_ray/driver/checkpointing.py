@@ -19,7 +19,9 @@ import torch
 from megatrain_ray.config.sections import Config
 from megatrain_ray.data.batches import DocumentBatches, TokenBatches
 from megatrain_ray.driver.runtime import Handle
+from megatrain_ray.config.hf_vision import vision_config_of_dir
 from megatrain_ray.engine.adapters import ADAPTER_STAGE
+from megatrain_ray.engine.vision_tier import VISION_STAGE
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.observe.log import get_logger
@@ -64,7 +66,10 @@ def find_checkpoint(resume: str | None, checkpoints: CheckpointDir, layout: Mode
         log.info("--resume auto: no complete checkpoint under %s, starting from step 0", checkpoints.root)
         return None
     # A LoRA checkpoint holds the adapters' file only (its base is the model.path it records, loaded again).
-    check_compatible(info, layout, state_config(cfg), {ADAPTER_STAGE} if cfg.finetune.method == "lora" else None)
+    stages = {ADAPTER_STAGE} if cfg.finetune.method == "lora" else {s.index for s in layout.stages}
+    if vision_config_of_dir(cfg.model.path) is not None:  # the vision tower and projector's file (engine/vision_tier.py)
+        stages.add(VISION_STAGE)
+    check_compatible(info, layout, state_config(cfg), stages)
     if info.step > cfg.train.steps:
         raise CheckpointError(f"checkpoint {info.directory} is at step {info.step}, beyond "
                               f"train.steps={cfg.train.steps}; raise train.steps to continue training")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from megatrain_ray.config.hf_vision import vision_config_of_dir
 from megatrain_ray.config.load import config_to_yaml
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config, check_trainable
@@ -32,6 +33,7 @@ from megatrain_ray.driver.reference import check_reference, load_or_compute
 from megatrain_ray.driver.run_tensors import RunTensors
 from megatrain_ray.driver.runtime import gather, private_ray_pids, ray_session_dir, start_ray
 from megatrain_ray.driver.tracking import Tracking, check_available, last_logged_step
+from megatrain_ray.engine.vision_engine import check_vision_run
 from megatrain_ray.exceptions import ActorFailedError, ConfigError
 from megatrain_ray.model.flops import model_flops_per_token
 from megatrain_ray.model.generic_template import GenericTemplate
@@ -70,6 +72,8 @@ class Trainer(RunTensors, ClusterView):
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: str | None = None,
                  resume_command: str | None = None):
         check_trainable(cfg)  # the GRPO settings this version does not run
+        check_vision_run(cfg)  # a vision-language model's settings (engine/vision_engine.py)
+        self.vision = vision_config_of_dir(cfg.model.path)
         self.cfg = cfg = place_outputs(cfg)  # absolute output paths, never in Ray's session tree
         check_available(cfg.train.report_to)  # a tracker's missing package fails before anything starts
         self.layout: ModelLayout = build_layout(cfg.model)
@@ -357,7 +361,8 @@ class Trainer(RunTensors, ClusterView):
         self.cluster.sync_moments()
         partial = self.checkpoints.partial(self.next_step, self.run_id)
         die = self.drills.due("kill_during_checkpoint", self.next_step) is not None
-        holder = self.gpu if self.run_spec.frozen_base else self._resident_holder  # LoRA: the adapters' file
+        # LoRA: the adapters' file; a vision-language model: the vision tower's
+        holder = self.gpu if self.run_spec.frozen_base or self.vision else self._resident_holder
         self.saver.begin(self.shards, self.next_step, self.updates_applied, partial, die, holder,
                          self.rollouts.save_state if self.rollouts is not None else None)
         return self._finish_save() if wait else None

@@ -33,6 +33,23 @@ class DocumentBucket:
     """[n, width] True for the document's own tokens, False for padding."""
 
 
+@dataclass(frozen=True, slots=True)
+class ExplicitMask:
+    """Where attention is allowed, given whole in place of document buckets (a vision-language model's image
+    blocks, model/vision/splice.py): [B, 1, T, T] booleans for the global layers and for the sliding ones."""
+
+    full: torch.Tensor
+    sliding: torch.Tensor | None = None
+    """None: the model has no sliding layers."""
+
+    def of(self, spec: LayerSpec) -> torch.Tensor:
+        if spec.sliding_window:
+            if self.sliding is None:
+                raise ValueError("an explicit attention mask without its sliding-window part reached a sliding layer")
+            return self.sliding
+        return self.full
+
+
 def document_buckets(segments: Segments, device: torch.device) -> tuple[DocumentBucket, ...]:
     """Group the documents of a packed batch by the power of two at or above their length: attention then
     costs one SDPA call per bucket (O(log seq_len) per layer, at most twice the work of exact lengths),
@@ -61,6 +78,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec
     """
     if documents is None:
         return _causal_attention(q, k, v, spec)
+    if isinstance(documents, ExplicitMask):
+        return masked_attention(q, k, v, documents.of(spec), spec)
     out = torch.empty_like(q)
     for bucket in documents:
         def gather(t: torch.Tensor, bucket: DocumentBucket = bucket) -> torch.Tensor:

@@ -26,12 +26,14 @@ from safetensors.torch import save_file
 from megatrain_ray.config.hf import hf_config_from_model, read_hf_config
 from megatrain_ray.config.hf_generic import architecture
 from megatrain_ray.config.hf_hybrid import MULTIMODAL, multimodal_names, text_part
+from megatrain_ray.config.hf_vision import FAMILIES as VISION_FAMILIES
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.model.hf_quant import MXFP4Pairs
 from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.model.moe_io import ExpertStacks
+from megatrain_ray.model.vision.names import split_names
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
 
@@ -100,12 +102,18 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         self.aliases: dict[str, str] = {}
         """A multimodal Qwen3.5 checkpoint's tensors: {the text model's name: the name on disk}."""
         self.ignored: set[str] = set()
+        self.vision_names: dict[str, str] = {}
+        """A vision-language checkpoint's tower and projector: {module name: name on disk} (model/vision/)."""
         if model_type in MULTIMODAL:  # its language model read as the text model (transformers' text class does so)
             self.aliases, self.ignored = multimodal_names(list(self.entries))
             self.entries = {new: self.on_disk[old] for new, old in self.aliases.items()}
+        elif model_type in VISION_FAMILIES:  # the text model streams; the vision modules read their own tensors
+            self.aliases, self.vision_names = split_names(str(self.dir), list(self.entries), str(self.dir))
+            self.ignored = set(self.vision_names.values())
+            self.entries = {new: self.on_disk[old] for new, old in self.aliases.items()}
         elif model_type in MTP_MODEL_TYPES:
             self.ignored = {n for n in self.entries if n.startswith("mtp.")}
-        if self.ignored:
+        if self.ignored and not self.vision_names:
             log.info("%s: %d tensors of a vision tower or a multi-token-prediction head (model.visual.*, mtp.*) are "
                      "not read, as transformers' text model does not load them", self.dir, len(self.ignored))
         self.stacks = ExpertStacks(self.entries, str(self.dir), model_type)
@@ -132,6 +140,12 @@ class HFDirectory(Mapping[str, torch.Tensor]):
 
     def _read(self, name: str) -> torch.Tensor:
         disk = self.aliases.get(name, name)
+        with self._open(self.on_disk[disk][0]) as f:
+            return f.get_tensor(disk)
+
+    def read_vision(self, module_name: str) -> torch.Tensor:
+        """A tensor of the vision tower or projector by its module name (HFDirectory.vision_names)."""
+        disk = self.vision_names[module_name]
         with self._open(self.on_disk[disk][0]) as f:
             return f.get_tensor(disk)
 

@@ -1,0 +1,113 @@
+"""Vision-language checkpoints (config.json of an image-text-to-text model): which families megatrain takes, their
+text model as a native family, and the facts the vision path needs (model/vision/).
+
+A vision-language model is the language model megatrain streams (a native text family: Llama, Mistral, Qwen2, Gemma 3
+text) plus a vision tower and a multimodal projector that run as ordinary modules on the GPU worker. Its config.json
+holds the text model under `text_config` and the tower under `vision_config`; this module reads the first as the
+text class's config.json would be (so model.family is the text family and the layers stream as today) and the rest
+as `VisionFamily`, for the vision path. Its weights on disk carry transformers' names of either spelling (the
+legacy `language_model.model.*` that transformers 5 still writes, or the module names `model.language_model.*`);
+model/vision/names.py maps them with transformers' own conversion rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megatrain_ray.exceptions import CheckpointError, ConfigError, excerpt
+from megatrain_ray.system.files import read_json_object
+
+
+@dataclass(frozen=True, slots=True)
+class VisionFamily:
+    """What the vision path needs to know of a vision-language family."""
+
+    model_type: str
+    text_model_types: tuple[str, ...]
+    """The text model_types (text_config.model_type) whose native templates this family's language model runs on."""
+    attention: Literal["causal", "image_blocks"]
+    """causal: images are tokens like any other. image_blocks (Gemma 3): each image's tokens also attend to one
+    another in both directions (transformers' token_type_ids mask: causal OR same image block, and in the sliding
+    layers that AND the window)."""
+    default_tie: bool
+    """The config class's tie_word_embeddings when config.json has none."""
+    parts: tuple[str, ...]
+    """The vision modules' attribute names in the base model (transformers' XModel): trained and exported."""
+
+
+FAMILIES: dict[str, VisionFamily] = {
+    "llava": VisionFamily("llava", ("llama", "mistral", "qwen2"), "causal", False,
+                          ("vision_tower", "multi_modal_projector")),
+    "gemma3": VisionFamily("gemma3", ("gemma3_text",), "image_blocks", True,
+                           ("vision_tower", "multi_modal_projector")),
+}
+TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "gemma3_text": "Gemma3ForCausalLM"}
+PLANNED = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE",
+           "llava_onevision": "LLaVA-OneVision", "mistral3": "Mistral 3", "llava_next": "LLaVA-NeXT",
+           "internvl": "InternVL", "glm4v": "GLM-4V", "llama4": "Llama 4", "paligemma": "PaliGemma"}
+"""Vision-language model_types transformers ships that the vision path does not take yet (issue 44)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """The vision facts of one checkpoint (its config.json)."""
+
+    family: VisionFamily
+    image_token_id: int
+    text_vocab_size: int
+
+
+def is_vision_config(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") in FAMILIES or hf.get("model_type") in PLANNED
+
+
+def vision_text_part(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The text model of a vision-language config.json as its text class's config.json (its architecture, the
+    vision model's tie_word_embeddings); other config.json files as they are. A family the vision path does not
+    take yet is refused, naming it."""
+    model_type = hf.get("model_type")
+    if model_type in PLANNED:
+        raise ConfigError(f"{where}: {PLANNED[model_type]} ({model_type}) is a vision-language family the vision path "
+                          f"does not take yet (taken: {', '.join(FAMILIES)}; issue 44)")
+    if model_type not in FAMILIES:
+        return hf
+    family, text = FAMILIES[model_type], hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{where}: a {model_type} config.json needs a text_config mapping; got {excerpt(text)}")
+    text_type = text.get("model_type")
+    if text_type not in family.text_model_types:
+        raise ConfigError(f"{where}: {model_type} with a {excerpt(text_type)} language model is not supported (the "
+                          f"vision path streams native text families: {', '.join(family.text_model_types)})")
+    tie = hf.get("tie_word_embeddings")
+    tie = family.default_tie if tie is None else bool(tie)
+    if model_type == "llava":  # LlavaConfig: the text config's tie counts where the top level's is off
+        tie = tie or bool(text.get("tie_word_embeddings"))
+    return {**text, "architectures": [TEXT_ARCHITECTURES[text_type]], "tie_word_embeddings": tie}
+
+
+def vision_config(hf: dict[str, Any], where: str = "config.json") -> VisionConfig | None:
+    """The vision facts of a config.json; None for a text model."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        return None
+    text = vision_text_part(hf, where)
+    token = hf.get("image_token_id", hf.get("image_token_index"))
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise CheckpointError(f"{where}: image_token_id = {excerpt(token)} must be a token id >= 0")
+    vocab = text.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise CheckpointError(f"{where}: text_config.vocab_size = {excerpt(vocab)} must be a whole number >= 1")
+    return VisionConfig(FAMILIES[model_type], token, vocab)
+
+
+def vision_config_of_dir(model_dir: str | Path | None) -> VisionConfig | None:
+    """The vision facts of a model directory (None: no directory, or a text model)."""
+    if not model_dir:
+        return None
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    return vision_config(read_json_object(path, str(path), CheckpointError), str(path))

@@ -1,0 +1,171 @@
+"""The vision tower and projector's training state on the GPU worker (finetune.vision).
+
+The modules (model/vision/modules.py) live on the compute device in the run's master dtype (float32; float64 in a
+float64 run), with torch.optim.AdamW's state over the trained ones (the run's betas, eps; weight decay on matrices
+only, as the streamed layout decays them; each step's learning rate from the schedule). finetune.vision:
+
+- frozen (default): the tower is frozen, the projector trains (LLaMA-Factory's default: freeze_vision_tower,
+  train the projector);
+- full: tower and projector train;
+- lora: refused for now (config/sections.py says so).
+
+A step computes the image features once (`splice`, before the first streamed layer, with autograd on for what
+trains), keeps their graph through the layer stream, and takes their gradient from the first layer's input gradient
+at the image-token positions (`backward`, beside the embedding's). Their squared norm joins the step's global norm;
+the update (`step`) is clipped by the same coefficient as the streamed stages', or dropped with them.
+
+Checkpoints: vision.safetensors, the trained tensors by module name, their moments as
+`optimizer.exp_avg.<name>` / `optimizer.exp_avg_sq.<name>` and AdamW's step count in the metadata; the frozen
+tower is read again from model.path on resume.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatrain_ray.config.engine_sections import OptimizerConfig
+from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.messages import ImageInputs
+from megatrain_ray.model.attention import ExplicitMask
+from megatrain_ray.model.vision.modules import VisionModules
+from megatrain_ray.model.vision.splice import check_count, image_block_mask, image_positions, lookup_ids
+from megatrain_ray.store.safetensors_io import read_safetensors_into, write_safetensors
+
+VISION_FILE = "vision.safetensors"
+VISION_STAGE = -2
+"""The `stage` of the vision state's file in a checkpoint manifest."""
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+TRAINED_PARTS = {"frozen": ("multi_modal_projector",), "full": ("vision_tower", "multi_modal_projector")}
+
+
+class VisionTier:
+    def __init__(self, modules: VisionModules, mode: str, optimizer: OptimizerConfig, compute_dtype: torch.dtype,
+                 sliding_window: int = 0, any_sliding: bool = False):
+        self.modules, self.mode = modules, mode
+        self.vision = modules.vision
+        self.compute_dtype = compute_dtype
+        self.sliding_window, self.any_sliding = sliding_window, any_sliding
+        params = modules.parameters()
+        parts = TRAINED_PARTS[mode]
+        self.trained = {n: p for n, p in params.items() if modules.part_of(n) in parts}
+        for name, p in params.items():
+            p.requires_grad_(name in self.trained)
+        decay = [p for p in self.trained.values() if p.ndim >= 2]
+        other = [p for p in self.trained.values() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optimizer.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps, foreach=False)
+        self.sqnorm: torch.Tensor | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ the step
+
+    def lookup_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return lookup_ids(ids, self.vision.image_token_id, self.vision.text_vocab_size)
+
+    def splice(self, x: torch.Tensor, ids: torch.Tensor, images: ImageInputs | None, training: bool) -> tuple[
+            torch.Tensor, ExplicitMask | None]:
+        """The token embeddings x [B, T, hidden] with the image features at the image tokens, and the attention mask
+        the family needs (None: causal); `training` keeps the features' graph for `backward`."""
+        positions = image_positions(ids, self.vision.image_token_id)
+        self._pending = None
+        if images is None:
+            if bool(positions.any()):
+                check_count(positions, x.new_empty(0, 1), 0)
+            return x, None
+        track = training and bool(self.trained)
+        with torch.enable_grad() if track else torch.no_grad(), self._autocast():
+            features = self.modules.features(images.pixel_values, images.extra)
+        check_count(positions, features, images.count)
+        x = x.clone() if x.requires_grad else x
+        x[positions] = features.detach().to(x.dtype)
+        if track:
+            self._pending = (features, positions)
+        mask = image_block_mask(positions, self.sliding_window, self.any_sliding) \
+            if self.vision.family.attention == "image_blocks" else None
+        return x, mask
+
+    def _autocast(self) -> Any:
+        device = self.modules.device
+        if device.type == "cuda" and self.compute_dtype in (torch.bfloat16, torch.float16):
+            return torch.autocast("cuda", dtype=self.compute_dtype)
+        return torch.autocast(device.type, enabled=False)
+
+    def begin_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sqnorm = None
+        self._pending = None
+
+    def backward(self, ids: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
+        """The features' backward from the first layer's input gradient grad_y [B, T, hidden]; returns grad_y with
+        zeros at the image tokens (their embedding rows take none, as transformers' masked_scatter gives none)."""
+        positions = image_positions(ids, self.vision.image_token_id)
+        if self._pending is not None:
+            features, kept = self._pending
+            self._pending = None
+            torch.autograd.backward(features, grad_y[kept].to(features.dtype))
+        grads = [p.grad for p in self.trained.values() if p.grad is not None]
+        acc = torch.promote_types(self.modules.dtype, torch.float32)
+        self.sqnorm = sum((torch.linalg.vector_norm(g, dtype=acc).square() for g in grads),
+                          torch.zeros((), dtype=acc, device=self.modules.device))
+        return grad_y.masked_fill(positions.unsqueeze(-1), 0) if bool(positions.any()) else grad_y
+
+    def step(self, lr: float, coef: float, apply: bool) -> None:
+        """AdamW on the trained tensors, their gradients times the clipping coefficient; `apply` False drops it."""
+        if not apply or not self.trained:
+            return
+        if coef < 1.0:
+            for p in self.trained.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    # ------------------------------------------------------------------ state in and out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the tower and projector by module name, copied to the CPU (the export's)."""
+        return {n: t.detach().to("cpu", copy=True) for n, t in self.modules.state().items()}
+
+    def adam_step(self) -> int:
+        for p in self.trained.values():
+            state = self.optimizer.state.get(p)
+            if state:
+                return int(state["step"])
+        return 0
+
+    def save(self, directory: Path, step: int) -> dict:
+        tensors = [(n, p.detach().cpu()) for n, p in self.trained.items()]
+        for kind in _MOMENTS:
+            for n, p in self.trained.items():
+                state = self.optimizer.state.get(p)
+                tensors.append((f"optimizer.{kind}.{n}", (state[kind] if state else torch.zeros_like(p)).cpu()))
+        adam_step = self.adam_step()
+        entry = write_safetensors(directory / VISION_FILE, tensors, {"format": "megatrain-vision/1", "step": str(step),
+                                                                     "adam_step": str(adam_step)})
+        entry.update(stage=VISION_STAGE, adam_step=adam_step)
+        return entry
+
+    def load(self, directory: Path, entry: dict) -> None:
+        targets, staged = {}, []
+        for n, p in self.trained.items():
+            flats = {k: torch.empty(p.shape, dtype=p.dtype) for k in ("param", *_MOMENTS)}
+            targets[n] = flats["param"]
+            targets.update({f"optimizer.{k}.{n}": flats[k] for k in _MOMENTS})
+            staged.append((p, flats))
+        path = directory / entry["path"]
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory} has no {VISION_FILE}")
+        read_safetensors_into(path, targets, entry)
+        adam_step = int(entry.get("adam_step", 0))
+        self.optimizer.state.clear()
+        with torch.no_grad():
+            for p, flats in staged:
+                p.copy_(flats["param"])
+                if adam_step:  # torch's AdamW keeps its step count as a CPU tensor, its moments on the device
+                    self.optimizer.state[p] = {"step": torch.tensor(float(adam_step)),
+                                               **{k: flats[k].to(p.device) for k in _MOMENTS}}

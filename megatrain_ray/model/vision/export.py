@@ -1,0 +1,85 @@
+"""A vision-language run's export: a directory AutoModelForImageTextToText.from_pretrained loads with no missing or
+unexpected key.
+
+The text model's tensors (the master weights, by the text layout's names) are written under the vision-language
+model's module names (`model.X` as `model.language_model.X`, `lm_head.weight` as it is; none for a tied head), the
+tower's and projector's (trained or frozen, with their persistent buffers) under theirs, both as transformers 5's
+modules name them (its loader takes them as they are). config.json is the source's own (its class and every key; the
+shapes never change), with the export's dtype; the tokenizer's and the processor's files are copied.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from megatrain_ray.config.hf import read_hf_config
+from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.dtypes import TORCH_DTYPES
+from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.model.hf_io import EXPORT_DTYPES, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, _plan_shards
+from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.vision.names import vision_module_name
+from megatrain_ray.observe.log import get_logger
+from megatrain_ray.system.files import atomic_directory, refuse_existing
+
+log = get_logger(__name__)
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def export_vision_hf(text: Mapping[str, torch.Tensor], vision: Mapping[str, torch.Tensor], model_cfg: ModelConfig,
+                     out_dir: str | Path, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
+    """Write `text` (the text layout's names) and `vision` (module names) as model_cfg.path's vision-language model."""
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    out, source = Path(out_dir), Path(model_cfg.path)
+    refuse_existing(out, CheckpointError, "export directory")
+    layout = build_layout(model_cfg)
+    text_names = [stage.hf_name(slot) for stage in layout.stages for slot in stage.slots]
+    shapes = {stage.hf_name(slot): slot.shape for stage in layout.stages for slot in stage.slots}
+    missing = [n for n in text_names if n not in text]
+    if missing:
+        raise CheckpointError(f"cannot export: no tensor {missing[0]!r} among the weights given "
+                              f"({len(missing)} missing)")
+    torch_dtype = TORCH_DTYPES[dtype]
+    element = torch.empty((), dtype=torch_dtype).element_size()
+    # export name -> (where, name there)
+    plan = {vision_module_name(n): ("text", n) for n in text_names} | {n: ("vision", n) for n in vision}
+    sizes = {n: (vision[src].numel() if where == "vision" else torch.Size(shapes[src]).numel()) * element
+             for n, (where, src) in plan.items()}
+    groups = _plan_shards(list(plan), sizes, shard_bytes)
+    with atomic_directory(out, CheckpointError, "export directory") as tmp:
+        weight_map, total = {}, 0
+        for k, group in enumerate(groups):
+            file = SINGLE_FILE if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+            shard = {}
+            for name in group:
+                where, src = plan[name]
+                tensor = vision[src] if where == "vision" else text[src]
+                if where == "text" and tuple(tensor.shape) != shapes[src]:
+                    raise CheckpointError(f"cannot export {src!r}: shape {list(tensor.shape)}, model needs "
+                                          f"{list(shapes[src])}")
+                cast = torch_dtype if tensor.is_floating_point() else tensor.dtype
+                shard[name] = tensor.detach().to(device="cpu", dtype=cast).contiguous()
+                weight_map[name] = file
+                total += shard[name].numel() * shard[name].element_size()
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        hf = read_hf_config(source)
+        hf.pop("quantization_config", None)
+        hf.update(dtype=dtype, torch_dtype=dtype)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+        for name in (*TOKENIZER_FILES, *PROCESSOR_FILES):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+    log.info("export: %s (%d tensors, %.2f GB %s, %d shard(s); the vision-language model %s)", out, len(plan),
+             total / 1e9, dtype, len(groups), hf.get("architectures"))
+    return out

@@ -1,0 +1,142 @@
+"""Tiny random vision-language models (saved with save_pretrained) and their batches, and the transformers model
+trained as megatrain is configured: the reference of tests/integration/test_vision_parity.py.
+
+LLaVA: a Llama text model (hidden 64, GQA 4/2, 2 layers, untied head) and a CLIP tower (16x16 images in 4x4
+patches: 16 patch tokens per image after its CLS is dropped, feature layer -2), the two-layer GELU projector.
+Gemma 3: its text model (3 layers, sliding window 6 in the local ones, tied head) and a SigLIP tower (16 patches
+pooled to 4 tokens per image by the projector's average pool, its RMSNorm and matrix). Each batch has three rows of
+24 tokens: two images in the first, none in the second, one in the third; image tokens never in the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import one_thread
+from tests.reference_hf import float64_throughout
+from tests.reference_llama import reference_lr
+
+VOCAB, SEQ = 96, 24
+LLAVA_IMAGE, GEMMA_IMAGE, GEMMA_BOI, GEMMA_EOI = 95, 93, 91, 92
+
+
+def build(name: str, directory, seed: int = 0):
+    """The tiny model `name` (llava, gemma3), saved to `directory`; returns the model."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if name == "llava":
+        text = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                              tie_word_embeddings=False)
+        vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=16, patch_size=4, projection_dim=32)
+        model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(text_config=text, vision_config=vision,
+                                                                image_token_id=LLAVA_IMAGE, vision_feature_layer=-2))
+    elif name == "gemma3":
+        text = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                   query_pre_attn_scalar=16, max_position_embeddings=128,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=16, patch_size=4, vision_use_head=False)
+        model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=GEMMA_IMAGE,
+            boi_token_index=GEMMA_BOI, eoi_token_index=GEMMA_EOI))
+        with torch.no_grad():  # its zero-initialised projector matrix and norms would hide every image
+            for n, p in model.named_parameters():
+                if "multi_modal_projector" in n or "norm" in n:
+                    p.normal_(0.0, 0.3)
+    else:
+        raise ValueError(name)
+    model.save_pretrained(str(directory))
+    return model.eval()
+
+
+def image_tokens(name: str) -> tuple[int, int]:
+    """(image token id, tokens per image)."""
+    return (LLAVA_IMAGE, 16) if name == "llava" else (GEMMA_IMAGE, 4)
+
+
+def batch(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [3, SEQ], labels [3, SEQ], pixel_values [3, 3, 16, 16]): row 0 two images, row 1 none, row 2 one."""
+    g = torch.Generator().manual_seed(seed)
+    token, n = image_tokens(name)
+    ids = torch.randint(3, 90, (3, SEQ), generator=g)
+
+    def place(row: int, start: int) -> None:
+        if name == "gemma3":  # <start_of_image> n x <image> <end_of_image>, as Gemma 3's processor writes it
+            ids[row, start - 1], ids[row, start + n] = GEMMA_BOI, GEMMA_EOI
+        ids[row, start:start + n] = token
+    if name == "llava":
+        ids = torch.randint(3, 90, (3, 2 * 16 + 8), generator=g)
+        place(0, 2), place(0, 20), place(2, 5)
+    else:
+        place(0, 2), place(0, 10), place(2, 6)
+    labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)
+    labels[labels == token] = -100
+    labels[ids == token] = -100
+    pixels = torch.randn(3, 3, 16, 16, generator=g)
+    return ids, labels, pixels
+
+
+def hf_inputs(name: str, model, ids: torch.Tensor, pixels: torch.Tensor) -> dict:
+    out = {"input_ids": ids, "pixel_values": pixels.to(model.dtype)}
+    if name == "gemma3":
+        out["token_type_ids"] = (ids == GEMMA_IMAGE).long()
+    return out
+
+
+def hf_logits(name: str, model, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**hf_inputs(name, model, ids, pixels)).logits
+
+
+def float64_language_model(model) -> None:
+    """The language model of a float64 `model` in float64 throughout (tests/reference_hf.float64_throughout: its
+    RoPE tables and RMSNorms, which transformers computes in float32), as megatrain's native templates compute it;
+    the vision tower and projector as transformers computes them (megatrain runs those very modules: Gemma 3's
+    projector norm rounds through float32 on both sides)."""
+    model.set_attn_implementation("sdpa")
+    float64_throughout(model.model.language_model)
+
+
+def exact(model):
+    """A float64 copy, its language model in float64 throughout."""
+    model = copy.deepcopy(model).to(torch.float64)
+    float64_language_model(model)
+    return model
+
+
+def train_hf_vision(name: str, model, cfg, batches, dtype: torch.dtype, vision: str):
+    """The transformers model trained with AdamW (matrices decayed) and clip_grad_norm_ over the trained parameters
+    as megatrain is configured: the language model in full, the projector, and the tower with vision=full. Returns
+    (losses, state by module name)."""
+    with one_thread():
+        model = copy.deepcopy(model).to(dtype).train()
+        if dtype == torch.float64:
+            float64_language_model(model)
+        for n, p in model.named_parameters():
+            p.requires_grad_(vision == "full" or "vision_tower" not in n)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        o, s = cfg.optimizer, cfg.schedule
+        opt = torch.optim.AdamW([{"params": [p for p in trained if p.ndim >= 2], "weight_decay": o.weight_decay},
+                                 {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}],
+                                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        losses = []
+        for step, (ids, labels, pixels) in enumerate(batches):
+            for group in opt.param_groups:
+                group["lr"] = reference_lr(step, o.lr, len(batches), s.warmup_steps, s.kind, s.min_lr_ratio)
+            opt.zero_grad(set_to_none=True)
+            logits = model(**hf_inputs(name, model, ids, pixels)).logits
+            work = torch.promote_types(logits.dtype, torch.float32)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), labels.reshape(-1))
+            loss.backward()
+            if o.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(trained, o.grad_clip)
+            opt.step()
+            losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
