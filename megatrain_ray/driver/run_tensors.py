@@ -15,6 +15,7 @@ from megatrain_ray.driver.runtime import Handle
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.hf_io import export_hf
 from megatrain_ray.store.disk_use import export_dtype
+from megatrain_ray.model.vision.export import export_vision_hf
 from megatrain_ray.store.lora_export import export_lora
 from megatrain_ray.store.nf4_base import NF4_KIND, DequantizedBase
 from megatrain_ray.store.segments import HostStore, StoreTensors, specs_of
@@ -72,7 +73,14 @@ class RunTensors:
             tensors = ChainMap(tensors, ResidentTensors(self._resident_holder,
                                                         self.layout.resident_stages(self.run_spec.resident_layers,
                                                                                     self.run_spec.resident_vocab)))
+        if getattr(self, "vision", None) is not None:  # a vision-language model: its tower and projector too
+            return export_vision_hf(tensors, self.vision_state(), self.cfg.model, out_dir, dtype, shard_bytes)
         return export_hf(tensors, self.cfg.model, out_dir, source_dir=source, dtype=dtype, shard_bytes=shard_bytes)
+
+    def vision_state(self) -> dict[str, torch.Tensor]:
+        """(A vision-language model) The vision tower's and projector's tensors by module name, after the steps."""
+        assert self.gpu is not None
+        return self.gpu.vision_state().result()
 
     def load_weights(self, tensors: dict[str, torch.Tensor], nodes: list[int] | None = None) -> None:
         """Overwrite master weights (and the streaming copy; GRPO's reference copy too, as the weights before
@@ -102,7 +110,8 @@ class RunTensors:
         for done in [gpu.set_adapters(tensors) for gpu in self.gpus]:
             done.result()
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, images=None) -> torch.Tensor:
+        """Full logits of `ids` (tests, small inputs); `images`: a vision-language model's ImageInputs of the rows."""
         assert self.gpu is not None
         self.flush()
-        return self.gpu.logits(ids).result()
+        return (self.gpu.logits(ids) if images is None else self.gpu.logits(ids, images)).result()
