@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
-from megatrain_ray.exceptions import RewardFunctionError  # noqa: E402
+from megatrain_ray.exceptions import CheckpointError, RewardFunctionError  # noqa: E402
 from megatrain_ray.store.checkpoint import CheckpointDir  # noqa: E402
 from tests.conftest import interrupted_and_resumed, tiny_raw  # noqa: E402
 from tests.integration.test_lora_parity import float64_transformers  # noqa: E402, F401  (a fixture)
@@ -199,9 +199,14 @@ def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path
     assert [r["loss"] for r in records2] == [r["loss"] for r in records]
     for key in ("reward", "completions/mean_length", "rollout_tokens", *(("kl",) if beta else ())):
         assert [r.get(key) for r in records2] == [r.get(key) for r in records], key
+    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
     if num_iterations > 1:
         assert [("reward" in r) for r in records] == [True, False, True, False]
-    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
+        inside = next(c for c in CheckpointDir(tmp_path / "cut" / "ckpt").complete() if c.step == 3)
+        (inside.directory / "grpo-rollout.pt").unlink()  # a resume there cannot train step 3 on step 2's batch
+        with pytest.raises(CheckpointError, match=r"grpo-rollout\.pt.*cannot be read.*multiple of "
+                                                  r"finetune\.grpo\.num_iterations=2"):
+            Trainer(cfg, resume=str(inside.directory))
 
 
 def test_a_reward_function_that_raises_is_named(tmp_path, prompts_dir):
