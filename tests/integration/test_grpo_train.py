@@ -241,12 +241,14 @@ def test_kl_to_the_initial_model_and_a_reused_batch_match_trl(tmp_path, prompts_
     cfg = grpo_config(tmp_path, prompts_dir, steps=4, rewards=("even_reward",), sections=sections, beta=beta,
                       num_iterations=2)
     m = cfg.model
-    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
-        rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
-        attn_implementation="sdpa")).to(torch.float64).eval()
+    with torch.random.fork_rng():  # transformers' initialisation, seeded: the same weights every run
+        torch.manual_seed(11)
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
+            rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+            attn_implementation="sdpa")).to(torch.float64).eval()
     generated, scored, records = [], [], []
     with Trainer(cfg) as trainer:
         names = trainer.master_weights()
