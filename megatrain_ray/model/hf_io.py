@@ -15,6 +15,7 @@ is renamed into place at the end: a reader never sees half an export.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -165,6 +166,11 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         fixed = {*layout.buffers, *layout.frozen}  # a generic model's untrained tensors: read as transformers does
         extra = sorted(n for n in self.entries if n not in wanted and n not in fixed and n not in self.ignored
                        and not _derived(n, wanted))
+        skipped = _ignored_on_load(self.dir, extra) if extra else []
+        if skipped:
+            log.info("%s: %d tensors its model class does not load (transformers' _keys_to_ignore_on_load_unexpected: "
+                     "a multi-token-prediction layer) are not read, first %r", self.dir, len(skipped), skipped[0])
+            extra = [n for n in extra if n not in set(skipped)]
         if extra:
             raise CheckpointError(f"{self.dir} holds {len(extra)} tensor(s) the model of its config.json does not have, "
                                   f"first {extra[0]!r}; the weights and config.json do not belong together")
@@ -189,6 +195,19 @@ class HFDirectory(Mapping[str, torch.Tensor]):
                 raise CheckpointError(f"{self.dir} has no tensor {name!r}, a parameter config.json's architecture "
                                       "holds untrained (transformers loads it from the checkpoint); the weights and "
                                       "config.json do not belong together")
+
+
+def _ignored_on_load(model_dir: Path, names: list[str]) -> list[str]:
+    """Those of `names` (tensors the model does not have) that the directory's transformers class skips on load
+    by its _keys_to_ignore_on_load_unexpected patterns (re.search, as transformers matches them): GLM-4.5's and
+    DeepSeek-V3's multi-token-prediction layer, one layer past the model's (`model.layers.46.*` in GLM-4.5-Air,
+    `model.layers.61.*` in DeepSeek-V3). None where the class cannot be built here."""
+    try:
+        model = architecture(str(model_dir.resolve())).model
+    except Exception:  # noqa: BLE001 (a class the generic path refuses: no patterns, the names stay extra)
+        return []
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    return [n for n in names if any(p.search(n) for p in patterns)]
 
 
 def _derived(name: str, wanted: set[str]) -> bool:

@@ -303,6 +303,40 @@ def test_generic_moe_export_loads_in_transformers_with_every_key(float64_run):
     assert bool(untrained) == (run["name"] in UNTRAINED), sorted(untrained)
 
 
+def test_a_multi_token_prediction_layer_is_skipped_as_transformers_skips_it(tmp_path):
+    """GLM-4.5-Air's hub directory holds its 46 layers and a multi-token-prediction layer `model.layers.46.*`, which
+    Glm4MoeForCausalLM skips on load (_keys_to_ignore_on_load_unexpected): a 46-layer GLM-4.5 MoE directory with such
+    a layer passes the check before loading, as transformers loads it with no unexpected key; a tensor of a layer
+    the class does not skip (`model.layers.47.*`) is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from megatrain_ray.config.generic_shape import generic_model_config
+    from megatrain_ray.exceptions import CheckpointError
+    from megatrain_ray.model.hf_io import HFDirectory
+    from megatrain_ray.model.layout import build_layout
+
+    config = transformers.Glm4MoeConfig(vocab_size=VOCAB, hidden_size=36, intermediate_size=44,
+                                        moe_intermediate_size=20, num_attention_heads=6, num_key_value_heads=2,
+                                        head_dim=8, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=3,
+                                        first_k_dense_replace=1, num_hidden_layers=46, max_position_embeddings=64)
+    source = save(transformers.Glm4MoeForCausalLM(config), tmp_path / "hf")
+    weights = load_file(source / "model.safetensors")
+    mtp = {"model.layers.46.eh_proj.weight": torch.zeros(36, 72), "model.layers.46.enorm.weight": torch.ones(36)}
+    for e in range(6):  # its experts one tensor each, as the layers' own on disk
+        mtp |= {f"model.layers.46.mlp.experts.{e}.{n}.weight": torch.zeros(shape)
+                for n, shape in (("gate_proj", (20, 36)), ("up_proj", (20, 36)), ("down_proj", (36, 20)))}
+    save_file({**weights, **mtp}, source / "model.safetensors", metadata={"format": "pt"})
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(source, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    layout = build_layout(generic_model_config(source))
+    HFDirectory(source).check_against_layout(layout)
+    save_file({**weights, **mtp, "model.layers.47.enorm.weight": torch.ones(36)}, source / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"holds 1 tensor\(s\) the model of its config.json does not have, "
+                       r"first 'model.layers.47.enorm.weight'"):
+        HFDirectory(source).check_against_layout(layout)
+
+
 RAY_STEPS = 10
 
 
