@@ -125,7 +125,8 @@ class Cluster:
         run_id = self.run_id if k == 0 else f"{self.run_id}-node{k}"  # segment names differ per node
         ranks = plan.ranks_per_node
         node.placement = placement = RunPlacement(cfg, use_gpu=plan.use_gpu, ranks=ranks, node_id=plan.node_ids[k],
-                                                  node_resources=plan.node_resources[k])
+                                                  node_resources=plan.node_resources[k],
+                                                  frozen_base=self.run.frozen_base)
         name = f"{tag}-{node.prefix}"
         node.shards = [spawn(mode, HostShard, cfg, self.run, self.layout, run_id, s, stages,
                              *placement.shard_binding(s), restore=restore, name=f"{name}host{s}",

@@ -44,6 +44,8 @@ READY_TIMEOUT_S = 120.0
 LORA_UPDATES = ("finetune.method=lora: the GPU worker updates the adapters itself, AdamW on its own device; the "
                 "frozen base has no optimizer state")
 """What a LoRA run's placement says in place of its optimizer workers (it spawns none: driver/cluster.py)."""
+FORWARD_ONLY = "forward only: megatrain generate/chat hold the weights once and update nothing"
+"""What a generation session's placement says in place of them (driver/session.forward_only: none spawned)."""
 
 
 def numa_resource(node: int) -> str:
@@ -160,13 +162,16 @@ class RunPlacement:
     """
 
     def __init__(self, cfg: Config, use_gpu: bool, topology: Topology | None = None, ranks: int = 1,
-                 node_id: str | None = None, node_resources: dict[str, float] | None = None):
+                 node_id: str | None = None, node_resources: dict[str, float] | None = None,
+                 frozen_base: bool = False):
         """`ranks`: GPU workers on the node; `node_id`: the Ray node of this placement (several nodes; its
-        cores are taken to look like the driver's, as a cluster's nodes usually do)."""
+        cores are taken to look like the driver's, as a cluster's nodes usually do); `frozen_base`: the run
+        updates no host weights (RunSpec.frozen_base: a LoRA base, or a generation session), so no workers."""
         self.plan = plan_placement(topology or detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
                                    gpu_ranks=ranks)
-        if cfg.finetune.method == "lora":  # no optimizer workers, no bundles or cores for them
-            self.plan = replace(self.plan, workers=(), shared_cores=False, workers_reason=LORA_UPDATES)
+        if cfg.finetune.method == "lora" or frozen_base:  # no optimizer workers, no bundles or cores for them
+            self.plan = replace(self.plan, workers=(), shared_cores=False,
+                                workers_reason=LORA_UPDATES if cfg.finetune.method == "lora" else FORWARD_ONLY)
         log.info("%s%s", f"node {node_id[:12]}: " if node_id else "", self.plan.summary())
         if self.plan.shared_cores:
             log.warning("optimizer.workers=%s exceeds the usable cores: workers share cores (slower); lower it or "

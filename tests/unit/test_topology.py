@@ -179,3 +179,18 @@ def test_a_lora_run_plans_and_logs_no_optimizer_workers_and_says_who_updates(tmp
         else:
             assert "optimizer worker(s)" not in line and placement.num_workers == 0 and names == ["gpu", "host0"]
             assert "no optimizer workers (finetune.method=lora: the GPU worker updates the adapters itself" in line
+
+
+def test_a_generation_session_logs_no_optimizer_workers(tmp_path):
+    """megatrain generate/chat on a full-weights model hold it forward only (RunSpec.frozen_base) and spawn no
+    optimizer worker (driver/cluster.py): the placement's line says so, not '1 optimizer worker(s)'."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.driver.placement import RunPlacement, actor_slots
+    from tests.conftest import tiny_raw
+
+    topology = detect_topology(tmp_path / "missing", allowed=set(range(16)), cgroup_root=tmp_path / "nocgroup")
+    placement = RunPlacement(load_config(raw=tiny_raw()), use_gpu=False, topology=topology, frozen_base=True)
+    line = placement.plan.summary()
+    assert "optimizer worker(s)" not in line and placement.num_workers == 0
+    assert "no optimizer workers (forward only: megatrain generate/chat" in line, line
+    assert [s.name for s in actor_slots(placement.plan, use_gpu=False)] == ["gpu", "host0"]
