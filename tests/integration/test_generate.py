@@ -113,6 +113,26 @@ def test_greedy_generate_equals_transformers_generate_token_for_token(tmp_path, 
     assert any(line["finish_reason"] == "length" for line in lines)
 
 
+def test_sampling_is_seeded_and_top_k_1_is_greedy(tmp_path, tiny_llama, tok):
+    """--temperature > 0 samples: the same --seed gives the same tokens, another seed others (a random model's
+    distribution is near uniform: ten equal draws by chance are out of reach), and --top-k 1 leaves only the
+    greedy choice, whatever the temperature."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[1:])
+
+    def ids(name: str, *flags: str) -> list[list[int]]:
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["generate", str(tiny_llama), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens",
+                     str(NEW), "--device", "cpu", *FLOAT64, *flags]) == 0
+        return [line["completion_ids"] for line in read_jsonl(out)]
+
+    hot = ("--temperature", "1.5")
+    first, again, other = ids("a", *hot, "--seed", "3"), ids("b", *hot, "--seed", "3"), ids("c", *hot, "--seed", "4")
+    assert first == again and first != other
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64).eval()
+    greedy_rows = [greedy(model, prompt_ids(tok, record)) for record in PROMPTS[1:]]
+    assert first != greedy_rows and ids("k1", *hot, "--top-k", "1") == greedy_rows
+
+
 def test_a_model_is_held_once_in_its_streaming_dtype_without_optimizer_state(tiny_llama, tok):
     """A model directory's session (driver/session.forward_only): float32 weights on the CPU and nothing else (no AdamW
     moments, gradients or optimizer workers); the rollout decodes from its own resident copy of them."""

@@ -11,6 +11,7 @@ import os
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 from megatrain_ray.config.load import load_config
-from megatrain_ray.driver.reference import check_reference, reference_key, reference_path
+from megatrain_ray.driver.reference import check_reference, load_or_compute, reference_key, reference_path
 from megatrain_ray.driver.trainer import Trainer
-from megatrain_ray.exceptions import ConfigError
+from megatrain_ray.exceptions import ConfigError, NonFiniteError
 from megatrain_ray.system import model_sources
 from tests.conftest import tiny_raw
 
@@ -107,6 +108,24 @@ def test_a_good_reference_file_is_read_before_ray_starts_and_a_resume_stops_on_a
                                           "of its values are not finite"):
         check_reference(cfg, trainer_data, "float32", resuming=True)
     assert path.is_file()  # left for the user to restore or remove
+
+
+def test_a_reference_pass_giving_non_finite_values_stops_the_run_and_writes_nothing(tmp_path):
+    """The initial model's pass itself gives a NaN (a forward that overflows): NonFiniteError naming the sequence
+    and what to change, and no file, so no later run reads the NaN and drops every step."""
+    cfg = dpo_config(tmp_path)
+    data = Trainer(cfg).data
+
+    class NaNWorker:  # the GPU worker's sequence_logps, one row's value NaN
+        def sequence_logps(self, batch):
+            values = -torch.ones(batch.input_ids.shape[0], dtype=torch.float64)
+            values[-1] = float("nan")
+            return SimpleNamespace(result=lambda: values)
+
+    with pytest.raises(NonFiniteError, match=r"the DPO reference pass gave 4 non-finite log-probabilities \(sequence "
+                                             r"1 of .*precision.compute_dtype=float32"):
+        load_or_compute(cfg, data, NaNWorker(), "float32", resuming=False)
+    assert not [p for p in (tmp_path / "pairs" / "reference").iterdir()]  # nothing written, no temporary left
 
 
 def test_a_killed_gguf_conversion_is_swept_and_a_live_one_kept(tmp_path, monkeypatch, warnings_logged):
