@@ -87,16 +87,20 @@ def _as_measured(record: dict, compiled: bool = False) -> list[str]:
     (float32); runs from before engine.vocab_grad_pieces sent the embedding's and LM head's through a
     slab of their own; runs from before engine.compile=auto ran the layers eagerly unless their variant
     compiled them (`compiled`); a record that names whether its layers compiled is replayed so (MoE layers
-    ran eagerly before they could compile); runs from before engine.kept_activations recomputed every layer."""
+    ran eagerly before they could compile); a run keeps the forward graphs it kept (runs from before
+    engine.kept_activations recomputed every layer)."""
     return ([] if "grad_dtype" in record else ["precision.grad_dtype=float32"]) + \
-        ([] if "kept_layers" in record else ["engine.kept_activations=0"]) + \
+        [f"engine.kept_activations={record.get('kept_layers', 0)}"] + \
         ([] if "vocab_grad_pieces" in record else ["engine.vocab_grad_pieces=false"]) + \
         [f"engine.compile={str(record.get('compiled', compiled)).lower()}"]
 
 
-def _tier_as_measured(overrides: list[str]) -> list[str]:
-    """Runs from before engine.gpu_resident=auto became the default streamed every stage unless told otherwise."""
-    return [] if any(o.startswith("engine.gpu_resident=") for o in overrides) else ["engine.gpu_resident=none"]
+def _tier_as_measured(overrides: list[str], record: dict | None = None) -> list[str]:
+    """Runs from before engine.gpu_resident=auto became the default (their records name no kept_layers) streamed
+    every stage unless told otherwise."""
+    if "kept_layers" in (record or {}) or any(o.startswith("engine.gpu_resident=") for o in overrides):
+        return []
+    return ["engine.gpu_resident=none"]
 
 
 def row_config(result: dict, r: dict, *later: str) -> Config:
@@ -134,7 +138,7 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
                 continue
             variant = VARIANTS.get(r["system"], ("", []))[1]
             cfg = row_config(result, r, *_as_measured(r, "engine.compile=true" in variant),
-                             *_tier_as_measured([*result["overrides"], *variant]))
+                             *_tier_as_measured([*result["overrides"], *variant], r))
             label = (f"{r['system']} L{r['layers']} {r['tokens_per_step'] // 1024}k "
                      f"{cfg.precision.resolved_stream_dtype} stream")
             points.append(MeasuredPoint(label, path.name, cfg, profile_for_gpu(r["device"]), r["tok_per_s"],

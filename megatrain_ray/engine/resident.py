@@ -12,8 +12,8 @@ a dropped step (non-finite norm) leaves it as it is.
 
 The update is the CPU optimizer's math (optim/adamw.py FlatAdamW, torch path) on the device: per chunk the
 gradient is cast to the master dtype in a scratch buffer, multiplied by the clipping coefficient (unless
-it is 1), then torch._fused_adamw_ with the stage's decay span [0, decay_numel) and the rest without
-decay. The compute copy is then the master cast as a streamed stage's would be (through the streaming
+it is 1; a float32 master divides by its inverse inside the kernel instead, one rounding apart), then
+torch._fused_adamw_ with the stage's decay span [0, decay_numel) and the rest without decay. The compute copy is then the master cast as a streamed stage's would be (through the streaming
 dtype), so a resident stage computes on exactly the weights it would have had streamed.
 
 A resident stage has no host segments (store/segments.plan_segments): the GPU worker fills the tier at its
@@ -150,17 +150,22 @@ class ResidentTier:
         """AdamW on one stage, as FlatAdamW's torch path computes it (see the module docstring)."""
         resident, cfg = self.stages[index], self.cfg
         step = torch.tensor(float(adam_step), dtype=torch.float32, device=self.device)
+        # A float32 master takes clipping's coefficient inside the fused kernel (its grad_scale divides the
+        # gradient by 1 / coef): one pass over the scratch less. The kernel's scale is float32 only, so a float64
+        # master multiplies first, exactly as FlatAdamW does.
+        fold = coef != 1.0 and self.master_dtype == torch.float32
+        scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=self.device) if fold else None
         decay_end, numel = resident.stage.decay_numel, resident.stage.numel
         for lo, hi, weight_decay in ((0, decay_end, cfg.weight_decay), (decay_end, numel, 0.0)):
             for a in range(lo, hi, self.scratch.numel()):
                 b = min(a + self.scratch.numel(), hi)
                 g = self.scratch[:b - a].copy_(resident.grad[a:b])
-                if coef != 1.0:
+                if coef != 1.0 and not fold:
                     g.mul_(coef)
                 torch._fused_adamw_(
                     [resident.master[a:b]], [g], [resident.exp_avg[a:b]], [resident.exp_avg_sq[a:b]], [], [step],
                     lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=weight_decay, eps=cfg.eps,
-                    amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+                    amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
                 self._refresh_compute(resident, a, b)
 
     def _refresh_compute(self, resident: ResidentStage, a: int, b: int) -> None:

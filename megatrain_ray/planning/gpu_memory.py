@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatrain_ray.config.resolved import RunSpec, resident_tier_refusal
+from megatrain_ray.config.resolved import RunSpec, kept_layer_count, resident_tier_refusal
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.delta_rule import linear_mixer_saved_bytes
@@ -115,7 +115,7 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
         "loss head working set": loss_head_bytes(chunk, v, h, compute_b, acc_b, m.final_logit_softcapping > 0)
         + 2 * tokens * h * acc_b,
         "GPU-resident layers": resident_bytes(run, layout.resident_stages(run.resident_layers, run.resident_vocab)),
-        "kept layer graphs": run.kept_layers * kept_layer_bytes(cfg, tokens, compute_b),
+        "kept layer graphs": run.kept_layers * kept_layer_bytes(cfg, tokens, compute_b, run.layers_compiled),
     }
 
 
@@ -182,20 +182,29 @@ def resolve_gpu_resident(cfg: Config, run: RunSpec, gpu_memory: int | None) -> t
     return count, vocab
 
 
-def kept_layer_bytes(cfg: Config, tokens: int, compute_b: int) -> int:
+COMPILED_KEPT_GRAPH = 0.8
+"""A compiled layer's kept forward graph over the eager one's count (kept_layer_bytes): Inductor's partition saves
+less than eager autograd. Read from the GPU peaks of the 3.5B bench with every stage resident on the H200
+(bench-3.5b-tier-kept-h200-20261202-034230.json): the eager count planned 134.0 and 129.2 GiB where 117.0 and
+110.7 were measured at 32k (15 graphs kept) and 64k tokens (6 kept), 0.76 and 0.67 of the eager count per graph;
+0.8 keeps the plan on the safe side of both (+2.5 % and +6.5 %)."""
+
+
+def kept_layer_bytes(cfg: Config, tokens: int, compute_b: int, compiled: bool = False) -> int:
     """What one kept layer's forward graph holds for its backward (engine/kept_graphs.py), counted through
     autograd's saved-tensor hooks on the engine's eager layer (tests/unit/test_kept_activations.py): per token
     4 hidden-wide, 2 query-wide and 2 key/value-wide tensors, 4 of the MLP's intermediate width (gate, up, the
     activation, its product), in the compute dtype, and 8 bytes plus 4 per attention head of float32 (the norms'
     scales, attention's log-sum-exp). A MoE layer's MLP counts MOE_PAIR_TENSORS of its pairs' width instead
     (the tensors its backward holds, an upper bound of what its forward saves). The layer's input is counted with
-    the kept inputs too. A compiled layer saves what Inductor's partition keeps, at most this (not measured)."""
+    the kept inputs too. A compiled layer (`compiled`) keeps COMPILED_KEPT_GRAPH of it."""
     m = cfg.model
     q = m.num_attention_heads * m.resolved_head_dim
     kv = m.num_key_value_heads * m.resolved_head_dim
     dense = 4 * m.intermediate_size if any(not m.layer_is_moe(i) for i in range(m.num_layers)) else 0
     mlp = max(dense, int(MOE_PAIR_TENSORS * moe_pair_width(m)))
-    return tokens * ((4 * m.hidden_size + 2 * q + 2 * kv + mlp) * compute_b + 8 + 4 * m.num_attention_heads)
+    eager = tokens * ((4 * m.hidden_size + 2 * q + 2 * kv + mlp) * compute_b + 8 + 4 * m.num_attention_heads)
+    return int(eager * COMPILED_KEPT_GRAPH) if compiled else eager
 
 
 def resolve_kept_layers(cfg: Config, run: RunSpec, gpu_memory: int | None) -> int:
@@ -206,7 +215,7 @@ def resolve_kept_layers(cfg: Config, run: RunSpec, gpu_memory: int | None) -> in
         return 0
     free = gpu_memory - peak_allocated(gpu_bytes(cfg, dataclasses.replace(run, kept_layers=0),
                                                  run.activation_offload)) - GPU_RESERVE_BYTES - RESIDENT_MARGIN_BYTES
-    per_layer = kept_layer_bytes(cfg, run.rank_tokens, DTYPE_BYTES[run.compute_dtype])
+    per_layer = kept_layer_bytes(cfg, run.rank_tokens, DTYPE_BYTES[run.compute_dtype], run.layers_compiled)
     return max(0, min(run.resident_layers, int(free // per_layer)))
 
 
@@ -298,6 +307,8 @@ def resolve_run(cfg: Config, gpu_memory: int | None, device_type: str = "cuda", 
         run = dataclasses.replace(run, resident_layers=count, resident_vocab=vocab)
     if cfg.engine.kept_activations == "auto":  # from what the plan leaves once the tier is decided
         run = dataclasses.replace(run, kept_layers=resolve_kept_layers(cfg, run, gpu_memory))
+    else:  # a count, of the resident layers auto chose
+        run = dataclasses.replace(run, kept_layers=kept_layer_count(cfg, run.resident_layers))
     if cfg.engine.gpu_resident == "auto" and run.resident_layers and profile is not None:
         from megatrain_ray.planning.speed import estimate  # lazy: planning.speed imports this module's terms
 

@@ -79,6 +79,13 @@ def explicit_attention(point: Point) -> bool:
 
 
 KNOWN_MISSES: dict[tuple[str, str], str] = {
+    ("moe-qwen3-30b-a3b-4l-16k-tier-h200-20261202-034849.json", "megatrain L4 16k bfloat16 stream"): (
+        "every stage GPU-resident with the 4 layers' graphs kept: 102,970 tok/s planned, 92,494 measured (+11.3 %). The "
+        "GPU was busy 0.97 of the step in a profiler trace of the same shape (tier-profile-qwen3-30b-a3b-4l-16k-h200-"
+        "20261202-034752), so the miss is GPU time: the MoE rate was measured with the recompute, and the model takes a "
+        "quarter of the layer's time off for a kept graph, where the routing and expert sorting of a MoE layer's "
+        "backward do not shrink with it; the resident stages' fp32 update (23 ms of the 175 ms step in fused AdamW "
+        "alone) runs at the assumed HBM rate"),
     ("data-parallel-x4-h200-20261128-211249.json", "megatrain-noclip L16 32k bfloat16 stream"): (
         "the nvidia-h200-x4 host (64 cores), clipping off: the model has no profile of this host and predicts the "
         "16-core box's rates; here the GPU waited 0.2-0.3 s a step for updates (GPU busy 0.83-0.86) and the 1-GPU "
@@ -218,9 +225,10 @@ PEAK_MISSES: dict[tuple[str, str], str] = {
     pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[p.source, p.label]))
     if (p.source, p.label) in KNOWN_MISSES else p for p in POINTS], ids=[f"{p.source[:-5]}:{p.label}" for p in POINTS])
 def test_predicted_tok_per_s_is_within_tolerance_of_the_measured(point):
-    # As `megatrain plan` predicts it: engine.gpu_resident=auto resolved for the measured GPU's memory.
-    resident = plan_run(point.cfg, Machine.from_preset(f"{point.profile.gpu.kind}-1.5tb")).run.resident_layers
-    predicted = estimate(point.cfg, point.profile, resident=resident).tok_per_s
+    # As `megatrain plan` predicts it: engine.gpu_resident and engine.kept_activations auto resolved for the measured
+    # GPU's memory (the tier's layers, embedding and head, the kept graphs).
+    run = plan_run(point.cfg, Machine.from_preset(f"{point.profile.gpu.kind}-1.5tb")).run
+    predicted = estimate(point.cfg, point.profile, run=run).tok_per_s
     assert abs(predicted / point.tok_per_s - 1) <= TOLERANCE, (predicted, point.tok_per_s)
 
 
@@ -297,6 +305,8 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
         # rates (from flash-attention layers) leave out; its rows are listed in KNOWN_MISSES.
         # Rates from full-attention models and Qwen3-MoE's experts; gpt-oss rows are checked against them
         if explicit_attention(p) or p.cfg.model.family == "gpt_oss":
+            continue
+        if p.cfg.engine.kept_activations != 0:  # the rates hold the recompute: rows that kept graphs ran without
             continue
         compiled = RunSpec.resolve(p.cfg).layers_compiled
         rates = (moe_compiled_tflops if compiled else moe_tflops) if p.cfg.model.is_moe \
