@@ -220,6 +220,12 @@ def test_the_tier_refuses_what_it_does_not_support(tmp_path):
         RunSpec.resolve(tiny_config(tmp_path, engine={"gpu_resident": 1}), ranks_per_node=2)
     with pytest.raises(ConfigError, match="gpu_resident"):
         tiny_config(tmp_path, engine={"gpu_resident": -1})
+    with pytest.raises(ConfigError, match="kept_activations"):
+        tiny_config(tmp_path, engine={"kept_activations": -1})
+    every = RunSpec.resolve(tiny_config(tmp_path, engine={"gpu_resident": "all", "kept_activations": 5}))
+    assert (every.resident_layers, every.resident_vocab, every.kept_layers) == (3, True, 3)  # clamped to the layers
+    default = RunSpec.resolve(tiny_config(tmp_path))
+    assert (default.resident_layers, default.resident_vocab, default.kept_layers) == (0, False, 0)  # auto: the plan's
 
 
 @pytest.mark.ray
