@@ -44,7 +44,8 @@ CHECKPOINT_WRITE_GBPS = 1.0
 def format_plan(plan: Plan) -> str:
     cfg, machine, run, g = plan.cfg, plan.machine, plan.run, GiB
     layout = build_layout(cfg.model)
-    active = f" ({human_count(active_params(cfg.model, layout))} active per token)" if cfg.model.is_moe else ""
+    n_active = active_params(cfg.model, layout)  # a MoE model's, native or generic (its routed experts' top-k)
+    active = f" ({human_count(n_active)} active per token)" if n_active < layout.num_params else ""
     lines = [f"megatrain plan: {cfg.model.family}, {human_count(layout.num_params)} parameters{active}"
              + ("" if cfg.model.path else " (random init: model.path is empty)") + ", "
              f"{cfg.model.num_layers} layers, {cfg.data.tokens_per_step:,} tokens/step "

@@ -71,6 +71,13 @@ def test_moe_shapes_have_the_published_active_count(name, total, active, billion
     assert (layout.num_params, counted) == (total, active)
     assert math.isclose(counted / 1e9, billions, rel_tol=0.03)
     assert f"{total:,}" in Path(path).read_text() and f"{active:,}" in Path(path).read_text()
+    if name.startswith("deepseek"):  # the plan's header says it, generic or native
+        from megatrain_ray.planning.machine import Machine
+        from megatrain_ray.planning.memory import plan_run
+        from megatrain_ray.planning.plan_text import format_plan
+
+        header = format_plan(plan_run(load_config(path), Machine.from_preset("h200-1.5tb"))).splitlines()[0]
+        assert header.startswith("megatrain plan: generic, 671 B parameters (37.6 B active per token)"), header
 
 
 def test_the_gemma3_27b_shape_has_its_layout_count():

@@ -79,6 +79,12 @@ def explicit_attention(point: Point) -> bool:
 
 
 KNOWN_MISSES: dict[tuple[str, str], str] = {
+    ("qwen3.5-27b-8l-32k-h200-20261202-035713.json", "megatrain L8 32k bfloat16 stream"): (
+        "Qwen3.5-27B's first 8 layers (6 linear-attention), every stage streamed, 2 optimizer workers: 9,764 tok/s "
+        "planned, 5,544 measured (-43 %). The CPU AdamW ran at 1.63 G params/s (3.43 s a step, 3.25 s of it waited "
+        "for) where the model takes the box's 4.2, over 5.59 B parameters of which 2.54 B are the 248320-token "
+        "embedding and LM head, two stages of 1.27 B each (why the rate fell is not measured); the GPU took 3.03 s "
+        "against 2.32 planned, not yet split between the linear and the full-attention layers"),
     ("moe-qwen3-30b-a3b-4l-16k-tier-h200-20261202-034849.json", "megatrain L4 16k bfloat16 stream"): (
         "every stage GPU-resident with the 4 layers' graphs kept: 102,970 tok/s planned, 92,494 measured (+11.3 %). The "
         "GPU was busy 0.97 of the step in a profiler trace of the same shape (tier-profile-qwen3-30b-a3b-4l-16k-h200-"
@@ -305,6 +311,8 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
         # rates (from flash-attention layers) leave out; its rows are listed in KNOWN_MISSES.
         # Rates from full-attention models and Qwen3-MoE's experts; gpt-oss rows are checked against them
         if explicit_attention(p) or p.cfg.model.family == "gpt_oss":
+            continue
+        if p.cfg.model.linear_attention is not None:  # hybrids: their chunk loop's floor, not these rates
             continue
         if p.cfg.engine.kept_activations != 0:  # the rates hold the recompute: rows that kept graphs ran without
             continue
