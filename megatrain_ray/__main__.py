@@ -205,7 +205,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, seed=args.seed, eval_fraction=args.eval_fraction, registry=args.registry,
         dataset=args.dataset, revision=args.revision, hf_dataset=args.hf_dataset, hf_split=args.hf_split,
         hf_subset=args.hf_subset, hf_revision=args.hf_dataset_revision, workers=args.workers,
-        on_bad_record=args.on_bad_record, train_on_inputs=args.train_on_inputs))
+        on_bad_record=args.on_bad_record, train_on_inputs=args.train_on_inputs, min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels))
     return 0
 
 

@@ -98,6 +98,12 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--train-on-inputs", action="store_true",
                        help="chat formats: every token in the loss (system, user and tool turns too), not only "
                             "the assistant turns")
+        p.add_argument("--min-pixels", type=int, default=0, metavar="N",
+                       help="a vision-language model's images: the processor's lower cap on an image's pixels "
+                            "(where it has one, as Qwen-VL's; default: the processor's own)")
+        p.add_argument("--max-pixels", type=int, default=0, metavar="N",
+                       help="a vision-language model's images: the processor's upper cap on an image's pixels, so "
+                            "on its image tokens (where it has one, as Qwen-VL's; default: the processor's own)")
 
 
 def _add_generation_arguments(name: str, p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from megatrain_ray.config.loop_sections import DataConfig
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.data.image_store import ImageStore, check_images_fit
 from megatrain_ray.exceptions import ConfigError, DataError, excerpt
 from megatrain_ray.messages import IGNORE_INDEX, Batch
 from megatrain_ray.system.files import contained, read_json_object
@@ -194,6 +195,7 @@ class Documents:
         if not sum(shard.metadata.num_rows for shard in shards):
             raise DataError(f"{self.where} holds no documents")
         self._stream(shards)
+        self.images = ImageStore.of(shards, self.where)  # a vision-language model's data: each document's images
 
     def _stream(self, shards: list, rows_per_batch: int = 4096) -> None:
         """Row groups in order, checked, appended to two unlinked temporary files (under TMPDIR) that are then
@@ -274,6 +276,7 @@ class DocumentBatches:
         self.shuffle = cfg.shuffle and not evaluation  # evaluation reads the same rows every time
         self.docs = Documents(directory, split, key)
         self.docs.check(model, cfg.seq_len)
+        check_images_fit(self.docs.images, model.path, cfg.packing, self.docs.where)
         self._plan_cache: tuple[int, list[list[int]]] = (-1, [])
         self._rows_per_epoch: list[int] = []  # packed epochs differ in row count; only counts are kept
         if not evaluation and self._rows_in(0) < cfg.batch_size:
@@ -351,7 +354,8 @@ class DocumentBatches:
                     positions[r, used:] = np.arange(t - used)
             segments.append(tuple(lengths))
         if not self.cfg.packing:
-            return Batch(torch.from_numpy(ids), torch.from_numpy(labels))
+            images = self.docs.images.batch_images([d for row in rows for d in row]) if self.docs.images else None
+            return Batch(torch.from_numpy(ids), torch.from_numpy(labels), images=images)
         return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(positions), tuple(segments))
 
     def epoch_of(self, step: int) -> float:

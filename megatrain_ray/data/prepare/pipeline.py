@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_ray.config.hf_vision import vision_config_of_dir
 from megatrain_ray.data.hub_datasets import hub_dataset_files
 from megatrain_ray.data.prepare import spec_check_cache
 from megatrain_ray.data.prepare.chat_render import spec_from_files
@@ -37,6 +38,7 @@ from megatrain_ray.data.prepare.records import FORMATS, Columns, count_records, 
 from megatrain_ray.data.prepare.shards import SplitWriter
 from megatrain_ray.data.prepare.tokenize import NO_TEMPLATE, Job, resolve_tokenizer, tokenizer_hash
 from megatrain_ray.data.prepare.tokenizing import SpecMismatch, Tokenizing
+from megatrain_ray.data.prepare.vision_docs import VisionJob
 from megatrain_ray.exceptions import DataError
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
@@ -76,6 +78,9 @@ class PrepareOptions:
     """skip: a record the format cannot read is counted and left out; fail: it stops the run."""
     train_on_inputs: bool = False
     """Chat formats: every token in the loss, not only the assistant turns."""
+    min_pixels: int = 0
+    max_pixels: int = 0
+    """A vision-language model's images: the processor's pixel caps (0: its own), where it has them."""
 
 
 def resolve_inputs(opts: PrepareOptions) -> tuple[list[Path], str, Columns]:
@@ -120,6 +125,23 @@ def resolve_inputs(opts: PrepareOptions) -> tuple[list[Path], str, Columns]:
         fmt = "messages"
     return files, fmt, cols
 
+
+
+def vision_job(opts: PrepareOptions, directory: str, fmt: str) -> VisionJob | None:
+    """The vision path of a vision-language model's chat records (prepare/vision_docs.py); None: text only."""
+    vision = vision_config_of_dir(directory)
+    for key in ("min_pixels", "max_pixels"):
+        if getattr(opts, key) < 0:
+            raise DataError(f"--{key.replace('_', '-')} {getattr(opts, key)} must be a number of pixels >= 1 (leave "
+                            "it out for the processor's own)")
+    caps = [f"--{k.replace('_', '-')}" for k in ("min_pixels", "max_pixels") if getattr(opts, k)]
+    if vision is None or fmt not in ("messages", "sharegpt", "alpaca"):
+        if caps:
+            raise DataError(f"{caps[0]} applies to a vision-language model's chat records with images; --tokenizer "
+                            f"{opts.tokenizer_dir} is {'a text model' if vision is None else f'read as --format {fmt}'}"
+                            "; leave it out")
+        return None
+    return VisionJob(directory, vision.image_token_id, opts.min_pixels, opts.max_pixels)
 
 
 def available_cores() -> int:
@@ -239,7 +261,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
                  resolved, "a one-time GGUF conversion" if opts.tokenizer_dir.lower().endswith(".gguf")
                  else "fetched and read")
     workers = min(opts.workers or available_cores(), math.ceil(total / CHUNK_RECORDS))
-    job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs)
+    job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs, vision_job(opts, directory, fmt))
     # Chat formats in worker processes: they start with the tokenizer files' spec, checked while they run.
     spec = spec_from_files(directory) if workers > 1 and fmt not in TRANSFORMERS_FORMATS else None
     # ... unless an earlier run's check found the same files (and versions) read as this spec: spec_check_cache.py.
@@ -276,17 +298,19 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
     log.info("prepare: %d records in %d files, %d tokenizing %s", total, len(files), tokenizing.workers,
              "process" if tokenizing.workers <= 1 else "processes")
     with atomic_directory(out, DataError, "--output") as tmp:
-        pairs = fmt == "preference"
-        writers = {"train": SplitWriter(tmp, "train", opts.seed, pairs),
-                   "eval": SplitWriter(tmp, "eval", opts.seed, pairs)}
+        pairs, images = fmt == "preference", tokenizing.job.vision is not None
+        writers = {"train": SplitWriter(tmp, "train", opts.seed, pairs, images),
+                   "eval": SplitWriter(tmp, "eval", opts.seed, pairs, images)}
         for results in tokenizing.results(chunks(files)):
             for result in results:
                 records += 1
                 split = "eval" if sample.next() else "train"
                 split_records[split] += result[0] in ("doc", "pair", "prompt")
                 if result[0] == "doc":
-                    writers[split].add(result[1], result[2])
+                    writers[split].add(result[1], result[2], *result[4:])
                     truncated += result[3]
+                elif result[0] == "refused":  # a bad image: the dataset is broken, whatever --on-bad-record says
+                    raise DataError(result[1])
                 elif result[0] == "pair":
                     writers[split].add_pair(*result[1:5])
                     truncated += result[5]
@@ -318,6 +342,10 @@ def _prepare(opts: PrepareOptions, files: list[Path], fmt: str, counts: list[int
             "records": records, "documents": documents, "truncated": truncated, "dropped": dict(dropped),
             "skipped": dict(skipped), "splits": {},
         }
+        if images:  # the processor's image tensors of each document: shards.IMAGES_COLUMN
+            manifest["images"] = {"processor": str(opts.tokenizer_dir), "min_pixels": opts.min_pixels,
+                                  "max_pixels": opts.max_pixels,
+                                  "image_token_id": tokenizing.job.vision.image_token_id}
         if pairs:  # documents 2k and 2k + 1 of a split are pair k's chosen and rejected sequences
             manifest["preference_pairs"] = True
         if fmt == "prompts":  # one prompt a document; a record without a column has null in it (as datasets does)

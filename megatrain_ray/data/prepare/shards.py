@@ -25,6 +25,10 @@ PROMPT_COLUMNS = ("prompt", "columns", "record")
 """Prompt data (GRPO): the prompt as given (JSON text: a string, or a list of chat messages), the record's other
 columns (JSON text of an object) and its record number in the input (files in order, from 0); `input_ids` holds the
 prompt's tokens, `loss_mask` zeros."""
+IMAGES_COLUMN = "images"
+"""A vision-language model's data: a document's images as its processor returned them (pixel_values, and any
+further tensor such as image_grid_thw), safetensors bytes; null for a document without images
+(prepare/vision_docs.py writes them, data/image_store.py reads them)."""
 
 
 def list_array(parts: list[np.ndarray], dtype: np.dtype, kind: pa.DataType) -> pa.Array:
@@ -38,8 +42,11 @@ def list_array(parts: list[np.ndarray], dtype: np.dtype, kind: pa.DataType) -> p
 class SplitWriter:
     """One split's shards, `{split}-{k:05d}.parquet`, and its totals for the manifest."""
 
-    def __init__(self, directory: Path, split: str, seed: int, pairs: bool = False):
+    def __init__(self, directory: Path, split: str, seed: int, pairs: bool = False, images: bool = False):
         self.directory, self.split, self.seed, self.pairs = directory, split, seed, pairs
+        self.with_images = images
+        self.images: list[bytes | None] = []  # IMAGES_COLUMN of each row, vision-language data only
+        self.image_count = 0
         self.ids: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []
         self.prompts: list[tuple[str, str, int]] = []  # PROMPT_COLUMNS of each row, prompt data only
@@ -47,7 +54,10 @@ class SplitWriter:
         self.files: list[str] = []
         self.documents = self.tokens = self.loss_tokens = self.longest = 0
 
-    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray, images: bytes | None = None) -> None:
+        if self.with_images:
+            self.images.append(images)
+            self.image_count += images is not None
         self._append(ids, mask)
         if self.buffered >= SHARD_TOKENS or len(self.ids) >= DOCS_PER_SHARD:
             self.flush()
@@ -90,13 +100,18 @@ class SplitWriter:
         if self.prompts:
             for c, (name, kind) in enumerate(zip(PROMPT_COLUMNS, (pa.string(), pa.string(), pa.int64()))):
                 columns[name] = pa.array([self.prompts[i][c] for i in order], type=kind)
+        if self.with_images:
+            columns[IMAGES_COLUMN] = pa.array([self.images[i] for i in order], type=pa.binary())
         table = pa.table(columns)
         name = f"{self.split}-{k:05d}.parquet"
         pq.write_table(table, self.directory / name, row_group_size=ROW_GROUP_ROWS)
         self.files.append(name)
-        self.ids, self.masks, self.prompts, self.buffered = [], [], [], 0
+        self.ids, self.masks, self.prompts, self.images, self.buffered = [], [], [], [], 0
 
     def summary(self) -> dict[str, Any]:
         self.flush()
-        return {"files": self.files, "documents": self.documents, "tokens": self.tokens,
-                "loss_tokens": self.loss_tokens, "max_document_tokens": self.longest}
+        out = {"files": self.files, "documents": self.documents, "tokens": self.tokens,
+               "loss_tokens": self.loss_tokens, "max_document_tokens": self.longest}
+        if self.with_images:
+            out["documents_with_images"] = self.image_count
+        return out

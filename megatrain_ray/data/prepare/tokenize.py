@@ -27,6 +27,7 @@ from megatrain_ray.data.prepare.chat_render import (
 from megatrain_ray.data.prepare.preference import preference_chunk
 from megatrain_ray.data.prepare.prompts import prompts_chunk
 from megatrain_ray.data.prepare.records import BadRecord, Columns, Item, parse_item, record_text, to_messages
+from megatrain_ray.data.prepare.vision_docs import VisionJob, vision_chunk
 from megatrain_ray.exceptions import DataError
 
 NO_TEMPLATE = ("the tokenizer has no chat template (chat_template in tokenizer_config.json or chat_template.jinja); "
@@ -135,9 +136,12 @@ class Job:
     cols: Columns
     seq_len: int
     train_on_inputs: bool
+    vision: VisionJob | None = None
+    """A vision-language model's chat records: images through its processor (vision_docs.py); None: text only."""
 
 
-# A chunk's results, in its records' order: ("doc", ids, mask, truncated) | ("dropped", reason, truncated) |
+# A chunk's results, in its records' order: ("doc", ids, mask, truncated[, images' bytes]) | ("refused", message) |
+# ("dropped", reason, truncated) |
 # ("skipped", reason, message) | ("pair", chosen ids, chosen mask, rejected ids, rejected mask, truncated) |
 # ("prompt", ids, prompt JSON, columns JSON, column names).
 Result = tuple
@@ -149,6 +153,8 @@ def process_chunk(tok: Tokenizer, job: Job, chunk: list[tuple[Item, int]]) -> li
         return preference_chunk(tok, job, chunk)
     if job.fmt == "prompts":
         return prompts_chunk(tok, chunk)
+    if job.vision is not None:
+        return vision_chunk(tok, job, chunk)
     results: list[Result | None] = [None] * len(chunk)
     texts, spans, slots = [], [], []
     for k, (item, number) in enumerate(chunk):
