@@ -96,6 +96,17 @@ def test_every_stage_resident_with_kept_graphs_trains_exactly_like_the_streamed_
     assert {(r["h2d_bytes"], r["d2h_bytes"]) for r in resident[1]} == {(0, 0)}
 
 
+def test_passes_without_gradients_read_the_resident_embedding_and_head(tmp_path):
+    """Logits after two steps with every stage resident are the streamed run's, bit for bit (float64)."""
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name, engine in (("none", {}), ("all", {"gpu_resident": "all"})):
+        with Trainer(tiny_config(tmp_path / name, engine=engine, precision=FLOAT64, train={"steps": 4})) as trainer:
+            trainer.step(0), trainer.step(1)
+            logits[name] = trainer.logits(ids)
+    assert torch.equal(logits["all"], logits["none"])
+
+
 def test_kept_graphs_beside_recomputed_and_streamed_layers_in_float64(tmp_path, streamed64):
     """Layer 0 resident and recomputed, layer 1 resident with its graph kept, layer 2 streamed (clipping on)."""
     resident = train(tiny_config(tmp_path / "mixed", engine={"gpu_resident": 2, "kept_activations": 1},
