@@ -147,8 +147,8 @@ def forward_only(run: RunSpec) -> RunSpec:
     with no layer kept GPU-resident with training state (the rollout keeps its own copy on the device)."""
     dtype = run.stream_dtype
     return dataclasses.replace(run, master_dtype=dtype, stream_is_master=True, grad_home="stream", grad_dtype=dtype,
-                               moment_dtype=dtype, vocab_in_pieces=False, resident_layers=0, speculative_stages=0,
-                               frozen_base=True, base_quantization="none")
+                               moment_dtype=dtype, vocab_in_pieces=False, resident_layers=0, resident_vocab=False,
+                               kept_layers=0, speculative_stages=0, frozen_base=True, base_quantization="none")
 
 
 def check_store_fits(store_bytes: int, machine: Machine, shm_dir: str) -> None:
@@ -181,7 +181,9 @@ class GenerationSession:
             run = forward_only(resolve_run(cfg, machine.gpu_memory, device, 1, 1))
             check_store_fits(layout.num_params * DTYPE_BYTES[run.master_dtype], machine, cfg.host.shm_dir)
         else:  # refuses a store that does not fit this machine, before allocating it
-            run = resolve_run(cfg, check_plan(cfg).machine.gpu_memory, device, 1, 1)
+            # The rollout streams the embedding and LM head (engine/rollout/): the tier keeps its layers only.
+            run = dataclasses.replace(resolve_run(cfg, check_plan(cfg).machine.gpu_memory, device, 1, 1),
+                                      resident_vocab=False)
         # In this process: each HostShard's guardian removes its segments however the process ends.
         self.cluster = Cluster(cfg, layout, new_run_id())
         try:
