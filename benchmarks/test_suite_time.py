@@ -3,6 +3,7 @@
 with the machine (CPU model, cores), the commit, the wall time, the CPU's idle share during the run, the
 counts, the time per test file and the slowest tests.
 
+    python benchmarks/test_suite_time.py -- -n 2 --dist loadfile  # the whole suite as the README runs it
     python benchmarks/test_suite_time.py                          # the whole suite, serial
     python benchmarks/test_suite_time.py -- -m float32_parity     # extra pytest arguments after --
     python benchmarks/test_suite_time.py --cold                   # with empty caches, as on a fresh machine
