@@ -51,6 +51,21 @@ PLANNED = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "
 """Vision-language model_types transformers ships that the vision path does not take yet (issue 44)."""
 
 
+TRAINED_PARTS = {"frozen": ("multi_modal_projector",), "full": ("vision_tower", "multi_modal_projector")}
+"""finetune.vision: the vision parts that train (frozen: the projector, as LLaMA-Factory's default)."""
+
+
+def image_tokens_per_image(hf: dict[str, Any]) -> int | None:
+    """The image tokens one image takes in a row, from config.json (None: it depends on the image)."""
+    vision = hf.get("vision_config") or {}
+    if hf.get("model_type") == "gemma3":
+        return int(hf.get("mm_tokens_per_image", 256))
+    if hf.get("model_type") == "llava" and vision.get("image_size") and vision.get("patch_size"):
+        full = hf.get("vision_feature_select_strategy", "default") == "full"  # the CLS token kept
+        return (int(vision["image_size"]) // int(vision["patch_size"])) ** 2 + full
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
     """The vision facts of one checkpoint (its config.json)."""

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megatrain_ray.config.engine_sections import OptimizerConfig
+from megatrain_ray.config.hf_vision import TRAINED_PARTS
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.messages import ImageInputs
 from megatrain_ray.model.attention import ExplicitMask
@@ -38,7 +39,6 @@ VISION_FILE = "vision.safetensors"
 VISION_STAGE = -2
 """The `stage` of the vision state's file in a checkpoint manifest."""
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-TRAINED_PARTS = {"frozen": ("multi_modal_projector",), "full": ("vision_tower", "multi_modal_projector")}
 
 
 class VisionTier:

@@ -26,6 +26,7 @@ from megatrain_ray.model.delta_rule import linear_mixer_saved_bytes
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.moe import expert_numel, moe_pair_width
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, resident_base_bytes
+from megatrain_ray.planning.vision import VISION_KEYS
 from megatrain_ray.units import GiB
 
 GPU_RESERVE_BYTES = int(1.5 * GiB)
@@ -124,6 +125,7 @@ def peak_allocated(g: dict[str, int]) -> int:
     plus the larger of the layer backward and the loss head."""
     return (g["weight buffers"] + g["gradient buffers"] + g["vocabulary accumulator"] + g["kept layer inputs"]
             + g["GPU-resident layers"] + g.get(LORA_ADAPTERS, 0) + g.get("kept layer graphs", 0)
+            + sum(g.get(k, 0) for k in VISION_KEYS)
             + max(g["layer backward working set"], g["loss head working set"]))
 
 

@@ -28,6 +28,7 @@ from megatrain_ray.planning.host_memory import GPU_PROCESS_BYTES, PROCESS_BYTES,
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.plan import COMPILED_NODE_BYTES, Plan
 from megatrain_ray.planning.plan_text import format_plan, host_fixes
+from megatrain_ray.planning.vision import vision_counts, vision_gpu_bytes
 from megatrain_ray.store.disk_tier import disk_problems
 from megatrain_ray.system.topology import detect_topology, plan_placement
 from megatrain_ray.units import GiB
@@ -47,6 +48,8 @@ def plan_run(cfg: Config, machine: Machine) -> Plan:
     plan.offloaded = run.ranks_per_node * offloaded_bytes(cfg, run) if plan.offload else 0
     plan.pinned += plan.offloaded  # page-locked like the registered segments
     plan.gpu = gpu_bytes(cfg, run, plan.offload)
+    plan.vision = vision_counts(cfg)  # a vision-language model's tower and projector, on the GPU worker
+    plan.gpu.update(vision_gpu_bytes(plan.vision, run))
     _check(plan)
     return plan
 

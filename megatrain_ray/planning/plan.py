@@ -12,6 +12,7 @@ from megatrain_ray.planning.gpu_memory import peak_allocated
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.profiles import SpeedProfile
 from megatrain_ray.planning.speed import SpeedEstimate, estimate
+from megatrain_ray.planning.vision import VisionCounts
 from megatrain_ray.units import GiB
 
 COMPILED_NODE_BYTES = 8 * GiB
@@ -47,6 +48,8 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     host_fixes: list[str] = field(default_factory=list)
     """When the host store does not fit: each change that shrinks it, with what it saves on its own."""
+    vision: VisionCounts | None = None
+    """A vision-language model's tower and projector (planning/vision.py); None: a text model."""
 
     @property
     def shm_total(self) -> int:

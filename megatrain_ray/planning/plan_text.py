@@ -21,6 +21,7 @@ from megatrain_ray.planning.rollout import rollout_lines
 from megatrain_ray.planning.speculation import fastest_speculation
 from megatrain_ray.planning.profiles import PRESETS, REFERENCE_OPTIMIZER_BYTES
 from megatrain_ray.planning.speed import SpeedEstimate, estimate
+from megatrain_ray.planning.vision import VISION_KEYS, vision_lines
 from megatrain_ray.store.disk_use import export_bytes, export_dtype
 from megatrain_ray.units import GiB, human_count
 
@@ -91,13 +92,14 @@ def format_plan(plan: Plan) -> str:
     for name, nbytes in plan.gpu.items():
         lines.append(f"  {name:<38}{nbytes / g:10.2f} GiB")
     fixed = sum(plan.gpu.get(k, 0) for k in ("weight buffers", "gradient buffers", "vocabulary accumulator",
-                                             "GPU-resident layers", LORA_ADAPTERS))
+                                             "GPU-resident layers", LORA_ADAPTERS, *VISION_KEYS))
     per_token = (plan.gpu_peak - fixed) / run.rank_tokens
     lines += [f"  {'peak allocated':<38}{plan.gpu_peak / g:10.2f} GiB",
               f"  {'+ context, workspaces, fragmentation':<38}{GPU_RESERVE_BYTES / g:10.2f} GiB",
               f"  {'activations per token (one GPU)':<38}{per_token / 1024:10.1f} KiB"
               + (f"  (+ {plan.offloaded / run.ranks_per_node / run.rank_tokens / 1024:.1f} KiB pinned host RAM)"
                  if plan.offload else ""), ""]
+    lines += vision_lines(cfg, plan.vision)
     lines += rollout_lines(cfg, run, machine.gpu_memory if plan.on_gpu else None, plan.gpu_peak)
     lines += resident_lines(plan)
     lines += speed_lines(cfg, plan.expected, gpu_visible=bool(machine.gpu_memory))
