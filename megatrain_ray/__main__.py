@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import signal
 import sys
@@ -153,7 +154,14 @@ def _offline_shapes(hub_name: str) -> str:
     named when there is one."""
     shapes = Path(__file__).resolve().parent.parent / "configs" / "shapes"
     model = hub_name.split("/")[-1].lower()
-    matches = sorted((p.stem for p in shapes.glob("*.yaml") if model.startswith(p.stem)), key=len)
+    stems = [p.stem for p in shapes.glob("*.yaml")]
+    matches = sorted((s for s in stems if model.startswith(s)), key=len)
+    if not matches:  # Llama-3.1-70B-Instruct -> llama3-70b.yaml: the same family letters and size in billions
+        def family_size(name: str) -> tuple[str, set[str]]:
+            return re.match(r"[a-z]*", name).group(), set(re.findall(r"(?<![\d.])\d+(?:\.\d+)?b(?![a-z])", name))
+        family, sizes = family_size(model)
+        matches = sorted((s for s in stems if family and sizes and family_size(s) == (family, sizes)),
+                         key=len, reverse=True)
     which = f"configs/shapes/{matches[-1]}.yaml" if matches else "configs/shapes/<model>.yaml"
     return (f"the YAML files in configs/shapes/ describe common models' shapes and plan offline, with no download: "
             f"megatrain plan {which} (with --set for this config's data, precision and host keys)")

@@ -127,7 +127,11 @@ def test_gpt2_is_refused_for_its_learned_position_embeddings(tmp_path):
     assert "final norm" not in message, message
 
 
-def test_plan_of_a_hub_recipe_offline_names_configs_shapes(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("recipe, shape", [("qwen2.5-7b-instruct-sft", "qwen2.5-7b"),
+                                           ("llama-3.1-70b-instruct-sft", "llama3-70b")])
+def test_plan_of_a_hub_recipe_offline_names_configs_shapes(tmp_path, monkeypatch, capsys, recipe, shape):
+    """The shape file of the recipe's model is named: by its name's start (qwen2.5-7b), else by the same family
+    letters and size (Llama-3.1-70B-Instruct -> llama3-70b), as docs/quick-start.md step 3 shows."""
     pytest.importorskip("huggingface_hub")
     from huggingface_hub import constants  # read at import: point the running process at an empty cache
 
@@ -135,8 +139,7 @@ def test_plan_of_a_hub_recipe_offline_names_configs_shapes(tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    recipe = os.path.join(REPO, "configs", "recipes", "qwen2.5-7b-instruct-sft.yaml")
-    code, err = run_main(["plan", recipe], capsys)
+    code, err = run_main(["plan", os.path.join(REPO, "configs", "recipes", f"{recipe}.yaml")], capsys)
     assert code == 2 and "not in the hub cache" in err, err
-    assert "configs/shapes/qwen2.5-7b.yaml" in err and "offline" in err, err
-    assert (Path(REPO) / "configs" / "shapes" / "qwen2.5-7b.yaml").is_file()
+    assert f"megatrain plan configs/shapes/{shape}.yaml (" in err and "offline" in err, err
+    assert (Path(REPO) / "configs" / "shapes" / f"{shape}.yaml").is_file()
