@@ -1,11 +1,14 @@
 """Tiny random vision-language models (saved with save_pretrained) and their batches, and the transformers model
 trained as megatrain is configured: the reference of tests/integration/test_vision_parity.py.
 
-LLaVA: a Llama text model (hidden 64, GQA 4/2, 2 layers, untied head) and a CLIP tower (16x16 images in 4x4
-patches: 16 patch tokens per image after its CLS is dropped, feature layer -2), the two-layer GELU projector.
-Gemma 3: its text model (3 layers, sliding window 6 in the local ones, tied head) and a SigLIP tower (16 patches
-pooled to 4 tokens per image by the projector's average pool, its RMSNorm and matrix). Each batch has three rows of
-24 tokens: two images in the first, none in the second, one in the third; image tokens never in the loss.
+LLaVA: a Llama text model (hidden 64, GQA 4/2, 2 layers, untied head) and a CLIP tower (16x16 images in 4x4 patches: 16
+patch tokens per image after its CLS is dropped, feature layer -2), the two-layer GELU projector. Gemma 3: its text
+model (3 layers, sliding window 6 in the local ones, tied head) and a SigLIP tower (16 patches pooled to 4 tokens per
+image by the projector's average pool, its RMSNorm and matrix). Qwen2.5-VL: its Qwen2 text model (2 layers, M-RoPE
+sections 2/3/3 of 8 frequencies) and its ViT (2 blocks, window attention in the first, 2x2 patches over 2 frames, merged
+2x2 by the merger): images of 4, 8 and 4 tokens between vision start and end tokens, its M-RoPE tables in float64 on the
+reference side (recomposed by transformers' own code). Each batch has three rows of 24 tokens: two images in the first,
+none in the second, one in the third; image tokens never in the loss.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from tests.reference_llama import reference_lr
 
 VOCAB, SEQ = 96, 24
 LLAVA_IMAGE, GEMMA_IMAGE, GEMMA_BOI, GEMMA_EOI = 95, 93, 91, 92
+QWEN_IMAGE, QWEN_VIDEO, QWEN_START, QWEN_END = 95, 94, 93, 92
+QWEN_GRIDS = ((1, 4, 4), (1, 4, 8), (1, 4, 4))
+"""Qwen2.5-VL's images of a batch: (time, height, width) patches of 2x2 pixels, merged 2x2 into 4, 8 and 4 tokens."""
 
 
 def build(name: str, directory, seed: int = 0):
@@ -50,6 +56,17 @@ def build(name: str, directory, seed: int = 0):
             for n, p in model.named_parameters():
                 if "multi_modal_projector" in n or "norm" in n:
                     p.normal_(0.0, 0.3)
+    elif name == "qwen2_5_vl":
+        text = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                "bos_token_id": None, "eos_token_id": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 2,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 8, "fullatt_block_indexes": [1],
+                  "out_hidden_size": 64, "in_channels": 3}
+        model = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE, video_token_id=QWEN_VIDEO,
+            vision_start_token_id=QWEN_START, vision_end_token_id=QWEN_END))
     else:
         raise ValueError(name)
     model.save_pretrained(str(directory))
@@ -58,7 +75,28 @@ def build(name: str, directory, seed: int = 0):
 
 def image_tokens(name: str) -> tuple[int, int]:
     """(image token id, tokens per image)."""
-    return (LLAVA_IMAGE, 16) if name == "llava" else (GEMMA_IMAGE, 4)
+    return (LLAVA_IMAGE, 16) if name == "llava" else (QWEN_IMAGE, 4) if name == "qwen2_5_vl" else (GEMMA_IMAGE, 4)
+
+
+def in_tower(name: str, key: str) -> bool:
+    """Whether a module name is the vision tower's (frozen with finetune.vision=frozen), not the projector's."""
+    if name == "qwen2_5_vl":
+        return key.startswith("model.visual.") and not key.startswith("model.visual.merger.")
+    return "vision_tower" in key
+
+
+def image_inputs(pixels):
+    """The batch's ImageInputs: the pixels, and Qwen2.5-VL's image grids with them."""
+    from megatrain_ray.messages import ImageInputs
+
+    if isinstance(pixels, tuple):
+        return ImageInputs(pixels[0], {"image_grid_thw": pixels[1]})
+    return ImageInputs(pixels)
+
+
+def other_pixels(pixels):
+    """Other random pixels of the same images."""
+    return (torch.randn_like(pixels[0]), pixels[1]) if isinstance(pixels, tuple) else torch.randn_like(pixels)
 
 
 def batch(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,16 +112,25 @@ def batch(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if name == "llava":
         ids = torch.randint(3, 90, (3, 2 * 16 + 8), generator=g)
         place(0, 2), place(0, 20), place(2, 5)
+    elif name == "qwen2_5_vl":  # <|vision_start|> image tokens <|vision_end|>, as Qwen2.5-VL's processor writes them
+        for row, start, n in ((0, 2, 4), (0, 10, 8), (2, 6, 4)):
+            ids[row, start - 1], ids[row, start:start + n], ids[row, start + n] = QWEN_START, token, QWEN_END
     else:
         place(0, 2), place(0, 10), place(2, 6)
     labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)
     labels[labels == token] = -100
     labels[ids == token] = -100
+    if name == "qwen2_5_vl":
+        grids = torch.tensor(QWEN_GRIDS)
+        return ids, labels, (torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 2 * 2, generator=g), grids)
     pixels = torch.randn(3, 3, 16, 16, generator=g)
     return ids, labels, pixels
 
 
-def hf_inputs(name: str, model, ids: torch.Tensor, pixels: torch.Tensor) -> dict:
+def hf_inputs(name: str, model, ids: torch.Tensor, pixels) -> dict:
+    if name == "qwen2_5_vl":
+        return {"input_ids": ids, "pixel_values": pixels[0].to(model.dtype), "image_grid_thw": pixels[1],
+                "mm_token_type_ids": (ids == QWEN_IMAGE).to(torch.int32)}
     out = {"input_ids": ids, "pixel_values": pixels.to(model.dtype)}
     if name == "gemma3":
         out["token_type_ids"] = (ids == GEMMA_IMAGE).long()
@@ -102,6 +149,27 @@ def float64_language_model(model) -> None:
     projector norm rounds through float32 on both sides)."""
     model.set_attn_implementation("sdpa")
     float64_throughout(model.model.language_model)
+    for module in model.model.language_model.modules():
+        if hasattr(module, "mrope_section"):
+            _mrope_in_float64(module)
+
+
+def _mrope_in_float64(module) -> None:
+    """Qwen2.5-VL's M-RoPE tables in float64 for float64 inputs: its angles of the three position axes in float64,
+    recomposed by its own recomposition_frequencies (transformers computes them in float32)."""
+    eager = type(module).forward.__get__(module)
+
+    def forward(x, position_ids):
+        if x.dtype != torch.float64:
+            return eager(x, position_ids)
+        dim = 2 * module.inv_freq.numel()
+        theta = module.config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
+        torch.testing.assert_close(inv_freq, module.inv_freq.to(torch.float64), rtol=1e-5, atol=0)
+        freqs = position_ids.expand(3, -1, -1)[..., None].to(torch.float64) * inv_freq
+        return module.recomposition_frequencies(freqs.cos()), module.recomposition_frequencies(freqs.sin())
+
+    module.forward = forward
 
 
 def exact(model):
@@ -120,7 +188,7 @@ def train_hf_vision(name: str, model, cfg, batches, dtype: torch.dtype, vision: 
         if dtype == torch.float64:
             float64_language_model(model)
         for n, p in model.named_parameters():
-            p.requires_grad_(vision == "full" or "vision_tower" not in n)
+            p.requires_grad_(vision == "full" or not in_tower(name, n))
         trained = [p for p in model.parameters() if p.requires_grad]
         o, s = cfg.optimizer, cfg.schedule
         opt = torch.optim.AdamW([{"params": [p for p in trained if p.ndim >= 2], "weight_decay": o.weight_decay},

@@ -35,6 +35,12 @@ class VisionFamily:
     """The config class's tie_word_embeddings when config.json has none."""
     parts: tuple[str, ...]
     """The vision modules' attribute names in the base model (transformers' XModel): trained and exported."""
+    projector: tuple[str, ...] = ("multi_modal_projector",)
+    """The modules (dotted, under the base model) that train with finetune.vision=frozen: the projector (Qwen-VL's
+    patch merger lives inside its tower)."""
+    rope: Literal["standard", "mrope"] = "standard"
+    """mrope (Qwen-VL): the text layers' rotary positions have three axes (time, height, width), an image's tokens
+    placed on its grid (model/vision/mrope.py)."""
 
 
 FAMILIES: dict[str, VisionFamily] = {
@@ -42,17 +48,26 @@ FAMILIES: dict[str, VisionFamily] = {
                           ("vision_tower", "multi_modal_projector")),
     "gemma3": VisionFamily("gemma3", ("gemma3_text",), "image_blocks", True,
                            ("vision_tower", "multi_modal_projector")),
+    "qwen2_5_vl": VisionFamily("qwen2_5_vl", ("qwen2_5_vl_text",), "causal", False, ("visual",), ("visual.merger",),
+                               "mrope"),
 }
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "gemma3_text": "Gemma3ForCausalLM"}
-PLANNED = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE",
+                      "gemma3_text": "Gemma3ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+PLANNED = {"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE",
            "llava_onevision": "LLaVA-OneVision", "mistral3": "Mistral 3", "llava_next": "LLaVA-NeXT",
            "internvl": "InternVL", "glm4v": "GLM-4V", "llama4": "Llama 4", "paligemma": "PaliGemma"}
 """Vision-language model_types transformers ships that the vision path does not take yet (issue 44)."""
 
 
-TRAINED_PARTS = {"frozen": ("multi_modal_projector",), "full": ("vision_tower", "multi_modal_projector")}
-"""finetune.vision: the vision parts that train (frozen: the projector, as LLaMA-Factory's default)."""
+def trained_parts(family: VisionFamily, mode: str) -> tuple[str, ...]:
+    """finetune.vision: the modules (dotted, under the base model) that train (frozen: the projector, as
+    LLaMA-Factory's default; full: every vision part)."""
+    return family.projector if mode == "frozen" else family.parts
+
+
+def trains(name: str, parts: tuple[str, ...]) -> bool:
+    """Whether a base-model tensor name (`vision_tower.x.weight`) lies in one of `parts`."""
+    return any(name == p or name.startswith(p + ".") for p in parts)
 
 
 def image_tokens_per_image(hf: dict[str, Any]) -> int | None:
@@ -73,6 +88,8 @@ class VisionConfig:
     family: VisionFamily
     image_token_id: int
     text_vocab_size: int
+    mrope_section: tuple[int, ...] = ()
+    """mrope: how many rotary frequencies each position axis (time, height, width) takes."""
 
 
 def is_vision_config(hf: dict[str, Any]) -> bool:
@@ -100,7 +117,13 @@ def vision_text_part(hf: dict[str, Any], where: str = "config.json") -> dict[str
     tie = family.default_tie if tie is None else bool(tie)
     if model_type == "llava":  # LlavaConfig: the text config's tie counts where the top level's is off
         tie = tie or bool(text.get("tie_word_embeddings"))
-    return {**text, "architectures": [TEXT_ARCHITECTURES[text_type]], "tie_word_embeddings": tie}
+    text = {**text, "architectures": [TEXT_ARCHITECTURES[text_type]], "tie_word_embeddings": tie}
+    if family.rope == "mrope":  # the text model's own tables are the 1-axis ones; mrope.py makes the three axes'
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope.pop("mrope_section", None)
+        text.update(rope_parameters=rope, model_type="qwen2")
+        text.pop("rope_scaling", None)
+    return text
 
 
 def vision_config(hf: dict[str, Any], where: str = "config.json") -> VisionConfig | None:
@@ -115,7 +138,14 @@ def vision_config(hf: dict[str, Any], where: str = "config.json") -> VisionConfi
     vocab = text.get("vocab_size")
     if not isinstance(vocab, int) or vocab < 1:
         raise CheckpointError(f"{where}: text_config.vocab_size = {excerpt(vocab)} must be a whole number >= 1")
-    return VisionConfig(FAMILIES[model_type], token, vocab)
+    section: tuple[int, ...] = ()
+    if FAMILIES[model_type].rope == "mrope":
+        raw = hf.get("text_config") or {}
+        section = tuple((raw.get("rope_parameters") or raw.get("rope_scaling") or {}).get("mrope_section") or ())
+        if not section or not all(isinstance(n, int) and n > 0 for n in section) or len(section) != 3:
+            raise CheckpointError(f"{where}: text_config.rope_parameters.mrope_section = {excerpt(section)} must "
+                                  "be three whole numbers (the time, height and width axes' rotary frequencies)")
+    return VisionConfig(FAMILIES[model_type], token, vocab, section)
 
 
 def vision_config_of_dir(model_dir: str | Path | None) -> VisionConfig | None:

@@ -57,12 +57,15 @@ class VisionPasses:
             x, mask = self.vision.splice(x, ids, images, training)
             documents = mask if mask is not None else documents
             self._vision_documents = documents
+            rope = self.vision.rope(ids, images, x.dtype, rope.keys()) or rope  # M-RoPE: three position axes
+            self._vision_rope = rope
         return super()._forward_layers(x, rope, documents, keep)  # type: ignore[misc]
 
     def _backward(self, head: Any, rope: dict, documents: Any, inject_nan: bool) -> torch.Tensor:
         # The recompute takes the forward's mask (Gemma 3's image blocks), which _forward did not return.
         documents = getattr(self, "_vision_documents", documents)
-        self._vision_documents = None
+        rope = getattr(self, "_vision_rope", None) or rope  # and its M-RoPE tables
+        self._vision_documents = self._vision_rope = None
         return super()._backward(head, rope, documents, inject_nan)  # type: ignore[misc]
 
     def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: Any) -> None:
@@ -112,6 +115,7 @@ def attach_vision(engine: Any, cfg: Any, run: Any, restore: Any = None) -> None:
     sliding = any(model.layer_slides(i) for i in range(model.num_layers))
     engine.vision = VisionTier(modules, cfg.finetune.vision, cfg.optimizer, engine.compute_dtype,
                                model.sliding_window, sliding)
+    engine.vision.rope_shape = (model.rope_theta, model.resolved_head_dim)
     if modules.vision.family.attention == "image_blocks":
         engine._compiled = None  # the layers take an explicit mask: eager
     if restore is not None:

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from megatrain_ray.config.engine_sections import OptimizerConfig
-from megatrain_ray.config.hf_vision import TRAINED_PARTS
+from megatrain_ray.config.hf_vision import trained_parts
 from megatrain_ray.exceptions import CheckpointError
 from megatrain_ray.messages import ImageInputs
 from megatrain_ray.model.attention import ExplicitMask
 from megatrain_ray.model.vision.modules import VisionModules
+from megatrain_ray.model.vision.mrope import mrope_positions, mrope_tables
 from megatrain_ray.model.vision.splice import check_count, image_block_mask, image_positions, lookup_ids
 from megatrain_ray.store.safetensors_io import read_safetensors_into, write_safetensors
 
@@ -49,8 +50,8 @@ class VisionTier:
         self.compute_dtype = compute_dtype
         self.sliding_window, self.any_sliding = sliding_window, any_sliding
         params = modules.parameters()
-        parts = TRAINED_PARTS[mode]
-        self.trained = {n: p for n, p in params.items() if modules.part_of(n) in parts}
+        parts = trained_parts(self.vision.family, mode)
+        self.trained = {n: p for n, p in params.items() if modules.trains(n, parts)}
         for name, p in params.items():
             p.requires_grad_(name in self.trained)
         decay = [p for p in self.trained.values() if p.ndim >= 2]
@@ -60,6 +61,8 @@ class VisionTier:
             lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps, foreach=False)
         self.sqnorm: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope_shape: tuple[float, int] = (0.0, 0)
+        """M-RoPE (Qwen-VL): the text model's (rope_theta, head_dim); attach_vision sets it."""
 
     # ------------------------------------------------------------------ the step
 
@@ -87,6 +90,17 @@ class VisionTier:
         mask = image_block_mask(positions, self.sliding_window, self.any_sliding) \
             if self.vision.family.attention == "image_blocks" else None
         return x, mask
+
+    def rope(self, ids: torch.Tensor, images: ImageInputs | None, dtype: torch.dtype,
+             keys: Any) -> dict | None:
+        """The text layers' RoPE tables by LayerSpec.local_rope for M-RoPE families (model/vision/mrope.py); None:
+        the text model's own."""
+        if self.vision.family.rope != "mrope":
+            return None
+        grid = images.extra.get("image_grid_thw") if images is not None else None
+        positions = mrope_positions(self.modules.base, ids, self.vision.image_token_id, grid)
+        tables = mrope_tables(positions, self.vision.mrope_section, *self.rope_shape, dtype, self.modules.device)
+        return {k: tables for k in keys}
 
     def _autocast(self) -> Any:
         device = self.modules.device

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain_ray.config.hf import read_hf_config
-from megatrain_ray.config.hf_vision import TRAINED_PARTS, image_tokens_per_image, vision_config_of_dir
+from megatrain_ray.config.hf_vision import image_tokens_per_image, trained_parts, trains, vision_config_of_dir
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
@@ -50,7 +50,8 @@ def vision_counts(cfg: Config) -> VisionCounts | None:
     parts = {name: sum(p.numel() for p in getattr(base, name).parameters()) for name in vision.family.parts}
     buffers = sum(b.numel() for name in vision.family.parts
                   for b in getattr(base, name).state_dict(keep_vars=True).values()) - sum(parts.values())
-    trained = sum(n for name, n in parts.items() if name in TRAINED_PARTS[cfg.finetune.vision])
+    chosen = trained_parts(vision.family, cfg.finetune.vision)
+    trained = sum(p.numel() for name, p in base.named_parameters() if trains(name, chosen))
     return VisionCounts(vision.family.model_type, parts, buffers, trained,
                         image_tokens_per_image(read_hf_config(cfg.model.path)))
 

@@ -1,6 +1,7 @@
 """Vision-language models (model/vision/, engine/vision_engine.py) against transformers' own models.
 
-Tiny random LLaVA (Llama + CLIP) and Gemma 3 multimodal (Gemma 3 text + SigLIP) models, saved with save_pretrained
+Tiny random LLaVA (Llama + CLIP), Gemma 3 multimodal (Gemma 3 text + SigLIP) and Qwen2.5-VL (Qwen2 text with M-RoPE,
+its window-attention ViT and patch merger) models, saved with save_pretrained
 (tests/reference_vision.py), loaded by megatrain from that directory (model.path: HF safetensors in). Each batch has
 two images in its first row, none in its second, one in its third.
 
@@ -8,7 +9,8 @@ two images in its first row, none in its second, one in its third.
   language model's RoPE and norms in float64 on both sides, the vision modules as transformers computes them, since
   megatrain runs those very modules; measured 0.0), float32 within 4x the noise measured here (float32 against
   float64 of the same reference; measured 0.0). Gemma 3's bidirectional image blocks are proved to matter (the
-  causal-only logits differ), and so do the pixels (other pixels change the image rows, not the text-only row).
+  causal-only logits differ), so are Qwen2.5-VL's three position axes (transformers' logits with one axis differ in
+  the image rows), and so do the pixels (other pixels change the image rows, not the text-only row).
 - Training: 10 float64 steps against the transformers model with torch AdamW (matrices decayed) and
   clip_grad_norm_ over what trains: finetune.vision frozen (projector and language model train, the tower stays as
   loaded, bit for bit) and full (tower too); every loss and final tensor within 1e-10 (the tower's key biases,
@@ -29,14 +31,23 @@ transformers = pytest.importorskip("transformers")
 from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.exceptions import ConfigError  # noqa: E402
-from megatrain_ray.messages import Batch, ImageInputs  # noqa: E402
+from megatrain_ray.messages import Batch  # noqa: E402
 from megatrain_ray.model.vision.names import vision_module_name  # noqa: E402
 from megatrain_ray.model.vision.splice import ImageTokenMismatch  # noqa: E402
 from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
 from tests.numerics import assert_exact, assert_within_noise, relative_error  # noqa: E402
-from tests.reference_vision import batch, build, exact, hf_logits, train_hf_vision  # noqa: E402
+from tests.reference_vision import (  # noqa: E402
+    batch,
+    build,
+    exact,
+    hf_logits,
+    image_inputs,
+    in_tower,
+    other_pixels,
+    train_hf_vision,
+)
 
-FAMILIES = ["llava", "gemma3"]
+FAMILIES = ["llava", "gemma3", "qwen2_5_vl"]
 STEPS = 10
 
 
@@ -48,7 +59,7 @@ class ListBatches:
 
     def batch(self, step: int) -> Batch:
         ids, labels, pixels = self.batches[step % len(self.batches)]
-        return Batch(ids, labels, images=ImageInputs(pixels))
+        return Batch(ids, labels, images=image_inputs(pixels))
 
     def epoch_of(self, step: int) -> float:
         return step / len(self.batches)
@@ -75,10 +86,10 @@ def test_logits_equal_transformers(family, tmp_path):
     ids, _, pixels = batch(name, 0)
     ref64, ref32 = hf_logits(name, exact(model), ids, pixels), hf_logits(name, model, ids, pixels)
     with Trainer(vision_config(tmp_path / "f64", directory)) as trainer:
-        ours64 = trainer.logits(ids, ImageInputs(pixels))
-        other = trainer.logits(ids, ImageInputs(torch.randn_like(pixels)))
+        ours64 = trainer.logits(ids, image_inputs(pixels))
+        other = trainer.logits(ids, image_inputs(other_pixels(pixels)))
     with Trainer(vision_config(tmp_path / "f32", directory, "float32")) as trainer:
-        ours32 = trainer.logits(ids, ImageInputs(pixels))
+        ours32 = trainer.logits(ids, image_inputs(pixels))
     assert ours64.dtype == torch.float64
     err = assert_exact("float64 logits", ours64, ref64)
     assert_within_noise("float32 logits", ours32, ref32, ref64)
@@ -90,6 +101,10 @@ def test_logits_equal_transformers(family, tmp_path):
         with torch.no_grad():
             causal = exact(model)(input_ids=ids, pixel_values=pixels.double()).logits
         assert relative_error(causal, ref64) > 1e-3
+    if name == "qwen2_5_vl":  # with one position axis (no image grid positions) transformers' own logits differ
+        with torch.no_grad():
+            flat = exact(model)(input_ids=ids, pixel_values=pixels[0].double(), image_grid_thw=pixels[1]).logits
+        assert relative_error(flat[0], ref64[0]) > 1e-3 and torch.equal(flat[1], ref64[1])
 
 
 def run_ours(cfg, batches, resume=None, steps=None, probe=None, export=None):
@@ -105,7 +120,7 @@ def run_ours(cfg, batches, resume=None, steps=None, probe=None, export=None):
         if steps is not None:
             trainer.save(wait=True)
         text, vision = trainer.master_weights(), trainer.vision_state()
-        logits = trainer.logits(probe[0], ImageInputs(probe[1])) if probe is not None else None
+        logits = trainer.logits(probe[0], image_inputs(probe[1])) if probe is not None else None
         if export is not None:
             trainer.export(export)
     return losses, text, vision, logits
@@ -130,7 +145,7 @@ def test_float64_training_matches_transformers(family, tmp_path, vision):
             assert (value - initial[key]).abs().max() < 1e-12 and (ref_state[key] - initial[key]).abs().max() < 1e-12
             continue
         assert_exact(key, value, ref_state[key])
-        if "vision_tower" in key and vision == "frozen":
+        if in_tower(name, key) and vision == "frozen":
             assert torch.equal(value, initial[key]), f"{key} moved with the tower frozen"
         elif not torch.equal(ref_state[key], initial[key]):  # unused ones (LLaVA's last tower layer) stay in both
             assert relative_error(value, initial[key]) > 1e-4, f"{key} barely moved"
@@ -164,7 +179,7 @@ def test_export_round_trip_and_resume(family, tmp_path):
     # The export spells its tensors as transformers' modules do (model.language_model.*), where save_pretrained
     # wrote the legacy names (language_model.model.*): megatrain reads that spelling too, to the same logits.
     with Trainer(vision_config(tmp_path / "again", tmp_path / "export")) as trainer:
-        assert_exact("logits from the export", trainer.logits(ids, ImageInputs(pixels)), theirs)
+        assert_exact("logits from the export", trainer.logits(ids, image_inputs(pixels)), theirs)
 
 
 def test_bad_input_is_refused(family, tmp_path):
@@ -172,7 +187,8 @@ def test_bad_input_is_refused(family, tmp_path):
     ids, labels, pixels = batch(name, 0)
     with Trainer(vision_config(tmp_path / "run", directory)) as trainer:
         with pytest.raises(ImageTokenMismatch, match="image tokens"):
-            trainer.logits(ids, ImageInputs(pixels[:2]))  # three images' tokens, two images
+            fewer = (pixels[0][:48], pixels[1][:2]) if name == "qwen2_5_vl" else pixels[:2]
+            trainer.logits(ids, image_inputs(fewer))  # three images' tokens, two images
         with pytest.raises(ImageTokenMismatch, match="image tokens"):
             trainer.logits(ids)  # image tokens, no images
     with pytest.raises(ConfigError, match="finetune.vision=lora"):
@@ -186,7 +202,7 @@ def test_images_to_a_text_model_are_refused(tmp_path):
     ids, _, pixels = batch("llava", 0)
     with Trainer(load_config(raw=raw)) as trainer:
         with pytest.raises(ValueError, match="no vision tower"):
-            trainer.gpu.logits(ids.clamp(max=95), ImageInputs(pixels)).result()
+            trainer.gpu.logits(ids.clamp(max=95), image_inputs(pixels)).result()
 
 
 @pytest.mark.ray

@@ -19,7 +19,7 @@ import torch
 
 from megatrain_ray.config.hf import read_hf_config
 from megatrain_ray.config.hf_generic import hf_pretrained_config
-from megatrain_ray.config.hf_vision import FAMILIES, vision_config
+from megatrain_ray.config.hf_vision import FAMILIES, trains, vision_config
 from megatrain_ray.exceptions import CheckpointError
 
 
@@ -93,9 +93,9 @@ class VisionModules:
         """The vision parts' parameters by module name (`model.vision_tower.…`)."""
         return {self.prefix + n: p for n, p in self.base.named_parameters()}
 
-    def part_of(self, name: str) -> str:
-        """Which vision part a module name belongs to (`vision_tower`, `multi_modal_projector`)."""
-        return name.removeprefix(self.prefix).split(".", 1)[0]
+    def trains(self, name: str, parts: tuple[str, ...]) -> bool:
+        """Whether a module name (`model.vision_tower.…`) lies in one of `parts` (config/hf_vision.trained_parts)."""
+        return trains(name.removeprefix(self.prefix), parts)
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every tensor the export writes (parameters and persistent buffers) by module name."""
