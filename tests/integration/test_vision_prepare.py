@@ -9,6 +9,7 @@ images in one turn, and a text-only conversation, in small PNGs of different siz
 
 - Each prepared document is transformers' `processor.apply_chat_template(..., return_assistant_tokens_mask=True)`:
   the same tokens, the loss mask its assistant mask (image tokens never in it) and the pixel values bit for bit.
+- Two worker processes (each loading the processor) write the same shards byte for byte.
 - The ShareGPT / LLaMA-Factory layout (`<image>` placeholders, an `images` column) and a parquet file whose images
   are bytes give the same documents.
 - Bad images stop the run with one error naming the record: a corrupt file, an empty one, more image tokens than
@@ -119,8 +120,9 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 
 def run_prepare(model_dir: Path, inputs: list[Path], out: Path, fmt: str = "messages", **options) -> dict:
+    options = {"workers": 1, **options}
     return prepare(PrepareOptions(tokenizer_dir=str(model_dir), format=fmt, inputs=[str(p) for p in inputs],
-                                  output_dir=str(out), workers=1, **options))
+                                  output_dir=str(out), **options))
 
 
 def prepared_documents(directory: Path) -> list[tuple]:
@@ -182,6 +184,18 @@ def test_sharegpt_placeholders_and_parquet_bytes_give_the_same_documents(prepare
     expected = prepared_documents(prepared)
     assert prepared_documents(tmp_path / "sharegpt") == expected
     assert prepared_documents(tmp_path / "parquet") == expected
+
+
+def test_worker_processes_write_the_same_shards(prepared, model_dir, data_dir, tmp_path, monkeypatch):
+    """Two tokenizing processes, each loading the processor, one record a chunk: the shards byte for byte."""
+    from megatrain_ray.data.prepare import pipeline
+
+    monkeypatch.setattr(pipeline, "CHUNK_RECORDS", 1)
+    records = [{"messages": m} for m in conversations(data_dir, for_prepare=True)]
+    run_prepare(model_dir, [write_jsonl(data_dir / "chat.jsonl", records)], tmp_path / "workers", workers=2)
+    shards = sorted(p.name for p in prepared.glob("*.parquet"))
+    assert shards == sorted(p.name for p in (tmp_path / "workers").glob("*.parquet"))
+    assert all((prepared / n).read_bytes() == (tmp_path / "workers" / n).read_bytes() for n in shards)
 
 
 @pytest.mark.parametrize("case, message", [
