@@ -9,13 +9,14 @@ images in one turn, and a text-only conversation, in small PNGs of different siz
 
 - Each prepared document is transformers' `processor.apply_chat_template(..., return_assistant_tokens_mask=True)`:
   the same tokens, the loss mask its assistant mask (image tokens never in it) and the pixel values bit for bit.
+- The same for a tiny Gemma 3 and its processor (blank lines around each image's tokens).
 - Two worker processes (each loading the processor) write the same shards byte for byte.
 - The ShareGPT / LLaMA-Factory layout (`<image>` placeholders, an `images` column) and a parquet file whose images
   are bytes give the same documents.
 - Bad images stop the run with one error naming the record: a corrupt file, an empty one, more image tokens than
   --seq-len, a URL; --max-pixels on a processor without that cap is refused.
-- `megatrain train` on the prepared directory (float64, the tower frozen): its first step's loss equals the
-  transformers model's float64 loss on the same records (all in one batch) within 1e-10, and the loss falls.
+- `megatrain train` on the prepared directory (float64, the tower frozen; LLaVA and Gemma 3): its first step's loss
+  equals the transformers model's float64 loss on the same records (all in one batch) within 1e-10, and it falls.
 """
 
 from __future__ import annotations
@@ -80,6 +81,39 @@ def model_dir(tmp_path_factory) -> Path:
     model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
         text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2))
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 multimodal model and its processor (SigLIP's PIL image processor, 4 image tokens an image,
+    which the processor writes as a blank line, <start_of_image>, the image's tokens, <end_of_image>, a blank line)."""
+    out = tmp_path_factory.mktemp("gemma3") / "hf"
+    template = TEMPLATE.replace("'<image>'", "'<start_of_image>'")
+    backend = build_tokenizer(alpaca_texts())
+    backend.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
+                                                              "<image_soft_token>"]})
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=template, extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                      "image_token": "<image_soft_token>"})
+    images = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+    processor = transformers.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
+                                             chat_template=template)
+    text = transformers.Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, sliding_window=6, max_position_embeddings=256,
+                                         layer_types=["sliding_attention", "full_attention"])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=16, patch_size=4,
+                                             vision_use_head=False)
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in
+           (("boi", "<start_of_image>"), ("eoi", "<end_of_image>"), ("image", "<image_soft_token>"))}
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=ids["image"],
+        boi_token_index=ids["boi"], eoi_token_index=ids["eoi"]))
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
@@ -165,6 +199,17 @@ def test_documents_are_the_processors_own(prepared, model_dir, data_dir):
         assert not any(m for t, m in zip(ids, mask) if t == 384) and any(mask)
 
 
+def test_gemma3_documents_are_its_processors_own(gemma3_dir, data_dir, tmp_path):
+    """Gemma 3's processor writes blank lines around an image's tokens: the text's tokens still match in order."""
+    records = [{"messages": m} for m in conversations(data_dir, for_prepare=True)]
+    run_prepare(gemma3_dir, [write_jsonl(data_dir / "chat.jsonl", records)], tmp_path / "out")
+    ours, theirs = prepared_documents(tmp_path / "out"), reference_documents(gemma3_dir, data_dir)
+    assert ours == theirs
+    image = json.loads((gemma3_dir / "config.json").read_text())["image_token_index"]
+    assert sum(d[0].count(image) for d in ours) == 4 * 4
+    assert all(not any(m for t, m in zip(ids, mask) if t == image) for ids, mask, _ in ours)
+
+
 def test_sharegpt_placeholders_and_parquet_bytes_give_the_same_documents(prepared, model_dir, data_dir, tmp_path):
     records = []
     for messages in conversations(data_dir, for_prepare=False):
@@ -246,23 +291,35 @@ def reference_first_loss(model_dir: Path, data_dir: Path) -> float:
     import torch.nn.functional as F
 
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    model = exact(transformers.LlavaForConditionalGeneration.from_pretrained(model_dir).eval())
+    model = exact(transformers.AutoModelForImageTextToText.from_pretrained(model_dir).eval())
     rows = [processor.apply_chat_template(m, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
                                           return_tensors="pt") for m in conversations(data_dir, for_prepare=False)]
     width = max(r["input_ids"].shape[1] for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     labels = torch.full((len(rows), width), -100)
+    types = torch.zeros(len(rows), width, dtype=torch.long)  # Gemma 3: its image tokens' bidirectional blocks
     for k, r in enumerate(rows):
         n = r["input_ids"].shape[1]
         ids[k, :n] = r["input_ids"][0]
         labels[k, :n - 1] = torch.where(r["assistant_masks"][0, 1:] == 1, r["input_ids"][0, 1:], -100)
+        if "token_type_ids" in r:
+            types[k, :n] = r["token_type_ids"][0]
     pixels = torch.cat([r["pixel_values"] for r in rows if "pixel_values" in r]).double()
+    extra = {"token_type_ids": types} if "token_type_ids" in rows[0] else {}
     with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=pixels).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+        logits = model(input_ids=ids, pixel_values=pixels, **extra).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.float64), labels.reshape(-1)).item()
 
 
-def test_megatrain_train_on_prepared_images_matches_transformers(prepared, model_dir, data_dir, tmp_path):
+@pytest.mark.parametrize("name", ["llava", "gemma3"])
+def test_megatrain_train_on_prepared_images_matches_transformers(name, request, data_dir, tmp_path):
+    if name == "llava":
+        prepared, model_dir = request.getfixturevalue("prepared"), request.getfixturevalue("model_dir")
+    else:
+        model_dir = request.getfixturevalue("gemma3_dir")
+        records = [{"messages": m} for m in conversations(data_dir, for_prepare=True)]
+        prepared = tmp_path / "prepared"
+        run_prepare(model_dir, [write_jsonl(data_dir / "chat.jsonl", records)], prepared)
     longest = json.loads((prepared / "manifest.json").read_text())["splits"]["train"]["max_document_tokens"]
     config = {
         "model": {"path": str(model_dir)},
@@ -280,5 +337,5 @@ def test_megatrain_train_on_prepared_images_matches_transformers(prepared, model
     assert len(losses) == 6
     reference = reference_first_loss(model_dir, data_dir)
     err = assert_exact("the first step's loss", losses[0], reference)
-    print(f"first loss {losses[0]!r} against transformers' {reference!r} ({err:.1e}); losses {losses}")
+    print(f"{name}: first loss {losses[0]!r} against transformers' {reference!r} ({err:.1e}); losses {losses}")
     assert losses[-1] < losses[0] - 0.1, losses
