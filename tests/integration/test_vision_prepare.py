@@ -261,11 +261,16 @@ def test_a_bad_image_stops_the_run_naming_the_record(model_dir, data_dir, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-def test_pixel_caps_are_refused_where_the_processor_has_none(model_dir, prepared, tmp_path):
+def test_pixel_caps_are_refused_where_the_processor_has_none(model_dir, prepared, tmp_path, capsys):
+    source = json.loads((prepared / "manifest.json").read_text())["inputs"][0]
     with pytest.raises(DataError, match=r"--max-pixels: the image processor .* \(CLIPImageProcessorPil\) has no "
                                         "max_pixels"):
-        run_prepare(model_dir, [Path(json.loads((prepared / "manifest.json").read_text())["inputs"][0])],
-                    tmp_path / "out", max_pixels=256)
+        run_prepare(model_dir, [Path(source)], tmp_path / "out", max_pixels=256)
+    # The command line's flag reaches it: one error line, nothing written.
+    assert main(["prepare", "--tokenizer", str(model_dir), "--format", "messages", "--input", source, "--output",
+                 str(tmp_path / "cli"), "--workers", "1", "--min-pixels", "64"]) != 0
+    err = capsys.readouterr().err
+    assert "--min-pixels: the image processor" in err and not (tmp_path / "cli").exists(), err
 
 
 def test_images_for_a_text_model_or_packed_are_refused(prepared, model_dir):

@@ -15,6 +15,10 @@ stops at the first instead). Tokenizing runs in --workers processes. The output 
 at once, complete, or not at all. A `dataset_info.json` registry in LLaMA-Factory's style can name
 files, format and columns.
 
+A vision-language model's directory as --tokenizer: chat records with images (content parts, or `<image>`
+placeholders with an `images` column) go through its processor, each document's image tensors kept in an `images`
+column (vision_docs.py, image_records.py; docs/vision.md).
+
 `--format preference` writes DPO pairs (preference.py), `--format prompts` GRPO prompts with their other columns
 (prompts.py): token ids of the prompt alone, the prompt and the columns as JSON (shards.PROMPT_COLUMNS).
 
