@@ -250,15 +250,11 @@ def generic_fixed(model_cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -
             for n, b in {**arch.persistent_buffers, **arch.frozen_parameters}.items()}
 
 
-def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path,
-              source_dir: str | Path | None = None, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
-    """Write a directory that transformers' AutoModelForCausalLM.from_pretrained loads.
-
-    `tensors` maps Hugging Face names to tensors of the model `model_cfg` describes; it is read one
-    tensor at a time (a lazy mapping keeps peak RAM at one shard). `source_dir`, when given, is the
-    model directory the run started from: its config.json provides the keys megatrain does not model
-    (token ids, ...), and its tokenizer files are copied. The result appears at `out_dir` atomically.
-    """
+def checked_export(model_cfg: ModelConfig, out_dir: str | Path, dtype: str,
+                   tensors: Mapping[str, torch.Tensor]) -> tuple[Path, ModelLayout, list[str], torch.dtype, int]:
+    """What an export checks before it writes: the dtype, that out_dir does not exist, that `tensors` holds every
+    tensor of model_cfg's layout. Returns (out_dir, the layout, its Hugging Face names, the export dtype, its
+    element size)."""
     if dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     out = Path(out_dir)
@@ -270,7 +266,19 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
         raise CheckpointError(f"cannot export: no tensor {missing[0]!r} among the weights given "
                               f"({len(missing)} missing)")
     torch_dtype = TORCH_DTYPES[dtype]
-    element = torch.empty((), dtype=torch_dtype).element_size()
+    return out, layout, names, torch_dtype, torch.empty((), dtype=torch_dtype).element_size()
+
+
+def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path,
+              source_dir: str | Path | None = None, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
+    """Write a directory that transformers' AutoModelForCausalLM.from_pretrained loads.
+
+    `tensors` maps Hugging Face names to tensors of the model `model_cfg` describes; it is read one
+    tensor at a time (a lazy mapping keeps peak RAM at one shard). `source_dir`, when given, is the
+    model directory the run started from: its config.json provides the keys megatrain does not model
+    (token ids, ...), and its tokenizer files are copied. The result appears at `out_dir` atomically.
+    """
+    out, layout, names, torch_dtype, element = checked_export(model_cfg, out_dir, dtype, tensors)
     slots = {stage.hf_name(slot): slot for stage in layout.stages for slot in stage.slots}
     buffers = generic_fixed(model_cfg, tensors) if layout.buffers or layout.frozen else {}
     sizes = {n: slots[n].numel * element for n in names} | {n: b.numel() * element for n, b in buffers.items()}

@@ -95,6 +95,14 @@ class Tokenizer:
     def render(self, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool, where: str) -> str:
         return self.chat.render(messages, tools, generation_prompt, where)
 
+    def for_training(self, messages: list[dict[str, Any]], tools: list | None, where: str,
+                     train_on_inputs: bool) -> tuple[str, list[tuple[int, int]] | None]:
+        """The conversation as trained on: its text and the assistant turns' spans (the loss mask), or None for the
+        spans when every token trains (--train-on-inputs)."""
+        if train_on_inputs:
+            return self.render(messages, tools, False, where), None
+        return self.spans(messages, tools, where)
+
 
 def load_tokenizer(directory: str) -> Any:
     try:
@@ -169,13 +177,9 @@ def process_chunk(tok: Tokenizer, job: Job, chunk: list[tuple[Item, int]]) -> li
                 spans.append(None)
             else:
                 messages, tools = to_messages(record, job.fmt, job.cols, where)
-                if job.train_on_inputs:
-                    texts.append(tok.render(messages, tools, False, where))
-                    spans.append(None)
-                else:
-                    full, turn_spans = tok.spans(messages, tools, where)
-                    texts.append(full)
-                    spans.append(turn_spans)
+                text, turn_spans = tok.for_training(messages, tools, where, job.train_on_inputs)
+                texts.append(text)
+                spans.append(turn_spans)
             slots.append(k)
         except BadRecord as exc:
             results[k] = ("skipped", exc.reason, str(exc))

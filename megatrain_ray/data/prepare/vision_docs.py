@@ -169,13 +169,9 @@ def vision_chunk(tok: Any, job: Any, chunk: list[tuple[Item, int]]) -> list[tupl
                                                                  item_base(item))
             else:
                 (messages, tools), record_images = to_messages(record, job.fmt, job.cols, where), []
-            if job.train_on_inputs:
-                texts.append(tok.render(messages, tools, False, where))
-                spans.append(None)
-            else:
-                full, turn_spans = tok.spans(messages, tools, where)
-                texts.append(full)
-                spans.append(turn_spans)
+            text, turn_spans = tok.for_training(messages, tools, where, job.train_on_inputs)
+            texts.append(text)
+            spans.append(turn_spans)
             slots.append((k, where))
             images.append(record_images)
         except BadRecord as exc:

@@ -20,13 +20,11 @@ from safetensors.torch import save_file
 
 from megatrain_ray.config.hf import read_hf_config
 from megatrain_ray.config.model_section import ModelConfig
-from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.exceptions import CheckpointError
-from megatrain_ray.model.hf_io import EXPORT_DTYPES, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, _plan_shards
-from megatrain_ray.model.layout import build_layout
+from megatrain_ray.model.hf_io import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, _plan_shards, checked_export
 from megatrain_ray.model.vision.names import vision_module_name
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.system.files import atomic_directory, refuse_existing
+from megatrain_ray.system.files import atomic_directory
 
 log = get_logger(__name__)
 
@@ -36,19 +34,9 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
 def export_vision_hf(text: Mapping[str, torch.Tensor], vision: Mapping[str, torch.Tensor], model_cfg: ModelConfig,
                      out_dir: str | Path, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
     """Write `text` (the text layout's names) and `vision` (module names) as model_cfg.path's vision-language model."""
-    if dtype not in EXPORT_DTYPES:
-        raise CheckpointError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
-    out, source = Path(out_dir), Path(model_cfg.path)
-    refuse_existing(out, CheckpointError, "export directory")
-    layout = build_layout(model_cfg)
-    text_names = [stage.hf_name(slot) for stage in layout.stages for slot in stage.slots]
+    out, layout, text_names, torch_dtype, element = checked_export(model_cfg, out_dir, dtype, text)
+    source = Path(model_cfg.path)
     shapes = {stage.hf_name(slot): slot.shape for stage in layout.stages for slot in stage.slots}
-    missing = [n for n in text_names if n not in text]
-    if missing:
-        raise CheckpointError(f"cannot export: no tensor {missing[0]!r} among the weights given "
-                              f"({len(missing)} missing)")
-    torch_dtype = TORCH_DTYPES[dtype]
-    element = torch.empty((), dtype=torch_dtype).element_size()
     # export name -> (where, name there)
     plan = {vision_module_name(n): ("text", n) for n in text_names} | {n: ("vision", n) for n in vision}
     sizes = {n: (vision[src].numel() if where == "vision" else torch.Size(shapes[src]).numel()) * element
