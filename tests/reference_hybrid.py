@@ -21,6 +21,7 @@ import types
 import torch
 
 from tests.numerics import assert_within_noise
+from tests.reference_hf import default_inv_freq64
 
 transformers = __import__("transformers")
 
@@ -88,12 +89,7 @@ def _rope_forward(self, x, position_ids):
         assert all(torch.equal(position_ids[0], p) for p in position_ids), "text positions: the grids are equal"
         position_ids = position_ids[0]
     params = self.config.rope_parameters
-    dim = 2 * self.inv_freq.numel()
-    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
-    # Elementwise float32 pow, no GEMM: transformers' inverse frequencies are within 0.62 float32 ulps of these
-    # (measured, theta 1e4 to 1e7); 4 ulps allowed.
-    torch.testing.assert_close(inv_freq, self.inv_freq.to(torch.float64), rtol=4 * torch.finfo(torch.float32).eps,
-                               atol=0)
+    inv_freq = default_inv_freq64(params["rope_theta"], self.inv_freq)
     freqs = position_ids[..., None].to(torch.float64) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import one_thread
-from tests.reference_hf import float64_throughout
+from tests.reference_hf import default_inv_freq64, float64_throughout
 from tests.reference_llama import reference_lr
 
 VOCAB, SEQ = 96, 24
@@ -162,10 +162,7 @@ def _mrope_in_float64(module) -> None:
     def forward(x, position_ids):
         if x.dtype != torch.float64:
             return eager(x, position_ids)
-        dim = 2 * module.inv_freq.numel()
-        theta = module.config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
-        torch.testing.assert_close(inv_freq, module.inv_freq.to(torch.float64), rtol=1e-5, atol=0)
+        inv_freq = default_inv_freq64(module.config.rope_parameters["rope_theta"], module.inv_freq)
         freqs = position_ids.expand(3, -1, -1)[..., None].to(torch.float64) * inv_freq
         return module.recomposition_frequencies(freqs.cos()), module.recomposition_frequencies(freqs.sin())
 
