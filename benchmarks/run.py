@@ -176,7 +176,7 @@ def _timed_steps(spec: dict, cfg, train_step) -> dict:
     `device` is cuda (the default) or cpu (the harness's tests off the GPU machine)."""
     import torch
 
-    from megatrain_ray.data.batches import TokenBatches
+    from megatrain_ray.data.token_batches import TokenBatches
 
     cuda = spec.get("device", "cuda") == "cuda"
     data = TokenBatches(cfg.data, cfg.model.vocab_size)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from megatrain_ray.config.sections import Config
-from megatrain_ray.data.batches import DocumentBatches, TokenBatches
+from megatrain_ray.data.batches import DocumentBatches
+from megatrain_ray.data.token_batches import TokenBatches
 from megatrain_ray.driver.runtime import Handle
 from megatrain_ray.config.hf_vision import vision_config_of_dir
 from megatrain_ray.engine.adapters import ADAPTER_STAGE

@@ -420,7 +420,7 @@ def test_a_header_claiming_more_than_the_file_is_refused_by_export(tmp_path, cap
 
 def test_token_file_values_are_not_truncated(tmp_path):
     """Float token ids in a .npy are refused, not truncated to integers (the older catalogue checks the CLI)."""
-    from megatrain_ray.data.batches import load_tokens
+    from megatrain_ray.data.token_batches import load_tokens
     from megatrain_ray.exceptions import DataError
 
     np.save(tmp_path / "t.npy", np.array([1.7, 2.2] * 100, dtype=np.float64))

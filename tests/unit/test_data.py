@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatrain_ray.config.loop_sections import DataConfig
-from megatrain_ray.data.batches import TokenBatches
+from megatrain_ray.data.token_batches import TokenBatches
 from megatrain_ray.exceptions import DataError
 
 
