@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from megatrain_ray.model.attention import masked_attention
+from megatrain_ray.model.attention import cached_attention
 from megatrain_ray.model.layer_spec import LayerSpec
 from megatrain_ray.model.sinks import explicit_sink_attention
 from megatrain_ray.model.templates import attention_out, attention_qkv, mlp_in_chunks
@@ -90,5 +90,5 @@ def cached_decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: t
         a = explicit_sink_attention(q, keys, values, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window,
                                     allowed)
     else:
-        a = masked_attention(q, keys, values, allowed, spec)
+        a = cached_attention(q, keys, values, allowed, spec)
     return mlp_in_chunks(attention_out(x, a, w, spec), w, spec, mlp_chunk_tokens)
