@@ -51,6 +51,7 @@ VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
             "megatrain-noclip-compile": ("megatrain", ["optimizer.grad_clip=0", "engine.compile=true"]),
             "megatrain-gather": ("megatrain", ["parallel.gather_weights=true"]),
             "megatrain-noclip-gather": ("megatrain", ["optimizer.grad_clip=0", "parallel.gather_weights=true"]),
+            "megatrain-streamed": ("megatrain", ["engine.gpu_resident=none"]),
             "megatrain-lora": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto"]),
             "megatrain-lora-resident": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto",
                                                       "engine.gpu_resident=auto"])}
@@ -59,6 +60,8 @@ RESIDENT_SYSTEMS = ("resident", "resident-compile")
 """The GPU-resident baselines of benchmarks/run.py; ratios are over the faster of them."""
 LORA_RESIDENT_SYSTEMS = ("peft-resident", "peft-resident-compile")
 """The GPU-resident LoRA baselines (benchmarks/lora.py); a LoRA row's ratios are over the faster of them."""
+STREAMED_SYSTEM = "megatrain-streamed"
+"""The product with every stage streamed (engine.gpu_resident=none): a megatrain row's vs_streamed is over it."""
 ONE_GPU_AS = {"megatrain-gather": "megatrain", "megatrain-noclip-gather": "megatrain-noclip"}
 """Variants that differ from another only with several GPUs: on one GPU they are that one, which the
 harness runs instead (when it runs that one too), and their vs_one_gpu is over its row."""

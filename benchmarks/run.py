@@ -58,6 +58,7 @@ from benchmarks.common import (  # noqa: E402
     LORA_RESIDENT_SYSTEMS,
     ONE_GPU_AS,
     RESIDENT_SYSTEMS,
+    STREAMED_SYSTEM,
     VARIANTS,
     compiled_resident_run,
     deepspeed_train_step,
@@ -425,6 +426,8 @@ def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool =
     - vs_resident: tok/s over the fastest GPU-resident row (resident or resident-compile, named in
       vs_resident_system; peft-resident or peft-resident-compile for LoRA rows) at the same depth, batch and
       sequence length (1 GPU); vs_deepspeed: over the deepspeed row (peft-deepspeed for LoRA rows).
+    - vs_streamed: a megatrain row's tok/s over the megatrain-streamed row (engine.gpu_resident=none) of the
+      same point: what the default config gains over streaming every stage.
     - vs_one_gpu: tok/s of an N-GPU row over the same system's 1-GPU row at the same depth and per-GPU batch
       (common.ONE_GPU_AS: a variant that differs only with several GPUs over the row of the one it equals).
     """
@@ -464,6 +467,10 @@ def derive(rows: list[dict], bandwidth_gbs: float | None, adamw_measured: bool =
         offload = [r for r in rows if same_point(r) and r["system"] == ("peft-deepspeed" if lora else "deepspeed")]
         if offload and row.get("gpus", 1) == 1 and row["system"] != offload[0]["system"]:
             row["vs_deepspeed"] = row["tok_per_s"] / offload[0]["tok_per_s"]
+        streamed = [r for r in rows if same_point(r) and r["system"] == STREAMED_SYSTEM
+                    and r.get("gpus", 1) == row.get("gpus", 1)]
+        if streamed and row["system"].startswith("megatrain") and row["system"] != STREAMED_SYSTEM:
+            row["vs_streamed"] = row["tok_per_s"] / streamed[0]["tok_per_s"]
         one_gpu = [r for r in rows if r["layers"] == row["layers"] and r["batch"] == row["batch"]
                    and r["system"] == ONE_GPU_AS.get(row["system"], row["system"]) and r.get("gpus", 1) == 1
                    and r["status"] == "ok"]
@@ -595,7 +602,7 @@ def summary_line(row: dict) -> str:
             text += f" ({row['roofline_bound']})"
         if "vs_one_gpu" in row:
             text += f" | x{row['vs_one_gpu']:.2f} of 1 GPU, host {row['host_gib']:.1f} GiB"
-    for key in ("vs_resident", "vs_deepspeed"):
+    for key in ("vs_resident", "vs_deepspeed", "vs_streamed"):
         if key in row:
             text += f" | {key} {row[key]:.2f}"
     return text

@@ -121,3 +121,13 @@ def test_a_point_waits_for_the_previous_points_shared_memory(tmp_path, monkeypat
     t0 = time.monotonic()
     run.wait_for_shm(str(tmp_path), free)
     assert 0.05 <= time.monotonic() - t0 < 5
+
+
+def test_vs_streamed_is_over_the_streamed_row_of_the_same_point():
+    def row(system, tok, batch=2):
+        return {"system": system, "status": "ok", "layers": 32, "batch": batch, "seq_len": 4096, "tok_per_s": tok,
+                "optimizer_seconds": 0.0, "step_seconds": 1.0, "compute_seconds": 1.0}
+    rows = [row("megatrain", 8_000.0), row("megatrain-streamed", 3_200.0), row("megatrain-streamed", 1.0, batch=4)]
+    derive(rows, None)
+    assert rows[0]["vs_streamed"] == 8_000.0 / 3_200.0
+    assert "vs_streamed" not in rows[1] and "vs_streamed" not in rows[2]
