@@ -204,7 +204,7 @@ class FlatLeanAdamW:
             s.exp_avg_sq[start:end].data_ptr(), *scales, grad[start - grad_base:end - grad_base].data_ptr(),
             end - start, start, min(max(decay_end - start, 0), end - start), k.one_minus_beta1, k.beta2,
             k.one_minus_beta2, k.eps, k.bias_correction2_sqrt, k.step_size, k.decay, k.grad_coef, self.block or 1,
-            *(x for c in codes for x in (c.values.data_ptr(), c.bounds.data_ptr(), c.below.data_ptr(), c.zero)),
+            *(x for c in codes for x in (c.values.data_ptr(), c.prefix.data_ptr(), c.zero)),
             key, self.threads)
 
     def close(self) -> None:

@@ -49,30 +49,39 @@ def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -
 @dataclass(frozen=True)
 class ByteCode:
     """A map as the store holds it: `values[b]` is the value of stored byte b, `bounds` the 255 midpoints of the
-    sorted map (float32), `zero` the sorted index of 0.0 (stored byte = sorted index - zero, mod 256). `below`:
-    for the native kernel, per 16-bit prefix of a float32 (its bfloat16 truncation), how many bounds lie below
-    every float of that prefix (int32, 65536): no prefix spans more than one bound, so a value's count is that
-    plus one comparison with the next bound, instead of a binary search."""
+    sorted map (float32), `zero` the sorted index of 0.0 (stored byte = sorted index - zero, mod 256). `prefix`:
+    for the native kernel, one uint32 entry per 16-bit prefix of a float32 (prefix_table), from which a value's
+    count of midpoints below it is one load and one integer comparison, instead of a binary search."""
 
     values: torch.Tensor
     bounds: torch.Tensor
     zero: int
-    below: torch.Tensor
+    prefix: torch.Tensor
 
 
-def prefix_counts(bounds: np.ndarray) -> np.ndarray:
-    """ByteCode.below, checked: the count of bounds under the lowest float of each 16-bit prefix; a prefix (of a
-    finite float) that spans two bounds would make the kernel's one comparison wrong, and is refused here."""
+def prefix_table(bounds: np.ndarray) -> np.ndarray:
+    """ByteCode.prefix, checked. Entry P (the floats whose top 16 bits are P): in the high 16 bits the number of
+    bounds below every float of P; in the low 16 bits the threshold t for which a float x of P has one bound more
+    below it exactly where its low 16 bits, flipped for a negative x, exceed t (for floats of one sign and one
+    prefix, integer order of the low bits is magnitude order). t is the bound's own low bits (flipped likewise) when
+    a bound lies in P, 0xFFFF (never exceeded) when none does. A prefix that holds two bounds would need a second
+    comparison, and is refused; every NaN prefix counts all bounds (the count a NaN gets from the kernel)."""
     prefix = np.arange(1 << 16, dtype=np.uint32)
     negative = prefix >= 0x8000
+    flip = np.where(negative, np.uint32(0xFFFF), np.uint32(0))
     low = np.where(negative, (prefix << 16) | 0xFFFF, prefix << 16).view(np.float32)  # the most negative of each
     high = np.where(negative, prefix << 16, (prefix << 16) | 0xFFFF).view(np.float32)
     below = np.searchsorted(bounds, low, side="left")
+    inside = np.searchsorted(bounds, high, side="right") - below
     finite = (prefix & 0x7F80) != 0x7F80
-    spans = np.searchsorted(bounds, high, side="right") - below
-    if (spans[finite] > 1).any():
-        raise AssertionError("a 16-bit float prefix spans two bounds of the 8-bit map")
-    return np.where(finite, below, bounds.size).astype(np.int32)  # int32: the kernel's loop gathers them
+    if (inside[finite] > 1).any():
+        raise AssertionError("a 16-bit float prefix holds two bounds of the 8-bit map")
+    bound_bits = bounds.astype(np.float32).view(np.uint32)
+    held = finite & (inside == 1)
+    threshold = np.full(prefix.size, 0xFFFF, np.uint32)
+    threshold[held] = (bound_bits[below[held]] & 0xFFFF) ^ flip[held]
+    count = np.where(finite, below, bounds.size).astype(np.uint32)
+    return ((count << 16) | threshold).astype(np.int32)  # below 2**24: torch holds it as int32
 
 
 @lru_cache(maxsize=2)
@@ -81,7 +90,7 @@ def byte_code(signed: bool) -> ByteCode:
     zero = int((ordered == 0).nonzero()[0])
     values = torch.roll(ordered, -zero)  # values[b] = ordered[(b + zero) % 256]
     bounds = (ordered[:-1] + ordered[1:]) / 2
-    return ByteCode(values, bounds, zero, torch.from_numpy(prefix_counts(bounds.numpy())))
+    return ByteCode(values, bounds, zero, torch.from_numpy(prefix_table(bounds.numpy())))
 
 
 def quantize_(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, block: int, code: ByteCode) -> None:

@@ -72,6 +72,32 @@ def test_8bit_blocks_match_bitsandbytes_quantize_blockwise(signed, block):
     assert torch.equal(back[keep], reference[keep]) and (back[zero] == 0).all()
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_prefix_table_counts_the_bounds_below_each_float(signed):
+    """The native kernel's encoding (one table entry per 16-bit prefix, one comparison of the low bits) gives
+    searchsorted's count for every bound and its float32 neighbours (ties to the lower value), the two ends of
+    every prefix of [-1.01, 1.01], both zeros and random values; a NaN counts all 255 bounds."""
+    code = byte_code(signed)
+    bounds = code.bounds.numpy()
+    table = code.prefix.numpy().astype(np.uint32)
+    bits = bounds.view(np.uint32).astype(np.int64)
+    near = (bits[:, None] + np.arange(-3, 4)[None, :]).ravel()
+    prefixes = np.arange(1 << 16, dtype=np.int64) << 16
+    ends = np.concatenate([prefixes, prefixes | 0xFFFF])
+    rng = np.random.default_rng(3)
+    draws = rng.uniform(-1.01, 1.01, 200_000).astype(np.float32).view(np.uint32).astype(np.int64)
+    x_bits = np.concatenate([near, ends, draws, [0, 0x80000000]]).astype(np.uint32)
+    x = x_bits.view(np.float32)
+    keep = (np.abs(x) <= 1.01) | np.isnan(x)
+    x_bits, x = x_bits[keep], x[keep]
+    entry = table[x_bits >> 16]
+    low = (x_bits ^ np.where(x_bits >> 31 == 1, np.uint32(0xFFFFFFFF), np.uint32(0))) & 0xFFFF
+    count = (entry >> 16) + (low > (entry & 0xFFFF))
+    finite = ~np.isnan(x)
+    assert np.array_equal(count[finite], np.searchsorted(bounds, x[finite], side="left"))
+    assert (count[~finite] == 255).all() and (~finite).sum() >= 500
+
+
 # ----------------------------------------------------------------------------- an independent reference
 
 

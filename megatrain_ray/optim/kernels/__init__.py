@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -82,8 +83,11 @@ def adamw_library() -> ctypes.CDLL:
     return lib
 
 
-LEAN_FLAGS = [*FLAGS, "-ffp-contract=off"]
-"""The lean kernel repeats optim/lean_adamw.py's float32 math bit for bit: no multiply-add may be fused."""
+LEAN_FLAGS = [*FLAGS, "-ffp-contract=off",
+              *(["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else [])]
+"""The lean kernel repeats optim/lean_adamw.py's float32 math bit for bit: no multiply-add may be fused. On x86 the
+loops GCC vectorizes take 512-bit vectors where the CPU has them (bf16 moments: 1.95 ns per element on a Sapphire
+Rapids core against 2.4 with GCC's default 256); the flag does nothing on a CPU without AVX-512."""
 
 
 @lru_cache(maxsize=1)
@@ -93,8 +97,9 @@ def lean_library() -> ctypes.CDLL:
     pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     # p, comp, m, v, m_scale, v_scale, g, n, index of element 0 in the stage, elements with weight decay (from
     # element 0), then the float32 constants (1-beta1, beta2, 1-beta2, eps, bc2_sqrt, step size, lr*wd, grad_coef),
-    # block, the maps (values, bounds, prefix counts, zero) of exp_avg and exp_avg_sq, the noise key and the threads.
-    signature = [pointer] * 7 + [i64, i64, i64] + [f32] * 8 + [i32] + [pointer, pointer, pointer, i32] * 2 + \
+    # block, the maps (values, prefix table, zero: optim/quant8.ByteCode) of exp_avg and exp_avg_sq, the noise key and
+    # the threads.
+    signature = [pointer] * 7 + [i64, i64, i64] + [f32] * 8 + [i32] + [pointer, pointer, i32] * 2 + \
         [ctypes.c_uint32, i32]
     for name in ("megatrain_lean_adamw_f32grad_q8", "megatrain_lean_adamw_bf16grad_q8",
                  "megatrain_lean_adamw_f32grad_bf16m", "megatrain_lean_adamw_bf16grad_bf16m"):
