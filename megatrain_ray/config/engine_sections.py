@@ -81,8 +81,8 @@ class OptimizerConfig:
     clipping off, as with precision.stream_dtype=float32. The update (optim/lean_adamw.py, native kernel
     kernels/lean_adamw.cpp) computes in float32 and reads and writes 14 bytes per parameter with int8 moments
     and bf16 gradients (18 with bfloat16 moments), against 28 for full, but is not faster: on the H200 box's 16
-    cores the int8 update is compute-bound at about a third of the full state's rate, bfloat16 moments at three
-    quarters (`megatrain plan` counts it: planning/machines.yaml). Needs precision.compute_dtype=bfloat16
+    cores the int8 update is compute-bound at 0.83 of the full state's rate, bfloat16 moments at about the same
+    rate (`megatrain plan` counts it: planning/machines.yaml). Needs precision.compute_dtype=bfloat16
     (and stream_dtype auto or bfloat16), full fine-tuning, host.moments_tier=ram, moment_dtype float32 (the
     lean moments have their own key), no speculative stages; the GPU-resident tier keeps its own float32 state
     and is not combined with it. The first bfloat16 master is the loaded or initialised weights rounded to
