@@ -70,8 +70,10 @@ inline void update_weight(uint16_t* p, uint16_t* c, int32_t i, float m, float v,
 }
 
 // Elements [0, n) of one quantization block: p, c, q1, q2 and g at the block's first element, s1 and s2 at its
-// scales, `decay_n` of its elements (from the first) with weight decay. Two passes over the block, the second in
-// L1: the moments' decoding, update, the weight's update and the new absmax, then the encoding with that absmax.
+// scales, `decay_n` of its elements (from the first) with weight decay. The block is read once: the moments are
+// decoded and updated into float32 scratch (in L1) with their new absmax, then the weights updated and the moments
+// encoded from there. The weight update has a loop of its own here: fused into the first, GCC's AVX2 code for the
+// block ran at 0.65 of this rate (11 against 7 ns per element on a Sapphire Rapids core built for x86-64-v3).
 template <typename G>
 void q8_block(uint16_t* p, uint16_t* c, uint8_t* q1, uint8_t* q2, float* s1, float* s2, const G* g, int32_t n,
               int32_t decay_n, const Constants& k, const Code& code1, const Code& code2) {
@@ -87,7 +89,6 @@ void q8_block(uint16_t* p, uint16_t* c, uint8_t* q1, uint8_t* q2, float* s1, flo
         const float m = m_old + (grad - m_old) * k.omb1;
         const float v = v_old * k.b2 + (grad * k.omb2) * grad;
         m_new[i] = m, v_new[i] = v;
-        update_weight(p, c, i, m, v, i < decay_n, k);
         uint32_t b1, b2;
         std::memcpy(&b1, &m, sizeof b1);
         std::memcpy(&b2, &v, sizeof b2);
@@ -95,6 +96,8 @@ void q8_block(uint16_t* p, uint16_t* c, uint8_t* q1, uint8_t* q2, float* s1, flo
         top1 = b1 > top1 ? b1 : top1;
         top2 = b2 > top2 ? b2 : top2;
     }
+#pragma omp simd
+    for (int32_t i = 0; i < n; ++i) update_weight(p, c, i, m_new[i], v_new[i], i < decay_n, k);
     float max1, max2;
     std::memcpy(&max1, &top1, sizeof max1);
     std::memcpy(&max2, &top2, sizeof max2);
@@ -144,7 +147,7 @@ inline __m128i encode16(const Code& code, __m512 x, __mmask16 lanes) {
     return _mm512_cvtepi32_epi8(_mm512_sub_epi32(count, _mm512_set1_epi32(static_cast<int>(code.zero))));
 }
 
-// q8_block in 16-lane steps, the last one masked.
+// q8_block in 16-lane steps, the last one masked, the weight update fused into the first pass.
 template <typename G>
 void q8_block_avx512(uint16_t* p, uint16_t* c, uint8_t* q1, uint8_t* q2, float* s1, float* s2, const G* g,
                      int32_t n, int32_t decay_n, const Constants& k, const Code& code1, const Code& code2) {
