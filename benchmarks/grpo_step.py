@@ -35,6 +35,7 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.grpo import policy_batch  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.engine.rollout.interface import SamplingSettings  # noqa: E402
+from megatrain_ray.engine.rollout.passes import SYNC_EVERY  # noqa: E402
 from megatrain_ray.model.policy_gradient import group_advantages  # noqa: E402
 from megatrain_ray.planning.rollout import rollout_bytes  # noqa: E402
 
@@ -62,7 +63,9 @@ def peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def megatrain_steps(args) -> tuple[dict, list[dict]]:
+def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict, list[dict]]:
+    """The GRPO steps; `save(setup, records, phase)` is called after the build, the probe and each rollout and
+    training step, so a run cut off by the command's limit still leaves what it measured."""
     rows, width = args.prompts * args.generations, args.prompt_len + args.completion_len
     cfg = load_config(ROOT / args.config, [f"data.batch_size={rows}", f"data.seq_len={width}", "runtime.mode=local",
                                            "train.output_dir=/tmp/grpo-step-bench", "checkpoint.at_end=false",
@@ -75,13 +78,14 @@ def megatrain_steps(args) -> tuple[dict, list[dict]]:
     t_start = time.perf_counter()
     with Trainer(cfg) as trainer:
         started = time.perf_counter() - t_start
-        probe = None
-        if args.probe:  # a short rollout first: the decode rate (and whether it is a CUDA graph) shows in the log early
-            ids = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()] * (args.prompts * args.generations)
-            short = trainer.gpu.generate(ids, SamplingSettings(max_new_tokens=args.probe, temperature=1.0, seed=99)).result()
-            probe = {k: short.stats[k] for k in ("decode_s", "decode_steps", "cuda_graph", "weights_resident")}
-            probe["decode_ms_per_step"] = 1e3 * probe["decode_s"] / max(probe["decode_steps"] - 1, 1)
-            print({"probe": probe}, flush=True)
+        setup = {**plan_figures(trainer, cfg), "method": cfg.finetune.method, "config": args.config,
+                 "completions": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+                 "params": trainer.layout.num_params, "startup_s": started, "probe": None}
+        save(setup, records, "built")
+        if args.probe:  # a short rollout first: the decode rate (and whether it is a CUDA graph) shows early
+            setup["probe"] = decode_probe(trainer, args, vocab, g)
+            print({"probe": setup["probe"]}, flush=True)
+            save(setup, records, "probed")
         for step in range(args.steps):
             prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
             prompt_ids = [p for p in prompts for _ in range(args.generations)]
@@ -92,6 +96,8 @@ def megatrain_steps(args) -> tuple[dict, list[dict]]:
             rollout = trainer.gpu.generate(prompt_ids, sampling).result()
             t1 = time.perf_counter()
             rollout_peak = peak_gib()
+            save(setup, records + [{"step": step, "rollout_s": t1 - t0, **rollout.stats, "gpu_peak_gib_rollout":
+                                    rollout_peak}], "rolled out")
             rewards = torch.rand(rows, 1, generator=g, dtype=torch.float64)
             advantages = group_advantages(rewards, torch.ones(1, dtype=torch.float64), args.generations).advantages
             batch = policy_batch(prompt_ids, rollout.completions(), rollout.logps, advantages, cfg.finetune.grpo, 0)
@@ -116,12 +122,25 @@ def megatrain_steps(args) -> tuple[dict, list[dict]]:
                 "logp_gap_max": result.objective_metrics.get("sampling/sampling_logp_difference/max"),
             })
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}, flush=True)
-        params = trainer.layout.num_params
-        planned = plan_figures(trainer, cfg)
-    setup = {**planned, "method": cfg.finetune.method, "probe": probe,"config": args.config, "completions": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-             "params": params, "startup_s": started,
-             "host_bytes_per_param": records[-1]["host_gib"] * 2**30 / params}
+            setup["host_bytes_per_param"] = records[-1]["host_gib"] * 2**30 / setup["params"]
+            save(setup, records, f"step {step} trained")
     return setup, records
+
+
+def decode_probe(trainer, args, vocab: int, g: torch.Generator) -> dict:
+    """The decode rate at the run's own KV-cache size: the prompts and max_new_tokens of a step, every token id a
+    stop token, so each row stops at its first token and the rollout ends at its first check of whether all rows
+    have (passes.SYNC_EVERY tokens: that many minus one decode passes, each over the whole cache as a CUDA graph
+    replay attends to it)."""
+    ids = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()] * (args.prompts * args.generations)
+    sampling = SamplingSettings(max_new_tokens=args.completion_len, temperature=1.0, seed=99,
+                                stop_token_ids=tuple(range(vocab)))
+    short = trainer.gpu.generate(ids, sampling).result()
+    probe = {k: short.stats[k] for k in ("decode_s", "cuda_graph", "weights_resident", "kv_cache_bytes")}
+    probe["decode_passes"] = min(SYNC_EVERY, args.completion_len) - 1
+    probe["decode_ms_per_step"] = 1e3 * probe["decode_s"] / max(probe["decode_passes"], 1)
+    probe["kv_cache_gib"] = probe.pop("kv_cache_bytes") / 2**30
+    return probe
 
 
 def transformers_generate(args) -> dict:
@@ -173,7 +192,17 @@ def main() -> None:
     parser.add_argument("--name", default="grpo-step", help="the result file's name before -<device>-<time>.json")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    setup, records = megatrain_steps(args)
+    written: list[Path] = []
+
+    def save(setup: dict, records: list[dict], phase: str) -> None:
+        """The result so far, rewritten in place (common.write_result's path) at each phase."""
+        partial = {**provenance(device), "what": "GRPO step (benchmarks/grpo_step.py), INCOMPLETE: written after "
+                   f"'{phase}'", "overrides": args.overrides, **setup, "steps": records, "completed": False,
+                   "elapsed_s": time.perf_counter() - t_main}
+        written[:] = [write_result(args.name, partial, args.out, written[0] if written else None, quiet=True)]
+
+    t_main = time.perf_counter()
+    setup, records = megatrain_steps(args, save)
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     baseline = None if args.no_baseline or not torch.cuda.is_available() else transformers_generate(args)
@@ -189,8 +218,10 @@ def main() -> None:
               "measured_over_plan": against_plan,
               "transformers_generate": baseline,
               "rollout_vs_transformers": mean["rollout_tokens_per_s"] / baseline["tokens_per_s"] if baseline else None}
+    result["completed"] = True
+    result["elapsed_s"] = time.perf_counter() - t_main
     print({k: v for k, v in result.items() if k != "steps"}, flush=True)
-    write_result(args.name, result, args.out)
+    write_result(args.name, result, args.out, written[0] if written else None)
 
 
 if __name__ == "__main__":
