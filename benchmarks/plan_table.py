@@ -121,8 +121,8 @@ def measured_points(results: Path = RESULTS) -> list[MeasuredPoint]:
     points = []
     for path in sorted(results.glob("*.json")):
         result = json.loads(path.read_text())
-        if "plan-large-models" in path.name:
-            continue
+        if "plan-large-models" in path.name or "config" not in result:
+            continue  # no config to rebuild the run from (benchmarks/vision_bench.py's model directory was temporary)
         if "recovery" in result:
             cfg = load_config(recorded_config(result["config"]), [*result["overrides"], *_as_measured(result),
                                                                   *_tier_as_measured(result["overrides"])])
