@@ -1,14 +1,17 @@
 """Tiny random vision-language models (saved with save_pretrained) and their batches, and the transformers model
 trained as megatrain is configured: the reference of tests/integration/test_vision_parity.py.
 
-LLaVA: a Llama text model (hidden 64, GQA 4/2, 2 layers, untied head) and a CLIP tower (16x16 images in 4x4 patches: 16
-patch tokens per image after its CLS is dropped, feature layer -2), the two-layer GELU projector. Gemma 3: its text
+LLaVA: a Llama text model (hidden 64, GQA 4/2, 2 layers, untied head) and a CLIP tower (16x16 images in 4x4 patches:
+16 patch tokens per image after its CLS is dropped, feature layer -2), the two-layer GELU projector. Gemma 3: its text
 model (3 layers, sliding window 6 in the local ones, tied head) and a SigLIP tower (16 patches pooled to 4 tokens per
 image by the projector's average pool, its RMSNorm and matrix). Qwen2.5-VL: its Qwen2 text model (2 layers, M-RoPE
-sections 2/3/3 of 8 frequencies) and its ViT (2 blocks, window attention in the first, 2x2 patches over 2 frames, merged
-2x2 by the merger): images of 4, 8 and 4 tokens between vision start and end tokens, its M-RoPE tables in float64 on the
-reference side (recomposed by transformers' own code). Each batch has three rows of 24 tokens: two images in the first,
-none in the second, one in the third; image tokens never in the loss.
+sections 2/3/3 of 8 frequencies) and its ViT (2 blocks, window attention in the first, 2x2 patches over 2 frames,
+merged 2x2 by the merger): images of 4, 8 and 4 tokens between vision start and end tokens, its M-RoPE tables in
+float64 on the reference side (recomposed by transformers' own code). Qwen3-VL: its Qwen3 text model (hidden 48, 3
+layers, q/k norms, interleaved M-RoPE 2/3/3) and its ViT (3 blocks, learned positions on a 3x3 grid resampled to each
+image, deepstack features from blocks 0 and 1, each through its own merger, added after text layers 0 and 1);
+Qwen3-VL-MoE the same with 5 experts of width 20, top 2, the middle layer a dense MLP. Each batch has three rows of 24
+tokens: two images in the first, none in the second, one in the third; image tokens never in the loss.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ VOCAB, SEQ = 96, 24
 LLAVA_IMAGE, GEMMA_IMAGE, GEMMA_BOI, GEMMA_EOI = 95, 93, 91, 92
 QWEN_IMAGE, QWEN_VIDEO, QWEN_START, QWEN_END = 95, 94, 93, 92
 QWEN_GRIDS = ((1, 4, 4), (1, 4, 8), (1, 4, 4))
-"""Qwen2.5-VL's images of a batch: (time, height, width) patches of 2x2 pixels, merged 2x2 into 4, 8 and 4 tokens."""
+"""Qwen-VL's images of a batch: (time, height, width) patches of 2x2 pixels, merged 2x2 into 4, 8 and 4 tokens."""
+QWEN_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def build(name: str, directory, seed: int = 0):
@@ -67,6 +71,28 @@ def build(name: str, directory, seed: int = 0):
         model = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(
             text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE, video_token_id=QWEN_VIDEO,
             vision_start_token_id=QWEN_START, vision_end_token_id=QWEN_END))
+    elif name in ("qwen3_vl", "qwen3_vl_moe"):
+        text = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
+                "bos_token_id": None, "eos_token_id": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                    "mrope_interleaved": True}}
+        vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 56, "num_heads": 2, "patch_size": 2,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 48, "in_channels": 3,
+                  "num_position_embeddings": 9, "deepstack_visual_indexes": [0, 1]}
+        tokens = {"image_token_id": QWEN_IMAGE, "video_token_id": QWEN_VIDEO, "vision_start_token_id": QWEN_START,
+                  "vision_end_token_id": QWEN_END}
+        if name == "qwen3_vl":
+            model = tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(text_config=text, vision_config=vision,
+                                                                        **tokens))
+        else:  # 5 experts of width 20 (the fused tensors not square), top 2, the middle layer a dense MLP
+            text |= {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 20, "mlp_only_layers": [1]}
+            model = tf.Qwen3VLMoeForConditionalGeneration(tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision,
+                                                                              **tokens))
+            with torch.no_grad():  # a router drawn with std 0.02 scores the experts within float32 rounding of one
+                for n, p in model.named_parameters():  # another: float32 and float64 would route differently
+                    if ".mlp.gate." in n:
+                        p.normal_(0.0, 0.5)
     else:
         raise ValueError(name)
     model.save_pretrained(str(directory))
@@ -75,12 +101,12 @@ def build(name: str, directory, seed: int = 0):
 
 def image_tokens(name: str) -> tuple[int, int]:
     """(image token id, tokens per image)."""
-    return (LLAVA_IMAGE, 16) if name == "llava" else (QWEN_IMAGE, 4) if name == "qwen2_5_vl" else (GEMMA_IMAGE, 4)
+    return (LLAVA_IMAGE, 16) if name == "llava" else (QWEN_IMAGE, 4) if name in QWEN_FAMILIES else (GEMMA_IMAGE, 4)
 
 
 def in_tower(name: str, key: str) -> bool:
     """Whether a module name is the vision tower's (frozen with finetune.vision=frozen), not the projector's."""
-    if name == "qwen2_5_vl":
+    if name in QWEN_FAMILIES:  # Qwen3-VL's deepstack mergers count with the tower, as LLaMA-Factory's
         return key.startswith("model.visual.") and not key.startswith("model.visual.merger.")
     return "vision_tower" in key
 
@@ -112,7 +138,7 @@ def batch(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if name == "llava":
         ids = torch.randint(3, 90, (3, 2 * 16 + 8), generator=g)
         place(0, 2), place(0, 20), place(2, 5)
-    elif name == "qwen2_5_vl":  # <|vision_start|> image tokens <|vision_end|>, as Qwen2.5-VL's processor writes them
+    elif name in QWEN_FAMILIES:  # <|vision_start|> image tokens <|vision_end|>, as Qwen-VL's processor writes them
         for row, start, n in ((0, 2, 4), (0, 10, 8), (2, 6, 4)):
             ids[row, start - 1], ids[row, start:start + n], ids[row, start + n] = QWEN_START, token, QWEN_END
     else:
@@ -120,7 +146,7 @@ def batch(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)
     labels[labels == token] = -100
     labels[ids == token] = -100
-    if name == "qwen2_5_vl":
+    if name in QWEN_FAMILIES:
         grids = torch.tensor(QWEN_GRIDS)
         return ids, labels, (torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 2 * 2, generator=g), grids)
     pixels = torch.randn(3, 3, 16, 16, generator=g)
@@ -128,7 +154,7 @@ def batch(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def hf_inputs(name: str, model, ids: torch.Tensor, pixels) -> dict:
-    if name == "qwen2_5_vl":
+    if name in QWEN_FAMILIES:
         return {"input_ids": ids, "pixel_values": pixels[0].to(model.dtype), "image_grid_thw": pixels[1],
                 "mm_token_type_ids": (ids == QWEN_IMAGE).to(torch.int32)}
     out = {"input_ids": ids, "pixel_values": pixels.to(model.dtype)}
@@ -148,6 +174,8 @@ def float64_language_model(model) -> None:
     the vision tower and projector as transformers computes them (megatrain runs those very modules: Gemma 3's
     projector norm rounds through float32 on both sides)."""
     model.set_attn_implementation("sdpa")
+    if getattr(model.config.get_text_config(), "num_experts", 0):
+        model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     float64_throughout(model.model.language_model)
     for module in model.model.language_model.modules():
         if hasattr(module, "mrope_section"):

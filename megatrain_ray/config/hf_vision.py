@@ -2,10 +2,10 @@
 text model as a native family, and the facts the vision path needs (model/vision/).
 
 A vision-language model is the language model megatrain streams (a native text family: Llama, Mistral, Qwen2, Gemma 3
-text) plus a vision tower and a multimodal projector that run as ordinary modules on the GPU worker. Its config.json
-holds the text model under `text_config` and the tower under `vision_config`; this module reads the first as the
-text class's config.json would be (so model.family is the text family and the layers stream as today) and the rest
-as `VisionFamily`, for the vision path. Its weights on disk carry transformers' names of either spelling (the
+text, Qwen3, Qwen3-MoE) plus a vision tower and a multimodal projector that run as ordinary modules on the GPU worker.
+Its config.json holds the text model under `text_config` and the tower under `vision_config`; this module reads the
+first as the text class's config.json would be (so model.family is the text family and the layers stream as today) and
+the rest as `VisionFamily`, for the vision path. Its weights on disk carry transformers' names of either spelling (the
 legacy `language_model.model.*` that transformers 5 still writes, or the module names `model.language_model.*`);
 model/vision/names.py maps them with transformers' own conversion rules.
 """
@@ -38,9 +38,13 @@ class VisionFamily:
     projector: tuple[str, ...] = ("multi_modal_projector",)
     """The modules (dotted, under the base model) that train with finetune.vision=frozen: the projector (Qwen-VL's
     patch merger lives inside its tower)."""
-    rope: Literal["standard", "mrope"] = "standard"
-    """mrope (Qwen-VL): the text layers' rotary positions have three axes (time, height, width), an image's tokens
-    placed on its grid (model/vision/mrope.py)."""
+    rope: Literal["standard", "mrope", "mrope_interleaved"] = "standard"
+    """mrope (Qwen2.5-VL): the text layers' rotary positions have three axes (time, height, width), an image's tokens
+    placed on its grid, each axis taking one run of the rotary frequencies; mrope_interleaved (Qwen3-VL): the axes'
+    frequencies interleaved (model/vision/mrope.py)."""
+    deepstack: bool = False
+    """Qwen3-VL: the tower's intermediate features (vision_config.deepstack_visual_indexes, each through its own
+    merger) are added to the hidden states at the image tokens after the first decoder layers, one per layer."""
 
 
 FAMILIES: dict[str, VisionFamily] = {
@@ -50,11 +54,18 @@ FAMILIES: dict[str, VisionFamily] = {
                            ("vision_tower", "multi_modal_projector")),
     "qwen2_5_vl": VisionFamily("qwen2_5_vl", ("qwen2_5_vl_text",), "causal", False, ("visual",), ("visual.merger",),
                                "mrope"),
+    # As LLaMA-Factory's qwen3_vl: the projector is visual.merger; the deepstack mergers count with the tower.
+    "qwen3_vl": VisionFamily("qwen3_vl", ("qwen3_vl_text",), "causal", False, ("visual",), ("visual.merger",),
+                             "mrope_interleaved", deepstack=True),
+    "qwen3_vl_moe": VisionFamily("qwen3_vl_moe", ("qwen3_vl_moe_text",), "causal", False, ("visual",),
+                                 ("visual.merger",), "mrope_interleaved", deepstack=True),
 }
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "gemma3_text": "Gemma3ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
-PLANNED = {"qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE",
-           "llava_onevision": "LLaVA-OneVision", "mistral3": "Mistral 3", "llava_next": "LLaVA-NeXT",
+                      "gemma3_text": "Gemma3ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
+                      "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
+MROPE_TEXT_TYPES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
+"""The native text family whose layers an M-RoPE family's text model has (its model_type in the text config.json)."""
+PLANNED = {"llava_onevision": "LLaVA-OneVision", "mistral3": "Mistral 3", "llava_next": "LLaVA-NeXT",
            "internvl": "InternVL", "glm4v": "GLM-4V", "llama4": "Llama 4", "paligemma": "PaliGemma"}
 """Vision-language model_types transformers ships that the vision path does not take yet (issue 44)."""
 
@@ -90,6 +101,8 @@ class VisionConfig:
     text_vocab_size: int
     mrope_section: tuple[int, ...] = ()
     """mrope: how many rotary frequencies each position axis (time, height, width) takes."""
+    deepstack_layers: int = 0
+    """deepstack: the decoder layers 0..n-1 after which the tower's intermediate features are added."""
 
 
 def is_vision_config(hf: dict[str, Any]) -> bool:
@@ -118,11 +131,14 @@ def vision_text_part(hf: dict[str, Any], where: str = "config.json") -> dict[str
     if model_type == "llava":  # LlavaConfig: the text config's tie counts where the top level's is off
         tie = tie or bool(text.get("tie_word_embeddings"))
     text = {**text, "architectures": [TEXT_ARCHITECTURES[text_type]], "tie_word_embeddings": tie}
-    if family.rope == "mrope":  # the text model's own tables are the 1-axis ones; mrope.py makes the three axes'
+    if family.rope != "standard":  # the text model's own tables are the 1-axis ones; mrope.py makes the three axes'
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope.pop("mrope_section", None)
-        text.update(rope_parameters=rope, model_type="qwen2")
+        rope.pop("mrope_interleaved", None)
+        text.update(rope_parameters=rope, model_type=MROPE_TEXT_TYPES[text_type])
         text.pop("rope_scaling", None)
+    if text_type == "qwen3_vl_moe_text":  # its router always renormalises the top-k (Qwen3VLMoeTextTopKRouter)
+        text["norm_topk_prob"] = True
     return text
 
 
@@ -139,13 +155,23 @@ def vision_config(hf: dict[str, Any], where: str = "config.json") -> VisionConfi
     if not isinstance(vocab, int) or vocab < 1:
         raise CheckpointError(f"{where}: text_config.vocab_size = {excerpt(vocab)} must be a whole number >= 1")
     section: tuple[int, ...] = ()
-    if FAMILIES[model_type].rope == "mrope":
+    if FAMILIES[model_type].rope != "standard":
         raw = hf.get("text_config") or {}
         section = tuple((raw.get("rope_parameters") or raw.get("rope_scaling") or {}).get("mrope_section") or ())
         if not section or not all(isinstance(n, int) and n > 0 for n in section) or len(section) != 3:
             raise CheckpointError(f"{where}: text_config.rope_parameters.mrope_section = {excerpt(section)} must "
                                   "be three whole numbers (the time, height and width axes' rotary frequencies)")
-    return VisionConfig(FAMILIES[model_type], token, vocab, section)
+    deepstack = 0
+    if FAMILIES[model_type].deepstack:
+        indexes = (hf.get("vision_config") or {}).get("deepstack_visual_indexes", [8, 16, 24])  # the config's default
+        if not isinstance(indexes, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in indexes):
+            raise CheckpointError(f"{where}: vision_config.deepstack_visual_indexes = {excerpt(indexes)} must be a "
+                                  "list of tower layer indexes")
+        deepstack = len(indexes)
+        if deepstack > int(text.get("num_hidden_layers") or 0):
+            raise CheckpointError(f"{where}: {deepstack} deepstack features (vision_config.deepstack_visual_indexes) "
+                                  f"but the text model has {text.get('num_hidden_layers')} layers to add them after")
+    return VisionConfig(FAMILIES[model_type], token, vocab, section, deepstack)
 
 
 def vision_config_of_dir(model_dir: str | Path | None) -> VisionConfig | None:

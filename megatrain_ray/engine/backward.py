@@ -103,6 +103,7 @@ class BackwardPasses:
         upcoming = self._load(layers[-1])
         acts.prefetch(len(layers) - 1, self.device)
         for i in range(len(layers) - 1, -1, -1):
+            self._layer_output_grad(i, grad_y)
             stage, slot = layers[i], upcoming
             if i > 0:
                 upcoming = self._load(layers[i - 1])
@@ -136,6 +137,10 @@ class BackwardPasses:
             del weight_grads  # else the float32 MLP sums of this layer live through the next layer's backward
             grad_y = grad_x
         return grad_y
+
+    def _layer_output_grad(self, i: int, grad_y: torch.Tensor) -> None:
+        """Sees the gradient of layer i's output before its backward (a vision-language model takes its deepstack
+        features' gradients here: engine/vision_engine.py)."""
 
     def _layer_grads_out(self, i: int, stage: StageLayout, slot: WeightSlot | None,
                          weight_grads: dict[str, torch.Tensor], inject_nan: bool, start: Any,

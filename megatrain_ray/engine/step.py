@@ -286,8 +286,14 @@ class StreamEngine(BackwardPasses, ForwardOnlyPasses, RolloutPasses):
                                                           self.mlp_chunk, self.trainable, self.router_aux.record(i))
                 else:
                     x = layer(x, w, rope[spec.local_rope], spec, documents, self.mlp_chunk, self.router_aux.record(i))
+            x = self._layer_output(i, x)
             timeline.stop("compute", self.streams.compute, start)
             self._release(slot)
+        return x
+
+    def _layer_output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's output as the next layer takes it (a vision-language model adds Qwen3-VL's deepstack
+        features here: engine/vision_engine.py)."""
         return x
 
     def _embed_weight(self, bound: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -5,7 +5,9 @@ per step on the compute device around it, through four of the engine's own steps
 
 - the embedding looks up the image tokens as transformers does (an id outside the vocabulary as 0);
 - before the first layer, the image features replace the embeddings at the image tokens, and Gemma 3's image-block
-  mask replaces causal attention for every layer, its recompute included (model/vision/splice.py);
+  mask replaces causal attention for every layer, its recompute included (model/vision/splice.py); Qwen3-VL's
+  deepstack features are added to the first layers' outputs at the image tokens (before the next layer keeps its
+  input, so its recompute reads the sum), their gradients taken from those outputs' gradients in the backward;
 - beside the embedding's gradient, the features take theirs from the first layer's input gradient at the image
   tokens (those rows then give the embedding none), and their squared norm joins the step's global norm;
 - after the step's norm is known, the tower and projector take their AdamW step with the streamed stages' clipping
@@ -60,6 +62,12 @@ class VisionPasses:
             rope = self.vision.rope(ids, images, x.dtype, rope.keys()) or rope  # M-RoPE: three position axes
             self._vision_rope = rope
         return super()._forward_layers(x, rope, documents, keep)  # type: ignore[misc]
+
+    def _layer_output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self.vision.add_deepstack(i, x)  # Qwen3-VL: its deepstack features after the first layers
+
+    def _layer_output_grad(self, i: int, grad_y: torch.Tensor) -> None:
+        self.vision.deepstack_grad(i, grad_y)
 
     def _backward(self, head: Any, rope: dict, documents: Any, inject_nan: bool) -> torch.Tensor:
         # The recompute takes the forward's mask (Gemma 3's image blocks), which _forward did not return.

@@ -9,10 +9,13 @@ only, as the streamed layout decays them; each step's learning rate from the sch
 - full: tower and projector train;
 - lora: refused for now (config/sections.py says so).
 
-A step computes the image features once (`splice`, before the first streamed layer, with autograd on for what
-trains), keeps their graph through the layer stream, and takes their gradient from the first layer's input gradient
-at the image-token positions (`backward`, beside the embedding's). Their squared norm joins the step's global norm;
-the update (`step`) is clipped by the same coefficient as the streamed stages', or dropped with them.
+A step computes the image features once (`splice`, before the first streamed layer, with autograd on for what trains),
+keeps their graph through the layer stream, and takes their gradient from the first layer's input gradient at the
+image-token positions (`backward`, beside the embedding's). Qwen3-VL's deepstack features are added to the first
+layers' outputs at the image tokens (`add_deepstack`); their gradients are those outputs' gradients there
+(`deepstack_grad`, kept as the backward passes each layer), taken in the same one backward through the tower. Their
+squared norm joins the step's global norm; the update (`step`) is clipped by the same coefficient as the streamed
+stages', or dropped with them.
 
 Checkpoints: vision.safetensors, the trained tensors by module name, their moments as
 `optimizer.exp_avg.<name>` / `optimizer.exp_avg_sq.<name>` and AdamW's step count in the metadata; the frozen
@@ -60,7 +63,11 @@ class VisionTier:
             [{"params": decay, "weight_decay": optimizer.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps, foreach=False)
         self.sqnorm: torch.Tensor | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+        """A training step's (features, image-token positions, deepstack features) with their graphs."""
+        self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        """(image-token positions, deepstack features) the layers add (Qwen3-VL)."""
+        self._deepstack_grads: dict[int, torch.Tensor] = {}
         self.rope_shape: tuple[float, int] = (0.0, 0)
         """M-RoPE (Qwen-VL): the text model's (rope_theta, head_dim); attach_vision sets it."""
 
@@ -74,32 +81,52 @@ class VisionTier:
         """The token embeddings x [B, T, hidden] with the image features at the image tokens, and the attention mask
         the family needs (None: causal); `training` keeps the features' graph for `backward`."""
         positions = image_positions(ids, self.vision.image_token_id)
-        self._pending = None
+        self._pending, self._deepstack, self._deepstack_grads = None, None, {}
         if images is None:
             if bool(positions.any()):
                 check_count(positions, x.new_empty(0, 1), 0)
             return x, None
         track = training and bool(self.trained)
         with torch.enable_grad() if track else torch.no_grad(), self._autocast():
-            features = self.modules.features(images.pixel_values, images.extra)
+            features, deepstack = self.modules.features(images.pixel_values, images.extra)
         check_count(positions, features, images.count)
         x = x.clone() if x.requires_grad else x
         x[positions] = features.detach().to(x.dtype)
+        if deepstack:
+            self._deepstack = (positions, [d.detach() for d in deepstack])
         if track:
-            self._pending = (features, positions)
+            self._pending = (features, positions, deepstack)
         mask = image_block_mask(positions, self.sliding_window, self.any_sliding) \
             if self.vision.family.attention == "image_blocks" else None
         return x, mask
+
+    def add_deepstack(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s output x [B, T, hidden] with the deepstack feature of that layer added at the image
+        tokens (Qwen3-VL: after each of its first decoder layers, as transformers' _deepstack_process); x itself
+        where the layer takes none."""
+        if self._deepstack is None or layer >= len(self._deepstack[1]):
+            return x
+        positions, features = self._deepstack
+        x = x.clone()
+        x[positions] = x[positions] + features[layer].to(x.dtype)
+        return x
+
+    def deepstack_grad(self, layer: int, grad_y: torch.Tensor) -> None:
+        """Keep the gradient of layer `layer`'s output grad_y at the image tokens: its deepstack feature's (the
+        addition passes the gradient on unchanged), for `backward`."""
+        if self._pending is not None and layer < len(self._pending[2]):
+            self._deepstack_grads[layer] = grad_y[self._pending[1]]
 
     def rope(self, ids: torch.Tensor, images: ImageInputs | None, dtype: torch.dtype,
              keys: Any) -> dict | None:
         """The text layers' RoPE tables by LayerSpec.local_rope for M-RoPE families (model/vision/mrope.py); None:
         the text model's own."""
-        if self.vision.family.rope != "mrope":
+        if self.vision.family.rope == "standard":
             return None
         grid = images.extra.get("image_grid_thw") if images is not None else None
         positions = mrope_positions(self.modules.base, ids, self.vision.image_token_id, grid)
-        tables = mrope_tables(positions, self.vision.mrope_section, *self.rope_shape, dtype, self.modules.device)
+        tables = mrope_tables(positions, self.vision.mrope_section, *self.rope_shape, dtype, self.modules.device,
+                              interleaved=self.vision.family.rope == "mrope_interleaved")
         return {k: tables for k in keys}
 
     def _autocast(self) -> Any:
@@ -111,16 +138,22 @@ class VisionTier:
     def begin_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.sqnorm = None
-        self._pending = None
+        self._pending, self._deepstack, self._deepstack_grads = None, None, {}
 
     def backward(self, ids: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
         """The features' backward from the first layer's input gradient grad_y [B, T, hidden]; returns grad_y with
         zeros at the image tokens (their embedding rows take none, as transformers' masked_scatter gives none)."""
         positions = image_positions(ids, self.vision.image_token_id)
-        if self._pending is not None:
-            features, kept = self._pending
+        if self._pending is not None:  # one backward through the tower: the features' and deepstack features'
+            features, kept, deepstack = self._pending
             self._pending = None
-            torch.autograd.backward(features, grad_y[kept].to(features.dtype))
+            outputs, grads = [features], [grad_y[kept].to(features.dtype)]
+            for layer, feature in enumerate(deepstack):
+                if feature.requires_grad:  # a frozen tower's deepstack mergers give features without a graph
+                    outputs.append(feature)
+                    grads.append(self._deepstack_grads.pop(layer).to(feature.dtype))
+            self._deepstack_grads = {}
+            torch.autograd.backward(outputs, grads)
         grads = [p.grad for p in self.trained.values() if p.grad is not None]
         acc = torch.promote_types(self.modules.dtype, torch.float32)
         self.sqnorm = sum((torch.linalg.vector_norm(g, dtype=acc).square() for g in grads),

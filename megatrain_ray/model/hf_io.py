@@ -105,13 +105,17 @@ class HFDirectory(Mapping[str, torch.Tensor]):
         self.ignored: set[str] = set()
         self.vision_names: dict[str, str] = {}
         """A vision-language checkpoint's tower and projector: {module name: name on disk} (model/vision/)."""
+        self.transposed: set[str] = set()
+        """Tensors read with dims 1 and 2 swapped (Qwen3-VL-MoE's experts in the hub's layout:
+        model/vision/names.py)."""
         if model_type in MULTIMODAL:  # its language model read as the text model (transformers' text class does so)
             self.aliases, self.ignored = multimodal_names(list(self.entries))
             self.entries = {new: self.on_disk[old] for new, old in self.aliases.items()}
         elif model_type in VISION_FAMILIES:  # the text model streams; the vision modules read their own tensors
-            self.aliases, self.vision_names = split_names(str(self.dir), list(self.entries), str(self.dir))
+            self.aliases, self.vision_names, self.transposed = split_names(
+                str(self.dir), list(self.entries), str(self.dir), {n: e[1] for n, e in self.entries.items()})
             self.ignored = set(self.vision_names.values())
-            self.entries = {new: self.on_disk[old] for new, old in self.aliases.items()}
+            self.entries = {new: self._transposed_entry(new, self.on_disk[old]) for new, old in self.aliases.items()}
         elif model_type in MTP_MODEL_TYPES:
             self.ignored = {n for n in self.entries if n.startswith("mtp.")}
         if self.ignored and not self.vision_names:
@@ -142,7 +146,14 @@ class HFDirectory(Mapping[str, torch.Tensor]):
     def _read(self, name: str) -> torch.Tensor:
         disk = self.aliases.get(name, name)
         with self._open(self.on_disk[disk][0]) as f:
-            return f.get_tensor(disk)
+            tensor = f.get_tensor(disk)
+        return tensor.transpose(1, 2).contiguous() if name in self.transposed else tensor
+
+    def _transposed_entry(self, name: str, entry: tuple[str, tuple[int, ...], str]) -> tuple[str, tuple[int, ...], str]:
+        if name not in self.transposed:
+            return entry
+        file, shape, code = entry
+        return file, (shape[0], shape[2], shape[1]), code
 
     def read_vision(self, module_name: str) -> torch.Tensor:
         """A tensor of the vision tower or projector by its module name (HFDirectory.vision_names)."""

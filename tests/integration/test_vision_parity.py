@@ -1,7 +1,7 @@
 """Vision-language models (model/vision/, engine/vision_engine.py) against transformers' own models.
 
-Tiny random LLaVA (Llama + CLIP), Gemma 3 multimodal (Gemma 3 text + SigLIP) and Qwen2.5-VL (Qwen2 text with M-RoPE,
-its window-attention ViT and patch merger) models, saved with save_pretrained
+Tiny random LLaVA (Llama + CLIP), Gemma 3 multimodal (Gemma 3 text + SigLIP), Qwen2.5-VL (Qwen2 text with M-RoPE,
+its window-attention ViT and patch merger), Qwen3-VL and Qwen3-VL-MoE models, saved with save_pretrained
 (tests/reference_vision.py), loaded by megatrain from that directory (model.path: HF safetensors in). Each batch has
 two images in its first row, none in its second, one in its third.
 
@@ -18,6 +18,9 @@ two images in its first row, none in its second, one in its third.
 - HF round trip: the export loads with AutoModelForImageTextToText with no missing, unexpected or mismatched key,
   every tensor megatrain's rounded to the export's float32 bit for bit, and gives megatrain's logits (within the
   float32 rounding of the weights, 1e-6); resume from a checkpoint is bit-identical to the run without a stop.
+- Qwen3-VL and Qwen3-VL-MoE (Qwen3 and Qwen3-MoE text on the native templates, interleaved M-RoPE, the deepstack
+  features added after the first text layers): the same tests; without the deepstack features transformers' own
+  logits differ; Qwen3-VL-MoE's experts in the hub's transposed layout read to the same logits.
 - Refusals: image tokens that do not match the images' features, images to a text model, finetune.vision lora.
 """
 
@@ -37,6 +40,7 @@ from megatrain_ray.model.vision.splice import ImageTokenMismatch  # noqa: E402
 from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
 from tests.numerics import assert_exact, assert_within_noise, relative_error  # noqa: E402
 from tests.reference_vision import (  # noqa: E402
+    QWEN_FAMILIES,
     batch,
     build,
     exact,
@@ -47,7 +51,7 @@ from tests.reference_vision import (  # noqa: E402
     train_hf_vision,
 )
 
-FAMILIES = ["llava", "gemma3", "qwen2_5_vl"]
+FAMILIES = ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 STEPS = 10
 
 
@@ -101,10 +105,17 @@ def test_logits_equal_transformers(family, tmp_path):
         with torch.no_grad():
             causal = exact(model)(input_ids=ids, pixel_values=pixels.double()).logits
         assert relative_error(causal, ref64) > 1e-3
-    if name == "qwen2_5_vl":  # with one position axis (no image grid positions) transformers' own logits differ
+    if name in QWEN_FAMILIES:  # with one position axis (no image grid positions) transformers' own logits differ
         with torch.no_grad():
-            flat = exact(model)(input_ids=ids, pixel_values=pixels[0].double(), image_grid_thw=pixels[1]).logits
+            one_axis = {} if name == "qwen2_5_vl" else {"position_ids": torch.arange(ids.shape[1]).expand_as(ids)}
+            flat = exact(model)(input_ids=ids, pixel_values=pixels[0].double(), image_grid_thw=pixels[1],
+                                **one_axis).logits
         assert relative_error(flat[0], ref64[0]) > 1e-3 and torch.equal(flat[1], ref64[1])
+    if name in ("qwen3_vl", "qwen3_vl_moe"):  # and without the deepstack features added after the first layers
+        plain = exact(model)
+        language = plain.model.language_model
+        language._deepstack_process = lambda hidden, masks, embeds: hidden
+        assert relative_error(hf_logits(name, plain, ids, pixels)[0], ref64[0]) > 1e-3
 
 
 def run_ours(cfg, batches, resume=None, steps=None, probe=None, export=None):
@@ -183,12 +194,36 @@ def test_export_round_trip_and_resume(family, tmp_path):
         assert_exact("logits from the export", trainer.logits(ids, image_inputs(pixels)), theirs)
 
 
+def test_qwen3_vl_moe_experts_in_the_hub_layout(tmp_path):
+    """The hub's Qwen3-VL-MoE checkpoints keep each layer's experts transposed ([experts, hidden, 2 x width]), which
+    transformers transposes on load: megatrain reads that layout to the same logits as save_pretrained's."""
+    from safetensors.torch import load_file, save_file
+
+    model = build("qwen3_vl_moe", tmp_path / "saved")
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for f in (tmp_path / "saved").iterdir():
+        if f.name != "model.safetensors":
+            (hub / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    save_file({k: v.transpose(1, 2).contiguous() if k in experts else v for k, v in tensors.items()},
+              str(hub / "model.safetensors"), metadata={"format": "pt"})
+    assert len(experts) == 4  # two MoE layers' gate_up and down
+    ids, _, pixels = batch("qwen3_vl_moe", 0)
+    theirs = transformers.AutoModelForImageTextToText.from_pretrained(hub, dtype=torch.float64)
+    reference = hf_logits("qwen3_vl_moe", exact(theirs), ids, pixels)
+    assert_exact("transformers from the hub layout", reference, hf_logits("qwen3_vl_moe", exact(model), ids, pixels))
+    with Trainer(vision_config(tmp_path / "run", hub)) as trainer:
+        assert_exact("logits from the hub layout", trainer.logits(ids, image_inputs(pixels)), reference)
+
+
 def test_bad_input_is_refused(family, tmp_path):
     name, model, directory = family
     ids, labels, pixels = batch(name, 0)
     with Trainer(vision_config(tmp_path / "run", directory)) as trainer:
         with pytest.raises(ImageTokenMismatch, match="image tokens"):
-            fewer = (pixels[0][:48], pixels[1][:2]) if name == "qwen2_5_vl" else pixels[:2]
+            fewer = (pixels[0][:48], pixels[1][:2]) if name in QWEN_FAMILIES else pixels[:2]
             trainer.logits(ids, image_inputs(fewer))  # three images' tokens, two images
         with pytest.raises(ImageTokenMismatch, match="image tokens"):
             trainer.logits(ids)  # image tokens, no images

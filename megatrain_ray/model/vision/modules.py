@@ -5,7 +5,8 @@ meta device; its base model (`model`) keeps its vision parts (config/hf_vision.p
 (a PreTrainedModel part from its own sub-config, a plain module such as the projector from the whole config, as the
 base model's constructor builds them), and loses its language model (the text model streams, model/vision/ never
 holds it). The image features are the base model's own `get_image_features` (the tower, the feature layer and CLS
-cropping as configured, the projector): what transformers splices into the token embeddings. Eval mode (no dropout),
+cropping as configured, the projector): what transformers splices into the token embeddings, and Qwen3-VL's
+deepstack features beside them (what its text model adds after its first layers). Eval mode (no dropout),
 in the run's master dtype on the GPU worker's device; the weights come from the checkpoint by their module names
 (model/vision/names.py), every one of them, and a checkpoint with vision tensors the modules do not have is refused.
 """
@@ -101,11 +102,19 @@ class VisionModules:
         """Every tensor the export writes (parameters and persistent buffers) by module name."""
         return {self.prefix + n: t for n, t in self.base.state_dict().items()}
 
-    def features(self, pixel_values: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The image features [image tokens, hidden] in order of the images (and of their tokens in the rows)."""
+    def features(self, pixel_values: torch.Tensor,
+                 extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The image features [image tokens, hidden] in order of the images (and of their tokens in the rows), and
+        Qwen3-VL's deepstack features (one [image tokens, hidden] per deepstack layer; none for other families)."""
         pixels = pixel_values.to(self.device, self.dtype)
         kwargs = {k: v.to(self.device) for k, v in extra.items()}
-        out = self.base.get_image_features(pixel_values=pixels, return_dict=True, **kwargs).pooler_output
-        if isinstance(out, (list, tuple)):
-            out = torch.cat(list(out), dim=0)
-        return out.reshape(-1, out.shape[-1])
+        out = self.base.get_image_features(pixel_values=pixels, return_dict=True, **kwargs)
+        deepstack = [_rows(f) for f in (getattr(out, "deepstack_features", None) or [])]
+        return _rows(out.pooler_output), deepstack
+
+
+def _rows(out: torch.Tensor | list | tuple) -> torch.Tensor:
+    """Features split per image (transformers' Qwen-VL) or batched, as one [image tokens, hidden]."""
+    if isinstance(out, (list, tuple)):
+        out = torch.cat(list(out), dim=0)
+    return out.reshape(-1, out.shape[-1])
