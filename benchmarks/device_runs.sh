@@ -42,6 +42,10 @@
 #                 off (SYSTEMS, GPUS override)                                                    nvidia-h200-x4
 #   grpo-step     issue 49: a GRPO step in MegaTrain's configuration (Qwen2.5-7B shape, 8 x 2 completions, 512 +
 #                 1024 tokens, full precision): rollout / sync / train seconds, beside transformers' generate nvidia-h200
+#   llama8b-8k    issue 45: Llama-3.1-8B shape, full precision, clipping on, 8k tokens: the default config against
+#                 engine.gpu_resident=none (megatrain-streamed; vs_streamed)                      nvidia-h200
+#   grpo-lora-32b issue 49: Qwen2.5-32B shape LoRA (r 16, all linear), 1 prompt x 2 completions of 12,288 tokens, the
+#                 base GPU-resident; the result rewritten at each phase (a cut-off run keeps its figures) nvidia-h200
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -51,6 +55,16 @@ case "${1:-}" in
     python -m pytest -q tests/gpu/test_gpu.py -m gpu -s ;;
   grpo-step)
     python benchmarks/grpo_step.py --out "$OUT" ;;
+  llama8b-8k)
+    python benchmarks/run.py --config configs/shapes/llama3-8b.yaml --systems megatrain,megatrain-streamed --batches 2 \
+      --seq-lens 4096 --steps 4 --warmup 2 --no-roofline --timeout 260 --name llama8b-8k-default-vs-streamed \
+      --out "$OUT" --set checkpoint.at_end=false --set checkpoint.every=0 ;;
+  grpo-lora-32b)
+    python benchmarks/grpo_step.py --config configs/shapes/qwen2.5-32b.yaml --steps 1 --prompts 1 --generations 2 \
+      --prompt-len 512 --completion-len 12288 --probe --no-baseline --name grpo-lora-32b-12k --out "$OUT" \
+      --set finetune.method=lora --set finetune.lora.r=16 --set finetune.lora.lora_alpha=32 \
+      --set finetune.lora.target_modules=all-linear --set precision.stream_dtype=bfloat16 --set engine.gpu_resident=64 \
+      --set engine.compile=false --set optimizer.lr=2e-4 --set optimizer.weight_decay=0.0 --set optimizer.grad_clip=1.0 ;;
   load-8b)
     python benchmarks/load_checkpoint.py --dir /tmp/llama8b-random --layers 32 --shards 2 --out "$OUT" ;;
   long-context)

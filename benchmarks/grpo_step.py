@@ -185,7 +185,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--completion-len", type=int, default=1024)
     parser.add_argument("--stop", action="store_true", help="token 0 stops a row (else every row samples to the end)")
-    parser.add_argument("--probe", type=int, default=0, help="generate this many tokens first and print the rate")
+    parser.add_argument("--probe", action="store_true",
+                        help="first time 15 decode steps at the run's KV-cache size and print the rate (decode_probe)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--out", default=str(RESULTS))
