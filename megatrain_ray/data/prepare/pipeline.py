@@ -259,7 +259,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     if resolved >= 1.0:
         log.info("prepare: --tokenizer %s ready in %.1f s (%s), not counted in the records' rate", opts.tokenizer_dir,
                  resolved, "a .gguf file: its one-time conversion, or the hash that finds it in the cache"
-                 if opts.tokenizer_dir.lower().endswith(".gguf")
+                 if str(opts.tokenizer_dir).lower().endswith(".gguf")
                  else "fetched and read")
     workers = min(opts.workers or available_cores(), math.ceil(total / CHUNK_RECORDS))
     job = Job(fmt, cols, opts.seq_len, opts.train_on_inputs, vision_job(opts, directory, fmt))
