@@ -328,7 +328,7 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
             adamw.append(r["optimizer_gparams_per_s"])
         d2h.append(r["d2h_gbps_link"])
     assert (len(tflops), len(compiled_tflops), len(moe_tflops), len(moe_compiled_tflops), len(adamw), len(d2h)) == \
-        (34, 48, 5, 24, 11, 39)
+        (34, 49, 5, 24, 12, 40)
     assert H200.model_tflops == pytest.approx(statistics.median(tflops), rel=0.005)
     assert H200.moe_model_tflops == pytest.approx(statistics.median(moe_tflops), rel=0.005)
     assert H200.moe_compiled_model_tflops == pytest.approx(statistics.median(moe_compiled_tflops), rel=0.005)
@@ -392,7 +392,7 @@ def test_plan_prints_expected_tok_per_s_for_a_preset(capsys):
     assert main(["plan", config, "--machine", "h200-1tb"]) == 0
     out = capsys.readouterr().out
     assert "GPU NVIDIA H200 140.4 GiB" in out and "fits." in out
-    assert "expected speed: a prediction" in out and "tok/s" in out and "4.2 measured at 28 B/param" in out
+    assert "expected speed: a prediction" in out and "tok/s" in out and "4.16 measured at 28 B/param" in out
     assert main(["plan", config, "--machine", "h200-1tb", "--optimizer-gparams", "6.2"]) == 0
     assert "6.2 measured at 28 B/param" in capsys.readouterr().out
     assert main(["plan", config, "--machine", "h100-512gb"]) == 2  # 806 GiB of host RAM
