@@ -119,6 +119,22 @@ def compiled_resident_run(build: Callable[[bool], tuple[Any, Callable]], timed: 
     raise AssertionError("unreachable: the checkpointing attempt returns or raises")
 
 
+def zero3_offload_config(optimizer: Any, micro_batch: int) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned host memory, bf16, the run's AdamW and
+    clipping: the offload baseline every benchmark compares with."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True}, "gradient_clipping": optimizer.grad_clip,
+        "zero_optimization": {
+            "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": optimizer.lr, "betas": [optimizer.beta1, optimizer.beta2],
+                                                  "eps": optimizer.eps, "weight_decay": optimizer.weight_decay}},
+        "steps_per_print": 10**9,
+    }
+
+
 def deepspeed_train_step(engine: Any) -> Callable:
     """train_step(ids) -> loss of a DeepSpeed engine around a Hugging Face causal LM (labels = inputs)."""
     def train_step(ids):

@@ -66,6 +66,7 @@ from benchmarks.common import (  # noqa: E402
     provenance,
     seq_len_overrides,
     write_result,
+    zero3_offload_config,
 )
 from benchmarks.lora import LORA_SYSTEMS, h2d_probe_gbps  # noqa: E402
 from megatrain_ray.observe.metrics import optimizer_hidden_fraction, proc_status_bytes  # noqa: E402
@@ -261,17 +262,7 @@ def run_deepspeed(spec: dict) -> dict:
 
     cfg = _load(spec)
     o = cfg.optimizer
-    ds_config = {
-        "train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True}, "gradient_clipping": o.grad_clip,
-        "zero_optimization": {
-            "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True, "contiguous_gradients": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
-                                                  "weight_decay": o.weight_decay}},
-        "steps_per_print": 10**9,
-    }
+    ds_config = zero3_offload_config(o, spec["batch"])
     _refuse_what_deepspeed_says_will_not_fit(cfg)
     deepspeed.init_distributed(dist_backend="nccl")
     cls, hf = _hf_model(cfg)

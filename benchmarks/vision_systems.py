@@ -9,7 +9,7 @@ import os
 import time
 import traceback
 
-from benchmarks.common import compiled_resident_run
+from benchmarks.common import compiled_resident_run, zero3_offload_config
 from benchmarks.run import RESULT_TAG
 from benchmarks.vision_shape import batches_of, random_model, vl_config
 
@@ -148,17 +148,7 @@ def run_deepspeed(spec: dict) -> list[dict]:
     from megatrain_ray.config.load import load_config
 
     o = load_config(spec["config"]).optimizer
-    ds_config = {
-        "train_micro_batch_size_per_gpu": spec["token_counts"][0] // spec["seq_len"], "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True}, "gradient_clipping": o.grad_clip,
-        "zero_optimization": {
-            "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True, "contiguous_gradients": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
-                                                  "weight_decay": o.weight_decay}},
-        "steps_per_print": 10**9,
-    }
+    ds_config = zero3_offload_config(o, spec["token_counts"][0] // spec["seq_len"])
     deepspeed.init_distributed(dist_backend="nccl")
     config = vl_config(spec["layers"], spec["tiny"])
     config._attn_implementation = "sdpa"
