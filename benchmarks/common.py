@@ -52,6 +52,7 @@ VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
             "megatrain-gather": ("megatrain", ["parallel.gather_weights=true"]),
             "megatrain-noclip-gather": ("megatrain", ["optimizer.grad_clip=0", "parallel.gather_weights=true"]),
             "megatrain-streamed": ("megatrain", ["engine.gpu_resident=none"]),
+            "megatrain-streamed-lean": ("megatrain", ["engine.gpu_resident=none", "optimizer.state=lean"]),
             "megatrain-lora": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto"]),
             "megatrain-lora-resident": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto",
                                                       "engine.gpu_resident=auto"])}

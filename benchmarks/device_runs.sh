@@ -44,6 +44,10 @@
 #                 1024 tokens, full precision): rollout / sync / train seconds, beside transformers' generate nvidia-h200
 #   llama8b-8k    issue 45: Llama-3.1-8B shape, full precision, clipping on, 8k tokens: the default config against
 #                 engine.gpu_resident=none (megatrain-streamed; vs_streamed)                      nvidia-h200
+#   moe-tier-64k  issue 45: Qwen3-30B-A3B width, 4 layers, 64k tokens (8 x 8192): the default config (the tier)
+#                 against resident-compile (SYSTEMS adds resident), then PROFILE=1 the tier's profiler trace nvidia-h200
+#   lean-8k       issue 46: the 3.5B bench at 8k tokens, streamed, clipping on: optimizer.state full against
+#                 lean (megatrain-streamed-lean; vs_streamed is lean over full), host B/param            nvidia-h200
 #   grpo-lora-32b issue 49: Qwen2.5-32B shape LoRA (r 16, all linear), 1 prompt x 2 completions of 12,288 tokens, the
 #                 base GPU-resident; the result rewritten at each phase (a cut-off run keeps its figures) nvidia-h200
 set -euo pipefail
@@ -59,6 +63,19 @@ case "${1:-}" in
     python benchmarks/run.py --config configs/shapes/llama3-8b.yaml --systems megatrain,megatrain-streamed --batches 2 \
       --seq-lens 4096 --steps 4 --warmup 2 --no-roofline --timeout 260 --name llama8b-8k-default-vs-streamed \
       --out "$OUT" --set checkpoint.at_end=false --set checkpoint.every=0 ;;
+  moe-tier-64k)
+    python benchmarks/run.py --config configs/shapes/qwen3-30b-a3b.yaml --layers 4 --batches 8 --seq-lens 8192 \
+      --systems "${SYSTEMS:-megatrain,resident-compile}" --steps 3 --warmup 2 --no-roofline --timeout 240 \
+      --name moe-qwen3-30b-a3b-4l-64k-tier --out "$OUT"
+    if [ "${PROFILE:-0}" = 1 ]; then
+      python benchmarks/tier_profile.py --config configs/shapes/qwen3-30b-a3b.yaml --set model.num_layers=4 \
+        --set data.batch_size=8 --set data.seq_len=8192 --steps 2 --warmup 2 \
+        --name tier-profile-qwen3-30b-a3b-4l-64k --out "$OUT"
+    fi ;;
+  lean-8k)
+    python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 4 \
+      --systems megatrain-streamed,megatrain-streamed-lean --steps 4 --warmup 2 --no-roofline --timeout 200 \
+      --name bench-3.5b-8k-lean-vs-full --out "$OUT" ;;
   grpo-lora-32b)
     python benchmarks/grpo_step.py --config configs/shapes/qwen2.5-32b.yaml --steps 1 --prompts 1 --generations 2 \
       --prompt-len 512 --completion-len 12288 --probe --no-baseline --name grpo-lora-32b-12k --out "$OUT" \

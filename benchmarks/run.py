@@ -14,6 +14,8 @@ Systems:
   config's clipping and engine.compile (auto: the decoder layer through torch.compile on the GPU);
   megatrain-noclip: the same with optimizer.grad_clip=0; the -eager and -compile variants with
   engine.compile=false and true (benchmarks/common.py VARIANTS). Rows record `compiled`.
+  megatrain-streamed: every stage streamed (engine.gpu_resident=none); megatrain-streamed-lean: the same
+  with optimizer.state=lean (its vs_streamed is lean over full). Rows record `optimizer_state`.
 - resident: the whole model on the GPU (Hugging Face LlamaForCausalLM in bf16, SDPA attention,
   activation checkpointing per layer, torch fused AdamW on the GPU, clip_grad_norm_), layers eager.
 - resident-compile: the same with each decoder layer through torch.compile, and activation
@@ -134,7 +136,7 @@ def run_megatrain(spec: dict) -> dict:
         "comm_seconds": mean("comm_seconds"),
         "grad_home": run.grad_home, "grad_dtype": run.grad_dtype, "clip": cfg.optimizer.grad_clip,
         "vocab_grad_pieces": run.vocab_in_pieces, "compiled": run.layers_compiled,
-        "stream_dtype": cfg.precision.resolved_stream_dtype,
+        "stream_dtype": cfg.precision.resolved_stream_dtype, "optimizer_state": cfg.optimizer.state,
         "optimizer_workers": workers, "optimizer_worker_cores": worker_cores,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),
         "compute_seconds": mean("compute_seconds"),
