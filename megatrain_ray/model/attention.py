@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatrain_ray.model.decode_attention import decode_attention
 from megatrain_ray.model.layer_spec import LayerSpec
 
 
@@ -145,14 +146,24 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     same for every head. With grouped-query heads, each KV head's query heads are folded into the query length
     ([B, H_kv, groups * Tq, D]) so SDPA sees as many query as key heads: torch's kernels that take a mask do not take
     enable_gqa, and its math fallback repeats the whole cache to every query head (for a 32B shape at a 12.8k-token
-    cache that is about 1 GB of copies per layer in every decode step). The scores and weighted sums are the same."""
+    cache that is about 1 GB of copies per layer in every decode step). The scores and weighted sums are the same.
+    A decode step (one query per row) goes through decode_attention instead: split along the keys, as SDPA's masked
+    kernels are not (model/decode_attention.py)."""
+    if q.shape[2] == 1 and not spec.softcap:
+        return decode_attention(q, k, v, allowed, spec.scale or spec.head_dim ** -0.5)
+    return folded_masked_attention(q, k, v, allowed, spec)
+
+
+def folded_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                            spec: LayerSpec) -> torch.Tensor:
+    """cached_attention through SDPA for any query length: each KV head's query heads folded into the query length."""
     groups = spec.num_heads // spec.num_kv_heads
+    scale = spec.scale or spec.head_dim ** -0.5
     if groups == 1 or spec.softcap:
         return masked_attention(q, k, v, allowed, spec)
     batch, heads, count, dim = q.shape
     folded = q.reshape(batch, spec.num_kv_heads, groups * count, dim)  # head h: kv head h // groups, as in GQA
     mask = allowed[:, :, None].expand(batch, 1, groups, count, allowed.shape[-1])
-    scale = spec.scale or spec.head_dim ** -0.5
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.reshape(batch, 1, groups * count, -1),
                                          scale=scale)
     return out.reshape(batch, heads, count, dim)

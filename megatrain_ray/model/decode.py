@@ -16,6 +16,7 @@ from typing import Mapping
 import torch
 
 from megatrain_ray.model.attention import cached_attention
+from megatrain_ray.model.decode_attention import CHUNK_UNIT
 from megatrain_ray.model.layer_spec import LayerSpec
 from megatrain_ray.model.sinks import explicit_sink_attention
 from megatrain_ray.model.templates import attention_out, attention_qkv, mlp_in_chunks
@@ -52,6 +53,12 @@ class KVCache:
         self.keys.index_copy_(2, start.view(1), k)
         self.values.index_copy_(2, start.view(1), v)
         return self.keys, self.values
+
+
+def cache_capacity(tokens: int) -> int:
+    """The KV cache's slots for prompts and completions of `tokens` together: rounded up to a whole number of
+    decode_attention's key chunks (the slots past `tokens` are never written nor attended to)."""
+    return -(-tokens // CHUNK_UNIT) * CHUNK_UNIT
 
 
 Start = int | torch.Tensor

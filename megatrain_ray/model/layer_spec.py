@@ -37,6 +37,10 @@ class LayerSpec:
     lora_seed: int = -1
     """This layer's dropout seed in this training step (model/lora.dropout_mask draws every mask from it, in the
     forward and again in the recompute); -1: no dropout (evaluation)."""
+    lora_inplace: bool = False
+    """The adapters' scaled output added into the base product in place, the cast of an input shared by several
+    projections made once (model/lora.py project_group): the rollout's decode step, where nothing needs autograd and
+    each small kernel counts; the sum is the same up to rounding."""
     moe: MoeSpec | None = None
     """A mixture-of-experts layer's router and experts (model/moe.py); None: a dense MLP."""
     plus_one: bool = False

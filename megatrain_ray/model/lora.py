@@ -117,11 +117,35 @@ def project(h: torch.Tensor, w: Mapping[str, torch.Tensor], module: str, spec: A
     if a is None:
         return out
     x = h.to(a.dtype)
+    if spec.lora_inplace:
+        return _add_inplace(out, x, w, module, spec)
     if spec.lora_dropout and spec.lora_seed >= 0:  # as nn.Dropout: kept inputs scaled by 1 / (1 - p)
         keep = dropout_mask(x.shape, spec.lora_seed, module, spec.lora_dropout, x.device)
         x = x * keep.to(x.dtype) / (1.0 - spec.lora_dropout)
     delta = F.linear(F.linear(x, a), w[lora_b(module)]) * spec.lora_scaling
     return (out + delta).to(out.dtype)
+
+
+def project_group(h: torch.Tensor, w: Mapping[str, torch.Tensor], modules: tuple[str, ...],
+                  spec: Any) -> list[torch.Tensor]:
+    """project of each of `modules` over the same input h (q, k and v; gate and up). With LayerSpec.lora_inplace the
+    input's cast to the adapters' dtype is made once for all of them."""
+    a = w.get(lora_a(modules[0]))
+    if not spec.lora_inplace or a is None:
+        return [project(h, w, module, spec) for module in modules]
+    x = h.to(a.dtype)
+    outs = []
+    for module in modules:
+        out = F.linear(h, w[f"{module}.weight"], w.get(f"{module}.bias"))
+        outs.append(_add_inplace(out, x, w, module, spec) if lora_a(module) in w else out)
+    return outs
+
+
+def _add_inplace(out: torch.Tensor, x: torch.Tensor, w: Mapping[str, torch.Tensor], module: str,
+                 spec: Any) -> torch.Tensor:
+    """out + scaling * B A x into `out` (LayerSpec.lora_inplace; no dropout): the sum computed in the wider dtype and
+    rounded once to out's, as project's, with the scaling applied in the same kernel."""
+    return out.add_(F.linear(F.linear(x, w[lora_a(module)]), w[lora_b(module)]), alpha=spec.lora_scaling)
 
 
 def dropout_mask(shape: torch.Size, seed: int, module: str, p: float, device: torch.device) -> torch.Tensor:

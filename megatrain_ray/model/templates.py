@@ -31,7 +31,7 @@ from megatrain_ray.model.head import HeadSpec, head_logits
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.layout import StageLayout, token_chunks
 from megatrain_ray.model.linear_attention import linear_attention
-from megatrain_ray.model.lora import chunk_spec, project
+from megatrain_ray.model.lora import chunk_spec, project, project_group
 from megatrain_ray.model.lora_moe import with_param_adapters
 from megatrain_ray.model.moe import RouterRecord, moe_mlp
 from megatrain_ray.model.norms import rms_norm
@@ -94,9 +94,7 @@ def gated_attention_inputs(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
         k = project(h, w, "self_attn.k_proj", spec)
         v = project(h, w, "self_attn.v_proj", spec)
     else:
-        q = project(h, w, "self_attn.q_proj", spec)
-        k = project(h, w, "self_attn.k_proj", spec)
-        v = project(h, w, "self_attn.v_proj", spec)
+        q, k, v = project_group(h, w, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), spec)
     q = q.view(batch, seq_len, spec.num_heads, spec.head_dim)
     k = k.view(batch, seq_len, spec.num_kv_heads, spec.head_dim)
     v = v.view(batch, seq_len, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
@@ -157,7 +155,8 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
         gate, up = project(h, w, "mlp.gate_up_proj", spec).chunk(2, dim=-1)
         m = up * F.silu(gate)
     else:
-        m = F.silu(project(h, w, "mlp.gate_proj", spec)) * project(h, w, "mlp.up_proj", spec)
+        gate, up = project_group(h, w, ("mlp.gate_proj", "mlp.up_proj"), spec)
+        m = F.silu(gate) * up
     return x + project(m, w, "mlp.down_proj", spec)
 
 

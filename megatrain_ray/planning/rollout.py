@@ -8,6 +8,7 @@ from __future__ import annotations
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.model.decode import cache_capacity
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
 from megatrain_ray.units import GiB
@@ -18,10 +19,10 @@ MARGIN = 0.10
 
 def rollout_tokens(cfg: Config) -> int:
     """The KV cache's length: the longest prompt (max_prompt_length, else what data.seq_len leaves after the
-    completion) plus max_completion_length."""
+    completion) plus max_completion_length, rounded up to whole key chunks (model/decode.cache_capacity)."""
     grpo = cfg.finetune.grpo
     prompt = grpo.max_prompt_length or max(cfg.data.seq_len - grpo.max_completion_length, 1)
-    return prompt + grpo.max_completion_length
+    return cache_capacity(prompt + grpo.max_completion_length)
 
 
 def rollout_bytes(cfg: Config, run: RunSpec) -> dict[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -16,7 +17,7 @@ from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettin
 from megatrain_ray.engine.rollout.sampling import next_tokens
 from megatrain_ray.engine.rollout.weights import ResidentBaseView, RolloutWeights, choose_resident, resident_bytes
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.model.decode import KVCache, Start, cache_mask, cached_decoder_layer, positions_of
+from megatrain_ray.model.decode import KVCache, Start, cache_capacity, cache_mask, cached_decoder_layer, positions_of
 from megatrain_ray.model.head import head_logits
 from megatrain_ray.model.templates import embed
 
@@ -48,13 +49,14 @@ class RolloutPasses:
                               f"max_position_embeddings={self.model_cfg.max_position_embeddings}")
         device = self.device
         ids = torch.zeros((rows, longest), dtype=torch.int64)  # the padding's ids are never attended to
-        valid = torch.ones((rows, capacity), dtype=torch.bool)
+        valid = torch.ones((rows, cache_capacity(capacity)), dtype=torch.bool)
+        valid[:, capacity:] = False  # slots past the last token (whole key chunks): never written
         for r, prompt in enumerate(prompts):  # left padding: every row's next token lands at the same index
             ids[r, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
             valid[r, :longest - len(prompt)] = False
         ids, valid = ids.to(device), valid.to(device)
         positions = positions_of(valid)
-        caches = [KVCache.empty(rows, spec, capacity, self.compute_dtype, device) for spec in self.specs]
+        caches = [KVCache.empty(rows, spec, valid.shape[1], self.compute_dtype, device) for spec in self.specs]
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
         stop = torch.tensor(sampling.stop_token_ids, dtype=torch.int64, device=device)
         tokens = torch.full((rows, new), sampling.pad_token_id, dtype=torch.int64, device=device)
@@ -141,8 +143,9 @@ class RolloutPasses:
         rope = self.rope_cache.tables(capacity, here)
         masks = {window: cache_mask(valid, start, count, window) for window in {s.sliding_window for s in self.specs}}
         stages = self._stage_weights(copy)
+        specs = self._rollout_specs()
         for i, w in zip(range(len(self.layout.layers)), stages):
-            spec = self.specs[i]
+            spec = specs[i]
             x = cached_decoder_layer(x, w, rope[spec.local_rope], spec, caches[i], start, masks[spec.sliding_window],
                                      self.mlp_chunk)
         head_w = next(stages)
@@ -151,6 +154,13 @@ class RolloutPasses:
         if copy is None:
             self.weights.release(embed_slot)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def _rollout_specs(self) -> tuple:
+        """The layers' specs for generation: LoRA adapters added in place (LayerSpec.lora_inplace; no autograd)."""
+        cached = getattr(self, "_rollout_spec_cache", None)
+        if cached is None or cached[0] is not self.specs:
+            cached = self._rollout_spec_cache = (self.specs, tuple(replace(s, lora_inplace=True) for s in self.specs))
+        return cached[1]
 
     def _stage_weights(self, copy: RolloutWeights | ResidentBaseView | None) -> Iterator[dict[str, torch.Tensor]]:
         """Each layer's bound weights in order, then the head's: from the resident copy (the GPU-resident tier's
