@@ -17,6 +17,7 @@ from megatrain_ray.config import (
     engine_sections,
     finetune_section,
     grpo_section,
+    latent_attention_section,
     linear_attention_section,
     loop_sections,
     model_section,
@@ -25,6 +26,8 @@ from megatrain_ray.config import (
 SECTIONS = {
     "model": model_section.ModelConfig, "model.rope_scaling": model_section.RopeScalingConfig,
     "model.linear_attention": linear_attention_section.LinearAttentionConfig,
+    "model.latent_attention": latent_attention_section.LatentAttentionConfig,
+    "model.sigmoid_router": latent_attention_section.SigmoidRouterConfig,
     "data": loop_sections.DataConfig, "optimizer": engine_sections.OptimizerConfig,
     "schedule": loop_sections.ScheduleConfig, "precision": engine_sections.PrecisionConfig,
     "engine": engine_sections.EngineConfig, "host": engine_sections.HostConfig, "runtime": engine_sections.RuntimeConfig,
@@ -65,6 +68,7 @@ def _default(f: dataclasses.Field) -> str:
 def render() -> str:
     lines = ["# Configuration reference", "",
              "Generated from the section classes in `megatrain_ray/config/` (model_section.py, linear_attention_section.py, "
+             "latent_attention_section.py, "
              "loop_sections.py, "
              "engine_sections.py, finetune_section.py, grpo_section.py) by `python -m megatrain_ray.config.docs`. "
              "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]

@@ -136,10 +136,14 @@ def expert_fractions(model_dir: str) -> dict[str, float]:
 
 
 def attention_width(cfg: ModelConfig) -> int:
-    """The width of causal attention per layer the planner counts FLOPs for (query heads x head_dim): a generic
+    """The width of causal attention per layer the planner counts FLOPs for (query heads x head_dim; DeepSeek-V3's
+    latent attention: the mean of its q.k and value widths, as its two products take them): a generic
     model's from its config.json, 0 when that names no attention heads (the plan then counts 6 FLOPs per
     matrix parameter and token alone; its memory estimate takes one head of hidden_size)."""
     if cfg.template == "generic" and \
             planner_value(architecture(str(Path(cfg.path).resolve())).model.config, "num_attention_heads") is None:
         return 0
+    if cfg.latent_attention is not None:  # latent attention: q.k over qk_head_dim, the values' own v_head_dim
+        la = cfg.latent_attention
+        return cfg.num_attention_heads * (la.qk_head_dim + la.v_head_dim) // 2
     return cfg.num_attention_heads * cfg.resolved_head_dim

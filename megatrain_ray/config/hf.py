@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_ray.config.fields import FieldError
+from megatrain_ray.config.hf_deepseek import deepseek_from_hf, deepseek_to_hf
 from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.config.hf_hybrid import HYBRID_FAMILIES, hybrid_from_hf, hybrid_to_hf, text_part
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
@@ -34,11 +35,12 @@ FAMILIES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
                "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next",
-               "qwen3_5_moe_text": "qwen3_5_moe"}
+               "qwen3_5_moe_text": "qwen3_5_moe", "deepseek_v3": "deepseek_v3"}
 HF_MODEL_TYPES = {family: model_type for model_type, family in MODEL_TYPES.items()}
 # Gemma3TextConfig's RoPE bases when config.json names none (global layers, sliding layers).
 GEMMA3_THETAS = (1_000_000.0, 10_000.0)
@@ -221,6 +223,9 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     # Qwen3-Next with num_experts 0 is dense (Qwen3NextConfig allows it)
     sparse = family in MOE_FAMILIES and not (family == "qwen3_next" and hf.get("num_experts") == 0)
     moe = moe_from_hf(hf, family, where) if sparse else {}
+    latent = deepseek_from_hf(hf, where) if family == "deepseek_v3" else {}
+    if latent:
+        head_dim = latent.pop("head_dim")
     try:
         if family == "gemma3":
             theta, scaling, gemma["rope_local_base_freq"] = _gemma3_rope(hf)
@@ -259,7 +264,7 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", *HYBRID_FAMILIES), sliding_window=sliding,
         max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
         initializer_range=_number(hf, "initializer_range", where, 0.02),
-        **gemma, **moe, **hybrid,
+        **gemma, **moe, **hybrid, **latent,
     )
 
 
@@ -320,13 +325,15 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
                    query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.resolved_head_dim,
                    attn_logit_softcapping=cfg.attn_logit_softcapping or None,
                    final_logit_softcapping=cfg.final_logit_softcapping or None)
-    if cfg.is_moe:
+    if cfg.is_moe and cfg.family in MOE_FAMILIES:
         out.update(moe_to_hf(cfg))
     if cfg.family in HYBRID_FAMILIES:
         rope["partial_rotary_factor"] = cfg.partial_rotary_factor
         out.update(hybrid_to_hf(cfg))
         if cfg.family == "qwen3_5_moe":  # its config class has no intermediate_size
             del out["intermediate_size"]
+    if cfg.family == "deepseek_v3":
+        out.update(deepseek_to_hf(cfg))
     if cfg.family == "gemma3":
         local = cfg.rope_local_base_freq or cfg.rope_theta
         out["rope_parameters"] = {"full_attention": rope,

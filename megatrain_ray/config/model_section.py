@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megatrain_ray.config.fields import refuse as _fail
+from megatrain_ray.config.latent_attention_section import (
+    LatentAttentionConfig,
+    SigmoidRouterConfig,
+    check_latent_model,
+)
 from megatrain_ray.config.linear_attention_section import HYBRID_FAMILIES, LinearAttentionConfig, check_hybrid_model
 from megatrain_ray.config.rope_section import RopeScalingConfig
 
@@ -36,13 +41,15 @@ class ModelConfig:
     revision: str = ""
     """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
     family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-                    "gpt_oss", "qwen3_5", "qwen3_next", "qwen3_5_moe", "generic"] = "llama"
+                    "gpt_oss", "qwen3_5", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "generic"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
     gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
     norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size).
     qwen3_moe, mixtral and gpt_oss are mixtures of experts (num_experts and the keys below it). qwen3_5 (Qwen3.5 text),
     qwen3_next and qwen3_5_moe (Qwen3.5-MoE text) interleave linear-attention layers (model.linear_attention) with
     gated full-attention ones by layer_types, (1 + weight) norms; the latter two have experts with a shared expert.
+    deepseek_v3 (DeepSeek-V3 / V3.2's dense part): multi-head latent attention (model.latent_attention), dense first
+    layers (mlp_only_layers), then experts with shared experts and a sigmoid router (model.sigmoid_router).
     generic: a model of model.path with no native template, run by the generic path (model.template);
     set from config.json, never by hand."""
     template: Literal["auto", "native", "generic"] = "auto"
@@ -101,6 +108,10 @@ class ModelConfig:
     qwen3_5_moe: linear_attention or full_attention per layer (required)."""
     linear_attention: LinearAttentionConfig | None = None
     """qwen3_5, qwen3_next and qwen3_5_moe only (required there): the shape of their linear-attention layers."""
+    latent_attention: LatentAttentionConfig | None = None
+    """deepseek_v3 only (required there): the shape of its multi-head latent attention."""
+    sigmoid_router: SigmoidRouterConfig | None = None
+    """deepseek_v3 with experts only (required there): its router's expert groups and scale."""
     sliding_window_pattern: int = 0
     """Gemma only, when layer_types is empty: every n-th layer (n, 2n, ...) is global, the others slide
     (6 for Gemma 3: 5 local to 1 global; 2 for Gemma 2). 0 with layer_types empty: every layer slides
@@ -130,7 +141,8 @@ class ModelConfig:
     """Qwen3-MoE and Qwen3-Next: layers (from 0) with a dense MLP whatever decoder_sparse_step says."""
     shared_expert_intermediate_size: int = 0
     """qwen3_next and qwen3_5_moe: the width of the shared expert every token of a MoE layer also passes through,
-    its output scaled by sigmoid(mlp.shared_expert_gate(x)). 0: none (the other families)."""
+    its output scaled by sigmoid(mlp.shared_expert_gate(x)); deepseek_v3: of its shared experts (mlp.shared_experts,
+    n_shared_experts x moe_intermediate_size, no gate). 0: none (the other families)."""
     output_router_logits: bool = False
     """MoE: add router_aux_loss_coef times the load-balancing loss (transformers' load_balancing_loss_func over
     all MoE layers, padding included as transformers does without an attention mask) to the training loss,
@@ -194,6 +206,7 @@ class ModelConfig:
             _fail(f"{s}.family", self.family, "is the generic path's (model.template=generic); name a native family")
         self._check_moe()
         check_hybrid_model(self)
+        check_latent_model(self)
         if self.initializer_range <= 0:
             _fail(f"{s}.initializer_range", self.initializer_range, "must be > 0")
 
@@ -234,7 +247,7 @@ class ModelConfig:
 
     def _check_moe(self) -> None:
         s = self.SECTION
-        moe_families = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+        moe_families = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
         if self.family == "qwen3_next" and not self.num_experts:
             return  # Qwen3NextConfig takes num_experts 0: every layer a dense MLP
         if self.family not in moe_families:
@@ -255,7 +268,7 @@ class ModelConfig:
         if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
             _fail(f"{s}.router_aux_loss_coef", self.router_aux_loss_coef, "must be a finite number >= 0")
         fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True),
-                 "qwen3_next": ("qk_norm", True), "qwen3_5_moe": ("qk_norm", True)}
+                 "qwen3_next": ("qk_norm", True), "qwen3_5_moe": ("qk_norm", True), "deepseek_v3": ("qk_norm", False)}
         key, value = fixed[self.family]
         if getattr(self, key) != value:
             _fail(f"{s}.{key}", getattr(self, key), f"{self.family} {'always has' if value else 'has no'} "
@@ -291,7 +304,7 @@ class ModelConfig:
         Qwen3-MoE and Mixtral layers match the eager template with and without the load-balancing loss
         (tests/unit/test_moe_compile.py). On the CPU, computing the record's router logits apart from the routing's
         gave the right gradient; not yet tried on the GPU."""
-        if self.family in HYBRID_FAMILIES:  # the chunked delta rule is not tried through torch.compile yet
+        if self.family in (*HYBRID_FAMILIES, "deepseek_v3"):  # not tried through torch.compile yet
             return False
         if not self.is_moe:
             return True

@@ -25,6 +25,7 @@ from megatrain_ray.config.engine_sections import (
 )
 from megatrain_ray.config.fields import refuse as _fail
 from megatrain_ray.config.finetune_section import FinetuneConfig
+from megatrain_ray.config.latent_attention_section import check_latent_run
 from megatrain_ray.config.linear_attention_section import check_hybrid_run
 from megatrain_ray.config.loop_sections import CheckpointConfig, DataConfig, FaultConfig, ScheduleConfig, TrainConfig
 from megatrain_ray.config.model_section import ModelConfig
@@ -72,6 +73,7 @@ class Config:
         check_lean(self)
         check_parallel(self)
         check_hybrid_run(self)
+        check_latent_run(self)
         check_finetune(self)
         check_objective(self)
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from megatrain_ray.model.moe import RouterRecord
+from megatrain_ray.model.sigmoid_router import FIXED_TENSORS, trains
 
 
 @dataclass(slots=True)
@@ -32,6 +33,8 @@ class KeptLayer:
     params: list[torch.Tensor]
     prob_sum: torch.Tensor | None = None
     """A MoE layer's summed router probabilities (the load-balancing loss on), with their graph."""
+    fixed: dict[str, torch.Tensor] | None = None
+    """Zero gradients of the layer's untrained tensors (model/sigmoid_router.FIXED_TENSORS)."""
 
 
 def forward_kept(layer: Callable[..., torch.Tensor], x: torch.Tensor, w: dict[str, torch.Tensor], rope: Any,
@@ -41,7 +44,7 @@ def forward_kept(layer: Callable[..., torch.Tensor], x: torch.Tensor, w: dict[st
     template (compiled or eager) with decoder_layer's arguments; `trainable`: as decoder_layer_backward's;
     `router`: where the forward records a MoE layer's routing for the load-balancing loss (RouterAux.record)."""
     x = x.detach().requires_grad_(True)
-    params = {n: t.detach().requires_grad_(trainable is None or trainable(n)) for n, t in w.items()}
+    params = {n: t.detach().requires_grad_(trains(n, trainable)) for n, t in w.items()}
     names = [n for n, t in params.items() if t.requires_grad]
     prob_sum = None
     with torch.enable_grad():
@@ -52,7 +55,8 @@ def forward_kept(layer: Callable[..., torch.Tensor], x: torch.Tensor, w: dict[st
             prob_sum = record.prob_sum
         else:
             y = layer(x, params, rope, spec, documents, mlp_chunk_tokens)
-    return y.detach(), KeptLayer(y, x, names, [params[n] for n in names], prob_sum)
+    fixed = {n: torch.zeros_like(t) for n, t in w.items() if n in FIXED_TENSORS} if trainable is None else {}
+    return y.detach(), KeptLayer(y, x, names, [params[n] for n in names], prob_sum, fixed)
 
 
 def backward_kept(kept: KeptLayer, grad_y: torch.Tensor, router_grad: torch.Tensor | None = None) \
@@ -64,4 +68,4 @@ def backward_kept(kept: KeptLayer, grad_y: torch.Tensor, router_grad: torch.Tens
         outputs.append(kept.prob_sum)
         grad_outputs.append(router_grad)
     grads = torch.autograd.grad(outputs, [kept.x, *kept.params], grad_outputs)
-    return grads[0], dict(zip(kept.names, grads[1:]))
+    return grads[0], {**dict(zip(kept.names, grads[1:])), **(kept.fixed or {})}

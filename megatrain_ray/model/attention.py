@@ -81,7 +81,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec
         return _causal_attention(q, k, v, spec)
     if isinstance(documents, ExplicitMask):
         return masked_attention(q, k, v, documents.of(spec), spec)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])  # the values' width (latent attention's differs from q's)
     for bucket in documents:
         def gather(t: torch.Tensor, bucket: DocumentBucket = bucket) -> torch.Tensor:
             return t[bucket.rows, :, bucket.positions].transpose(1, 2)  # [n, heads, width, head_dim]

@@ -7,6 +7,7 @@ from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.delta_rule import delta_rule_flops_per_token
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.model.moe import active_fraction
+from megatrain_ray.model.sigmoid_router import FIXED_TENSORS
 
 
 def matmul_params(layout: ModelLayout) -> int:
@@ -18,8 +19,10 @@ def matmul_params(layout: ModelLayout) -> int:
 
 def active_params(cfg: ModelConfig, layout: ModelLayout) -> int:
     """Parameters one token uses: all of a dense model; a MoE model's without the experts it is not routed
-    to (top-k of num_experts in each MoE layer), embedding and LM head included."""
-    return round(sum(s.numel * active_fraction(cfg, s.name) for stage in layout.stages for s in stage.slots))
+    to (top-k of num_experts in each MoE layer), embedding and LM head included; no untrained buffer
+    (FIXED_TENSORS)."""
+    return round(sum(s.numel * active_fraction(cfg, s.name) for stage in layout.stages for s in stage.slots
+                     if s.name not in FIXED_TENSORS))
 
 
 def model_flops_per_token(cfg: ModelConfig, layout: ModelLayout, seq_len: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.model.latent_attention import LatentSpec, latent_scale
 from megatrain_ray.model.linear_attention import LinearAttentionSpec
 from megatrain_ray.model.moe import MoeSpec
 from megatrain_ray.model.rope import uses_local_rope
@@ -50,6 +51,8 @@ class LayerSpec:
     (Qwen3.5 and Qwen3-Next's full-attention layers; model/attention.py split_gated_query)."""
     linear: LinearAttentionSpec | None = None
     """A linear-attention (Gated DeltaNet) layer's token mixer in place of attention (model/linear_attention.py)."""
+    latent: LatentSpec | None = None
+    """DeepSeek-V3's multi-head latent attention in place of GQA (model/latent_attention.py; `scale` is its own)."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
@@ -58,11 +61,12 @@ class LayerSpec:
         hybrid = cfg.linear_attention is not None
         return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.rms_norm_eps,
                    cfg.qk_norm, cfg.attention_bias, cfg.sliding_window if slides else 0, gemma=cfg.is_gemma,
-                   scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping,
+                   scale=latent_scale(cfg) if cfg.latent_attention is not None else cfg.attention_scale, softcap=cfg.attn_logit_softcapping,
                    local_rope=slides and uses_local_rope(cfg),
                    moe=MoeSpec.from_config(cfg) if cfg.layer_is_moe(layer) else None,
                    plus_one=cfg.zero_centered_norms, output_gate=hybrid,
-                   linear=LinearAttentionSpec.from_config(cfg) if cfg.layer_is_linear(layer) else None)
+                   linear=LinearAttentionSpec.from_config(cfg) if cfg.layer_is_linear(layer) else None,
+                   latent=LatentSpec.from_config(cfg) if cfg.latent_attention is not None else None)
 
 
 def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:

@@ -20,6 +20,7 @@ from megatrain_ray.config.hf_generic import architecture
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.linear_attention_section import FUSED_PROJECTIONS, LinearAttentionConfig
 from megatrain_ray.model.moe import moe_mlp_tensors
+from megatrain_ray.model.sigmoid_router import FIXED_TENSORS
 
 # Offsets are multiples of this many elements (256 bytes in fp32): vectorised loops and
 # device copies stay aligned for every dtype we use.
@@ -114,6 +115,10 @@ def layer_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[int
     ]
     if cfg.linear_attention is not None:
         return _hybrid_layer_tensors(cfg, layer, projections)
+    if cfg.latent_attention is not None:  # DeepSeek-V3: latent attention; dense first layers, then experts
+        mlp = moe_mlp_tensors(cfg) if cfg.layer_is_moe(layer) else [t for t in projections if t[0].startswith("mlp.")]
+        return [*latent_attention_tensors(cfg), *mlp, ("input_layernorm.weight", (h,), "ones"),
+                ("post_attention_layernorm.weight", (h,), "ones")]
     if cfg.is_gemma:
         # Gemma: norms before and after attention and MLP, each scaled by (1 + weight): zeros are the identity
         # (as transformers initialises them); Gemma 3 adds the q/k norms, zeros too.
@@ -133,6 +138,23 @@ def layer_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[int
             tensors += [("self_attn.o_proj.bias", (h,), "zeros"), ("self_attn.sinks", (cfg.num_attention_heads,),
                                                                     "normal")]
     return tensors
+
+
+def latent_attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors of a latent-attention layer's attention half (besides input_layernorm; model/latent_attention.py), by
+    transformers' names."""
+    la, h, heads = cfg.latent_attention, cfg.hidden_size, cfg.num_attention_heads
+    if la.q_lora_rank:
+        query = [("self_attn.q_a_proj.weight", (la.q_lora_rank, h), "normal"),
+                 ("self_attn.q_b_proj.weight", (heads * la.qk_head_dim, la.q_lora_rank), "normal"),
+                 ("self_attn.q_a_layernorm.weight", (la.q_lora_rank,), "ones")]
+    else:
+        query = [("self_attn.q_proj.weight", (heads * la.qk_head_dim, h), "normal")]
+    return [*query,
+            ("self_attn.kv_a_proj_with_mqa.weight", (la.kv_lora_rank + la.qk_rope_head_dim, h), "normal"),
+            ("self_attn.kv_b_proj.weight", (heads * (la.qk_nope_head_dim + la.v_head_dim), la.kv_lora_rank), "normal"),
+            ("self_attn.o_proj.weight", (h, heads * la.v_head_dim), "normal"),
+            ("self_attn.kv_a_layernorm.weight", (la.kv_lora_rank,), "ones")]
 
 
 def linear_attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
@@ -221,7 +243,9 @@ class ModelLayout:
 
     @property
     def num_params(self) -> int:
-        return sum(s.numel for stage in self.stages for s in stage.slots)
+        """The model's parameters: every slot's but the buffers a stage carries untrained (FIXED_TENSORS: DeepSeek-V3's
+        routing bias), as transformers counts them."""
+        return sum(s.numel for stage in self.stages for s in stage.slots if s.name not in FIXED_TENSORS)
 
     def stage_of(self, hf_name: str) -> tuple[StageLayout, TensorSlot]:
         for stage in self.stages:

@@ -7,6 +7,9 @@ modeling file operation by operation:
 - Mixtral: the same with renormalisation always on and the routing weights kept in float32.
 - Qwen3-Next and Qwen3.5-MoE: Qwen3-MoE's router (Qwen3.5-MoE: always renormalised) and experts, plus a shared
   SwiGLU expert every token passes through, scaled by sigmoid(shared_expert_gate(x)).
+- DeepSeek-V3: sigmoid scores with a bias-corrected, group-limited top-k (model/sigmoid_router.py), SwiGLU experts,
+  and shared experts (mlp.shared_experts, one SwiGLU MLP of n_shared_experts x the expert width, no gate) every token
+  passes through.
 - gpt-oss: the router has a bias; top-k over the logits, softmax over those k; experts have biases, their
   gate and up columns interleaved, and a clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g) with
   g = min(gate, limit).
@@ -35,8 +38,9 @@ import torch.nn.functional as F
 
 from megatrain_ray.config.generic_shape import expert_fractions
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.model.sigmoid_router import sigmoid_route
 
-RouterKind = Literal["softmax_topk", "topk_softmax"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,7 @@ class MoeSpec:
     top_k: int
     router: RouterKind
     """softmax_topk: softmax over all logits, then top-k (Qwen3-MoE, Mixtral); topk_softmax: top-k over the
-    logits, softmax over those (gpt-oss)."""
+    logits, softmax over those (gpt-oss); sigmoid_group: DeepSeek-V3's (model/sigmoid_router.py)."""
     norm_topk_prob: bool
     float32_weights: bool = False
     """Mixtral: the routing weights stay float32 (the expert outputs are multiplied by them, then cast)."""
@@ -56,9 +60,20 @@ class MoeSpec:
     swiglu_alpha: float = 0.0
     shared_expert: bool = False
     """Qwen3-Next, Qwen3.5-MoE: a shared expert (mlp.shared_expert.*) gated by sigmoid(mlp.shared_expert_gate(x))."""
+    shared_experts: bool = False
+    """DeepSeek-V3: shared experts (mlp.shared_experts.*), added without a gate."""
+    n_group: int = 1
+    """sigmoid_group: the expert groups, and those a token chooses from (topk_group); the factor on the weights."""
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "MoeSpec":
+        router = cfg.sigmoid_router
+        if router is not None:  # the weights stay float32 (float64), as transformers multiplies the outputs by them
+            return cls(cfg.num_experts, cfg.num_experts_per_tok, "sigmoid_group", cfg.norm_topk_prob,
+                       float32_weights=True, shared_experts=True, n_group=router.n_group,
+                       topk_group=router.topk_group, routed_scaling_factor=router.routed_scaling_factor)
         if cfg.family == "gpt_oss":
             return cls(cfg.num_experts, cfg.num_experts_per_tok, "topk_softmax", False,
                        swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
@@ -81,6 +96,12 @@ def moe_mlp_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
                 ("mlp.experts.down_proj", (e, f, h), "normal"), ("mlp.experts.down_proj_bias", (e, h), "zeros")]
     tensors = [("mlp.gate.weight", (e, h), "normal"), ("mlp.experts.gate_up_proj", (e, 2 * f, h), "normal"),
                ("mlp.experts.down_proj", (e, h, f), "normal")]
+    if cfg.sigmoid_router is not None:  # DeepSeek-V3: the routing bias (never trained) and the ungated shared experts
+        s = cfg.shared_expert_intermediate_size
+        return [*tensors, ("mlp.gate.e_score_correction_bias", (e,), "zeros"),
+                ("mlp.shared_experts.gate_proj.weight", (s, h), "normal"),
+                ("mlp.shared_experts.up_proj.weight", (s, h), "normal"),
+                ("mlp.shared_experts.down_proj.weight", (h, s), "normal")]
     if cfg.shared_expert_intermediate_size:
         s = cfg.shared_expert_intermediate_size
         tensors += [("mlp.shared_expert.gate_proj.weight", (s, h), "normal"),
@@ -154,6 +175,8 @@ class RouterRecord:
 def route(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
           record: RouterRecord | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, k] and expert indices [T, k] of the rows h [T, hidden]."""
+    if spec.router == "sigmoid_group":
+        return sigmoid_route(h, w, spec, record)
     if spec.gpt_oss:
         logits = F.linear(h, w["mlp.router.weight"], w["mlp.router.bias"])
         top, index = torch.topk(logits, spec.top_k, dim=-1)
@@ -303,6 +326,10 @@ def moe_mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
             * F.linear(flat, w["mlp.shared_expert.up_proj.weight"])
         shared = F.linear(gated, w["mlp.shared_expert.down_proj.weight"])
         out = out + torch.sigmoid(F.linear(flat, w["mlp.shared_expert_gate.weight"])) * shared
+    if spec.shared_experts:  # DeepSeek-V3: the routed sum plus the shared SwiGLU experts, no gate
+        gated = F.silu(F.linear(flat, w["mlp.shared_experts.gate_proj.weight"])) \
+            * F.linear(flat, w["mlp.shared_experts.up_proj.weight"])
+        out = out + F.linear(gated, w["mlp.shared_experts.down_proj.weight"])
     return out.view(shape)
 
 

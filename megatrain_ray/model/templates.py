@@ -29,6 +29,7 @@ from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.attention import DocumentBucket, attention, per_document, split_gated_query
 from megatrain_ray.model.head import HeadSpec, head_logits
 from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
+from megatrain_ray.model.latent_attention import latent_output, latent_qkv
 from megatrain_ray.model.layout import StageLayout, token_chunks
 from megatrain_ray.model.linear_attention import linear_attention
 from megatrain_ray.model.lora import chunk_spec, project, project_group
@@ -36,6 +37,7 @@ from megatrain_ray.model.lora_moe import with_param_adapters
 from megatrain_ray.model.moe import RouterRecord, moe_mlp
 from megatrain_ray.model.norms import rms_norm
 from megatrain_ray.model.rope import apply_rope, rope_tables
+from megatrain_ray.model.sigmoid_router import trains, with_fixed_zeros
 from megatrain_ray.model.sinks import sink_attention
 
 
@@ -129,6 +131,9 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
         if documents is None:
             return x + linear_attention(h, w, spec.linear)
         return x + per_document(h, documents, lambda doc: linear_attention(doc, w, spec.linear))
+    if spec.latent is not None:  # DeepSeek-V3's multi-head latent attention (model/latent_attention.py)
+        q, k, v = latent_qkv(rms_norm(x, w["input_layernorm.weight"], spec.eps), w, rope, spec)
+        return x + latent_output(attention(q, k, v, spec, documents), w, spec)
     q, k, v, gate = gated_attention_inputs(x, w, rope, spec)
     if "self_attn.sinks" in w:  # gpt-oss: a learned logit per head in the softmax's denominator
         a = sink_attention(q, k, v, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window, documents)
@@ -211,8 +216,9 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
                            router: RouterRecord | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Recompute the layer from its input and return (grad of x, grads of the weights by name).
 
-    `trainable(name)` picks the weights whose gradients are computed (None: all); the others are bound
-    without requires_grad, so autograd computes no gradient for them (LoRA's frozen base).
+    `trainable(name)` picks the weights whose gradients are computed (None: all but the untrained ones, whose
+    gradients are zeros: model/sigmoid_router.FIXED_TENSORS); the others are bound without requires_grad, so
+    autograd computes no gradient for them (LoRA's frozen base).
 
     In one piece when the tokens fit one MLP chunk. Otherwise the attention half is recomputed once, the
     MLP half chunk by chunk (recompute, backward, add its weight gradients into float32 sums), and the
@@ -222,7 +228,7 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
     respect to the layer's summed router probabilities (RouterRecord.prob_sum), added to the backward. `router`:
     where a MoE layer's recompute records its routing (the expert counts of its gradients)."""
     x = x.detach().requires_grad_(True)
-    params = {n: t.detach().requires_grad_(trainable is None or trainable(n)) for n, t in w.items()}
+    params = {n: t.detach().requires_grad_(trains(n, trainable)) for n, t in w.items()}
     wanted = [n for n, t in params.items() if t.requires_grad]
     chunks = token_chunks(x.shape[0] * x.shape[1], mlp_chunk_tokens)
     with torch.enable_grad():
@@ -237,7 +243,7 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
                 # mlp_chunk_tokens as the forward passed it: one compiled graph for both (one piece either way)
                 y = (layer or decoder_layer)(x, params, rope, spec, documents, mlp_chunk_tokens)
                 grads = torch.autograd.grad(y, [x, *(params[n] for n in wanted)], grad_y)
-            return grads[0], dict(zip(wanted, grads[1:]))
+            return grads[0], with_fixed_zeros(dict(zip(wanted, grads[1:])), w, trainable)
         mid = attention_block(x, params, rope, spec, documents)
     mid_flat = mid.detach().view(-1, mid.shape[-1])
     grad_y_flat = grad_y.reshape(-1, grad_y.shape[-1])
@@ -262,7 +268,7 @@ def decoder_layer_backward(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope:
         del out, grads  # else this piece's output and gradients live through the next piece's backward
     attn_params = [n for n in wanted if n not in mlp_params]
     grads = torch.autograd.grad(mid, [x, *(params[n] for n in attn_params)], grad_mid.view_as(mid))
-    return grads[0], {**dict(zip(attn_params, grads[1:])), **mlp_grads}
+    return grads[0], with_fixed_zeros({**dict(zip(attn_params, grads[1:])), **mlp_grads}, w, trainable)
 
 
 def model_logits(cfg: ModelConfig, stages: list[StageLayout], buffers: list[torch.Tensor],

@@ -23,6 +23,7 @@ from megatrain_ray.config.resolved import RunSpec, kept_layer_count, resident_ti
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.delta_rule import linear_mixer_saved_bytes
+from megatrain_ray.model.latent_attention import latent_widths
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.moe import expert_numel, moe_pair_width
 from megatrain_ray.planning.lora import LORA_ADAPTERS, lora_gpu_bytes, resident_base_bytes
@@ -76,6 +77,14 @@ def mlp_piece_width(cfg: Config) -> int:
     return max(dense, int(pairs * moe_pair_width(m)))
 
 
+def attention_widths(m) -> tuple[int, int]:
+    """(query width, key/value width) per token of a layer's attention: heads x head_dim; DeepSeek-V3's latent
+    attention forms every head's keys and values from its latent (model/latent_attention.latent_widths)."""
+    if m.latent_attention is not None:
+        return latent_widths(m)
+    return m.num_attention_heads * m.resolved_head_dim, m.num_key_value_heads * m.resolved_head_dim
+
+
 def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int]:
     """The engine's device buffers and the activation terms of the module docstring, in bytes (one GPU)."""
     layout = build_layout(cfg.model)
@@ -87,8 +96,7 @@ def gpu_bytes(cfg: Config, run: RunSpec, offload: bool = False) -> dict[str, int
     per_slot = stream_b + (compute_b if stream_b != compute_b else 0)
     tokens = run.rank_tokens
     h, mlp_width, v = m.hidden_size, mlp_piece_width(cfg), m.vocab_size
-    q = m.num_attention_heads * m.resolved_head_dim
-    kv = m.num_key_value_heads * m.resolved_head_dim
+    q, kv = attention_widths(m)
     chunk = min(cfg.engine.loss_chunk_tokens, tokens)
     mlp_tokens = min(cfg.engine.mlp_chunk_tokens or tokens, tokens)
     experts = max(expert_numel(s.slots) for s in layout.layers)  # a MoE layer's fused expert tensors (0: dense)
@@ -201,8 +209,7 @@ def kept_layer_bytes(cfg: Config, tokens: int, compute_b: int, compiled: bool = 
     (the tensors its backward holds, an upper bound of what its forward saves). The layer's input is counted with
     the kept inputs too. A compiled layer (`compiled`) keeps COMPILED_KEPT_GRAPH of it."""
     m = cfg.model
-    q = m.num_attention_heads * m.resolved_head_dim
-    kv = m.num_key_value_heads * m.resolved_head_dim
+    q, kv = attention_widths(m)
     dense = 4 * m.intermediate_size if any(not m.layer_is_moe(i) for i in range(m.num_layers)) else 0
     mlp = max(dense, int(MOE_PAIR_TENSORS * moe_pair_width(m)))
     eager = tokens * ((4 * m.hidden_size + 2 * q + 2 * kv + mlp) * compute_b + 8 + 4 * m.num_attention_heads)

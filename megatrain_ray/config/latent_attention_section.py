@@ -1,0 +1,141 @@
+"""`model.latent_attention` and `model.sigmoid_router`: DeepSeek-V3's multi-head latent attention (config.json's
+q_lora_rank, kv_lora_rank, qk_*_head_dim, v_head_dim, rope_interleave) and its sigmoid router with group-limited
+top-k (n_group, topk_group, routed_scaling_factor), and what the family fixes or cannot run yet, checked where the
+model section and the whole config are built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from megatrain_ray.config.fields import refuse as _fail
+
+LATENT_FAMILIES = ("deepseek_v3",)
+"""Families whose attention is multi-head latent attention (model/latent_attention.py)."""
+SIGMOID_ROUTER_FAMILIES = ("deepseek_v3",)
+"""Families whose MoE layers route by sigmoid scores with a correction bias (model/sigmoid_router.py)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (deepseek_v3): the query from a low-rank projection (q_a_proj, an RMSNorm, q_b_proj;
+    or one q_proj when q_lora_rank is 0), keys and values from one compressed latent per token (kv_a_proj_with_mqa:
+    kv_lora_rank values, normed, expanded per head by kv_b_proj, plus qk_rope_head_dim values of one key part that
+    RoPE rotates and every head shares). Each head's query and key are qk_nope_head_dim unrotated dimensions then
+    qk_rope_head_dim rotated ones; its value has v_head_dim."""
+
+    SECTION: ClassVar[str] = "model.latent_attention"
+    q_lora_rank: int = 1536
+    """Rank of the query's low-rank projection (q_a_proj, q_a_layernorm, q_b_proj); 0: one q_proj (config.json's
+    null, DeepSeek-V2-Lite's)."""
+    kv_lora_rank: int = 512
+    """Width of the compressed key/value latent (kv_a_layernorm, kv_b_proj's input)."""
+    qk_nope_head_dim: int = 128
+    """Dimensions of each head's query and key that take no RoPE."""
+    qk_rope_head_dim: int = 64
+    """Dimensions of each head's query and key that RoPE rotates (the key's shared by every head)."""
+    v_head_dim: int = 128
+    """Width of each head's value (and of o_proj's input per head)."""
+    rope_interleave: bool = True
+    """RoPE over interleaved pairs (x0, x1), (x2, x3), ... of the rotated dimensions, as DeepSeek lays them out (its
+    checkpoints: true); false: over halves, as Llama."""
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                _fail(f"{self.SECTION}.{name}", getattr(self, name), "must be >= 1")
+        if self.q_lora_rank < 0:
+            _fail(f"{self.SECTION}.q_lora_rank", self.q_lora_rank, "must be >= 0 (0: one q_proj)")
+        if self.qk_rope_head_dim % 2:
+            _fail(f"{self.SECTION}.qk_rope_head_dim", self.qk_rope_head_dim, "must be even for RoPE")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of each head's query and key: the unrotated and the rotated dimensions."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(kw_only=True, slots=True)
+class SigmoidRouterConfig:
+    """The router of deepseek_v3's MoE layers: sigmoid scores of the router's logits (in float32); the experts chosen
+    by the scores plus mlp.gate.e_score_correction_bias (a per-expert bias of the checkpoint, never trained), among
+    the topk_group best of n_group expert groups (a group's score: its two best); the chosen experts weighted by
+    their scores without the bias (renormalised when model.norm_topk_prob), times routed_scaling_factor."""
+
+    SECTION: ClassVar[str] = "model.sigmoid_router"
+    n_group: int = 8
+    """Groups of experts (consecutive, equal); num_experts must be a multiple of it, each group of 2 or more."""
+    topk_group: int = 4
+    """Groups a token may choose its experts from."""
+    routed_scaling_factor: float = 2.5
+    """Factor on the routed experts' weights."""
+
+    def __post_init__(self) -> None:
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            _fail(f"{self.SECTION}.topk_group", (self.n_group, self.topk_group),
+                  "needs n_group >= 1 and 1 <= topk_group <= n_group")
+        if not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
+            _fail(f"{self.SECTION}.routed_scaling_factor", self.routed_scaling_factor, "must be a finite number > 0")
+
+
+def check_latent_model(model: Any) -> None:
+    """ModelConfig's checks of deepseek_v3 (called from its __post_init__): its sections set exactly for it, the
+    shapes they must agree with, and the parts transformers fixes."""
+    s = model.SECTION
+    latent = model.family in LATENT_FAMILIES
+    if (model.latent_attention is not None) != latent:
+        _fail(f"{s}.latent_attention", model.latent_attention, f"is set for the {', '.join(LATENT_FAMILIES)} family "
+              f"and only for it (family is {model.family})")
+    if (model.sigmoid_router is not None) != (model.family in SIGMOID_ROUTER_FAMILIES and model.num_experts > 0):
+        _fail(f"{s}.sigmoid_router", model.sigmoid_router, f"is set for the MoE models of the "
+              f"{', '.join(SIGMOID_ROUTER_FAMILIES)} family and only for them (family is {model.family})")
+    if not latent:
+        return
+    la = model.latent_attention
+    if model.resolved_head_dim != la.qk_rope_head_dim:
+        _fail(f"{s}.head_dim", model.resolved_head_dim, f"is the rotated width of {model.family}'s heads, as "
+              f"transformers sets it: set it to latent_attention.qk_rope_head_dim={la.qk_rope_head_dim}")
+    if model.num_key_value_heads != model.num_attention_heads:
+        _fail(f"{s}.num_key_value_heads", model.num_key_value_heads, f"{model.family}'s latent attention forms keys "
+              f"and values for every head: set it to num_attention_heads={model.num_attention_heads}")
+    for key, off in (("qk_norm", False), ("attention_bias", False), ("sliding_window", 0),
+                     ("partial_rotary_factor", 1.0)):
+        if getattr(model, key) != off:
+            _fail(f"{s}.{key}", getattr(model, key), f"is not part of {model.family}'s attention: set it to {off}")
+    router = model.sigmoid_router
+    if router is not None:
+        if not model.shared_expert_intermediate_size:
+            _fail(f"{s}.shared_expert_intermediate_size", 0, f"{model.family}'s MoE layers have shared experts: set "
+                  "their width (n_shared_experts x moe_intermediate_size)")
+        if model.num_experts % router.n_group or model.num_experts // router.n_group < 2:
+            _fail(f"{s}.sigmoid_router.n_group", router.n_group, f"must divide num_experts={model.num_experts} into "
+                  "groups of 2 or more experts")
+        if model.num_experts_per_tok > router.topk_group * model.num_experts // router.n_group:
+            _fail(f"{s}.num_experts_per_tok", model.num_experts_per_tok, f"exceeds the experts of the "
+                  f"sigmoid_router.topk_group={router.topk_group} groups a token may choose from")
+        if model.output_router_logits:
+            _fail(f"{s}.output_router_logits", True, f"transformers computes no load-balancing loss for "
+                  f"{model.family} (nor DeepSeek's sequence-wise loss): set it false")
+        if model.decoder_sparse_step != 1:
+            _fail(f"{s}.decoder_sparse_step", model.decoder_sparse_step, f"{model.family}'s dense layers are the "
+                  "first ones (mlp_only_layers 0 .. first_k_dense_replace - 1): set it 1")
+        if list(model.mlp_only_layers) != list(range(len(model.mlp_only_layers))):
+            _fail(f"{s}.mlp_only_layers", model.mlp_only_layers, f"{model.family}'s dense layers are its first ones "
+                  "(first_k_dense_replace): list 0, 1, ... k - 1")
+
+
+def check_latent_run(cfg: Any) -> None:
+    """What a deepseek_v3 run cannot do yet, refused on load (Config.__post_init__)."""
+    family = cfg.model.family
+    if family not in LATENT_FAMILIES or cfg.model.template == "generic":
+        return
+    if cfg.finetune.method == "lora":
+        _fail("finetune.method", "lora", f"LoRA targets of {family}'s latent attention and shared experts are not "
+              "mapped yet; use finetune.method=full, or model.template=generic")
+    if cfg.finetune.objective == "grpo":
+        _fail("finetune.objective", "grpo", f"the rollout engine's KV cache has no path for {family}'s latent "
+              "attention yet; use sft")
+    if cfg.engine.compile is True:
+        _fail("engine.compile", True, f"{family}'s layers run eagerly (not tried through torch.compile yet); set "
+              "engine.compile to auto or false")
