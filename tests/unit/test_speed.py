@@ -79,6 +79,11 @@ def explicit_attention(point: Point) -> bool:
 
 
 KNOWN_MISSES: dict[tuple[str, str], str] = {
+    ("bench-3.5b-h200-20261123-094755.json", "megatrain-noclip L16 8k bfloat16 stream"): (
+        "the 3.5B bench at 8k, clipping off, every stage streamed: 8,159 tok/s planned, 9,087 measured (-10.2 %). "
+        "The CPU AdamW ran at 4.71 G params/s in that call, the fastest of the box's 13 AdamW-bound rows (3.52-4.71, "
+        "median 4.13, which the model takes); at 4.16, the median before the 3.5B lean-vs-full call of 2026-12-03, "
+        "it was within 10 %"),
     ("qwen3.5-27b-8l-32k-h200-20261202-035713.json", "megatrain L8 32k bfloat16 stream"): (
         "Qwen3.5-27B's first 8 layers (6 linear-attention), every stage streamed, 2 optimizer workers: 9,764 tok/s "
         "planned, 5,544 measured (-43 %). The CPU AdamW ran at 1.63 G params/s (3.43 s a step, 3.25 s of it waited "
@@ -198,6 +203,11 @@ KNOWN_MISSES: dict[tuple[str, str], str] = {
 }
 """(file, row label) of measured points the speed model misses by more than TOLERANCE, with the cause."""
 PEAK_MISSES: dict[tuple[str, str], str] = {
+    ("moe-qwen3-30b-a3b-4l-64k-tier-h200-20261203-075042.json", "megatrain L4 64k bfloat16 stream"): (
+        "every stage GPU-resident, the 4 layers' compiled graphs kept, 8 x 8192 tokens: 86.9 GiB measured, 98.4 "
+        "planned (+13.3 %, on the safe side). The same shape at 16k is within +5.5 % (65.3 / 68.9), so the excess "
+        "grows with the tokens: in the token-proportional terms (34.9 GiB of kept graphs at COMPILED_KEPT_GRAPH, the "
+        "10.2 GiB layer backward working set, the 6.2 GiB loss head), not yet split by a memory trace"),
     ("lora-32b-h100-80gb-hbm3-20261125-194104.json", "megatrain-lora L64 8k bfloat16 stream"): (
         "LoRA at 8k tokens: 19.0 GiB measured, 16.7 planned (-12 %): the plan does not count the adapters' float32 "
         "temporaries in a layer's backward (an [8k, 27648] float32 output alone is 0.9 GiB); at 64k the same "
@@ -324,11 +334,11 @@ def test_the_h200_rates_are_the_medians_of_the_measured_rows():
             continue
         if p.cpu_count != 16:
             continue
-        if r["gpu_busy"] < 0.9:
+        if r["gpu_busy"] < 0.9 and p.cfg.optimizer.state == "full":  # the lean update has its own rate (machines.yaml)
             adamw.append(r["optimizer_gparams_per_s"])
         d2h.append(r["d2h_gbps_link"])
     assert (len(tflops), len(compiled_tflops), len(moe_tflops), len(moe_compiled_tflops), len(adamw), len(d2h)) == \
-        (34, 49, 5, 24, 12, 40)
+        (34, 51, 5, 24, 13, 42)
     assert H200.model_tflops == pytest.approx(statistics.median(tflops), rel=0.005)
     assert H200.moe_model_tflops == pytest.approx(statistics.median(moe_tflops), rel=0.005)
     assert H200.moe_compiled_model_tflops == pytest.approx(statistics.median(moe_compiled_tflops), rel=0.005)
@@ -392,7 +402,7 @@ def test_plan_prints_expected_tok_per_s_for_a_preset(capsys):
     assert main(["plan", config, "--machine", "h200-1tb"]) == 0
     out = capsys.readouterr().out
     assert "GPU NVIDIA H200 140.4 GiB" in out and "fits." in out
-    assert "expected speed: a prediction" in out and "tok/s" in out and "4.16 measured at 28 B/param" in out
+    assert "expected speed: a prediction" in out and "tok/s" in out and "4.13 measured at 28 B/param" in out
     assert main(["plan", config, "--machine", "h200-1tb", "--optimizer-gparams", "6.2"]) == 0
     assert "6.2 measured at 28 B/param" in capsys.readouterr().out
     assert main(["plan", config, "--machine", "h100-512gb"]) == 2  # 806 GiB of host RAM
