@@ -79,6 +79,9 @@ class StepResult:
     gpu_peak_bytes: int = 0
     comm_seconds: float = 0.0
     """Time the compute stream spent in the gradient sums over the ranks (data parallel only)."""
+    vision_seconds: float = 0.0
+    """A vision-language model: time the compute stream spent in its vision tower and projector (the features and
+    their backward; not in compute_seconds)."""
     slab_wait_seconds: float = 0.0
     """Of update_wait_seconds, the waits before copying gradients into a host slab whose last update had not
     finished (in the backward); the rest waited to load a stage's updated weights."""
@@ -243,7 +246,10 @@ class ImageInputs:
 
     @property
     def count(self) -> int:
-        return int(self.pixel_values.shape[0])
+        """The number of images: one per row of Qwen-VL's image_grid_thw (its pixel_values are the images' patches,
+        one row each), else pixel_values' first dimension."""
+        grid = self.extra.get("image_grid_thw")
+        return int(grid.shape[0]) if grid is not None else int(self.pixel_values.shape[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,7 +136,8 @@ def merge_results(results: list[StepResult]) -> StepResult:
         h2d_bytes=total("h2d_bytes"), d2h_bytes=total("d2h_bytes"),
         compute_seconds=total("compute_seconds") / len(results), h2d_seconds=total("h2d_seconds"),
         d2h_seconds=total("d2h_seconds"), skipped=first.skipped, gpu_peak_bytes=slowest("gpu_peak_bytes"),
-        comm_seconds=slowest("comm_seconds"), slab_wait_seconds=slowest("slab_wait_seconds"),
+        comm_seconds=slowest("comm_seconds"), vision_seconds=slowest("vision_seconds"),
+        slab_wait_seconds=slowest("slab_wait_seconds"),
         rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results),
         objective_metrics={k: sum(r.objective_metrics[k] for r in results) for k in first.objective_metrics}
         if first.objective_metrics else None,  # each rank's share of the mean over the whole batch

@@ -220,7 +220,7 @@ class StreamEngine(BackwardPasses, ForwardOnlyPasses, RolloutPasses):
             optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
-            comm_seconds=device_seconds["comm"],
+            comm_seconds=device_seconds["comm"], vision_seconds=device_seconds["vision"],
             objective_metrics={k: float(v) for k, v in head.metrics.items()}
             if batch.preference is not None or batch.policy is not None else None,
             aux_loss=None if self.router_aux.loss is None else float(self.router_aux.loss),

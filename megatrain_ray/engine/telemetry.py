@@ -74,12 +74,13 @@ STEP_STATS = ("optimizer_seconds", "optimizer_bytes", "update_wait_seconds", "sl
 
 
 class Timeline:
-    """Device time of each activity in a step (compute, H2D, D2H), from timing events that are
+    """Device time of each activity in a step (compute, H2D, D2H, comm; vision: a vision-language model's tower and
+    projector, forward and backward, engine/vision_engine.py), from timing events that are
     read once at the end of the step: no synchronisation inside it."""
 
     def __init__(self, streams: DeviceStreams):
         self.streams = streams
-        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": [], "comm": []}
+        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": [], "comm": [], "vision": []}
 
     def start(self, stream: Any) -> Any:
         return self.streams.record(stream, timing=True)

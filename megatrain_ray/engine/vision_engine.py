@@ -37,7 +37,7 @@ class VisionPasses:
     """The overrides; `self.vision` is the VisionTier (attached after construction by `with_vision`)."""
 
     vision: Any
-    _vision_inputs: tuple[torch.Tensor, ImageInputs | None, bool] | None = None
+    _vision_inputs: tuple[torch.Tensor, torch.Tensor, ImageInputs | None, bool] | None = None
 
     def _begin(self, training: bool) -> None:
         super()._begin(training)  # type: ignore[misc]
@@ -47,7 +47,9 @@ class VisionPasses:
         images = batch.images
         if images is not None and batch.segments is not None:
             raise ValueError("a batch with images cannot be packed (data.packing): one document per row")
-        self._vision_inputs = (ids, images, keep is not None)
+        # The batch's ids as the driver sent them (on the host): the image-token count and M-RoPE's positions are
+        # read from them there, so the step waits for the device at none of them.
+        self._vision_inputs = (ids, batch.input_ids.cpu(), images, keep is not None)
         try:
             return super()._forward(self.vision.lookup_ids(ids), batch, keep)  # type: ignore[misc]
         finally:
@@ -55,11 +57,14 @@ class VisionPasses:
 
     def _forward_layers(self, x: torch.Tensor, rope: dict, documents: Any, keep: Any) -> torch.Tensor:
         if self._vision_inputs is not None:
-            ids, images, training = self._vision_inputs
-            x, mask = self.vision.splice(x, ids, images, training)
+            ids, host_ids, images, training = self._vision_inputs
+            timeline = self.telemetry.timeline
+            start = timeline.start(self.streams.compute)
+            x, mask = self.vision.splice(x, ids, host_ids, images, training)
+            timeline.stop("vision", self.streams.compute, start)
             documents = mask if mask is not None else documents
             self._vision_documents = documents
-            rope = self.vision.rope(ids, images, x.dtype, rope.keys()) or rope  # M-RoPE: three position axes
+            rope = self.vision.rope(host_ids, images, x.dtype, rope.keys()) or rope  # M-RoPE: three position axes
             self._vision_rope = rope
         return super()._forward_layers(x, rope, documents, keep)  # type: ignore[misc]
 
@@ -77,7 +82,10 @@ class VisionPasses:
         return super()._backward(head, rope, documents, inject_nan)  # type: ignore[misc]
 
     def _embedding(self, ids: torch.Tensor, grad_y: torch.Tensor, embed_slot: Any) -> None:
+        timeline = self.telemetry.timeline
+        start = timeline.start(self.streams.compute)
         grad_y = self.vision.backward(ids, grad_y)
+        timeline.stop("vision", self.streams.compute, start)
         grads = getattr(self, "grads", None)
         if grads is not None:
             grads.sqnorm += self.vision.sqnorm.to(grads.sqnorm.dtype)

@@ -68,6 +68,8 @@ class VisionTier:
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         """(image-token positions, deepstack features) the layers add (Qwen3-VL)."""
         self._deepstack_grads: dict[int, torch.Tensor] = {}
+        self._image_tokens = 0
+        """The image tokens of the step's rows (counted on the host in `splice`)."""
         self.rope_shape: tuple[float, int] = (0.0, 0)
         """M-RoPE (Qwen-VL): the text model's (rope_theta, head_dim); attach_vision sets it."""
 
@@ -76,20 +78,22 @@ class VisionTier:
     def lookup_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return lookup_ids(ids, self.vision.image_token_id, self.vision.text_vocab_size)
 
-    def splice(self, x: torch.Tensor, ids: torch.Tensor, images: ImageInputs | None, training: bool) -> tuple[
-            torch.Tensor, ExplicitMask | None]:
+    def splice(self, x: torch.Tensor, ids: torch.Tensor, host_ids: torch.Tensor, images: ImageInputs | None,
+               training: bool) -> tuple[torch.Tensor, ExplicitMask | None]:
         """The token embeddings x [B, T, hidden] with the image features at the image tokens, and the attention mask
-        the family needs (None: causal); `training` keeps the features' graph for `backward`."""
-        positions = image_positions(ids, self.vision.image_token_id)
+        the family needs (None: causal); `training` keeps the features' graph for `backward`. `host_ids`: the same
+        ids on the host, where the image tokens are counted (no wait for the device)."""
+        self._image_tokens = int(image_positions(host_ids, self.vision.image_token_id).sum())
         self._pending, self._deepstack, self._deepstack_grads = None, None, {}
         if images is None:
-            if bool(positions.any()):
-                check_count(positions, x.new_empty(0, 1), 0)
+            if self._image_tokens:
+                check_count(self._image_tokens, x.new_empty(0, 1), 0)
             return x, None
+        positions = image_positions(ids, self.vision.image_token_id)
         track = training and bool(self.trained)
         with torch.enable_grad() if track else torch.no_grad(), self._autocast():
             features, deepstack = self.modules.features(images.pixel_values, images.extra)
-        check_count(positions, features, images.count)
+        check_count(self._image_tokens, features, images.count)
         x = x.clone() if x.requires_grad else x
         x[positions] = features.detach().to(x.dtype)
         if deepstack:
@@ -120,7 +124,8 @@ class VisionTier:
     def rope(self, ids: torch.Tensor, images: ImageInputs | None, dtype: torch.dtype,
              keys: Any) -> dict | None:
         """The text layers' RoPE tables by LayerSpec.local_rope for M-RoPE families (model/vision/mrope.py); None:
-        the text model's own."""
+        the text model's own. `ids` on the host: transformers' get_rope_index walks them in Python (each read of a
+        device tensor there would wait for the device); the tables are made on the device from its positions."""
         if self.vision.family.rope == "standard":
             return None
         grid = images.extra.get("image_grid_thw") if images is not None else None
@@ -158,7 +163,7 @@ class VisionTier:
         acc = torch.promote_types(self.modules.dtype, torch.float32)
         self.sqnorm = sum((torch.linalg.vector_norm(g, dtype=acc).square() for g in grads),
                           torch.zeros((), dtype=acc, device=self.modules.device))
-        return grad_y.masked_fill(positions.unsqueeze(-1), 0) if bool(positions.any()) else grad_y
+        return grad_y.masked_fill(positions.unsqueeze(-1), 0) if self._image_tokens else grad_y
 
     def step(self, lr: float, coef: float, apply: bool) -> None:
         """AdamW on the trained tensors, their gradients times the clipping coefficient; `apply` False drops it."""

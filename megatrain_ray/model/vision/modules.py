@@ -6,7 +6,9 @@ meta device; its base model (`model`) keeps its vision parts (config/hf_vision.p
 base model's constructor builds them), and loses its language model (the text model streams, model/vision/ never
 holds it). The image features are the base model's own `get_image_features` (the tower, the feature layer and CLS
 cropping as configured, the projector): what transformers splices into the token embeddings, and Qwen3-VL's
-deepstack features beside them (what its text model adds after its first layers). Eval mode (no dropout),
+deepstack features beside them (what its text model adds after its first layers). A tower whose attention runs over
+segment bounds (Qwen-VL's windows and images) takes it in one SDPA call per segment length (model/vision/attention.py)
+instead of transformers' one per segment. Eval mode (no dropout),
 in the run's master dtype on the GPU worker's device; the weights come from the checkpoint by their module names
 (model/vision/names.py), every one of them, and a checkpoint with vision tensors the modules do not have is refused.
 """
@@ -22,6 +24,7 @@ from megatrain_ray.config.hf import read_hf_config
 from megatrain_ray.config.hf_generic import hf_pretrained_config
 from megatrain_ray.config.hf_vision import FAMILIES, trains, vision_config
 from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.model.vision.attention import use_segment_attention
 
 
 def meta_model(model_dir: str) -> Any:
@@ -52,12 +55,16 @@ class VisionModules:
             raise CheckpointError(f"{where} is not a vision-language model of a family the vision path takes "
                                   f"({', '.join(FAMILIES)})")
         full = meta_model(model_dir)
+        self.segmented = False
+        """Whether the tower's segmented attention runs one SDPA call per segment length (model/vision/attention.py)."""
         self.prefix = f"{full.base_model_prefix}."
         base = getattr(full, full.base_model_prefix)
         for name in self.vision.family.parts:
             part = getattr(base, name)
             real = type(part)._from_config(part.config) if isinstance(part, PreTrainedModel) else \
                 type(part)(full.config)
+            if isinstance(real, PreTrainedModel):
+                self.segmented = use_segment_attention(real) or self.segmented
             setattr(base, name, real)
         base.language_model = torch.nn.Module()  # streamed by the engine, never built here
         left = [n for n, p in [*base.named_parameters(), *base.named_buffers()] if p.is_meta]

@@ -32,8 +32,8 @@ def image_positions(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
     return ids == image_token_id
 
 
-def check_count(positions: torch.Tensor, features: torch.Tensor, images: int) -> None:
-    tokens = int(positions.sum())
+def check_count(tokens: int, features: torch.Tensor, images: int) -> None:
+    """`tokens` image tokens in the rows against the features of their `images` images."""
     if tokens != features.shape[0]:
         raise ImageTokenMismatch(f"the batch has {tokens} image tokens but its {images} image(s) give "
                                  f"{features.shape[0]} features: each image needs exactly the processor's number "
