@@ -139,6 +139,10 @@ def run_megatrain(spec: dict) -> dict:
         "stream_dtype": cfg.precision.resolved_stream_dtype, "optimizer_state": cfg.optimizer.state,
         "optimizer_workers": workers, "optimizer_worker_cores": worker_cores,
         "step_seconds": wall / len(measured), "gpu_busy": mean("gpu_busy"),
+        # The GPU worker's own time of the step (the rest of step_seconds: the driver's call, Ray's hand-over of
+        # the batch and of the result), and a vision-language model's tower and projector on the device.
+        "worker_seconds": sum(r.get("worker_seconds", 0.0) for r in measured) / len(measured),
+        **({"vision_seconds": mean("vision_seconds")} if all("vision_seconds" in r for r in measured) else {}),
         "compute_seconds": mean("compute_seconds"),
         "h2d_gbps_link": mean("h2d_link_gbps"), "d2h_gbps_link": mean("d2h_link_gbps"),
         "h2d_gbps_avg": mean("h2d_gbps"), "d2h_gbps_avg": mean("d2h_gbps"),

@@ -2,7 +2,8 @@
 the GPU-resident tier), by transformers GPU-resident with compiled decoder layers and by DeepSpeed ZeRO-3 offload, on
 the same image batches, side by side in one invocation.
 
-    python benchmarks/vision_bench.py --tokens 8192,32768 --layers 4 [--steps 3 --warmup 2] [--budget-s 330]
+    python benchmarks/vision_bench.py --tokens 8192,32768 --layers 4 [--steps 3 --warmup 2] [--budget-s 480]
+        [--point-limit-s deepspeed=200] [--systems deepspeed,resident-compile,megatrain,megatrain-streamed,...]
     python benchmarks/vision_bench.py --tiny --tokens 96,192 --seq-len 48 --images 2 --image-px 8   # the CPU check
 
 The model: Qwen2.5-VL-7B's config (text: hidden 3584, GQA 28/4, MLP 18944, vocab 152064, untied head, M-RoPE sections
@@ -23,14 +24,23 @@ Systems (each point in a process of its own, as benchmarks/run.py runs them):
 - resident-compile: Qwen2_5_VLForConditionalGeneration on the GPU in bf16 with torch fused AdamW and
   clip_grad_norm_, each decoder layer through torch.compile, activation checkpointing only when the run with every
   activation kept runs out of GPU memory (benchmarks/common.py compiled_resident_run; without it is the faster where
-  both fit). The row's `checkpointing` says which.
+  both fit). The row's `checkpointing` says which. Its tower runs transformers' own attention: SDPA once per
+  window (transformers' path without flash-attn, which the GPU machine does not have).
+- resident-compile-segments: the same with the tower's attention through megatrain's segment attention
+  (megatrain_ray/model/vision/attention.py: one SDPA call per window length), megatrain's own tower path: what of
+  megatrain's lead over resident-compile is that alone (vs_resident_segments).
 - deepspeed: the same model under DeepSpeed ZeRO-3, parameters and optimizer offloaded to pinned CPU memory
   (DeepSpeedCPUAdam), bf16, activation checkpointing (benchmarks/run.py's DeepSpeed config).
 
 A baseline process runs every token count of the invocation in turn (DeepSpeed's start-up, its CPU Adam build
 included, once); megatrain starts one run per token count (its plan, the tier's size included, is per batch shape).
-vs_resident (over resident-compile) and vs_deepspeed are benchmarks/run.py's derive. --budget-s: a point is not
-started once the invocation has run that long (the device call's limit); its row says so.
+Points run in the order of --systems, the baselines first by default (DeepSpeed's start-up is the longest), then
+megatrain's systems per token count. vs_resident (over resident-compile) and vs_deepspeed are benchmarks/run.py's
+derive. --budget-s: a point is not started once the invocation has run that long (the device call's limit); its
+row says so; --point-limit-s caps one system's process. The result file is rewritten after every point, so a
+call cut short keeps the rows so far. megatrain's rows carry worker_seconds (the GPU worker's own time of the step;
+the rest of step_seconds is the driver's call and Ray's hand-over) and vision_seconds (the tower and projector on
+the device, forward and backward; not in compute_seconds).
 """
 
 from __future__ import annotations
@@ -71,6 +81,17 @@ def run_rows(command: list[str], timeout: float) -> list[dict]:
     return rows
 
 
+def segments_against(rows: list[dict]) -> None:
+    """vs_resident_segments: a row's tok/s over resident-compile-segments' (transformers resident, compiled decoder
+    layers, the tower's attention through megatrain's segment attention) of the same token count."""
+    base = {r["tokens_per_step"]: r for r in rows if r.get("system") == "resident-compile-segments"
+            and r["status"] == "ok"}
+    for row in rows:
+        other = base.get(row.get("tokens_per_step"))
+        if other is not None and row["status"] == "ok" and row is not other:
+            row["vs_resident_segments"] = row["tok_per_s"] / other["tok_per_s"]
+
+
 def write_config(path: Path, model_dir: Path, seq_len: int, tiny: bool) -> None:
     """The megatrain run's config (model.path the saved model; its batches are the harness's)."""
     import yaml
@@ -87,7 +108,9 @@ def write_config(path: Path, model_dir: Path, seq_len: int, tiny: bool) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default="megatrain,resident-compile,megatrain-streamed,deepspeed")
+    parser.add_argument("--systems", default="deepspeed,resident-compile,megatrain,megatrain-streamed",
+                        help="the baselines run first (each one process for every token count), in this order, then "
+                        "megatrain's systems per token count")
     parser.add_argument("--tokens", default="8192,32768", help="tokens per step, comma-separated")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the 28 (the width is the 7B's)")
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -98,6 +121,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=0.0, help="start no point after this many seconds (0: no "
                         "limit); a child is stopped at it")
+    parser.add_argument("--point-limit-s", default="", help="SYSTEM=SECONDS,...: stop that system's process after "
+                        "so long (its rows so far are kept), e.g. deepspeed=200")
     parser.add_argument("--name", default="vision-qwen2.5-vl-7b")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--child", nargs=2, metavar=("SYSTEM", "SPEC_JSON"), help=argparse.SUPPRESS)
@@ -113,13 +138,21 @@ def main() -> int:
     token_counts = [int(x) for x in args.tokens.split(",")]
     if any(t % args.seq_len for t in token_counts):
         parser.error(f"--tokens {args.tokens}: each must be a multiple of --seq-len {args.seq_len}")
-    # Points in the order they run: the baselines' one process each, megatrain's per token count, interleaved so
-    # that a cut-short invocation has the first token count's table whole.
+    limits = {k: float(v) for k, v in (item.split("=") for item in args.point_limit_s.split(",") if item)}
+    # Points in the order of --systems (by default the baselines first: DeepSpeed's start-up is the longest and its
+    # rows the scarcest): a baseline is one process for every token count; megatrain's systems listed one after
+    # another run per token count, the first token count of each of them before the next count, so that a
+    # cut-short invocation has the first token count's table whole.
     points: list[tuple[str, list[int]]] = []
-    for i, tokens in enumerate(token_counts):
-        points += [(s, [tokens]) for s in systems if s in MEGATRAIN_SYSTEMS]
-        if i == 0:
-            points += [(s, token_counts) for s in systems if s in BASELINES]
+    run: list[str] = []
+    for s in [*systems, None]:
+        if s in MEGATRAIN_SYSTEMS:
+            run.append(s)
+            continue
+        points += [(m, [tokens]) for tokens in token_counts for m in run]
+        run = []
+        if s is not None:
+            points.append((s, token_counts))
     rows: list[dict] = []
     path = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +171,8 @@ def main() -> int:
             run_dir = Path(tmp) / f"run-{system}-{counts[0]}"
             spec = {**base, "tokens": counts[0], "token_counts": counts, "run_dir": str(run_dir)}
             t0 = time.perf_counter()
-            found = run_rows([sys.executable, __file__, "--child", system, json.dumps(spec)], left()) \
+            found = run_rows([sys.executable, __file__, "--child", system, json.dumps(spec)],
+                             min(left(), limits.get(system, left()))) \
                 if left() > 30 else [{"status": "not run", "error": f"the invocation's --budget-s {args.budget_s:.0f} "
                                       "s was spent before this point started"}]
             done = [r for r in found if r["status"] == "ok"]
@@ -153,6 +187,7 @@ def main() -> int:
                            wall_seconds=time.perf_counter() - t0)
             rows += new
             derive(rows, None)
+            segments_against(rows)
             for row in new:
                 print(summary_line(row), flush=True)
             device = next((r["device"] for r in rows if r.get("device")), "unknown")

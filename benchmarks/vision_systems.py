@@ -14,7 +14,7 @@ from benchmarks.run import RESULT_TAG
 from benchmarks.vision_shape import batches_of, random_model, vl_config
 
 MEGATRAIN_SYSTEMS = {"megatrain": ["engine.gpu_resident=auto"], "megatrain-streamed": ["engine.gpu_resident=none"]}
-BASELINES = ("resident-compile", "deepspeed")
+BASELINES = ("resident-compile", "resident-compile-segments", "deepspeed")
 
 
 
@@ -95,16 +95,21 @@ def freeze_tower(model) -> None:
         p.requires_grad_(name.startswith("merger."))
 
 
-def run_resident_compile(spec: dict) -> list[dict]:
+def run_resident_compile(spec: dict, segments: bool = False) -> list[dict]:
+    """`segments`: the tower's attention through megatrain's one SDPA call per segment length
+    (model/vision/attention.py) instead of transformers' one per window: what of megatrain's speed is that alone."""
     import torch
 
     from megatrain_ray.config.load import load_config
+    from megatrain_ray.model.vision.attention import use_segment_attention
 
     o = load_config(spec["config"]).optimizer
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def build(checkpointing: bool):
         model = random_model(vl_config(spec["layers"], spec["tiny"]), device)
+        if segments:
+            use_segment_attention(model.model.visual)
         freeze_tower(model)
         model.config.use_cache = False
         if checkpointing:
@@ -128,7 +133,7 @@ def run_resident_compile(spec: dict) -> list[dict]:
     rows = []
     for tokens in spec["token_counts"]:
         row, checkpointing, model = compiled_resident_run(build, lambda step: timed_vision_steps(spec, tokens, step))
-        row.update(compiled=True, checkpointing=checkpointing,
+        row.update(compiled=True, checkpointing=checkpointing, tower_attention="segments" if segments else "per window",
                    precision="bf16 weights, bf16 AdamW states (torch fused AdamW on the GPU)")
         emit(row)
         rows.append(row)
@@ -192,7 +197,8 @@ def child(system: str, spec: dict) -> None:
         elif system in MEGATRAIN_SYSTEMS:
             emit(run_megatrain_vision({**spec, "overrides": [*spec["overrides"], *MEGATRAIN_SYSTEMS[system]]}))
         else:
-            {"resident-compile": run_resident_compile, "deepspeed": run_deepspeed}[system](spec)
+            {"resident-compile": run_resident_compile, "deepspeed": run_deepspeed,
+             "resident-compile-segments": lambda s: run_resident_compile(s, segments=True)}[system](spec)
     except Exception as exc:  # noqa: BLE001 - a failed point is a result too
         text = f"{type(exc).__name__}: {exc}"
         print(RESULT_TAG + json.dumps({"status": "oom" if "out of memory" in text.lower() else "error",
