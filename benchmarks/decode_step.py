@@ -86,7 +86,8 @@ def timed(fn, iters: int) -> float:
 
 
 def copy_rate(device) -> float:
-    """Device-to-device copy, bytes read plus written per second (what a step's reads can reach at most)."""
+    """Device-to-device copy, bytes read plus written per second: the HBM's rate, which a step's reads can reach at
+    most."""
     a = torch.empty(2 * 2**30 if device.type == "cuda" else 2**20, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     ms, a_bytes = timed(lambda: b.copy_(a), 10), a.numel()
@@ -149,7 +150,7 @@ def main() -> None:
     adapter_bytes = sum(t.numel() * 4 for a in adapters for t in a.values())
     rate = copy_rate(device)
     result = {**provenance(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"), "what": "one rollout decode step as a CUDA graph "
-              "(benchmarks/decode_step.py)", "config": args.config, "layers": n_layers, "rows": args.rows,
+              "(benchmarks/decode_step.py)", "config": args.config, "layers": n_layers, "decode_rows": args.rows,
               "lora_rank": lora.r, "torch": torch.__version__, "weight_gb": weight_bytes / 1e9,
               "adapter_gb": adapter_bytes / 1e9, "copy_tb_s": rate / 1e12, "lengths": {}}
     print({k: v for k, v in result.items() if k != "lengths"}, flush=True)
@@ -165,7 +166,7 @@ def main() -> None:
         positions = positions_of(valid)
         rope_cache = RopeCache(model, (spec,), device, DTYPE)
         cache_bytes = sum(c.keys.numel() * 2 * 2 for c in caches)
-        bound_ms = (weight_bytes + adapter_bytes + cache_bytes) / (rate / 2) * 1e3
+        bound_ms = (weight_bytes + adapter_bytes + cache_bytes) / rate * 1e3  # HBM's reads and writes share the rate
         row = {"kv_cache_gb": cache_bytes / 1e9, "bytes_per_step_gb": (weight_bytes + adapter_bytes + cache_bytes) / 1e9,
                "bound_ms_at_copy_rate": bound_ms, "step_ms": {}, "attention_only_ms": {}}
 

@@ -48,6 +48,8 @@
 #                 against resident-compile (SYSTEMS adds resident), then PROFILE=1 the tier's profiler trace nvidia-h200
 #   lean-8k       issue 46: the 3.5B bench at 8k tokens, streamed, clipping on: optimizer.state full against
 #                 lean (megatrain-streamed-lean; vs_streamed is lean over full), host B/param            nvidia-h200
+#   decode-step   issue 49: one rollout decode step of the Qwen2.5-32B shape (LoRA r 16, 2 rows) as a CUDA graph at
+#                 1k/4k/12.8k-token caches: the attention and LoRA variants, attention alone, the copy-rate bound  nvidia-h200
 #   grpo-lora-32b issue 49: Qwen2.5-32B shape LoRA (r 16, all linear), 1 prompt x 2 completions of 12,288 tokens, the
 #                 base GPU-resident; the result rewritten at each phase (a cut-off run keeps its figures) nvidia-h200
 set -euo pipefail
@@ -76,6 +78,8 @@ case "${1:-}" in
     python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 4 \
       --systems megatrain-streamed,megatrain-streamed-lean --steps 4 --warmup 2 --no-roofline --timeout 200 \
       --name bench-3.5b-8k-lean-vs-full --out "$OUT" ;;
+  decode-step)
+    python benchmarks/decode_step.py --out "$OUT" ;;
   grpo-lora-32b)
     python benchmarks/grpo_step.py --config configs/shapes/qwen2.5-32b.yaml --steps 1 --prompts 1 --generations 2 \
       --prompt-len 512 --completion-len 12288 --probe --no-baseline --name grpo-lora-32b-12k --out "$OUT" \
