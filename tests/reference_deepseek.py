@@ -1,5 +1,5 @@
-"""transformers' DeepSeek-V3 as the reference of the deepseek_v3 template's tests: tiny random models with odd
-shapes, and the same models computing in float64 throughout.
+"""transformers' DeepSeek-V3 and GLM-4.5 MoE as the references of the deepseek_v3 and glm4_moe templates' tests: tiny
+random models with odd shapes, and the same models computing in float64 throughout.
 
 transformers computes in float32 whatever the model's dtype: the RoPE tables, the RMSNorms (x.to(float32)) and the
 router (its logits from the rows and weight cast to float32, the sigmoid, the top-k weights). megatrain computes them
@@ -42,17 +42,38 @@ DEEPSEEKS = {
     # one q_proj (q_lora_rank null), RoPE by halves, no renormalisation of the top-k, 3 dense layers of 4 ... one
     "deepseek_v3_q_proj": dict(q_lora_rank=None, rope_interleave=False, norm_topk_prob=False, num_hidden_layers=2),
     # YaRN with mscale; every expert group open to a token (topk_group = n_group)
-    "deepseek_v3_yarn": dict(rope_parameters=YARN, topk_group=2, first_k_dense_replace=0, num_hidden_layers=2),
+    "deepseek_v3_yarn": dict(rope_parameters=YARN, topk_group=2, first_k_dense_replace=0, num_hidden_layers=2,
+                             max_position_embeddings=16384),
+}
+
+
+GLM_BASE = dict(vocab_size=128, hidden_size=72, intermediate_size=56, moe_intermediate_size=20, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=20, n_shared_experts=2, n_routed_experts=10,
+                num_experts_per_tok=3, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.7,
+                norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5, pad_token_id=None,
+                attention_bias=True, num_nextn_predict_layers=0)
+"""GLM-4.5 MoE's: GQA 4/2 with head_dim 20 (Glm4MoeConfig's partial rotary factor 0.5: 10 dimensions rotated), qkv
+biases, the same experts, groups and router as BASE."""
+
+GLMS = {
+    "glm4_moe": dict(use_qk_norm=True),  # q/k norms (GLM-4.5's); GLM-4.5-Air has none
+    "glm4_moe_no_qk_norm": dict(use_qk_norm=False, topk_group=2, norm_topk_prob=False),
 }
 
 
 def hf_deepseek_model(name: str, **overrides):
-    """The tiny transformers model `name`, float32, its norms moved off their initial values and its routing bias
-    drawn (so that a template that skipped one would differ)."""
-    config = transformers.DeepseekV3Config(**{**BASE, **DEEPSEEKS[name], **overrides}, attn_implementation="eager",
-                                           experts_implementation="eager")
+    """The tiny transformers model `name` (of DEEPSEEKS or GLMS), float32, its norms and biases moved off their initial
+    values and its routing bias drawn (so that a template that skipped one would differ)."""
+    if name in GLMS:
+        config = transformers.Glm4MoeConfig(**{**GLM_BASE, **GLMS[name], **overrides}, attn_implementation="eager",
+                                            experts_implementation="eager")
+        model_cls = transformers.Glm4MoeForCausalLM
+    else:
+        config = transformers.DeepseekV3Config(**{**BASE, **DEEPSEEKS[name], **overrides},
+                                               attn_implementation="eager", experts_implementation="eager")
+        model_cls = transformers.DeepseekV3ForCausalLM
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if p.ndim == 1:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_ray.config.fields import FieldError
-from megatrain_ray.config.hf_deepseek import deepseek_from_hf, deepseek_to_hf
+from megatrain_ray.config.hf_deepseek import deepseek_from_hf, deepseek_to_hf, glm4_moe_from_hf, glm4_moe_to_hf
 from megatrain_ray.config.hf_fields import checked_layer_types
 from megatrain_ray.config.hf_hybrid import HYBRID_FAMILIES, hybrid_from_hf, hybrid_to_hf, text_part
 from megatrain_ray.config.hf_moe import MOE_FAMILIES, moe_from_hf, moe_to_hf
@@ -36,11 +36,13 @@ FAMILIES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
                "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next",
-               "qwen3_5_moe_text": "qwen3_5_moe", "deepseek_v3": "deepseek_v3"}
+               "qwen3_5_moe_text": "qwen3_5_moe", "deepseek_v3": "deepseek_v3",
+               "glm4_moe": "glm4_moe"}
 HF_MODEL_TYPES = {family: model_type for model_type, family in MODEL_TYPES.items()}
 # Gemma3TextConfig's RoPE bases when config.json names none (global layers, sliding layers).
 GEMMA3_THETAS = (1_000_000.0, 10_000.0)
@@ -223,8 +225,9 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     # Qwen3-Next with num_experts 0 is dense (Qwen3NextConfig allows it)
     sparse = family in MOE_FAMILIES and not (family == "qwen3_next" and hf.get("num_experts") == 0)
     moe = moe_from_hf(hf, family, where) if sparse else {}
-    latent = deepseek_from_hf(hf, where) if family == "deepseek_v3" else {}
-    if latent:
+    latent = deepseek_from_hf(hf, where) if family == "deepseek_v3" else \
+        glm4_moe_from_hf(hf, where) if family == "glm4_moe" else {}
+    if "head_dim" in latent:
         head_dim = latent.pop("head_dim")
     try:
         if family == "gemma3":
@@ -233,7 +236,7 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
             theta, scaling = _rope(hf, family)
         partial = float((hf.get("rope_parameters") or {}).get("partial_rotary_factor")
                         or hf.get("partial_rotary_factor") or 1.0) if family == "phi3" else 1.0
-        partial = hybrid.pop("partial_rotary_factor", partial)
+        partial = hybrid.pop("partial_rotary_factor", latent.pop("partial_rotary_factor", partial))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -261,7 +264,8 @@ def _model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),  # Gemma ties by default
         # Qwen2 always has qkv bias; Phi-3's fused qkv_proj never has one, whatever config.json says.
         attention_bias={"qwen2": True, "phi3": False}.get(family, bool(hf.get("attention_bias") or False)),
-        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", *HYBRID_FAMILIES), sliding_window=sliding,
+        qk_norm=latent.pop("qk_norm", family in ("qwen3", "gemma3", "qwen3_moe", *HYBRID_FAMILIES)),
+        sliding_window=sliding,
         max_position_embeddings=_count(hf, "max_position_embeddings", where, default=4096),
         initializer_range=_number(hf, "initializer_range", where, 0.02),
         **gemma, **moe, **hybrid, **latent,
@@ -334,6 +338,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             del out["intermediate_size"]
     if cfg.family == "deepseek_v3":
         out.update(deepseek_to_hf(cfg))
+    if cfg.family == "glm4_moe":
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+        out.update(glm4_moe_to_hf(cfg))
     if cfg.family == "gemma3":
         local = cfg.rope_local_base_freq or cfg.rope_theta
         out["rope_parameters"] = {"full_attention": rope,

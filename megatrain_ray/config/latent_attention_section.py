@@ -1,7 +1,7 @@
 """`model.latent_attention` and `model.sigmoid_router`: DeepSeek-V3's multi-head latent attention (config.json's
-q_lora_rank, kv_lora_rank, qk_*_head_dim, v_head_dim, rope_interleave) and its sigmoid router with group-limited
-top-k (n_group, topk_group, routed_scaling_factor), and what the family fixes or cannot run yet, checked where the
-model section and the whole config are built."""
+q_lora_rank, kv_lora_rank, qk_*_head_dim, v_head_dim, rope_interleave) and the sigmoid router with group-limited
+top-k (n_group, topk_group, routed_scaling_factor) of DeepSeek-V3 and GLM-4.5 MoE, and what these families fix or
+cannot run yet, checked where the model section and the whole config are built."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from megatrain_ray.config.fields import refuse as _fail
 
 LATENT_FAMILIES = ("deepseek_v3",)
 """Families whose attention is multi-head latent attention (model/latent_attention.py)."""
-SIGMOID_ROUTER_FAMILIES = ("deepseek_v3",)
-"""Families whose MoE layers route by sigmoid scores with a correction bias (model/sigmoid_router.py)."""
+SIGMOID_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")
+"""Families whose MoE layers route by sigmoid scores with a correction bias (model/sigmoid_router.py), beside shared
+experts, after dense first layers."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,7 +59,7 @@ class LatentAttentionConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SigmoidRouterConfig:
-    """The router of deepseek_v3's MoE layers: sigmoid scores of the router's logits (in float32); the experts chosen
+    """The router of deepseek_v3's and glm4_moe's MoE layers: sigmoid scores of the router's logits (in float32); the experts chosen
     by the scores plus mlp.gate.e_score_correction_bias (a per-expert bias of the checkpoint, never trained), among
     the topk_group best of n_group expert groups (a group's score: its two best); the chosen experts weighted by
     their scores without the bias (renormalised when model.norm_topk_prob), times routed_scaling_factor."""
@@ -80,19 +81,25 @@ class SigmoidRouterConfig:
 
 
 def check_latent_model(model: Any) -> None:
-    """ModelConfig's checks of deepseek_v3 (called from its __post_init__): its sections set exactly for it, the
-    shapes they must agree with, and the parts transformers fixes."""
+    """ModelConfig's checks of deepseek_v3 and glm4_moe (called from its __post_init__): their sections set exactly
+    for them, the shapes they must agree with, and the parts transformers fixes."""
     s = model.SECTION
     latent = model.family in LATENT_FAMILIES
     if (model.latent_attention is not None) != latent:
         _fail(f"{s}.latent_attention", model.latent_attention, f"is set for the {', '.join(LATENT_FAMILIES)} family "
               f"and only for it (family is {model.family})")
-    if (model.sigmoid_router is not None) != (model.family in SIGMOID_ROUTER_FAMILIES and model.num_experts > 0):
-        _fail(f"{s}.sigmoid_router", model.sigmoid_router, f"is set for the MoE models of the "
-              f"{', '.join(SIGMOID_ROUTER_FAMILIES)} family and only for them (family is {model.family})")
-    if not latent:
-        return
-    la = model.latent_attention
+    sigmoid = model.family in SIGMOID_ROUTER_FAMILIES
+    if (model.sigmoid_router is not None) != sigmoid:
+        _fail(f"{s}.sigmoid_router", model.sigmoid_router, f"is set for the {', '.join(SIGMOID_ROUTER_FAMILIES)} "
+              f"families and only for them (family is {model.family})")
+    if latent:
+        _check_latent_shape(model)
+    if sigmoid:
+        _check_sigmoid_moe(model)
+
+
+def _check_latent_shape(model: Any) -> None:
+    s, la = model.SECTION, model.latent_attention
     if model.resolved_head_dim != la.qk_rope_head_dim:
         _fail(f"{s}.head_dim", model.resolved_head_dim, f"is the rotated width of {model.family}'s heads, as "
               f"transformers sets it: set it to latent_attention.qk_rope_head_dim={la.qk_rope_head_dim}")
@@ -103,39 +110,43 @@ def check_latent_model(model: Any) -> None:
                      ("partial_rotary_factor", 1.0)):
         if getattr(model, key) != off:
             _fail(f"{s}.{key}", getattr(model, key), f"is not part of {model.family}'s attention: set it to {off}")
-    router = model.sigmoid_router
-    if router is not None:
-        if not model.shared_expert_intermediate_size:
-            _fail(f"{s}.shared_expert_intermediate_size", 0, f"{model.family}'s MoE layers have shared experts: set "
-                  "their width (n_shared_experts x moe_intermediate_size)")
-        if model.num_experts % router.n_group or model.num_experts // router.n_group < 2:
-            _fail(f"{s}.sigmoid_router.n_group", router.n_group, f"must divide num_experts={model.num_experts} into "
-                  "groups of 2 or more experts")
-        if model.num_experts_per_tok > router.topk_group * model.num_experts // router.n_group:
-            _fail(f"{s}.num_experts_per_tok", model.num_experts_per_tok, f"exceeds the experts of the "
-                  f"sigmoid_router.topk_group={router.topk_group} groups a token may choose from")
-        if model.output_router_logits:
-            _fail(f"{s}.output_router_logits", True, f"transformers computes no load-balancing loss for "
-                  f"{model.family} (nor DeepSeek's sequence-wise loss): set it false")
-        if model.decoder_sparse_step != 1:
-            _fail(f"{s}.decoder_sparse_step", model.decoder_sparse_step, f"{model.family}'s dense layers are the "
-                  "first ones (mlp_only_layers 0 .. first_k_dense_replace - 1): set it 1")
-        if list(model.mlp_only_layers) != list(range(len(model.mlp_only_layers))):
-            _fail(f"{s}.mlp_only_layers", model.mlp_only_layers, f"{model.family}'s dense layers are its first ones "
-                  "(first_k_dense_replace): list 0, 1, ... k - 1")
+
+
+def _check_sigmoid_moe(model: Any) -> None:
+    s, router = model.SECTION, model.sigmoid_router
+    if not model.shared_expert_intermediate_size:
+        _fail(f"{s}.shared_expert_intermediate_size", 0, f"{model.family}'s MoE layers have shared experts: set "
+              "their width (n_shared_experts x moe_intermediate_size)")
+    if model.num_experts % router.n_group or model.num_experts // router.n_group < 2:
+        _fail(f"{s}.sigmoid_router.n_group", router.n_group, f"must divide num_experts={model.num_experts} into "
+              "groups of 2 or more experts")
+    if model.num_experts_per_tok > router.topk_group * model.num_experts // router.n_group:
+        _fail(f"{s}.num_experts_per_tok", model.num_experts_per_tok, f"exceeds the experts of the "
+              f"sigmoid_router.topk_group={router.topk_group} groups a token may choose from")
+    if model.output_router_logits:
+        _fail(f"{s}.output_router_logits", True, f"transformers computes no load-balancing loss for "
+              f"{model.family} (nor DeepSeek's sequence-wise loss): set it false")
+    if model.decoder_sparse_step != 1:
+        _fail(f"{s}.decoder_sparse_step", model.decoder_sparse_step, f"{model.family}'s dense layers are the "
+              "first ones (mlp_only_layers 0 .. first_k_dense_replace - 1): set it 1")
+    if list(model.mlp_only_layers) != list(range(len(model.mlp_only_layers))):
+        _fail(f"{s}.mlp_only_layers", model.mlp_only_layers, f"{model.family}'s dense layers are its first ones "
+              "(first_k_dense_replace): list 0, 1, ... k - 1")
+    if model.sliding_window:
+        _fail(f"{s}.sliding_window", model.sliding_window, f"{model.family} attends fully: set it 0")
 
 
 def check_latent_run(cfg: Any) -> None:
-    """What a deepseek_v3 run cannot do yet, refused on load (Config.__post_init__)."""
+    """What a deepseek_v3 or glm4_moe run cannot do yet, refused on load (Config.__post_init__)."""
     family = cfg.model.family
-    if family not in LATENT_FAMILIES or cfg.model.template == "generic":
+    if family not in SIGMOID_ROUTER_FAMILIES or cfg.model.template == "generic":
         return
     if cfg.finetune.method == "lora":
-        _fail("finetune.method", "lora", f"LoRA targets of {family}'s latent attention and shared experts are not "
-              "mapped yet; use finetune.method=full, or model.template=generic")
+        _fail("finetune.method", "lora", f"LoRA targets of {family}'s router and shared experts are not mapped yet; "
+              "use finetune.method=full")
     if cfg.finetune.objective == "grpo":
-        _fail("finetune.objective", "grpo", f"the rollout engine's KV cache has no path for {family}'s latent "
-              "attention yet; use sft")
+        _fail("finetune.objective", "grpo", f"the rollout engine is not tried with {family}'s layers yet (deepseek_v3: "
+              "its KV cache has no path for latent attention); use sft")
     if cfg.engine.compile is True:
         _fail("engine.compile", True, f"{family}'s layers run eagerly (not tried through torch.compile yet); set "
               "engine.compile to auto or false")

@@ -69,10 +69,10 @@ def check_hybrid_model(model: Any) -> None:
     if "linear_attention" in model.layer_types and not hybrid:
         _fail(f"{s}.layer_types", model.layer_types, f"linear_attention layers belong to the "
               f"{', '.join(HYBRID_FAMILIES)} families (family is {model.family})")
-    if model.shared_expert_intermediate_size and model.family not in ("qwen3_next", "qwen3_5_moe", "deepseek_v3"):
+    shared = ("qwen3_next", "qwen3_5_moe", "deepseek_v3", "glm4_moe")
+    if model.shared_expert_intermediate_size and model.family not in shared:
         _fail(f"{s}.shared_expert_intermediate_size", model.shared_expert_intermediate_size,
-              f"is read by the qwen3_next, qwen3_5_moe and deepseek_v3 families only (family is {model.family}); "
-              "leave it at 0")
+              f"is read by the {', '.join(shared)} families only (family is {model.family}); leave it at 0")
     if not hybrid:
         return
     if len(model.layer_types) != model.num_layers or \

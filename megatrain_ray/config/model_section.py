@@ -41,7 +41,8 @@ class ModelConfig:
     revision: str = ""
     """With a hub name in model.path: the branch, tag or commit to use. Empty: the default branch."""
     family: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-                    "gpt_oss", "qwen3_5", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "generic"] = "llama"
+                    "gpt_oss", "qwen3_5", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "glm4_moe",
+                    "generic"] = "llama"
     """Architecture family; decides the Hugging Face class on export and the checks on load. gemma2 and
     gemma3 (Gemma3ForCausalLM, text only) also bring Gemma's fixed parts: RMSNorm scaling by (1 + weight),
     norms before and after attention and MLP, a GeLU-tanh MLP and embeddings scaled by sqrt(hidden_size).
@@ -49,7 +50,9 @@ class ModelConfig:
     qwen3_next and qwen3_5_moe (Qwen3.5-MoE text) interleave linear-attention layers (model.linear_attention) with
     gated full-attention ones by layer_types, (1 + weight) norms; the latter two have experts with a shared expert.
     deepseek_v3 (DeepSeek-V3 / V3.2's dense part): multi-head latent attention (model.latent_attention), dense first
-    layers (mlp_only_layers), then experts with shared experts and a sigmoid router (model.sigmoid_router).
+    layers (mlp_only_layers), then experts with shared experts and a sigmoid router (model.sigmoid_router);
+    glm4_moe (GLM-4.5 MoE): the same dense first layers, experts and router beside Llama's attention (qkv bias,
+    optional q/k norms, partial rotary factor).
     generic: a model of model.path with no native template, run by the generic path (model.template);
     set from config.json, never by hand."""
     template: Literal["auto", "native", "generic"] = "auto"
@@ -85,7 +88,8 @@ class ModelConfig:
     Gemma 3's configs; 0: rope_theta). Other families: every layer uses rope_theta and rope_scaling."""
     partial_rotary_factor: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unrotated).
-    Phi-3 and the qwen3_5 / qwen3_next / qwen3_5_moe families (their configs: 0.25) only, as transformers."""
+    Phi-3, the qwen3_5 / qwen3_next / qwen3_5_moe families (their configs: 0.25) and glm4_moe (0.5) only, as
+    transformers."""
     rms_norm_eps: float = 1e-6
     """Epsilon inside every RMSNorm's square root."""
     tie_word_embeddings: bool = False
@@ -111,7 +115,7 @@ class ModelConfig:
     latent_attention: LatentAttentionConfig | None = None
     """deepseek_v3 only (required there): the shape of its multi-head latent attention."""
     sigmoid_router: SigmoidRouterConfig | None = None
-    """deepseek_v3 with experts only (required there): its router's expert groups and scale."""
+    """deepseek_v3 and glm4_moe only (required there): their router's expert groups and scale."""
     sliding_window_pattern: int = 0
     """Gemma only, when layer_types is empty: every n-th layer (n, 2n, ...) is global, the others slide
     (6 for Gemma 3: 5 local to 1 global; 2 for Gemma 2). 0 with layer_types empty: every layer slides
@@ -138,11 +142,12 @@ class ModelConfig:
     """Qwen3-MoE: layer i (from 0) is a MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in
     mlp_only_layers; the others have a dense MLP of intermediate_size."""
     mlp_only_layers: list[int] = field(default_factory=list)
-    """Qwen3-MoE and Qwen3-Next: layers (from 0) with a dense MLP whatever decoder_sparse_step says."""
+    """Qwen3-MoE and Qwen3-Next: layers (from 0) with a dense MLP whatever decoder_sparse_step says; deepseek_v3 and
+    glm4_moe: the first ones, 0 .. first_k_dense_replace - 1."""
     shared_expert_intermediate_size: int = 0
     """qwen3_next and qwen3_5_moe: the width of the shared expert every token of a MoE layer also passes through,
     its output scaled by sigmoid(mlp.shared_expert_gate(x)); deepseek_v3: of its shared experts (mlp.shared_experts,
-    n_shared_experts x moe_intermediate_size, no gate). 0: none (the other families)."""
+    n_shared_experts x moe_intermediate_size, no gate; glm4_moe alike). 0: none (the other families)."""
     output_router_logits: bool = False
     """MoE: add router_aux_loss_coef times the load-balancing loss (transformers' load_balancing_loss_func over
     all MoE layers, padding included as transformers does without an attention mask) to the training loss,
@@ -179,7 +184,7 @@ class ModelConfig:
             _fail(f"{s}.rope_theta", self.rope_theta, "must be > 0")
         if not 0 < self.partial_rotary_factor <= 1:
             _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor, "must be > 0 and <= 1")
-        if self.partial_rotary_factor != 1 and self.family not in ("phi3", *HYBRID_FAMILIES):
+        if self.partial_rotary_factor != 1 and self.family not in ("phi3", "glm4_moe", *HYBRID_FAMILIES):
             _fail(f"{s}.partial_rotary_factor", self.partial_rotary_factor,
                   f"is read by the phi3 family only (family is {self.family}); leave it at 1")
         if self.rotary_dim < 2 or self.rotary_dim % 2:
@@ -247,7 +252,8 @@ class ModelConfig:
 
     def _check_moe(self) -> None:
         s = self.SECTION
-        moe_families = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
+        moe_families = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v3",
+                        "glm4_moe")
         if self.family == "qwen3_next" and not self.num_experts:
             return  # Qwen3NextConfig takes num_experts 0: every layer a dense MLP
         if self.family not in moe_families:
@@ -269,7 +275,7 @@ class ModelConfig:
             _fail(f"{s}.router_aux_loss_coef", self.router_aux_loss_coef, "must be a finite number >= 0")
         fixed = {"qwen3_moe": ("qk_norm", True), "mixtral": ("qk_norm", False), "gpt_oss": ("attention_bias", True),
                  "qwen3_next": ("qk_norm", True), "qwen3_5_moe": ("qk_norm", True), "deepseek_v3": ("qk_norm", False)}
-        key, value = fixed[self.family]
+        key, value = fixed.get(self.family, ("family", self.family))  # glm4_moe: q/k norms by config.json
         if getattr(self, key) != value:
             _fail(f"{s}.{key}", getattr(self, key), f"{self.family} {'always has' if value else 'has no'} "
                   f"{'q/k norms' if key == 'qk_norm' else 'attention biases'} in transformers: set it "
@@ -304,7 +310,7 @@ class ModelConfig:
         Qwen3-MoE and Mixtral layers match the eager template with and without the load-balancing loss
         (tests/unit/test_moe_compile.py). On the CPU, computing the record's router logits apart from the routing's
         gave the right gradient; not yet tried on the GPU."""
-        if self.family in (*HYBRID_FAMILIES, "deepseek_v3"):  # not tried through torch.compile yet
+        if self.family in (*HYBRID_FAMILIES, "deepseek_v3", "glm4_moe"):  # not tried through torch.compile yet
             return False
         if not self.is_moe:
             return True

@@ -12,13 +12,10 @@ is (a zero gradient and zero moments give a zero step; one-dimensional, so no we
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from megatrain_ray.model.moe import MoeSpec, RouterRecord
 
 BIAS = "mlp.gate.e_score_correction_bias"
 FIXED_TENSORS = frozenset({BIAS})
@@ -41,9 +38,10 @@ def with_fixed_zeros(grads: dict[str, torch.Tensor], w: Mapping[str, torch.Tenso
     return grads
 
 
-def sigmoid_route(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: "MoeSpec",
-                  record: "RouterRecord | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing weights [T, k] (float32; float64 in float64) and expert indices [T, k] of the rows h [T, hidden]."""
+def sigmoid_route(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: Any,
+                  record: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [T, k] (float32; float64 in float64) and expert indices [T, k] of the rows h [T, hidden].
+    `spec`: the layer's model/moe.MoeSpec; `record`: its RouterRecord or None (moe.py imports this module)."""
     work = torch.promote_types(h.dtype, torch.float32)
     logits = F.linear(h.to(work), w["mlp.gate.weight"].to(work))
     scores = logits.sigmoid()

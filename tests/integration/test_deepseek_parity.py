@@ -1,11 +1,12 @@
-"""Training parity of the native DeepSeek-V3 template against transformers' DeepseekV3ForCausalLM itself, its padding
-row, and its round trip through a Hugging Face directory.
+"""Training parity of the native DeepSeek-V3 and GLM-4.5 MoE templates against transformers' DeepseekV3ForCausalLM and
+Glm4MoeForCausalLM themselves, DeepSeek-V3's padding row, and both round trips through a Hugging Face directory.
 
 The tiny models of tests/reference_deepseek.py are trained by megatrain (the layer stream, float64, two optimizer
 workers) and by the transformers model with torch.optim.AdamW (matrices and the fused experts decayed, vectors not,
 as megatrain's layout does), clip_grad_norm_ and the same warmup + cosine schedule (tests/reference_hf.train_hf), on
 the same row of 40 tokens a step, lr 3e-3. transformers computes no load-balancing loss for DeepSeek-V3 (its causal
-LM returns none; DeepSeek's sequence-wise loss and its bias update are not in it), so neither run has one. The
+LM returns none, nor GLM-4.5 MoE's; DeepSeek's sequence-wise loss and its bias update are not in it), so neither
+run has one. The
 routing bias (mlp.gate.e_score_correction_bias) is a buffer in transformers, outside its optimizer: megatrain's must
 stay as loaded, equal to transformers' after the run, while every other tensor moves.
 
@@ -54,7 +55,7 @@ def run_both(tmp_path, model, steps: int = 20, data: dict | None = None, optimiz
                                                                        **(data or {})},
                       precision={"master_dtype": "float64", "compute_dtype": "float64"}, train={"steps": steps},
                       optimizer={"workers": 2, "lr": LR, **(optimizer or {})}, engine=engine or {})
-    assert cfg.model.family == "deepseek_v3"
+    assert cfg.model.family == mcfg.family
     with Trainer(cfg) as trainer:
         trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
         initial = trainer.master_weights()
@@ -80,6 +81,7 @@ def assert_bias_kept(final, ref_state, initial) -> dict:
 @pytest.mark.parametrize("name, engine", [
     ("deepseek_v3", {}),  # the low-rank query, interleaved RoPE, one dense layer then two MoE layers
     ("deepseek_v3_q_proj", {"activation_offload": True, "mlp_chunk_tokens": 24}),  # one q_proj, MLP in 2 chunks
+    ("glm4_moe", {}),  # GQA with qkv biases, q/k norms and half of each head rotated; the same MoE
 ])
 def test_deepseek_float64_training_matches_transformers(tmp_path, name, engine):
     _, ours, ref, final, ref_state, initial = run_both(tmp_path, hf_deepseek_model(name), engine=engine)
@@ -114,28 +116,30 @@ def test_deepseek_padding_row_matches_transformers(tmp_path):
 
 
 @pytest.mark.float32_parity
-def test_deepseek_hf_round_trip(tmp_path):
+@pytest.mark.parametrize("name, family, mtp", [("deepseek_v3", "deepseek_v3", "model.layers.61.eh_proj.weight"),
+                                               ("glm4_moe_no_qk_norm", "glm4_moe", "model.layers.46.eh_proj.weight")])
+def test_deepseek_hf_round_trip(tmp_path, name, family, mtp):
     """A directory as save_pretrained writes it (the experts one tensor each), with a multi-token-prediction tensor
-    beside it (model.layers.61.*, which transformers skips on load: its pattern names DeepSeek-V3's layer 61; megatrain
-    does not read it) -> import (the native template, as model.template auto picks it) -> one step -> export -> transformers loads it with no missing,
+    beside it (model.layers.61.* for DeepSeek-V3, .46.* for GLM-4.5-Air, which transformers skips on load: its
+    patterns name those layers; megatrain does not read it) -> import (the native template, as model.template auto picks it) -> one step -> export -> transformers loads it with no missing,
     unexpected or mismatched key, the routing biases as they were, its logits megatrain's."""
     from safetensors.torch import load_file, save_file
 
     from megatrain_ray.config.load import load_config
 
-    model = hf_deepseek_model("deepseek_v3")
+    model = hf_deepseek_model(name)
     source = tmp_path / "source"
     model.save_pretrained(source)
     weights = load_file(str(source / "model.safetensors"))
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in weights
-    save_file({**weights, "model.layers.61.eh_proj.weight": torch.zeros(4, 4)}, str(source / "model.safetensors"),
+    save_file({**weights, mtp: torch.zeros(4, 4)}, str(source / "model.safetensors"),
               metadata={"format": "pt"})
     raw = tiny_raw(data={"seq_len": SEQ_LEN}, train={"steps": 1, "output_dir": str(tmp_path / "run")},
                    optimizer={"lr": 1e-2}, schedule={"warmup_steps": 0})
     raw["model"] = {"path": str(source)}
     raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", model.config.vocab_size)
     cfg = load_config(raw=raw)
-    assert (cfg.model.family, cfg.model.template) == ("deepseek_v3", "native")
+    assert (cfg.model.family, cfg.model.template) == (family, "native")
     ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
     with Trainer(cfg) as trainer:
         initial = trainer.master_weights()
@@ -144,17 +148,17 @@ def test_deepseek_hf_round_trip(tmp_path):
         moved = trainer.master_weights()
         ours = trainer.logits(ids)
         trainer.export(tmp_path / "hf")
-    for name, value in moved.items():  # every tensor moved but the routing biases
-        assert torch.equal(value, initial[name]) == name.endswith(BIAS), name
+    for key, value in moved.items():  # every tensor moved but the routing biases
+        assert torch.equal(value, initial[key]) == key.endswith(BIAS), key
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
                                                                     output_loading_info=True,
                                                                     experts_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(loaded) is type(model)
-    for name, value in loaded.state_dict().items():
-        assert torch.equal(value, moved[name]), name
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, moved[key]), key
     with torch.no_grad(), one_thread():
         theirs = loaded.eval()(ids).logits
         theirs64 = float64_deepseek(loaded)(ids).logits
     err = assert_within_noise("round-trip logits", ours, theirs, theirs64)
-    print(f"deepseek_v3: round-trip logits relative error {err:.2e}")
+    print(f"{name}: round-trip logits relative error {err:.2e}")

@@ -67,6 +67,9 @@ from tests.reference_hf import train_hf
 FLOAT64_STEPS = 20
 AUX_COEF = 0.02
 JETMOE_LOSS_BOUND = 1e-8
+GENERIC = {"template": "generic"}
+"""DeepSeek-V3 and GLM-4.5 MoE have native templates (model.template auto picks them): these tests run the generic
+path by name."""
 FAMILIES = ["qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "jetmoe", "dbrx", "deepseek_v3",
             "deepseek_v32", "glm4_moe", "llama4", "gemma4", "apertus"]
 UNTRAINED = {"ernie4_5_moe", "deepseek_v3", "deepseek_v32", "glm4_moe", "gemma4", "apertus"}
@@ -232,7 +235,7 @@ def float64_run(request, tmp_path_factory):
     name = request.param
     tmp_path = tmp_path_factory.mktemp(name)
     model = hf_moe_generic_model(name)
-    cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), data={"seq_len": 16},
+    cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), data={"seq_len": 16}, model=GENERIC,
                          precision={"master_dtype": "float64", "compute_dtype": "float64"},
                          optimizer={"lr": 1e-2}, train={"steps": FLOAT64_STEPS}, schedule={"warmup_steps": 1})
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -315,7 +318,7 @@ def test_generic_moe_through_ray_with_two_optimizer_workers(tmp_path, ray_sessio
     routers multiply in float32, and correctly_rounded_float32_routers patches this process, not the GPU worker's
     actor (measured through Ray unpatched: DeepSeek-V3's losses within 3.3e-9, its tensors within 1.3e-6)."""
     model = hf_moe_generic_model(name)
-    cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), data={"seq_len": 16},
+    cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), data={"seq_len": 16}, model=GENERIC,
                          precision={"master_dtype": "float64", "compute_dtype": "float64"},
                          optimizer={"lr": 1e-2, "workers": 2}, train={"steps": RAY_STEPS},
                          schedule={"warmup_steps": 1}, runtime={"mode": "ray"})
@@ -346,7 +349,7 @@ def test_generic_moe_float32_logits_with_grouped_mm_experts(tmp_path, name):
 
     model = hf_moe_generic_model(name)
     model.set_experts_implementation("grouped_mm")
-    cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), data={"seq_len": 16})
+    cfg = generic_config(tmp_path, save(model, tmp_path / "hf"), data={"seq_len": 16}, model=GENERIC)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with Trainer(cfg) as trainer:
         ours = trainer.logits(ids)

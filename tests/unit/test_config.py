@@ -42,8 +42,8 @@ def test_shipped_config_loads(path):
     # embedding parameters (27.0 B; plus a 417 M vision encoder that Gemma3ForCausalLM does not have). The
     # layout's exact count, 27,009,346,304, is asserted in test_the_gemma3_27b_shape_has_its_layout_count.
     ("gemma3-27b.yaml", 27.02),
-    # The text models of Qwen3.5-27B and Qwen3.5-397B-A17B (cards: 27B; 397B); DeepSeek-V3 (native) and GLM-4.5-Air
-    # (the generic path) from config.json alone (cards: 671B, its 685B with the multi-token-prediction module; 106B).
+    # The text models of Qwen3.5-27B and Qwen3.5-397B-A17B (cards: 27B; 397B); DeepSeek-V3 and GLM-4.5-Air (native)
+    # from config.json alone (cards: 671B, its 685B with the multi-token-prediction module; 106B).
     ("qwen3.5-27b.yaml", 27.0), ("qwen3.5-397b-a17b.yaml", 397.0), ("deepseek-v3.yaml", 671.0),
     ("glm-4.5-air.yaml", 106.0),
 ])
@@ -54,9 +54,9 @@ def test_model_shapes_have_the_published_size(name, billions):
 
 @pytest.mark.parametrize("name, total, active, billions", [
     # Activated parameters as the model cards count them: Qwen3.5-397B-A17B's 17B and DeepSeek-V3's 37B with the
-    # embedding and the LM head, GLM-4.5-Air's 12B without them. The generic path finds the experts in transformers'
-    # model (config/generic_shape.expert_fractions: top-8 of 128, GLM-4.5-Air); the native one by its config (top-8
-    # of 256, DeepSeek-V3; its routing bias, a buffer, not counted).
+    # embedding and the LM head, GLM-4.5-Air's 12B without them. The native templates count the experts by their
+    # config (top-8 of 256 and of 128), the routing biases (buffers) not among the parameters; the generic path, by
+    # transformers' model (config/generic_shape.expert_fractions), gave the same counts.
     ("qwen3.5-397b-a17b.yaml", 396_346_350_336, 17_349_040_896, 17.0),
     ("deepseek-v3.yaml", 671_026_404_352, 37_552_282_624, 37.0),
     ("glm-4.5-air.yaml", 106_852_245_504, 12_182_609_920, 12.0),

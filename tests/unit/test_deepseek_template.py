@@ -1,15 +1,17 @@
 """The native DeepSeek-V3 template (multi-head latent attention, dense first layers, experts with shared experts and
-the sigmoid, bias-corrected, group-limited router) against transformers' DeepseekV3ForCausalLM, and its config,
-layout, router and plan.
+the sigmoid, bias-corrected, group-limited router) and GLM-4.5 MoE's (the same MoE beside GQA with qkv biases,
+optional q/k norms and half of each head rotated) against transformers' DeepseekV3ForCausalLM and Glm4MoeForCausalLM,
+and their config, layout, router and plan.
 
 Models (tests/reference_deepseek.py): hidden 72, 3 heads of q.k width 20 (12 + 8 rotated) and value width 14, a
 24-wide latent, a rank-40 query (or one q_proj), 10 experts in 2 groups (1 open to a token, or both), top-3, 2 shared
-experts; interleaved RoPE, RoPE by halves, and YaRN with mscale. Inputs of 2 x 37 tokens.
+experts; interleaved RoPE, RoPE by halves, and YaRN with mscale. GLM-4.5 MoE: GQA 4/2 of head_dim 20 (10 rotated),
+qkv biases, with and without q/k norms, the same experts. Inputs of 2 x 37 tokens.
 
 Bounds (tests/numerics.py):
 - float64: 1e-10 (EXACT) against the reference float64 throughout (tests/reference_deepseek.float64_deepseek:
   transformers keeps the norms, the RoPE tables and the router in float32 in a float64 model; the reference computes
-  them in float64, as megatrain does). Measured 1.6e-16 to 2.6e-16.
+  them in float64, as megatrain does). Measured 1.6e-16 to 3.6e-16.
 - float32: within 4x the noise of transformers' float32 logits against the float64 reference, floor 16 float32 ulps
   (1.9e-6). Measured errors about 2e-7, noise about 2e-7: the bound is the floor.
 Fault injection (by hand, reverted): the routing bias left out of the choice moves the float64 logits by 1.4e-2; the
@@ -29,10 +31,10 @@ from megatrain_ray.config.hf import hf_config_from_model, model_config_from_hf  
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from tests.conftest import one_thread, tiny_config  # noqa: E402
 from tests.numerics import EXACT, assert_exact, assert_within_noise  # noqa: E402
-from tests.reference_deepseek import DEEPSEEKS, float64_deepseek, hf_deepseek_model  # noqa: E402
+from tests.reference_deepseek import DEEPSEEKS, GLMS, float64_deepseek, hf_deepseek_model  # noqa: E402
 from tests.unit.test_hybrid_templates import template_logits  # noqa: E402
 
-NAMES = list(DEEPSEEKS)
+NAMES = [*DEEPSEEKS, *GLMS]
 IDS = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
 
 
@@ -131,8 +133,9 @@ def test_deepseek_hf_config_round_trip(name):
     assert model_config_from_hf(again.to_dict()) == cfg
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
                 "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group",
-                "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "head_dim"):
-        assert getattr(again, key) == getattr(hf, key), key
+                "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "head_dim",
+                "use_qk_norm", "attention_bias"):
+        assert getattr(again, key, None) == getattr(hf, key, None), key
     rope = dict(again.rope_parameters)
     assert rope.pop("truncate", True) is True  # YaRN's default, written out
     assert rope == hf.rope_parameters

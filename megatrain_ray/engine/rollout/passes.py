@@ -40,6 +40,9 @@ class RolloutPasses:
         if self.model_cfg.linear_attention is not None:
             raise ConfigError(f"generation has no recurrent state for {self.model_cfg.family}'s linear-attention layers "
                               "yet (the KV cache serves attention layers only)")
+        if self.model_cfg.latent_attention is not None:
+            raise ConfigError(f"generation has no KV-cache path for {self.model_cfg.family}'s latent attention yet "
+                              "(the rollout engine caches grouped-query keys and values)")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows, longest, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
