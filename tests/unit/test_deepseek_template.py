@@ -13,9 +13,11 @@ Bounds (tests/numerics.py):
   transformers keeps the norms, the RoPE tables and the router in float32 in a float64 model; the reference computes
   them in float64, as megatrain does). Measured 1.6e-16 to 3.6e-16.
 - float32: within 4x the noise of transformers' float32 logits against the float64 reference, floor 16 float32 ulps
-  (1.9e-6). Measured errors about 2e-7, noise about 2e-7: the bound is the floor.
-Fault injection (by hand, reverted): the routing bias left out of the choice moves the float64 logits by 1.4e-2; the
-interleaved RoPE taken by halves by 6.6e-3; the latent norms at rms_norm_eps (1e-5) in place of their 1e-6 by 8.7e-8.
+  (1.9e-6). Measured errors 1.4e-7 to 2.9e-7 (transformers' own float32 against float64: about 2e-7): the bound is
+  the floor.
+Fault injection (by hand, reverted; DeepSeek-V3's float64 logits): the routing bias left out of the choice moves them
+by 7.1e-2, the interleaved RoPE taken by halves by 3.3e-3, the latent norms at rms_norm_eps (1e-5) in place of their
+1e-6 by 7.0e-5. Packed documents: the loss of packed rows equals each document's alone, 1.8e-16.
 """
 
 from __future__ import annotations
@@ -180,3 +182,34 @@ def test_bad_deepseek_settings_are_one_clear_error(tmp_path):
                        ({"attention_bias": True}, "attention_bias")]:
         with pytest.raises((ConfigError, CheckpointError), match=field):
             model_config_from_hf({**hf, **bad})
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_deepseek_packed_documents_equal_each_document_alone(tmp_path, name):
+    """Packed rows (data.packing: RoPE positions restart at each document, attention stops at it; latent attention's
+    values narrower than its queries and keys, 14 against 20): the float64 loss of a row of documents (25, 9, 6) and a
+    row (40) through the layer stream equals transformers' on each document alone (float64 throughout), within 1e-10."""
+    import torch.nn.functional as F
+
+    from megatrain_ray.driver.trainer import Trainer
+    from megatrain_ray.messages import Batch
+
+    model = float64_deepseek(hf_deepseek_model(name))
+    mcfg = model_config_from_hf(model.config.to_dict())
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 40},
+                      precision={"master_dtype": "float64", "compute_dtype": "float64"})
+    gen = torch.Generator().manual_seed(6)
+    rows = ((25, 9, 6), (40,))
+    docs = [[torch.randint(0, mcfg.vocab_size, (n + 1,), generator=gen) for n in lengths] for lengths in rows]
+    ids = torch.stack([torch.cat([d[:-1] for d in row]) for row in docs])
+    labels = torch.stack([torch.cat([d[1:] for d in row]) for row in docs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    with torch.no_grad(), one_thread():
+        total = sum(F.cross_entropy(model(d[None, :-1]).logits[0], d[1:], reduction="sum").item()
+                    for row in docs for d in row)
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        ours, count = trainer.gpu.eval_loss(Batch(ids, labels, positions, rows)).result()
+    assert count == 80
+    err = assert_exact(f"{name}: loss of the packed rows", ours, total / 80, EXACT)
+    print(f"{name}: packed rows' loss relative error {err:.1e}")
