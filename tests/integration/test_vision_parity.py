@@ -100,7 +100,9 @@ def test_logits_equal_transformers(family, tmp_path):
     print(f"{name}: float64 {err:.1e}, float32 {relative_error(ours32, ref32):.1e} "
           f"(noise {relative_error(ref32, ref64):.1e})")
     assert relative_error(other[0], ours64[0]) > 1e-3 and relative_error(other[2], ours64[2]) > 1e-3
-    assert torch.equal(other[1], ours64[1])  # the text-only row sees no image
+    # The text-only row sees no image: its logits move only by float64 rounding (an MoE groups the batch's tokens
+    # per expert, so other pixels change the GEMMs' row counts and, with them, MKL's blocking on some CPUs).
+    assert_exact("the text-only row under other pixels", other[1], ours64[1])
     if name == "gemma3":  # without its image blocks (causal only) transformers' own logits differ
         with torch.no_grad():
             causal = exact(model)(input_ids=ids, pixel_values=pixels.double()).logits
