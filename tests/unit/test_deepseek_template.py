@@ -113,6 +113,33 @@ def test_the_routing_bias_takes_no_gradient_and_keeps_its_place():
     assert all(g.abs().sum() > 0 for n, g in grads.items() if n != "mlp.gate.e_score_correction_bias")
 
 
+def test_a_kept_graph_gives_the_recompute_gradients_and_the_bias_zeros():
+    """engine/kept_graphs.py (a GPU-resident layer's forward with its graph kept): a MoE layer's backward through the
+    kept graph equals the recompute's (float64, 1e-12), the routing bias's gradient zeros in both."""
+    from megatrain_ray.engine.kept_graphs import backward_kept, forward_kept
+    from megatrain_ray.model.layer_spec import LayerSpec
+    from megatrain_ray.model.rope import rope_tables
+    from megatrain_ray.model.templates import bind, decoder_layer, decoder_layer_backward
+
+    cfg = model_config_from_hf(hf_deepseek_model("deepseek_v3").config.to_dict())
+    stage, spec = build_layout(cfg).layers[2], LayerSpec.from_config(cfg, 2)
+    w = bind(torch.randn(stage.numel, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 0.1, stage)
+    x = torch.randn(2, 9, 72, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grad_y = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    rope = rope_tables(cfg, 9, x.device, x.dtype)
+    with one_thread():
+        y, kept = forward_kept(decoder_layer, x, w, rope, spec, None, 0)
+        grad_x, grads = backward_kept(kept, grad_y)
+        ref_x, ref = decoder_layer_backward(x, w, rope, spec, None, grad_y)
+    assert set(grads) == set(ref) == set(w)
+    assert_exact("input gradient", grad_x, ref_x, 1e-12)
+    for name, g in ref.items():
+        if name.endswith("e_score_correction_bias"):
+            assert not g.any() and not grads[name].any()
+        else:
+            assert_exact(name, grads[name], g, 1e-12)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_deepseek_layout_is_transformers_state_dict(name):
     """Every tensor of the transformers model by name and shape (the routing bias, a buffer, included; no q_proj
@@ -168,6 +195,7 @@ def test_bad_deepseek_settings_are_one_clear_error(tmp_path):
     cases = [
         (dict(model=model, finetune={"method": "lora"}), "finetune.method"),
         (dict(model=model, engine={"compile": True}), "engine.compile"),
+        (dict(model=model, finetune={"objective": "grpo"}), "finetune.objective"),
         (dict(model={**model, "output_router_logits": True}), "model.output_router_logits"),
         (dict(model={**model, "num_key_value_heads": 1}), "model.num_key_value_heads"),
         (dict(model={**model, "mlp_only_layers": [1]}), "model.mlp_only_layers"),
