@@ -226,7 +226,7 @@ class Cluster:
                 except Exception as exc:
                     log.warning("shard shutdown: %s", exc)
             for handle in [*node.gpus, *node.optimizers, *node.shards]:
-                handle.kill()
+                handle.kill() if after_failure else handle.retire()
             for spec in node.specs:  # segments of a shard that died
                 unlink_segment(spec)
             if node.placement is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from megatrain_ray import exceptions
 from megatrain_ray.config.engine_sections import RuntimeConfig
+from megatrain_ray.driver import warm_actors
 from megatrain_ray.driver.placement import numa_resources
 from megatrain_ray.driver.ray_setup import (
     agent_ports,
@@ -83,6 +84,10 @@ class LocalHandle(ActorHandle):
     def kill(self) -> None:
         self._thread.shutdown(wait=True)
 
+    def retire(self) -> None:
+        """End of a run that went well: as kill() (a kept Ray process is put back instead: KeptRayHandle)."""
+        self.kill()
+
 
 class RayFuture:
     def __init__(self, ref: Any, actor: str, method: str):
@@ -144,6 +149,20 @@ class RayHandle(ActorHandle):
         import ray
 
         ray.kill(self.actor, no_restart=True)
+
+    def retire(self) -> None:
+        self.kill()
+
+
+class KeptRayHandle(RayHandle):
+    """An actor object inside a kept process (driver/warm_actors.py): calls go through its `call`; retire()
+    gives the process back for the next run instead of ending it."""
+
+    def _send(self, method: str, *args: Any, **kwargs: Any) -> RayFuture:
+        return RayFuture(self.actor.call.remote(method, *args, **kwargs), self.name, method)
+
+    def retire(self) -> None:
+        warm_actors.give_back(self.actor, self.name)
 
 
 Handle = LocalHandle | RayHandle
@@ -280,12 +299,17 @@ def spawn(mode: str, cls: type, *args: Any, name: str, num_gpus: float = 0, ray_
 
     `ray_options` (from placement.RayPlacement.options) places it in its bundle; without them it
     asks for no CPU: Ray's CPU count is bookkeeping, not pinning, and workers pin their own cores.
+    With warm_actors.keep_actor_processes(True), an actor that asks for no GPU runs in a kept process.
     """
     if mode == "local":
         return LocalHandle(cls(*args, **kwargs), name)
     import ray
 
     options = {"num_cpus": 0, "num_gpus": num_gpus, **(ray_options or {})}
+    if warm_actors.keeping() and not options.get("num_gpus"):
+        process = warm_actors.acquire(HEALTH_GROUP)
+        process.construct.remote(cls, *args, **kwargs)
+        return KeptRayHandle(process, name, cls)
     remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)
     actor = remote_cls.options(name=name, max_restarts=0, namespace="megatrain", **options).remote(*args, **kwargs)
     return RayHandle(actor, name, cls)

@@ -1,0 +1,178 @@
+"""Warm actor processes: a finished run's CPU actor processes kept for the next run of the same driver.
+
+Each actor process of a run (HostShard, OptimizerWorker, a GPUWorker computing on the CPU) spends about
+2 s of CPU before its constructor runs: Ray's worker start and the imports of torch and the engine. A
+driver that starts several runs one after another (a sweep or a notebook in one Python process, the test
+suite) pays that for every actor of every run. With `keep_actor_processes(True)` each such actor runs inside
+an `ActorProcess`, a Ray actor that hosts one of our actor objects at a time; when the run ends normally its
+object is shut down and dropped, the process put back to its starting state (cores, memory policy, torch
+threads, log name, process group) and handed to the next run's spawn.
+
+What stays fresh: an actor that asks for a GPU (its bundle reserves the device), every actor after a
+failure (a rank may be stuck in a collective: teardown kills), and a process that does not answer its
+release within RELEASE_TIMEOUT_S. Kept processes sit outside the run's placement group (Ray would kill
+them with the group); the cores each actor pins itself to are still the plan's (placement.py). Off by
+default: a run started by the CLI is the only run of its driver.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+from typing import Any
+
+from megatrain_ray.observe.log import get_logger
+
+log = get_logger(__name__)
+
+RELEASE_TIMEOUT_S = 10.0
+ALIVE_TIMEOUT_S = 5.0
+_MPOL_DEFAULT = 0  # <numaif.h>
+
+_state: dict[str, Any] = {"on": False, "session": None, "idle": []}
+_lock = threading.Lock()
+
+
+def keep_actor_processes(on: bool = True) -> None:
+    """Keep (True) or stop keeping (False) this driver's CPU actor processes between its runs; False also
+    ends the processes kept so far."""
+    _state["on"] = bool(on)
+    if not on:
+        drain()
+
+
+def keeping() -> bool:
+    return bool(_state["on"])
+
+
+def drain() -> None:
+    """End every kept process (they are idle)."""
+    with _lock:
+        idle, _state["idle"] = _state["idle"], []
+    if idle:
+        import ray
+
+        for actor in idle:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # Ray already shut down: the processes went with it
+                pass
+
+
+class ActorProcess:
+    """The Ray actor that hosts one megatrain actor object (`construct`) at a time; `call` runs its methods
+    in this actor's single default thread, in order, as a dedicated actor would."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.instance: Any = None
+        self.init_error: BaseException | None = None
+        self._affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        self._torch_threads = torch.get_num_threads()
+
+    def alive(self) -> int:
+        return os.getpid()
+
+    def construct(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        # The megatrain log handler names the process once (observe/log.init_logger): drop the last one's.
+        root = logging.getLogger("megatrain_ray")
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        self.instance, self.init_error = None, None
+        try:
+            self.instance = cls(*args, **kwargs)
+        except BaseException as exc:  # raised again by every later call, as a failed actor's would be
+            self.init_error = exc
+            raise
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.instance is None:
+            raise self.init_error or RuntimeError(f"no actor in this process for {method}")
+        return getattr(self.instance, method)(*args, **kwargs)
+
+    def heartbeat(self) -> Any:
+        instance = self.instance
+        if instance is None:  # between runs: the process answers for itself
+            from actors.base import ActorBase  # lazy: actors/ sits above the driver; only a worker process needs it
+
+            return ActorBase().heartbeat()
+        return instance.heartbeat()
+
+    def release(self) -> int:
+        """Drop the hosted object and put the process back as it started; its pid."""
+        import torch
+
+        self.instance, self.init_error = None, None
+        gc.collect()  # the segments' maps close with the objects holding them
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if self._affinity is not None:
+            from megatrain_ray.system.topology import bind_process  # lazy: a worker process only
+
+            bind_process(self._affinity)
+        _default_memory_policy()
+        torch.set_num_threads(self._torch_threads)
+        return os.getpid()
+
+
+def _default_memory_policy() -> None:
+    """Undo an actor's preferred NUMA node (topology.bind_process), where libnuma is there to have set it."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libnuma = ctypes.CDLL(ctypes.util.find_library("numa") or "libnuma.so.1", use_errno=True)
+    except OSError:
+        return
+    libnuma.set_mempolicy(_MPOL_DEFAULT, None, ctypes.c_ulong(0))
+
+
+def _session() -> str | None:
+    """The session directory of the Ray this driver is attached to: a kept handle is good within it only."""
+    import ray
+
+    node = ray._private.worker._global_node
+    return node.get_session_dir_path() if node is not None else None
+
+
+def acquire(health_group: str) -> Any:
+    """A live idle ActorProcess of this Ray session, or a new one."""
+    import ray
+
+    session = _session()
+    with _lock:
+        if _state["session"] != session:  # Ray restarted: the kept handles name a cluster that is gone
+            _state["session"], _state["idle"] = session, []
+        idle = _state["idle"]
+        while idle:
+            actor = idle.pop()
+            try:
+                ray.get(actor.alive.remote(), timeout=ALIVE_TIMEOUT_S)
+                return actor
+            except Exception:  # killed while idle (a test's kill -9, Ray's OOM killer): start another
+                continue
+    remote_cls = ray.remote(concurrency_groups={health_group: 1})(ActorProcess)
+    return remote_cls.options(num_cpus=0, num_gpus=0, max_restarts=0, namespace="megatrain").remote()
+
+
+def give_back(actor: Any, name: str) -> None:
+    """Release `actor`'s object and keep its process for the next run; kill it if it does not answer."""
+    import ray
+
+    try:
+        ray.get(actor.release.remote(), timeout=RELEASE_TIMEOUT_S)
+    except Exception as exc:
+        log.info("%s: its process did not release (%s); ending it", name, type(exc).__name__)
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+        return
+    with _lock:
+        if _state["on"] and _state["session"] == _session():
+            _state["idle"].append(actor)
+            return
+    ray.kill(actor, no_restart=True)
