@@ -234,10 +234,34 @@ class PolicyRows:
                        total_tokens=total_tokens)
 
 
+def _tensor_bytes(t: torch.Tensor) -> tuple[Any, torch.dtype, tuple[int, ...]]:
+    """A CPU tensor as (its bytes as a numpy array, dtype, shape): pickled with protocol 5 the array is an
+    out-of-band buffer, which Ray writes to its object store and hands the receiver without a copy (a torch tensor
+    is pickled in-band: copied into the pickle, then again out of it)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy(), t.dtype, tuple(t.shape)
+
+
+def _tensor_of_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # Ray's buffers are read-only; the tensors are only read (moved to the device)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data).view(dtype).reshape(shape)
+
+
+def _image_inputs(pixels: tuple, extra: dict[str, tuple]) -> "ImageInputs":
+    return ImageInputs(_tensor_of_bytes(*pixels), {k: _tensor_of_bytes(*v) for k, v in extra.items()})
+
+
 @dataclass(frozen=True, slots=True)
 class ImageInputs:
     """The images of a batch of a vision-language model (model/vision/): the processor's output for them, in the
-    order their placeholder tokens appear in the rows (row by row), read by the model's own get_image_features."""
+    order their placeholder tokens appear in the rows (row by row), read by the model's own get_image_features.
+
+    The one bulk tensor in a message (8 images of 448x448 are 38.5 MB of float32 patches): pickled as numpy bytes,
+    so the driver's hand-over to the GPU worker through Ray copies it once, into the object store, and the worker
+    reads it there (`__reduce__`)."""
 
     pixel_values: torch.Tensor
     """As the model's processor returns them: [images, channels, height, width] (LLaVA, Gemma 3)."""
@@ -250,6 +274,9 @@ class ImageInputs:
         one row each), else pixel_values' first dimension."""
         grid = self.extra.get("image_grid_thw")
         return int(grid.shape[0]) if grid is not None else int(self.pixel_values.shape[0])
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return _image_inputs, (_tensor_bytes(self.pixel_values), {k: _tensor_bytes(v) for k, v in self.extra.items()})
 
 
 @dataclass(frozen=True, slots=True)

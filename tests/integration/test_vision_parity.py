@@ -41,6 +41,7 @@ from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
 from tests.numerics import assert_exact, assert_within_noise, relative_error  # noqa: E402
 from tests.reference_vision import (  # noqa: E402
     QWEN_FAMILIES,
+    QWEN_GRIDS,
     batch,
     build,
     exact,
@@ -257,3 +258,19 @@ def test_ray_float64_training_matches_transformers(tmp_path, ray_session):
         assert_exact(f"loss at step {step}", a, b)
     for key, value in {**{vision_module_name(k): v for k, v in text.items()}, **state}.items():
         assert_exact(key, value, ref_state[key])
+
+
+def test_image_inputs_through_rays_object_store(ray_session):
+    """The batch's images through Ray's object store (out-of-band numpy buffers, read there without a copy:
+    messages.ImageInputs.__reduce__; the object store's buffers are read-only) with every value, dtype and shape."""
+    import ray
+
+    ids, labels, pixels = batch("qwen2_5_vl", 0)
+    sent = Batch(ids, labels, images=image_inputs(pixels))
+    got = ray.get(ray.put(sent)).images
+    assert got.pixel_values.dtype == sent.images.pixel_values.dtype
+    assert torch.equal(got.pixel_values, sent.images.pixel_values)
+    assert got.extra.keys() == sent.images.extra.keys()
+    assert all(torch.equal(got.extra[k], v) for k, v in sent.images.extra.items())
+    assert got.count == len(QWEN_GRIDS)
+    assert torch.equal(got.pixel_values.to(torch.float64), sent.images.pixel_values.double())  # readable as a tensor
