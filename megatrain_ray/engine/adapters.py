@@ -25,14 +25,12 @@ import torch
 from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.model_section import ModelConfig
-from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.engine.device_adam_state import adam_step, load_adam_state, save_adam_state
 from megatrain_ray.model.lora import initial_adapters, peft_name, peft_saved_name, saved_names
-from megatrain_ray.store.safetensors_io import read_safetensors_into, write_safetensors
 
 ADAPTER_FILE = "adapters.safetensors"
 ADAPTER_STAGE = -1
 """The `stage` of the adapters' file in a checkpoint manifest (the base's stages are not saved with LoRA)."""
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class AdapterTier:
@@ -122,45 +120,18 @@ class AdapterTier:
             self.by_name[key].copy_(value)
 
     def adam_step(self) -> int:
-        state = self.optimizer.state.get(self.params[0])
-        return int(state["step"]) if state else 0
+        return adam_step(self.by_name, self.optimizer)
 
     def save(self, directory: Path, step: int) -> dict:
         """Write adapters.safetensors of a checkpoint; its manifest entry."""
-        tensors, adam_step = [(key, t.detach().cpu()) for key, t in self.by_name.items()], self.adam_step()
-        for kind in _MOMENTS:
-            for key, t in self.by_name.items():
-                state = self.optimizer.state.get(t)
-                moment = state[kind] if state else torch.zeros_like(t)
-                tensors.append((f"optimizer.{kind}.{key}", moment.detach().cpu()))
-        entry = write_safetensors(directory / ADAPTER_FILE, tensors,
-                                  {"format": "megatrain-lora/1", "step": str(step), "adam_step": str(adam_step)})
+        entry = save_adam_state(directory / ADAPTER_FILE, self.by_name, self.optimizer,
+                                {"format": "megatrain-lora/1", "step": str(step)})
         entry["stage"] = ADAPTER_STAGE
-        entry["adam_step"] = adam_step
         return entry
 
     def load(self, directory: Path, entry: dict) -> None:
         """Restore adapters, moments and AdamW's step count from a checkpoint's adapters.safetensors."""
-        targets: dict[str, torch.Tensor] = {}
-        staged: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
-        for key, t in self.by_name.items():
-            flats = {"param": torch.empty(t.shape, dtype=t.dtype),
-                     **{kind: torch.empty(t.shape, dtype=t.dtype) for kind in _MOMENTS}}
-            targets[key] = flats["param"]
-            for kind in _MOMENTS:
-                targets[f"optimizer.{kind}.{key}"] = flats[kind]
-            staged.append((t, flats))
-        path = directory / entry["path"]
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory} has no {ADAPTER_FILE}")
-        read_safetensors_into(path, targets, entry)
-        adam_step = int(entry.get("adam_step", 0))
-        self.optimizer.state.clear()
-        for t, flats in staged:
-            t.copy_(flats["param"])
-            if adam_step:
-                self.optimizer.state[t] = {"step": torch.tensor(float(adam_step)),
-                                           **{kind: flats[kind].to(self.device) for kind in _MOMENTS}}
+        load_adam_state(directory, entry, self.by_name, self.optimizer)
 
     def close(self) -> None:
         self.layers, self.params, self.saved, self.by_name = [], [], {}, {}

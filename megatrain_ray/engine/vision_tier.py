@@ -18,8 +18,8 @@ squared norm joins the step's global norm; the update (`step`) is clipped by the
 stages', or dropped with them.
 
 Checkpoints: vision.safetensors, the trained tensors by module name, their moments as
-`optimizer.exp_avg.<name>` / `optimizer.exp_avg_sq.<name>` and AdamW's step count in the metadata; the frozen
-tower is read again from model.path on resume.
+`optimizer.exp_avg.<name>` / `optimizer.exp_avg_sq.<name>` and AdamW's step count in the metadata (the file LoRA's
+adapters are saved in too: engine/device_adam_state.py); the frozen tower is read again from model.path on resume.
 """
 
 from __future__ import annotations
@@ -31,18 +31,16 @@ import torch
 
 from megatrain_ray.config.engine_sections import OptimizerConfig
 from megatrain_ray.config.hf_vision import trained_parts
-from megatrain_ray.exceptions import CheckpointError
+from megatrain_ray.engine.device_adam_state import adam_step, load_adam_state, save_adam_state
 from megatrain_ray.messages import ImageInputs
 from megatrain_ray.model.attention import ExplicitMask
 from megatrain_ray.model.vision.modules import VisionModules
 from megatrain_ray.model.vision.mrope import mrope_positions, mrope_tables
 from megatrain_ray.model.vision.splice import check_count, image_block_mask, image_positions, lookup_ids
-from megatrain_ray.store.safetensors_io import read_safetensors_into, write_safetensors
 
 VISION_FILE = "vision.safetensors"
 VISION_STAGE = -2
 """The `stage` of the vision state's file in a checkpoint manifest."""
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class VisionTier:
@@ -184,40 +182,13 @@ class VisionTier:
         return {n: t.detach().to("cpu", copy=True) for n, t in self.modules.state().items()}
 
     def adam_step(self) -> int:
-        for p in self.trained.values():
-            state = self.optimizer.state.get(p)
-            if state:
-                return int(state["step"])
-        return 0
+        return adam_step(self.trained, self.optimizer)
 
     def save(self, directory: Path, step: int) -> dict:
-        tensors = [(n, p.detach().cpu()) for n, p in self.trained.items()]
-        for kind in _MOMENTS:
-            for n, p in self.trained.items():
-                state = self.optimizer.state.get(p)
-                tensors.append((f"optimizer.{kind}.{n}", (state[kind] if state else torch.zeros_like(p)).cpu()))
-        adam_step = self.adam_step()
-        entry = write_safetensors(directory / VISION_FILE, tensors, {"format": "megatrain-vision/1", "step": str(step),
-                                                                     "adam_step": str(adam_step)})
-        entry.update(stage=VISION_STAGE, adam_step=adam_step)
+        entry = save_adam_state(directory / VISION_FILE, self.trained, self.optimizer,
+                                {"format": "megatrain-vision/1", "step": str(step)})
+        entry["stage"] = VISION_STAGE
         return entry
 
     def load(self, directory: Path, entry: dict) -> None:
-        targets, staged = {}, []
-        for n, p in self.trained.items():
-            flats = {k: torch.empty(p.shape, dtype=p.dtype) for k in ("param", *_MOMENTS)}
-            targets[n] = flats["param"]
-            targets.update({f"optimizer.{k}.{n}": flats[k] for k in _MOMENTS})
-            staged.append((p, flats))
-        path = directory / entry["path"]
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory} has no {VISION_FILE}")
-        read_safetensors_into(path, targets, entry)
-        adam_step = int(entry.get("adam_step", 0))
-        self.optimizer.state.clear()
-        with torch.no_grad():
-            for p, flats in staged:
-                p.copy_(flats["param"])
-                if adam_step:  # torch's AdamW keeps its step count as a CPU tensor, its moments on the device
-                    self.optimizer.state[p] = {"step": torch.tensor(float(adam_step)),
-                                               **{k: flats[k].to(p.device) for k in _MOMENTS}}
+        load_adam_state(directory, entry, self.trained, self.optimizer)
