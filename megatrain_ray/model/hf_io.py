@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -280,6 +280,29 @@ def checked_export(model_cfg: ModelConfig, out_dir: str | Path, dtype: str,
     return out, layout, names, torch_dtype, torch.empty((), dtype=torch_dtype).element_size()
 
 
+def write_shards(directory: Path, groups: list[list[str]], tensor_of: Callable[[str], torch.Tensor],
+                 dtype: torch.dtype) -> int:
+    """Write `groups` (_plan_shards: the names of each shard) into `directory` as a Hugging Face model's weights: one
+    model.safetensors, or model-0000k-of-0000n.safetensors and their index; each tensor `tensor_of(name)` on the CPU
+    in `dtype` (integer tensors as they are). Returns the bytes written."""
+    weight_map, total = {}, 0
+    for k, group in enumerate(groups):
+        file = SINGLE_FILE if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {}
+        for name in group:
+            tensor = tensor_of(name)
+            cast = dtype if tensor.is_floating_point() else tensor.dtype
+            shard[name] = tensor.detach().to(device="cpu", dtype=cast).contiguous()
+            weight_map[name] = file
+            total += shard[name].numel() * shard[name].element_size()
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        log.info("export: wrote %s (%d tensors, %d/%d)", file, len(group), k + 1, len(groups))
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return total
+
+
 def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path,
               source_dir: str | Path | None = None, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
     """Write a directory that transformers' AutoModelForCausalLM.from_pretrained loads.
@@ -295,24 +318,16 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
     sizes = {n: slots[n].numel * element for n in names} | {n: b.numel() * element for n, b in buffers.items()}
     names += list(buffers)
     groups = _plan_shards(names, sizes, shard_bytes)
+
+    def tensor_of(name: str) -> torch.Tensor:
+        tensor = buffers[name] if name in buffers else tensors[name]
+        if name not in buffers and tuple(tensor.shape) != slots[name].shape:
+            raise CheckpointError(f"cannot export {name!r}: shape {list(tensor.shape)}, model needs "
+                                  f"{list(slots[name].shape)}")
+        return tensor.to(torch_dtype)  # every tensor of a text model in the export's dtype, as before
+
     with atomic_directory(out, CheckpointError, "export directory") as tmp:
-        weight_map, total = {}, 0
-        for k, group in enumerate(groups):
-            file = SINGLE_FILE if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-            shard = {}
-            for name in group:
-                tensor = buffers[name] if name in buffers else tensors[name]
-                if name not in buffers and tuple(tensor.shape) != slots[name].shape:
-                    raise CheckpointError(f"cannot export {name!r}: shape {list(tensor.shape)}, model needs "
-                                          f"{list(slots[name].shape)}")
-                shard[name] = tensor.detach().to(device="cpu", dtype=torch_dtype).contiguous()
-                weight_map[name] = file
-                total += shard[name].numel() * element
-            save_file(shard, str(tmp / file), metadata={"format": "pt"})
-            log.info("export: wrote %s (%d tensors, %d/%d)", file, len(group), k + 1, len(groups))
-        if len(groups) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        total = write_shards(tmp, groups, tensor_of, torch_dtype)
         hf = read_hf_config(source_dir) if source_dir and (Path(source_dir) / "config.json").is_file() else {}
         hf = text_part(hf)  # a multimodal Qwen3.5 source: the text model is what was trained and is written
         if model_cfg.template == "generic":  # the model's own config.json: its class and every key as it was

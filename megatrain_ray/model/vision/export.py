@@ -16,12 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from megatrain_ray.config.hf import read_hf_config
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.exceptions import CheckpointError
-from megatrain_ray.model.hf_io import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, _plan_shards, checked_export
+from megatrain_ray.model.hf_io import TOKENIZER_FILES, _plan_shards, checked_export, write_shards
 from megatrain_ray.model.vision.names import vision_module_name
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory
@@ -42,25 +41,17 @@ def export_vision_hf(text: Mapping[str, torch.Tensor], vision: Mapping[str, torc
     sizes = {n: (vision[src].numel() if where == "vision" else torch.Size(shapes[src]).numel()) * element
              for n, (where, src) in plan.items()}
     groups = _plan_shards(list(plan), sizes, shard_bytes)
+
+    def tensor_of(name: str) -> torch.Tensor:
+        where, src = plan[name]
+        tensor = vision[src] if where == "vision" else text[src]
+        if where == "text" and tuple(tensor.shape) != shapes[src]:
+            raise CheckpointError(f"cannot export {src!r}: shape {list(tensor.shape)}, model needs "
+                                  f"{list(shapes[src])}")
+        return tensor
+
     with atomic_directory(out, CheckpointError, "export directory") as tmp:
-        weight_map, total = {}, 0
-        for k, group in enumerate(groups):
-            file = SINGLE_FILE if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-            shard = {}
-            for name in group:
-                where, src = plan[name]
-                tensor = vision[src] if where == "vision" else text[src]
-                if where == "text" and tuple(tensor.shape) != shapes[src]:
-                    raise CheckpointError(f"cannot export {src!r}: shape {list(tensor.shape)}, model needs "
-                                          f"{list(shapes[src])}")
-                cast = torch_dtype if tensor.is_floating_point() else tensor.dtype
-                shard[name] = tensor.detach().to(device="cpu", dtype=cast).contiguous()
-                weight_map[name] = file
-                total += shard[name].numel() * shard[name].element_size()
-            save_file(shard, str(tmp / file), metadata={"format": "pt"})
-        if len(groups) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        total = write_shards(tmp, groups, tensor_of, torch_dtype)
         hf = read_hf_config(source)
         hf.pop("quantization_config", None)
         hf.update(dtype=dtype, torch_dtype=dtype)
