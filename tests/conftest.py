@@ -112,8 +112,9 @@ def _shared_ray() -> Iterator[dict]:
 @pytest.fixture(scope="module")
 def ray_session(_shared_ray):
     """A private local Ray for the module's tests (the suite's shared one). Its runs keep their CPU actor
-    processes for the next run (driver/warm_actors.py): some 2 s of CPU saved per actor; a module that needs
-    fresh processes asks for `fresh_actor_processes`."""
+    processes for the next run, of this module or of a later one on the same Ray (driver/warm_actors.py): some 2 s
+    of CPU saved per actor start. Between such modules the kept processes wait; runs of other modules start
+    their actors fresh."""
     import ray
 
     from megatrain_ray.config.engine_sections import RuntimeConfig
@@ -124,18 +125,7 @@ def ray_session(_shared_ray):
         _shared_ray["started"] |= bool(start_ray(RuntimeConfig(dashboard=False, object_store_mb=128)))
     warm_actors.keep_actor_processes(True)
     yield
-    warm_actors.keep_actor_processes(False)
-
-
-@pytest.fixture
-def fresh_actor_processes():
-    """This test's actors start in processes of their own, as a CLI run's do (no kept process)."""
-    from megatrain_ray.driver import warm_actors
-
-    was = warm_actors.keeping()
-    warm_actors.keep_actor_processes(False)
-    yield
-    warm_actors.keep_actor_processes(was)
+    warm_actors.keep_actor_processes(False, end_kept=False)
 
 
 @pytest.fixture(scope="session")

@@ -306,7 +306,7 @@ def spawn(mode: str, cls: type, *args: Any, name: str, num_gpus: float = 0, ray_
     import ray
 
     options = {"num_cpus": 0, "num_gpus": num_gpus, **(ray_options or {})}
-    if warm_actors.keeping() and not options.get("num_gpus"):
+    if not options.get("num_gpus") and warm_actors.usable():
         process = warm_actors.acquire(HEALTH_GROUP)
         process.construct.remote(cls, *args, **kwargs)
         return KeptRayHandle(process, name, cls)

@@ -184,8 +184,9 @@ class Trainer(RunTensors, ClusterView):
         truncate_metrics(path, self.next_step)
         self._metrics = MetricsWriter(path, self._exporter, self._tracking)
 
-    def close(self) -> None:
-        """Finish a checkpoint in flight, stop the actors, remove the segments (also after errors)."""
+    def close(self, failed: bool = False) -> None:
+        """Finish a checkpoint in flight, stop the actors, remove the segments (also after errors). `failed`: the
+        run ended on an error, so its actors are killed (none is kept for a later run: driver/warm_actors.py)."""
         try:
             if self.saver.in_flight is not None and self.shards:
                 try:
@@ -194,7 +195,7 @@ class Trainer(RunTensors, ClusterView):
                     log.warning("the checkpoint in flight could not be completed: %s", exc)
         finally:
             self.saver.in_flight = None
-            self.cluster.teardown()
+            self.cluster.teardown(after_failure=failed or self._outcome == "killed")
             if self._metrics:
                 self._metrics.close()
                 self._metrics = None
@@ -218,7 +219,7 @@ class Trainer(RunTensors, ClusterView):
             raise
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
     # ------------------------------------------------------------------ steps
 

@@ -8,8 +8,8 @@ an `ActorProcess`, a Ray actor that hosts one of our actor objects at a time; wh
 object is shut down and dropped, the process put back to its starting state (cores, memory policy, torch
 threads, log name, process group) and handed to the next run's spawn.
 
-What stays fresh: an actor that asks for a GPU (its bundle reserves the device), every actor after a
-failure (a rank may be stuck in a collective: teardown kills), and a process that does not answer its
+What stays fresh: an actor that asks for a GPU (its bundle reserves the device), every actor of a cluster of
+several nodes (the placement group puts each actor on its node), every actor after a failure (a rank may be stuck in a collective: teardown kills), and a process that does not answer its
 release within RELEASE_TIMEOUT_S. Kept processes sit outside the run's placement group (Ray would kill
 them with the group); the cores each actor pins itself to are still the plan's (placement.py). Off by
 default: a run started by the CLI is the only run of its driver.
@@ -28,6 +28,7 @@ from megatrain_ray.observe.log import get_logger
 log = get_logger(__name__)
 
 RELEASE_TIMEOUT_S = 10.0
+MAX_KEPT = 16  # idle processes (each ~0.3 GiB with torch imported); the largest run of the suite has 12 actors
 ALIVE_TIMEOUT_S = 5.0
 _MPOL_DEFAULT = 0  # <numaif.h>
 
@@ -35,11 +36,11 @@ _state: dict[str, Any] = {"on": False, "session": None, "idle": []}
 _lock = threading.Lock()
 
 
-def keep_actor_processes(on: bool = True) -> None:
-    """Keep (True) or stop keeping (False) this driver's CPU actor processes between its runs; False also
-    ends the processes kept so far."""
+def keep_actor_processes(on: bool = True, end_kept: bool = True) -> None:
+    """Keep (True) or stop keeping (False) this driver's CPU actor processes between its runs; False also ends
+    the processes kept so far unless `end_kept` is False (they then wait, idle, for keeping to resume)."""
     _state["on"] = bool(on)
-    if not on:
+    if not on and end_kept:
         drain()
 
 
@@ -48,16 +49,18 @@ def keeping() -> bool:
 
 
 def drain() -> None:
-    """End every kept process (they are idle)."""
+    """End every kept process (they are idle). Handles of a Ray that has shut down are only forgotten: any call
+    on them would start a new, default Ray (Ray's auto-init)."""
     with _lock:
         idle, _state["idle"] = _state["idle"], []
-    if idle:
+        session = _state["session"]
+    if idle and _connected_to(session):
         import ray
 
         for actor in idle:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception:  # Ray already shut down: the processes went with it
+            except Exception:  # already gone
                 pass
 
 
@@ -95,6 +98,8 @@ class ActorProcess:
 
     def heartbeat(self) -> Any:
         instance = self.instance
+        if self.init_error is not None:  # a dedicated actor whose constructor raised is dead: so is this one's heartbeat
+            raise self.init_error
         if instance is None:  # between runs: the process answers for itself
             from actors.base import ActorBase  # lazy: actors/ sits above the driver; only a worker process needs it
 
@@ -131,11 +136,32 @@ def _default_memory_policy() -> None:
 
 
 def _session() -> str | None:
-    """The session directory of the Ray this driver is attached to: a kept handle is good within it only."""
+    """The session directory of the Ray this driver is attached to (None: not attached): a kept handle is good
+    within it only."""
     import ray
 
+    if not ray.is_initialized():
+        return None
     node = ray._private.worker._global_node
     return node.get_session_dir_path() if node is not None else None
+
+
+def _connected_to(session: str | None) -> bool:
+    return session is not None and _session() == session
+
+
+def usable() -> bool:
+    """Keeping is on and the cluster is one node: a kept process sits outside the run's placement group, which on
+    several nodes is what puts each actor on its node."""
+    if not _state["on"]:
+        return False
+    import ray
+
+    session = _session()
+    if _state.get("single_node_session") != session:
+        _state["single_node"] = sum(1 for node in ray.nodes() if node.get("Alive")) == 1
+        _state["single_node_session"] = session
+    return bool(_state["single_node"])
 
 
 def acquire(health_group: str) -> Any:
@@ -162,6 +188,8 @@ def give_back(actor: Any, name: str) -> None:
     """Release `actor`'s object and keep its process for the next run; kill it if it does not answer."""
     import ray
 
+    if not _connected_to(_state["session"]):  # Ray shut down: the process went with it
+        return
     try:
         ray.get(actor.release.remote(), timeout=RELEASE_TIMEOUT_S)
     except Exception as exc:
@@ -172,7 +200,7 @@ def give_back(actor: Any, name: str) -> None:
             pass
         return
     with _lock:
-        if _state["on"] and _state["session"] == _session():
+        if _state["on"] and _state["session"] == _session() and len(_state["idle"]) < MAX_KEPT:
             _state["idle"].append(actor)
             return
     ray.kill(actor, no_restart=True)
