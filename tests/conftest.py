@@ -241,6 +241,19 @@ def prepared_data(root: Path, vocab: int = 96) -> Path:
     return root
 
 
+def train_from_hf_weights(cfg, model):
+    """`cfg.train.steps` steps of a Trainer that starts from transformers `model`'s weights; returns (the initial
+    weights, the batches, the step records, the final weights) for a parity test to replay in transformers."""
+    from megatrain_ray.driver.trainer import Trainer
+
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        initial = trainer.master_weights()
+        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
+        records = [trainer.step(s) for s in range(cfg.train.steps)]
+        return initial, batches, records, trainer.master_weights()
+
+
 def interrupted_and_resumed(cfg, stop_after: int, every: int, read):
     """Run `cfg` for `stop_after` steps with a checkpoint every `every` steps, as a run cut short; then resume
     from its last checkpoint (resume="auto") and train to the end. Returns (the step it resumed at,

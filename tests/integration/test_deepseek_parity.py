@@ -36,7 +36,7 @@ transformers = pytest.importorskip("transformers")
 from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.model.sigmoid_router import BIAS  # noqa: E402
-from tests.conftest import learnable_tokens, one_thread, tiny_config, tiny_raw  # noqa: E402
+from tests.conftest import learnable_tokens, one_thread, tiny_config, tiny_raw, train_from_hf_weights  # noqa: E402
 from tests.integration.test_padding_row import padded_tokens  # noqa: E402
 from tests.integration.test_phi3_parity import assert_float64_run  # noqa: E402
 from tests.numerics import EXACT, assert_exact, assert_within_noise, relative_error  # noqa: E402
@@ -59,12 +59,7 @@ def run_both(tmp_path, model, steps: int = 20, data: dict | None = None, optimiz
                       precision={"master_dtype": "float64", "compute_dtype": "float64"}, train={"steps": steps},
                       optimizer={"workers": 2, "lr": LR, **(optimizer or {})}, engine=engine or {})
     assert cfg.model.family == mcfg.family
-    with Trainer(cfg) as trainer:
-        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
-        initial = trainer.master_weights()
-        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
-        records = [trainer.step(s) for s in range(cfg.train.steps)]
-        final = trainer.master_weights()
+    initial, batches, records, final = train_from_hf_weights(cfg, model)
     assert not any("aux_loss" in r for r in records)
     assert set(initial) == set(model.state_dict())
     ref_losses, ref_state = train_hf(float64_deepseek(model), cfg, initial, batches, torch.float64)

@@ -35,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
-from tests.conftest import learnable_tokens, one_thread, tiny_config, tiny_raw  # noqa: E402
+from tests.conftest import learnable_tokens, one_thread, tiny_config, tiny_raw, train_from_hf_weights  # noqa: E402
 from tests.integration.test_phi3_parity import assert_float64_run  # noqa: E402
 from tests.numerics import EXACT, assert_within_noise  # noqa: E402
 from tests.reference_hf import train_export_and_reload, train_hf  # noqa: E402
@@ -53,12 +53,7 @@ def run_both(tmp_path, model, aux: bool, engine: dict | None = None):
     cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": SEQ_LEN, "batch_size": 1},
                       precision={"master_dtype": "float64", "compute_dtype": "float64"},
                       optimizer={"workers": 2, "lr": LR}, engine=engine or {})
-    with Trainer(cfg) as trainer:
-        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
-        initial = trainer.master_weights()
-        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
-        records = [trainer.step(s) for s in range(cfg.train.steps)]
-        final = trainer.master_weights()
+    initial, batches, records, final = train_from_hf_weights(cfg, model)
     assert all(("aux_loss" in r) == aux for r in records)
     tied = {"lm_head.weight"} if mcfg.tie_word_embeddings else set()
     assert set(initial) == set(model.state_dict()) - tied

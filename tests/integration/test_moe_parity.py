@@ -46,7 +46,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain_ray.config.hf import model_config_from_hf  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
-from tests.conftest import one_thread, tiny_config  # noqa: E402
+from tests.conftest import one_thread, tiny_config, train_from_hf_weights  # noqa: E402
 from tests.integration.test_phi3_parity import assert_float32_parity, assert_float64_run  # noqa: E402
 from tests.numerics import EXACT, assert_within_noise, reference_in_both, relative_error  # noqa: E402
 from tests.reference_cache import ReferenceRuns  # noqa: E402
@@ -90,12 +90,7 @@ def _run_engine(tmp_path, model, name: str, dtype: str, **sections):
     sections["optimizer"] = {"lr": LR.get(name, 1e-3), **sections.get("optimizer", {})}
     cfg = tiny_config(tmp_path, model=dataclasses.asdict(mcfg), data={"seq_len": 24}, precision=precision,
                       **sections)
-    with Trainer(cfg) as trainer:
-        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
-        initial = trainer.master_weights()
-        batches = [trainer.data.tokens_of(s) for s in range(cfg.train.steps)]
-        records = [trainer.step(s) for s in range(cfg.train.steps)]
-        final = trainer.master_weights()
+    initial, batches, records, final = train_from_hf_weights(cfg, model)
     tied = {"lm_head.weight"} if mcfg.tie_word_embeddings else set()
     assert set(initial) == set(model.state_dict()) - tied  # transformers 5's names, experts fused
     assert all(("aux_loss" in r) == aux for r in records)
