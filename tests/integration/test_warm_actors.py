@@ -18,7 +18,7 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.ray
 
 
-def _run(tmp_path, name: str, steps: int = 4) -> tuple[list[float], dict[str, int], dict]:
+def _run(tmp_path, name: str, steps: int = 2) -> tuple[list[float], dict[str, int], dict]:
     cfg = tiny_config(tmp_path / name, optimizer={"workers": 2}, train={"steps": steps},
                      schedule={"warmup_steps": 0}, runtime={"mode": "ray"})
     with Trainer(cfg) as trainer:
