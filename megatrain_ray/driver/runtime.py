@@ -61,6 +61,10 @@ class ActorHandle(ABC):
                                  f"has no method {method!r}")
         return functools.partial(self._send, method)
 
+    def retire(self) -> None:
+        """End of a run that went well: as kill() (a kept Ray process is put back instead: KeptRayHandle)."""
+        self.kill()
+
     @abstractmethod
     def _send(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Start `method` on the actor; a future of its result."""
@@ -83,10 +87,6 @@ class LocalHandle(ActorHandle):
 
     def kill(self) -> None:
         self._thread.shutdown(wait=True)
-
-    def retire(self) -> None:
-        """End of a run that went well: as kill() (a kept Ray process is put back instead: KeptRayHandle)."""
-        self.kill()
 
 
 class RayFuture:
@@ -149,9 +149,6 @@ class RayHandle(ActorHandle):
         import ray
 
         ray.kill(self.actor, no_restart=True)
-
-    def retire(self) -> None:
-        self.kill()
 
 
 class KeptRayHandle(RayHandle):

@@ -9,8 +9,8 @@ object is shut down and dropped, the process put back to its starting state (cor
 threads, log name, process group) and handed to the next run's spawn.
 
 What stays fresh: an actor that asks for a GPU (its bundle reserves the device), every actor of a cluster of
-several nodes (the placement group puts each actor on its node), every actor after a failure (a rank may be stuck in a collective: teardown kills), and a process that does not answer its
-release within RELEASE_TIMEOUT_S. Kept processes sit outside the run's placement group (Ray would kill
+several nodes (the placement group puts each actor on its node), every actor after a failure (a rank may be
+stuck in a collective: teardown kills), and a process that does not answer its release within RELEASE_TIMEOUT_S. Kept processes sit outside the run's placement group (Ray would kill
 them with the group); the cores each actor pins itself to are still the plan's (placement.py). Off by
 default: a run started by the CLI is the only run of its driver.
 """
@@ -30,7 +30,6 @@ log = get_logger(__name__)
 RELEASE_TIMEOUT_S = 10.0
 MAX_KEPT = 16  # idle processes (each ~0.3 GiB with torch imported); the largest run of the suite has 12 actors
 ALIVE_TIMEOUT_S = 5.0
-_MPOL_DEFAULT = 0  # <numaif.h>
 
 _state: dict[str, Any] = {"on": False, "session": None, "idle": []}
 _lock = threading.Lock()
@@ -114,25 +113,13 @@ class ActorProcess:
         gc.collect()  # the segments' maps close with the objects holding them
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        if self._affinity is not None:
-            from megatrain_ray.system.topology import bind_process  # lazy: a worker process only
+        from megatrain_ray.system.topology import bind_process, default_memory_policy  # lazy: a worker process only
 
+        if self._affinity is not None:
             bind_process(self._affinity)
-        _default_memory_policy()
+        default_memory_policy()
         torch.set_num_threads(self._torch_threads)
         return os.getpid()
-
-
-def _default_memory_policy() -> None:
-    """Undo an actor's preferred NUMA node (topology.bind_process), where libnuma is there to have set it."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libnuma = ctypes.CDLL(ctypes.util.find_library("numa") or "libnuma.so.1", use_errno=True)
-    except OSError:
-        return
-    libnuma.set_mempolicy(_MPOL_DEFAULT, None, ctypes.c_ulong(0))
 
 
 def _session() -> str | None:

@@ -306,7 +306,28 @@ def move_thread(cores: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return before
 
 
+MPOL_DEFAULT = 0  # from <numaif.h>: the kernel's default, local allocation
 MPOL_PREFERRED = 1  # from <numaif.h>: allocate on the node, spill to others when it is full
+
+
+def _libnuma():
+    """libnuma through ctypes, or None where it is not installed."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("numa") or "libnuma.so.1", use_errno=True)
+    except OSError:
+        return None
+
+
+def default_memory_policy() -> None:
+    """Undo bind_process's preferred node for the calling thread (a kept actor process between runs)."""
+    import ctypes
+
+    libnuma = _libnuma()
+    if libnuma is not None:
+        libnuma.set_mempolicy(MPOL_DEFAULT, None, ctypes.c_ulong(0))
 
 
 def bind_process(cores: tuple[int, ...] | list[int], node: int | None = None) -> str:
@@ -329,12 +350,9 @@ def bind_process(cores: tuple[int, ...] | list[int], node: int | None = None) ->
     if node is None:
         return "no memory policy"
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("numa") or "libnuma.so.1"
-    try:
-        libnuma = ctypes.CDLL(name, use_errno=True)
-    except OSError:
+    libnuma = _libnuma()
+    if libnuma is None:
         return f"first touch on node {node} (libnuma not found)"
     mask = (ctypes.c_ulong * 16)()  # 1024 nodes
     mask[node // 64] = 1 << (node % 64)
