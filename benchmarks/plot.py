@@ -2,10 +2,13 @@
 
     python benchmarks/plot.py benchmarks/results/bench-h200-....json [more.json ...]
     python benchmarks/plot.py --combine benchmarks/results/NAME a.json b.json ...   # one plot of several files
+    python benchmarks/plot.py --smooth 20 benchmarks/results/lean-pretrain-....json   # loss curves, 20-step mean
 
 For each file: <name>-throughput.png (tok/s against tokens per step, one line per system, at
 each depth), <name>-depth.png (model TFLOPS against depth, when several depths ran) and
-<name>.md (the table the README quotes).
+<name>.md (the table the README quotes). A file of loss curves (a "runs" object of runs with "losses":
+benchmarks/lean_convergence.py, benchmarks/lean_pretrain.py) gets <name>-loss.png instead: each run's loss
+against step (a moving average over --smooth steps where that is more than 1, with the raw losses faint).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatrain_ray.observe.plot import Line, line_chart
+from megatrain_ray.observe.plot import Line, line_chart, pyplot
 
 COLORS = {"megatrain": "tab:blue", "megatrain-noclip": "tab:cyan", "megatrain-compile": "tab:purple",
           "megatrain-noclip-compile": "tab:pink", "megatrain-eager": "tab:olive", "megatrain-noclip-eager": "tab:brown",
@@ -93,7 +96,45 @@ def combine(paths: list[Path]) -> dict:
     return merged
 
 
-def write(result: dict, stem: Path) -> None:
+def loss_plot(result: dict, path: Path, smooth: int) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    spare = iter(("tab:blue", "tab:red", "tab:green", *SPARE))
+    for name, run in result["runs"].items():
+        losses, color = run["losses"], next(spare)
+        window = max(1, min(smooth, len(losses)))
+        if window > 1:
+            ax.plot(range(len(losses)), losses, color=color, alpha=0.18, linewidth=0.6)
+        averaged = [sum(losses[i + 1 - window:i + 1]) / window for i in range(window - 1, len(losses))]
+        ax.plot(range(window - 1, len(losses)), averaged, color=color, linewidth=1.4,
+                label=name + (f" ({window}-step mean)" if window > 1 else ""))
+    summary = result.get("summary", {})
+    title = f"{result.get('model') or _shape(result)} on {result['device']}"
+    if "final_ratio" in summary:
+        title += (f"\nlast {summary['tail']} steps: full {summary['final_full']:.4f}, lean {summary['final_lean']:.4f}"
+                  f" (lean/full {summary['final_ratio']:.4f})")
+    ax.set(xlabel="step", ylabel="training loss" + (" (nats per byte)" if "bytes" in str(result.get("vocab")) else ""),
+           title=title)
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def _shape(result: dict) -> str:
+    shape = result.get("shape", {})
+    params = next((r["params"] for r in result["runs"].values() if "params" in r), None)
+    size = f"{params / 1e9:.2f} B-param " if params else ""
+    return f"{size}Llama ({shape.get('layers')} x {shape.get('hidden')})" if shape else "loss"
+
+
+def write(result: dict, stem: Path, smooth: int = 1) -> None:
+    if "runs" in result:
+        loss_plot(result, stem.with_name(stem.name + "-loss.png"), smooth)
+        return
     throughput_plot(result, stem.with_name(stem.name + "-throughput.png"))
     depth_plot(result, stem.with_name(stem.name + "-depth.png"))
     text = table(result)
@@ -107,9 +148,12 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--combine"]:
         write(combine([Path(p) for p in argv[2:]]), Path(argv[1]))
         return 0
+    smooth = 1
+    if argv[:1] == ["--smooth"]:
+        smooth, argv = int(argv[1]), argv[2:]
     for name in argv:
         path = Path(name)
-        write(json.loads(path.read_text()), path.with_suffix(""))
+        write(json.loads(path.read_text()), path.with_suffix(""), smooth)
     return 0
 
 

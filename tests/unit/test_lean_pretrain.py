@@ -1,0 +1,28 @@
+"""benchmarks/lean_pretrain.py's comparison of the full and lean runs (off the GPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.lean_pretrain import summary
+
+
+def test_final_losses_are_the_tail_means_of_the_steps_both_runs_reached():
+    full = [5.0, 4.0, 3.0, 2.0, 1.0]
+    lean = [5.0, 4.0, 3.3, 2.2]  # cut one step short: only the first 4 steps are compared
+    got = summary({"full": {"losses": full}, "lean": {"losses": lean}}, tail=2)
+    assert got["steps_compared"] == 4 and got["tail"] == 2
+    assert got["final_full"] == pytest.approx(2.5) and got["final_lean"] == pytest.approx(2.75)
+    assert got["final_ratio"] == pytest.approx(1.1)
+    assert got["last_ratio"] == pytest.approx(1.1)
+    assert got["per_100_steps_rel_diff"] == []  # fewer than 100 steps: no window
+
+
+def test_windows_of_100_steps_and_a_tail_longer_than_the_runs():
+    full = [2.0] * 250
+    lean = [2.0] * 100 + [2.2] * 150
+    got = summary({"full": {"losses": full}, "lean": {"losses": lean}}, tail=1000)
+    assert got["tail"] == 250 and got["final_ratio"] == pytest.approx((100 * 2.0 + 150 * 2.2) / 500)
+    assert [w["from_step"] for w in got["per_100_steps_rel_diff"]] == [0, 100]
+    assert [w["lean_over_full_minus_1"] for w in got["per_100_steps_rel_diff"]] == pytest.approx([0.0, 0.1])
+    assert summary({"full": {"losses": []}, "lean": {"losses": [1.0]}}, tail=10) == {"steps_compared": 0}
