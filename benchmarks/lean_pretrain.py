@@ -1,6 +1,6 @@
 """Pre-training from random init on real text with the full and the lean optimizer state (issue 46's convergence
-at scale): a Llama shape (default 0.34 B parameters: 20 layers of 1024, MLP 4096) trained byte-level on the Python standard library's source,
-the same initialisation and batches in both runs, every step's loss of each.
+at scale): a Llama shape (default 0.34 B parameters: 20 layers of width 1024, MLP 4096) trained byte-level on the
+Python standard library's source, the same initialisation and batches in both runs, every step's loss of each.
 
     python benchmarks/lean_pretrain.py [--steps 2000] [--layers 20] [--full-cores 15] [--out DIR]
 
