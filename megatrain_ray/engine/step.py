@@ -49,6 +49,7 @@ from megatrain_ray.engine.forward_only import ForwardOnlyPasses
 from megatrain_ray.engine.grads import GradientSink
 from megatrain_ray.engine.kept_graphs import KeptLayer, forward_kept
 from megatrain_ray.engine.resident import ResidentTier
+from megatrain_ray.engine.resident_update import resident_update_function
 from megatrain_ray.engine.rollout.passes import RolloutPasses
 from megatrain_ray.engine.rope_cache import RopeCache
 from megatrain_ray.engine.router_aux import RouterAux
@@ -137,7 +138,9 @@ class StreamEngine(BackwardPasses, ForwardOnlyPasses, RolloutPasses):
         # frozen base keeps only its weights on the device (engine/resident_base.py, the LoRA engine's).
         self.resident = ResidentTier(layout, 0 if run.frozen_base else run.resident_layers, optimizer, device,
                                      TORCH_DTYPES[run.master_dtype], stream_dtype, self.compute_dtype,
-                                     host_grad_dtype, poison, vocab=run.resident_vocab and not run.frozen_base)
+                                     host_grad_dtype, poison, vocab=run.resident_vocab and not run.frozen_base,
+                                     fused=resident_update_function(device, run.device_compiles,
+                                                                    TORCH_DTYPES[run.master_dtype], fall_back))
         # Resident layers whose forward keeps its graph (engine/kept_graphs.py), by position; this step's graphs.
         self.kept_positions = {s.index - 1 for s in layout.kept_stages(run.resident_layers, run.kept_layers)} \
             if not run.frozen_base and self.generic is None else set()

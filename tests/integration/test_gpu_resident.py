@@ -96,6 +96,25 @@ def test_every_stage_resident_with_kept_graphs_trains_exactly_like_the_streamed_
     assert {(r["h2d_bytes"], r["d2h_bytes"]) for r in resident[1]} == {(0, 0)}
 
 
+def test_the_one_pass_update_trains_exactly_like_the_streamed_run_in_float64(tmp_path, streamed64, monkeypatch):
+    """engine/resident_update.adamw_span in the tier (what a GPU that compiles runs, through torch.compile), here
+    eagerly on the CPU in float64 with clipping on: every stage resident, the run is the streamed one's to
+    rounding."""
+    import megatrain_ray.engine.step as step_module
+    from megatrain_ray.engine.resident_update import adamw_span
+
+    updated = []
+
+    def one_pass(master, *args):
+        updated.append(master.numel())
+        adamw_span(master, *args)
+    monkeypatch.setattr(step_module, "resident_update_function", lambda *args: one_pass)
+    resident = train(tiny_config(tmp_path / "all", engine={"gpu_resident": "all"}, train={"steps": 10},
+                                 optimizer={"grad_clip": 1.0}, precision=FLOAT64))
+    assert sum(updated) == 10 * sum(stage.numel for stage in resident[0].layout.stages)  # every update took it
+    assert_same_run(resident, streamed64(1.0), rel=1e-12)
+
+
 def test_passes_without_gradients_read_the_resident_embedding_and_head(tmp_path):
     """Logits after two steps with every stage resident are the streamed run's, bit for bit (float64)."""
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
