@@ -57,8 +57,9 @@ VARIANTS = {"megatrain-noclip": ("megatrain", ["optimizer.grad_clip=0"]),
             "megatrain-lora-resident": ("megatrain", ["finetune.method=lora", "precision.stream_dtype=auto",
                                                       "engine.gpu_resident=auto"])}
 """benchmarks/run.py's variants: a system run with extra config overrides (the row keeps the variant's name)."""
-RESIDENT_SYSTEMS = ("resident", "resident-compile")
-"""The GPU-resident baselines of benchmarks/run.py; ratios are over the faster of them."""
+RESIDENT_SYSTEMS = ("resident", "resident-compile", "resident-compile-ckpt")
+"""The GPU-resident baselines of benchmarks/run.py (and benchmarks/vision_bench.py's resident-compile-ckpt: always with
+activation checkpointing); ratios are over the fastest of them."""
 LORA_RESIDENT_SYSTEMS = ("peft-resident", "peft-resident-compile")
 """The GPU-resident LoRA baselines (benchmarks/lora.py); a LoRA row's ratios are over the faster of them."""
 STREAMED_SYSTEM = "megatrain-streamed"

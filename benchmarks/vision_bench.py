@@ -26,6 +26,8 @@ Systems (each point in a process of its own, as benchmarks/run.py runs them):
   activation kept runs out of GPU memory (benchmarks/common.py compiled_resident_run; without it is the faster where
   both fit). The row's `checkpointing` says which. Its tower runs transformers' own attention: SDPA once per
   window (transformers' path without flash-attn, which the GPU machine does not have).
+- resident-compile-ckpt: resident-compile always with activation checkpointing (the other half of the issue's
+  "best of with and without checkpointing" where both fit; vs_resident is over the faster row of the point).
 - resident-compile-segments: the same with the tower's attention through megatrain's segment attention
   (megatrain_ray/model/vision/attention.py: one SDPA call per window length), megatrain's own tower path: what of
   megatrain's lead over resident-compile is that alone (vs_resident_segments).

@@ -14,7 +14,7 @@ from benchmarks.run import RESULT_TAG
 from benchmarks.vision_shape import batches_of, random_model, vl_config
 
 MEGATRAIN_SYSTEMS = {"megatrain": ["engine.gpu_resident=auto"], "megatrain-streamed": ["engine.gpu_resident=none"]}
-BASELINES = ("resident-compile", "resident-compile-segments", "deepspeed")
+BASELINES = ("resident-compile", "resident-compile-ckpt", "resident-compile-segments", "deepspeed")
 
 
 
@@ -95,9 +95,11 @@ def freeze_tower(model) -> None:
         p.requires_grad_(name.startswith("merger."))
 
 
-def run_resident_compile(spec: dict, segments: bool = False) -> list[dict]:
+def run_resident_compile(spec: dict, segments: bool = False, checkpointing: bool | None = None) -> list[dict]:
     """`segments`: the tower's attention through megatrain's one SDPA call per segment length
-    (model/vision/attention.py) instead of transformers' one per window: what of megatrain's speed is that alone."""
+    (model/vision/attention.py) instead of transformers' one per window: what of megatrain's speed is that alone.
+    `checkpointing` None: compiled_resident_run's rule (without, and with only when that runs out of memory); True:
+    always with activation checkpointing (resident-compile-ckpt: the other half of "best of with and without")."""
     import torch
 
     from megatrain_ray.config.load import load_config
@@ -132,8 +134,13 @@ def run_resident_compile(spec: dict, segments: bool = False) -> list[dict]:
 
     rows = []
     for tokens in spec["token_counts"]:
-        row, checkpointing, model = compiled_resident_run(build, lambda step: timed_vision_steps(spec, tokens, step))
-        row.update(compiled=True, checkpointing=checkpointing, tower_attention="segments" if segments else "per window",
+        timed = lambda step: timed_vision_steps(spec, tokens, step)  # noqa: E731
+        if checkpointing:
+            model, train_step = build(True)
+            row, used = timed(train_step), True
+        else:
+            row, used, model = compiled_resident_run(build, timed)
+        row.update(compiled=True, checkpointing=used, tower_attention="segments" if segments else "per window",
                    precision="bf16 weights, bf16 AdamW states (torch fused AdamW on the GPU)")
         emit(row)
         rows.append(row)
@@ -198,6 +205,7 @@ def child(system: str, spec: dict) -> None:
             emit(run_megatrain_vision({**spec, "overrides": [*spec["overrides"], *MEGATRAIN_SYSTEMS[system]]}))
         else:
             {"resident-compile": run_resident_compile, "deepspeed": run_deepspeed,
+             "resident-compile-ckpt": lambda s: run_resident_compile(s, checkpointing=True),
              "resident-compile-segments": lambda s: run_resident_compile(s, segments=True)}[system](spec)
     except Exception as exc:  # noqa: BLE001 - a failed point is a result too
         text = f"{type(exc).__name__}: {exc}"
