@@ -269,6 +269,18 @@ class EngineConfig:
     CPU. With finetune.method=lora the base is read where training keeps it (engine.gpu_resident) and the adapters
     where they live."""
 
+    rollout_lora: Literal["merged", "adapters"] = "merged"
+    """How the rollout applies LoRA adapters when every base layer is GPU-resident and dense (engine.gpu_resident
+    all, no NF4 base, no mixture of experts). merged: before each generation every adapter is folded into its
+    resident base matrix in place, W + scaling * B A computed in float32 and rounded once to the compute dtype
+    (PEFT's merge), so a decode step runs the base's products alone; after the generation the resident layers are
+    copied back from the host's base (bit-exact: the copy the engine started from), about the resident base's size
+    over PCIe. The merged matrix's rounding makes the rollout's log-probabilities differ from the trainer's by more
+    than the adapters computed apart would (finetune.grpo.vllm_importance_sampling_correction weighs the gap);
+    training always computes the adapters apart. adapters: each projection adds scaling * B A x beside the base's
+    product in every decode step (two small float32 products per projection). Elsewhere (a streamed or NF4 base,
+    MoE) the adapters are always computed apart."""
+
     def __post_init__(self) -> None:
         if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:
             _fail("engine.gpu_resident", self.gpu_resident, "must be none, auto, all or a number of layers >= 0")

@@ -198,6 +198,24 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalin
     return weight.to(work) + (b.to(work) @ a.to(work)) * scaling
 
 
+MERGE_CHUNK_ELEMENTS = 2**24
+"""merge_adapters' rows at a time: at most this many elements of a matrix (64 MiB in float32) per temporary."""
+
+
+def merge_adapters(weights: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+    """Each adapted projection's base matrix in `weights` overwritten with merged_weight (W + scaling * B A, rounded
+    once to W's dtype), by blocks of rows (the temporaries stay under MERGE_CHUNK_ELEMENTS elements). `adapters`:
+    the layer's `<module>.lora_A.weight` / `.lora_B.weight`, linear projections only."""
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.split(".lora_A.")[0]
+        weight, b = weights[f"{module}.weight"], adapters[lora_b(module)]
+        rows = max(1, MERGE_CHUNK_ELEMENTS // weight.shape[1])
+        for r in range(0, weight.shape[0], rows):
+            weight[r:r + rows].copy_(merged_weight(weight[r:r + rows], a, b[r:r + rows], scaling))
+
+
 def peft_adapter_config(model: ModelConfig, lora: LoraConfig, base: str) -> dict:
     """adapter_config.json as peft.LoraConfig.save_pretrained writes the keys that matter for loading."""
     alpha = int(lora.lora_alpha) if float(lora.lora_alpha).is_integer() else lora.lora_alpha

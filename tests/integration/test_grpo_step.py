@@ -29,7 +29,7 @@ from megatrain_ray.driver.trainer import Trainer
 from megatrain_ray.messages import IGNORE_INDEX, Batch, GRPOLossSettings, PolicyRows
 from tests.conftest import learnable_tokens, tiny_raw
 from tests.integration.test_lora_parity import float64_transformers, make_base, peft_model  # noqa: F401 - a fixture
-from tests.numerics import assert_exact, relative_error
+from tests.numerics import EXACT, assert_exact, relative_error
 from tests.reference_dpo import hf_token_logps
 from tests.reference_grpo import Rollout, first_reward, trl_grpo
 
@@ -166,33 +166,93 @@ def test_lora_step_matches_peft_and_trl(tmp_path, base, float64_transformers):  
     assert_changes_exact(final, initial, peft.get_peft_model_state_dict(model), initial)
 
 
-@pytest.mark.parametrize("resident", [False, True], ids=["streamed", "resident"])
-def test_lora_rollout_rows_equal_peft_generate(tmp_path, base, float64_transformers, resident):  # noqa: F811
-    """The rollout engine through the LoRA engine (the adapters bound as in training; the base streamed, or every
-    layer GPU-resident: the view a decode step's CUDA graph captures, engine/rollout/weights.ResidentBaseView): greedy
-    rows of a left-padded batch equal peft's generate of each prompt alone, float64."""
+LORA = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}
+PROMPTS = [[5, 9, 3, 17, 2], [40, 41, 7], [88, 1, 23, 54, 9, 11, 3]]
+
+
+def lora_trainer_config(tmp_path: Path, base: Path, mode: str):
+    """`mode`: streamed (the base streamed), adapters or merged (every layer GPU-resident, engine.rollout_lora)."""
     import json
 
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    engine = {"gpu_resident": "none"} if mode == "streamed" else {"gpu_resident": layers, "rollout_lora": mode}
+    return grpo_config(tmp_path, base, finetune=LORA, engine=engine)
+
+
+def nonzero_adapters(trainer) -> dict:
+    g = torch.Generator().manual_seed(7)
+    adapters = {k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) if "lora_B" in k else v
+                for k, v in trainer.adapters().items()}
+    trainer.set_adapters(adapters)
+    return adapters
+
+
+def resident_base(trainer) -> dict[int, torch.Tensor]:
+    """The resident layers' device buffers, copied (runtime.mode local: the worker object is in this process)."""
+    return {i: t.clone() for i, (_, t) in trainer.gpu.instance.engine.base.stages.items()}
+
+
+@pytest.mark.parametrize("mode", ["streamed", "adapters", "merged"])
+def test_lora_rollout_rows_equal_peft_generate(tmp_path, base, float64_transformers, mode):  # noqa: F811
+    """The rollout engine through the LoRA engine (the adapters bound as in training with the base streamed or every
+    layer GPU-resident, engine/rollout/weights.ResidentBaseView; or, resident, folded into the base for the
+    generation, MergedBaseView): greedy rows of a left-padded batch equal peft's generate of each prompt alone,
+    float64; the merged base is copied back bit for bit."""
     from megatrain_ray.engine.rollout.interface import SamplingSettings
 
-    lora = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}
-    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
-    cfg = grpo_config(tmp_path, base, finetune=lora, engine={"gpu_resident": layers if resident else "none"})
-    prompts = [[5, 9, 3, 17, 2], [40, 41, 7], [88, 1, 23, 54, 9, 11, 3]]
+    cfg = lora_trainer_config(tmp_path, base, mode)
     with Trainer(cfg) as trainer:
-        g = torch.Generator().manual_seed(7)
-        adapters = {k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) if "lora_B" in k else v
-                    for k, v in trainer.adapters().items()}
-        trainer.set_adapters(adapters)
-        ours = trainer.gpu.generate(prompts, SamplingSettings(max_new_tokens=10, temperature=0)).result()
-        assert ours.stats["weights_resident"] == float(resident)
+        adapters = nonzero_adapters(trainer)
+        before = resident_base(trainer)
+        ours = trainer.gpu.generate(PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0)).result()
+        assert ours.stats["weights_resident"] == float(mode != "streamed")
+        assert ours.stats["lora_merged"] == float(mode == "merged")
+        after = resident_base(trainer)
+        assert (len(before) > 0) == (mode != "streamed") and before.keys() == after.keys()
+        assert all(torch.equal(before[i], after[i]) for i in before)
         plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
     model = peft_model(base, cfg, adapters, torch.float64)
     with torch.no_grad():
-        for row, prompt in enumerate(prompts):
+        for row, prompt in enumerate(PROMPTS):
             theirs = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):]
             base_only = plain.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)[0, len(prompt):]
             assert ours.tokens[row].tolist() == theirs.tolist(), f"row {row}"
             assert not torch.equal(theirs, base_only) or row > 0  # the adapters change what is generated
+
+
+def test_merged_lora_rollout_logps_equal_the_trainers_and_the_base_survives_a_failure(tmp_path, base, monkeypatch):
+    """engine.rollout_lora merged, float64: the sampled rows' rollout log-probabilities equal those the trainer
+    recomputes with the adapters apart (token_logps) within float64 rounding; a generation that fails after the
+    merge leaves the resident base bit-identical to the host's (copied back), and the failure reaches the caller."""
+    import megatrain_ray.engine.rollout.passes as passes
+    from megatrain_ray.driver.grpo import policy_batch as rollout_batch
+    from megatrain_ray.engine.rollout.interface import SamplingSettings
+
+    cfg = lora_trainer_config(tmp_path, base, "merged")
+    with Trainer(cfg) as trainer:
+        nonzero_adapters(trainer)
+        before = resident_base(trainer)
+        ours = trainer.gpu.generate(PROMPTS, SamplingSettings(max_new_tokens=6, temperature=1.0, seed=3)).result()
+        assert ours.stats["lora_merged"] == 1.0
+        advantages = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+        batch = rollout_batch(PROMPTS, ours.completions(), ours.logps, advantages, cfg.finetune.grpo, 0)
+        recomputed = trainer.gpu.token_logps(batch).result()
+        # the rollout returns float32 log-probabilities: equal to the recomputed float64 ones within float64 rounding
+        # and one rounding to float32 (half its epsilon, relative)
+        half_ulp = torch.finfo(torch.float32).eps / 2
+        for row, n in enumerate(ours.lengths.tolist()):
+            start = len(PROMPTS[row]) - 1  # the label of the row's first completion token
+            theirs = recomputed[row, start:start + n]
+            gap = (ours.logps[row, :n].double() - theirs).abs()
+            assert n > 0 and bool((gap <= (half_ulp + EXACT) * theirs.abs()).all()), f"row {row}: {gap.max()}"
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("sampling failed")
+
+        monkeypatch.setattr(passes, "next_tokens", fail)
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            trainer.gpu.generate(PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0)).result()
+        after = resident_base(trainer)
+        assert all(torch.equal(before[i], after[i]) for i in before)

@@ -15,7 +15,8 @@ import torch
 from megatrain_ray.engine.rollout.graphs import DecodeGraph, graph_or_eager
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
 from megatrain_ray.engine.rollout.sampling import next_tokens
-from megatrain_ray.engine.rollout.weights import ResidentBaseView, RolloutWeights, choose_resident, resident_bytes
+from megatrain_ray.engine.rollout.weights import (MergedBaseView, ResidentBaseView, RolloutWeights, choose_resident,
+                                                  resident_bytes)
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.decode import KVCache, Start, cache_capacity, cache_mask, cached_decoder_layer, positions_of
 from megatrain_ray.model.head import head_logits
@@ -71,35 +72,43 @@ class RolloutPasses:
         t_sync = time.perf_counter()
         self.weights.invalidate()  # the slots may hold weights from before the last update
         copy = self._rollout_copy(cache_bytes)
-        t0 = time.perf_counter()
-        logits = self._rollout_pass(ids, 0, valid, positions, caches, copy)
+        try:
+            t0 = time.perf_counter()
+            logits = self._rollout_pass(ids, 0, valid, positions, caches, copy)
 
-        def decode(token: torch.Tensor, index: Start) -> torch.Tensor:
-            return self._rollout_pass(token[:, None], index, valid, positions, caches, copy)
+            def decode(token: torch.Tensor, index: Start) -> torch.Tensor:
+                return self._rollout_pass(token[:, None], index, valid, positions, caches, copy)
 
-        step = graph_or_eager(decode, self._graph_applies(copy), rows, longest, device) if new > 1 else decode
-        self._synchronize()
-        t1 = time.perf_counter()
-        for t in range(new):
-            token, logp = next_tokens(logits, sampling, generator)
-            live = ~done
-            tokens[:, t] = torch.where(live, token, sampling.pad_token_id)
-            logps[:, t] = torch.where(live, logp.float(), 0.0)
-            lengths += live
-            done |= live & torch.isin(token, stop)
-            # Stop once every row has (most rollouts end before the limit), asked every SYNC_EVERY tokens only: a
-            # host sync per token would keep the CPU from queueing the next steps while the GPU runs this one.
-            if t + 1 == new or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
-                break
-            # a stopped row decodes on (its tokens are dropped): the batch keeps one shape, no row is a special case
-            logits = step(token, longest + t)
-        self._synchronize()
-        t2 = time.perf_counter()
-        self.weights.end_step()
+            step = graph_or_eager(decode, self._graph_applies(copy), rows, longest, device) if new > 1 else decode
+            self._synchronize()
+            t1 = time.perf_counter()
+            for t in range(new):
+                token, logp = next_tokens(logits, sampling, generator)
+                live = ~done
+                tokens[:, t] = torch.where(live, token, sampling.pad_token_id)
+                logps[:, t] = torch.where(live, logp.float(), 0.0)
+                lengths += live
+                done |= live & torch.isin(token, stop)
+                # Stop once every row has (most rollouts end before the limit), asked every SYNC_EVERY tokens only:
+                # a host sync per token would keep the CPU from queueing the next steps while the GPU runs this one.
+                if t + 1 == new or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
+                    break
+                # a stopped row decodes on (its tokens are dropped): the batch keeps one shape, no row is special
+                logits = step(token, longest + t)
+            self._synchronize()
+            t2 = time.perf_counter()
+            self.weights.end_step()
+        finally:
+            t_restore = time.perf_counter()
+            if isinstance(copy, MergedBaseView):
+                copy.restore()  # the base as training reads it, however the generation ended
+            restore_s = time.perf_counter() - t_restore
         generated = int(lengths.sum())
         steps = int(lengths.max())  # the decode steps past the last row's end produced padding only
-        stats = {"weights_sync_s": t0 - t_sync, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+        stats = {"weights_sync_s": t0 - t_sync, "weights_restore_s": restore_s, "prefill_s": t1 - t0,
+                 "decode_s": t2 - t1,
                  "generated_tokens": float(generated), "weights_resident": float(copy is not None),
+                 "lora_merged": float(isinstance(copy, MergedBaseView)),
                  "cuda_graph": float(isinstance(step, DecodeGraph)),
                  "decode_steps": float(steps), "tokens_per_s": generated / max(t2 - t0, 1e-9),
                  "kv_cache_bytes": float(cache_bytes)}
@@ -107,10 +116,13 @@ class RolloutPasses:
 
     def _rollout_copy(self, cache_bytes: int) -> RolloutWeights | ResidentBaseView | None:
         """The rollout's resident weights, refreshed (engine.rollout_weights resolved now), or None: streamed. LoRA
-        with every base layer resident reads them where they are (ResidentBaseView), unless streamed is asked."""
+        with every base layer resident reads them where they are (ResidentBaseView), unless streamed is asked; with
+        engine.rollout_lora merged, with the adapters folded in for this generation (MergedBaseView)."""
         if self.binds_adapters:
-            applies = self.engine_cfg.rollout_weights != "streamed" and ResidentBaseView.applies(self)
-            return ResidentBaseView(self) if applies else None
+            if self.engine_cfg.rollout_weights == "streamed" or not ResidentBaseView.applies(self):
+                return None
+            merged = self.engine_cfg.rollout_lora == "merged" and MergedBaseView.applies(self)
+            return MergedBaseView(self) if merged else ResidentBaseView(self)
         own = [s for s in self.layout.stages if not (s.kind == "layer" and self.resident.holds(s))]
         wanted = choose_resident(self.engine_cfg.rollout_weights, self.device, self.binds_adapters,
                                  resident_bytes(own, self.compute_dtype), cache_bytes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatrain_ray.model.layout import StageLayout
+from megatrain_ray.model.lora import merge_adapters
 from megatrain_ray.model.templates import bind
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.store.segments import HostStore
@@ -81,3 +82,38 @@ class ResidentBaseView:
 
     def bound(self, stage: StageLayout) -> dict[str, torch.Tensor]:
         return self.vocab[stage.index] if stage.index in self.vocab else self.engine._bind(stage, None)
+
+
+class MergedBaseView(ResidentBaseView):
+    """ResidentBaseView with the adapters folded into the resident base for one generation (engine.rollout_lora:
+    merged): each adapted matrix becomes W + scaling * B A in the compute dtype (model/lora.merge_adapters), in
+    place, so the layers are bound without adapters and a decode step runs the base's products alone. `restore`
+    copies the resident layers back from the host's base (engine/resident_base.ResidentBase.reload: the values the
+    engine started from, bit for bit); the generation must call it however it ends."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.merged = False
+        base, adapters = engine.base, engine.adapters
+        try:
+            for stage in engine.layout.layers:
+                self.merged = True
+                merge_adapters(base.weights(stage), adapters.layer(stage.index - 1), adapters.scaling)
+        except BaseException:
+            self.restore()
+            raise
+
+    @staticmethod
+    def applies(engine) -> bool:
+        """Every base layer resident and dense, its adapters on linear projections only (not a MoE's experts or
+        router), LoRA on (not inside reference_weights)."""
+        return (ResidentBaseView.applies(engine) and not engine.adapters_off
+                and all(s.moe is None for s in engine.specs))
+
+    def bound(self, stage: StageLayout) -> dict[str, torch.Tensor]:
+        return self.vocab[stage.index] if stage.index in self.vocab else self.engine.base.weights(stage)
+
+    def restore(self) -> None:
+        if self.merged:
+            self.engine.base.reload()
+            self.merged = False
