@@ -51,7 +51,9 @@
 #   decode-step   issue 49: one rollout decode step of the Qwen2.5-32B shape (LoRA r 16, 2 rows) as a CUDA graph at
 #                 1k/4k/12.8k-token caches: the attention and LoRA variants, attention alone, the copy-rate bound  nvidia-h200
 #   grpo-lora-32b issue 49: Qwen2.5-32B shape LoRA (r 16, all linear), 1 prompt x 2 completions of 12,288 tokens, the
-#                 base GPU-resident; the result rewritten at each phase (a cut-off run keeps its figures) nvidia-h200
+#                 base GPU-resident; first a 31-pass decode probe with engine.rollout_lora adapters and merged, then
+#                 the step merged (B drawn at std 0.01); the result rewritten at each phase (a cut-off run keeps its
+#                 figures)                                                                         nvidia-h200
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -82,7 +84,8 @@ case "${1:-}" in
     python benchmarks/decode_step.py --out "$OUT" ;;
   grpo-lora-32b)
     python benchmarks/grpo_step.py --config configs/shapes/qwen2.5-32b.yaml --steps 1 --prompts 1 --generations 2 \
-      --prompt-len 512 --completion-len 12288 --probe --no-baseline --name grpo-lora-32b-12k --out "$OUT" \
+      --prompt-len 512 --completion-len 12288 --probe-lora adapters,merged --probe-passes 31 --lora-b-std 0.01 \
+      --no-baseline --name grpo-lora-32b-12k --out "$OUT" --set engine.rollout_lora=merged \
       --set finetune.method=lora --set finetune.lora.r=16 --set finetune.lora.lora_alpha=32 \
       --set finetune.lora.target_modules=all-linear --set precision.stream_dtype=bfloat16 --set engine.gpu_resident=64 \
       --set engine.compile=false --set optimizer.lr=2e-4 --set optimizer.weight_decay=0.0 --set optimizer.grad_clip=1.0 ;;

@@ -13,7 +13,9 @@ tokens: its generated tok/s against the rollout's.
 With --set finetune.method=lora ... the step is a LoRA one (the adapters train on the GPU; with every base layer
 GPU-resident the decode step is one CUDA graph too). Each step records the GPU's peak allocation in the rollout and
 in the training step beside `megatrain plan`'s figures for them (the training peak; for the rollout the plan's fixed
-buffers plus its KV cache), and the host memory beside the plan's.
+buffers plus its KV cache), and the host memory beside the plan's. --probe-lora adapters,merged times a short decode
+under each engine.rollout_lora in the same call before the steps; --lora-b-std draws B away from its zeros (where a
+merged adapter is exactly the base), so the step's rollout/trainer log-prob gap includes the merge's rounding.
 
 Writes benchmarks/results/grpo-step-<device>-<time>.json.
 """
@@ -21,9 +23,11 @@ Writes benchmarks/results/grpo-step-<device>-<time>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,7 +39,7 @@ from megatrain_ray.config.load import load_config  # noqa: E402
 from megatrain_ray.driver.grpo import policy_batch  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.engine.rollout.interface import SamplingSettings  # noqa: E402
-from megatrain_ray.engine.rollout.passes import SYNC_EVERY  # noqa: E402
+import megatrain_ray.engine.rollout.passes as passes  # noqa: E402
 from megatrain_ray.model.policy_gradient import group_advantages  # noqa: E402
 from megatrain_ray.planning.rollout import rollout_bytes  # noqa: E402
 
@@ -82,10 +86,22 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
                  "completions": rows, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
                  "params": trainer.layout.num_params, "startup_s": started, "probe": None}
         save(setup, records, "built")
+        if args.lora_b_std:  # B away from its zeros (where a merged adapter is exactly the base): a trained B's scale
+            b_gen = torch.Generator().manual_seed(1)
+            trainer.set_adapters({k: torch.randn(v.shape, generator=b_gen, dtype=v.dtype) * args.lora_b_std
+                                  if ".lora_B." in k else v for k, v in trainer.adapters().items()})
+            setup["lora_b_std"] = args.lora_b_std
         if args.probe:  # a short rollout first: the decode rate (and whether it is a CUDA graph) shows early
             setup["probe"] = decode_probe(trainer, args, vocab, g)
             print({"probe": setup["probe"]}, flush=True)
             save(setup, records, "probed")
+        if args.probe_lora:  # the same probe under each engine.rollout_lora, side by side in this call
+            setup["probe_rollout_lora"] = {}
+            for mode in args.probe_lora.split(","):
+                with rollout_lora(trainer, mode):
+                    setup["probe_rollout_lora"][mode] = decode_probe(trainer, args, vocab, g)
+                print({"probe": mode, **setup["probe_rollout_lora"][mode]}, flush=True)
+                save(setup, records, f"probed rollout_lora={mode}")
         for step in range(args.steps):
             prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
             prompt_ids = [p for p in prompts for _ in range(args.generations)]
@@ -107,8 +123,12 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
             trainer.flush()  # the next rollout reads the updated weights
             t4 = time.perf_counter()
             stats = rollout.stats
+            sync = stats["weights_sync_s"] + stats.get("weights_restore_s", 0.0) + (t4 - t3)
             records.append({
+                "split_s": {"rollout": stats["prefill_s"] + stats["decode_s"], "sync": sync, "train": t3 - t2,
+                            "other": (t4 - t0) - (stats["prefill_s"] + stats["decode_s"]) - sync - (t3 - t2)},
                 "step": step, "step_s": t4 - t0, "rollout_s": t1 - t0, "weights_sync_s": stats["weights_sync_s"],
+                "weights_restore_s": stats.get("weights_restore_s"), "lora_merged": bool(stats.get("lora_merged")),
                 "prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"], "batch_s": t2 - t1,
                 "train_s": t3 - t2, "optimizer_wait_s": t4 - t3, "generated_tokens": stats["generated_tokens"],
                 "rollout_tokens_per_s": stats["generated_tokens"] / (t1 - t0),
@@ -120,6 +140,7 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
                 "cuda_graph": bool(stats.get("cuda_graph")),
                 "host_gib": trainer.host_memory_bytes() / 2**30,
                 "logp_gap_max": result.objective_metrics.get("sampling/sampling_logp_difference/max"),
+                "logp_gap_mean": result.objective_metrics.get("sampling/sampling_logp_difference/mean"),
             })
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}, flush=True)
             setup["host_bytes_per_param"] = records[-1]["host_gib"] * 2**30 / setup["params"]
@@ -127,17 +148,36 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
     return setup, records
 
 
+@contextmanager
+def rollout_lora(trainer, mode: str):
+    """engine.rollout_lora set to `mode` on the in-process GPU worker's engine (runtime local) inside the block."""
+    engine = trainer.gpu.instance.engine
+    kept = engine.engine_cfg
+    engine.engine_cfg = dataclasses.replace(kept, rollout_lora=mode)
+    try:
+        yield
+    finally:
+        engine.engine_cfg = kept
+
+
 def decode_probe(trainer, args, vocab: int, g: torch.Generator) -> dict:
     """The decode rate at the run's own KV-cache size: the prompts and max_new_tokens of a step, every token id a
     stop token, so each row stops at its first token and the rollout ends at its first check of whether all rows
-    have (passes.SYNC_EVERY tokens: that many minus one decode passes, each over the whole cache as a CUDA graph
-    replay attends to it)."""
+    have (passes.SYNC_EVERY tokens, --probe-passes + 1 here: that many minus one decode passes, each over the whole
+    cache as a CUDA graph replay attends to it). decode_s also holds the first replay's one-off cost: more passes
+    spread it thinner."""
     ids = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()] * (args.prompts * args.generations)
     sampling = SamplingSettings(max_new_tokens=args.completion_len, temperature=1.0, seed=99,
                                 stop_token_ids=tuple(range(vocab)))
-    short = trainer.gpu.generate(ids, sampling).result()
-    probe = {k: short.stats[k] for k in ("decode_s", "cuda_graph", "weights_resident", "kv_cache_bytes")}
-    probe["decode_passes"] = min(SYNC_EVERY, args.completion_len) - 1
+    every = args.probe_passes + 1
+    kept, passes.SYNC_EVERY = passes.SYNC_EVERY, every
+    try:
+        short = trainer.gpu.generate(ids, sampling).result()
+    finally:
+        passes.SYNC_EVERY = kept
+    probe = {k: short.stats.get(k) for k in ("decode_s", "cuda_graph", "weights_resident", "kv_cache_bytes",
+                                             "weights_sync_s", "weights_restore_s", "lora_merged")}
+    probe["decode_passes"] = min(every, args.completion_len) - 1
     probe["decode_ms_per_step"] = 1e3 * probe["decode_s"] / max(probe["decode_passes"], 1)
     probe["kv_cache_gib"] = probe.pop("kv_cache_bytes") / 2**30
     return probe
@@ -186,7 +226,14 @@ def main() -> None:
     parser.add_argument("--completion-len", type=int, default=1024)
     parser.add_argument("--stop", action="store_true", help="token 0 stops a row (else every row samples to the end)")
     parser.add_argument("--probe", action="store_true",
-                        help="first time 15 decode steps at the run's KV-cache size and print the rate (decode_probe)")
+                        help="first time --probe-passes decode steps at the run's KV-cache size and print the rate "
+                        "(decode_probe)")
+    parser.add_argument("--probe-passes", type=int, default=15, help="decode passes of a probe")
+    parser.add_argument("--probe-lora", default="",
+                        help="comma-separated engine.rollout_lora values (adapters,merged): a probe under each, before "
+                        "the steps (which run under the config's)")
+    parser.add_argument("--lora-b-std", type=float, default=0.0,
+                        help="LoRA: draw every B from N(0, std^2) before the steps (0: B's zeros, the base exactly)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--out", default=str(RESULTS))
