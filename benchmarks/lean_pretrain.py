@@ -9,8 +9,9 @@ AdamW on the device, the same math, step order and clipping as the CPU optimizer
 test_gpu_resident.py). lean: optimizer.state=lean (bf16 master + bf16 compensation, int8 moments at block 256),
 every stage streamed (the lean state lives on the host; the tier keeps its own float32 state). The two runs go side
 by side, each a process of its own pinned to its own cores (--full-cores, the rest to lean: its Ray and optimizer
-workers inherit the mask), so that the tier's run does not wait for the CPU-bound lean one; --sequential runs them one after the other. Each run rewrites its
-partial file (losses so far) every 100 steps and stops at --deadline-s, so a cut-off run keeps its figures.
+workers inherit the mask), so that the tier's run does not wait for the CPU-bound lean one; --sequential runs them
+one after the other. Each run rewrites its partial file (losses so far) every 100 steps and stops at --deadline-s,
+so a cut-off run keeps its figures.
 
 Tokens are the text's bytes (data.path=*.txt: vocab 256), no tokenizer needed. The "final loss" compared is the
 mean over the last --tail steps (both runs see the same windows, none of them twice: one epoch is far more than
