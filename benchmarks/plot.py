@@ -111,8 +111,13 @@ def loss_plot(result: dict, path: Path, smooth: int) -> None:
     summary = result.get("summary", {})
     title = f"{result.get('model') or _shape(result)} on {result['device']}"
     if "final_ratio" in summary:
-        title += (f"\nlast {summary['tail']} steps: full {summary['final_full']:.4f}, lean {summary['final_lean']:.4f}"
-                  f" (lean/full {summary['final_ratio']:.4f})")
+        n, tail = summary["steps_compared"], summary["tail"]
+        title += (f"\nmean of steps {n - tail}-{n - 1}: full {summary['final_full']:.4f}, lean "
+                  f"{summary['final_lean']:.4f} (lean/full {summary['final_ratio']:.4f})")
+    cut = [f"{name} cut at step {run['cut_at_step']} of {result['steps']}" for name, run in result["runs"].items()
+           if "cut_at_step" in run]
+    if cut:
+        title += "; " + ", ".join(cut)
     ax.set(xlabel="step", ylabel="training loss" + (" (nats per byte)" if "bytes" in str(result.get("vocab")) else ""),
            title=title)
     ax.title.set_fontsize(9)
