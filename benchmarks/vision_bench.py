@@ -34,8 +34,9 @@ Systems (each point in a process of its own, as benchmarks/run.py runs them):
 - deepspeed: the same model under DeepSpeed ZeRO-3, parameters and optimizer offloaded to pinned CPU memory
   (DeepSpeedCPUAdam), bf16, activation checkpointing (benchmarks/run.py's DeepSpeed config).
 
-A baseline process runs every token count of the invocation in turn (DeepSpeed's start-up, its CPU Adam build
-included, once); megatrain starts one run per token count (its plan, the tier's size included, is per batch shape).
+The model directory (megatrain's model.path) is built only when a megatrain system runs. A baseline process runs
+every token count of the invocation in turn (DeepSpeed's start-up, its CPU Adam build included, once); megatrain
+starts one run per token count (its plan, the tier's size included, is per batch shape).
 Points run in the order of --systems, the baselines first by default (DeepSpeed's start-up is the longest), then
 megatrain's systems per token count. vs_resident (over resident-compile) and vs_deepspeed are benchmarks/run.py's
 derive. --budget-s: a point is not started once the invocation has run that long (the device call's limit); its
@@ -164,10 +165,12 @@ def main() -> int:
         write_config(Path(base["config"]), Path(base["model_dir"]), args.seq_len, args.tiny)
         left = lambda: args.budget_s - (time.perf_counter() - started) if args.budget_s else 3600.0  # noqa: E731
         t0 = time.perf_counter()
-        built = run_rows([sys.executable, __file__, "--child", "build", json.dumps(base)], left())
+        # The saved model directory is megatrain's model.path; the baselines build their own model.
+        built = run_rows([sys.executable, __file__, "--child", "build", json.dumps(base)], left()) \
+            if set(systems) & set(MEGATRAIN_SYSTEMS) else [{"status": "not built (no megatrain system)"}]
         model = {**built[0], "build_seconds": time.perf_counter() - t0}
         print(f"model: {model}", flush=True)
-        if built[0]["status"] != "ok":
+        if built[0]["status"] not in ("ok", "not built (no megatrain system)"):
             points = []
         for system, counts in points:
             run_dir = Path(tmp) / f"run-{system}-{counts[0]}"
