@@ -37,7 +37,9 @@ class LoraConfig:
     down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj). Mixture-of-experts families, as peft 0.21:
     gpt_oss q_proj, k_proj, v_proj, o_proj (all-linear is those four); qwen3_moe and mixtral also `gate` (the
     router), gate_proj + up_proj (Mixtral w1 + w3: the fused experts' gate_up_proj, one adapter per expert) and
-    down_proj (w2), all of which all-linear includes (docs/fine-tuning.md)."""
+    down_proj (w2), all of which all-linear includes; deepseek_v3 and glm4_moe as qwen3_moe, deepseek_v3's attention
+    projections being its latent attention's (q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj),
+    their shared experts and dense first layers' MLPs never adapted, as in peft (docs/fine-tuning.md)."""
     bias: Literal["none"] = "none"
     """PEFT's bias setting; only `none` (biases stay frozen)."""
     use_rslora: bool = False

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatrain_ray.config.fields import refuse as _fail
+from megatrain_ray.config.lora_targets import LATENT_PROJECTIONS
 
 LATENT_FAMILIES = ("deepseek_v3",)
 """Families whose attention is multi-head latent attention (model/latent_attention.py)."""
@@ -80,6 +81,26 @@ class SigmoidRouterConfig:
             _fail(f"{self.SECTION}.routed_scaling_factor", self.routed_scaling_factor, "must be a finite number > 0")
 
 
+def latent_projection_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each projection of a latent-attention layer by PEFT's short name, in the
+    layer's order: q_proj alone where q_lora_rank is 0, else q_a_proj and q_b_proj (LoRA's adapter shapes)."""
+    la, h, heads = cfg.latent_attention, cfg.hidden_size, cfg.num_attention_heads
+    query = {"q_a_proj": (la.q_lora_rank, h), "q_b_proj": (heads * la.qk_head_dim, la.q_lora_rank)} \
+        if la.q_lora_rank else {"q_proj": (heads * la.qk_head_dim, h)}
+    return {**query, "kv_a_proj_with_mqa": (la.kv_lora_rank + la.qk_rope_head_dim, h),
+            "kv_b_proj": (heads * (la.qk_nope_head_dim + la.v_head_dim), la.kv_lora_rank),
+            "o_proj": (h, heads * la.v_head_dim)}
+
+
+def present_targets(model: Any, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """LoRA's resolved targets less the query projections a latent-attention model has not (all-linear names q_proj
+    and q_a_proj / q_b_proj alike; a model has one or the other)."""
+    if model.latent_attention is None:
+        return targets
+    have = latent_projection_shapes(model)
+    return tuple(t for t in targets if t not in LATENT_PROJECTIONS or t in have)
+
+
 def check_latent_model(model: Any) -> None:
     """ModelConfig's checks of deepseek_v3 and glm4_moe (called from its __post_init__): their sections set exactly
     for them, the shapes they must agree with, and the parts transformers fixes."""
@@ -136,14 +157,27 @@ def _check_sigmoid_moe(model: Any) -> None:
         _fail(f"{s}.sliding_window", model.sliding_window, f"{model.family} attends fully: set it 0")
 
 
+def _check_latent_lora_targets(cfg: Any) -> None:
+    """A named LoRA target of the query's projections this model has not (q_proj with q_lora_rank > 0, q_a_proj or
+    q_b_proj with 0): peft would leave it out in silence."""
+    targets, have = cfg.finetune.lora.target_modules, latent_projection_shapes(cfg.model)
+    if targets == "all-linear":
+        return
+    absent = [name for name in targets if name in LATENT_PROJECTIONS and name not in have]
+    if absent:
+        rank = cfg.model.latent_attention.q_lora_rank
+        _fail("finetune.lora.target_modules", targets, f"{absent[0]!r} is not a projection of this model's latent "
+              f"attention (latent_attention.q_lora_rank={rank}: its query is "
+              f"{'q_a_proj, q_b_proj' if rank else 'one q_proj'}); choose from {', '.join(have)}")
+
+
 def check_latent_run(cfg: Any) -> None:
     """What a deepseek_v3 or glm4_moe run cannot do yet, refused on load (Config.__post_init__)."""
     family = cfg.model.family
     if family not in SIGMOID_ROUTER_FAMILIES or cfg.model.template == "generic":
         return
-    if cfg.finetune.method == "lora":
-        _fail("finetune.method", "lora", f"LoRA targets of {family}'s router and shared experts are not mapped yet; "
-              "use finetune.method=full")
+    if cfg.finetune.method == "lora" and family in LATENT_FAMILIES:
+        _check_latent_lora_targets(cfg)
     if cfg.finetune.objective == "grpo":
         _fail("finetune.objective", "grpo", f"the rollout engine is not tried with {family}'s layers yet (deepseek_v3: "
               "its KV cache has no path for latent attention); use sft")

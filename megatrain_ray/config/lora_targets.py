@@ -12,6 +12,13 @@ a module of its own, neither an nn.Linear, so PEFT adapts them only through `tar
   `down_proj` (`w2`) on each expert of `down_proj` (model/lora_moe.py); all-linear is all of them and the
   attention projections. A dense layer between MoE layers (Qwen3-MoE's mlp_only_layers) gets no MLP adapter, as
   in peft.
+- deepseek_v3, glm4_moe: peft maps them as Qwen3-MoE (transformers' conversion pattern qwen2_moe): the router
+  `gate` and the fused experts by `gate_proj` + `up_proj` / `down_proj`. Those names reach the routed experts only:
+  peft turns every target ending in them into a target parameter, so the shared experts (mlp.shared_experts.*) and
+  the dense first layers' MLPs, though nn.Linear, get no adapter under any name (all-linear included), and neither
+  do they here. DeepSeek-V3's attention projections are its latent attention's: q_a_proj, q_b_proj (or q_proj where
+  q_lora_rank is 0), kv_a_proj_with_mqa, kv_b_proj, o_proj; GLM-4.5 MoE's are q/k/v/o_proj (with their biases,
+  which stay frozen).
 The resolved names: the attention projections, and `gate`, `gate_up_proj`, `down_proj` for the router and experts.
 """
 
@@ -22,21 +29,30 @@ from typing import Literal
 from megatrain_ray.config.fields import refuse
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LATENT_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+"""DeepSeek-V3's latent attention (model/latent_attention.py): q_proj where q_lora_rank is 0, else q_a_proj and
+q_b_proj (a model has one or the other: model/lora.adapter_shapes keeps those it has)."""
 LORA_PROJECTIONS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
 """The linear modules of a dense decoder layer by PEFT's short names."""
 PHI3_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """Phi-3's fused projections."""
 
+_QWEN2_MOE_NAMES = {"gate": "gate", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 ROUTER_AND_EXPERT_NAMES = {"qwen3_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
+                           "deepseek_v3": ("gate", "gate_proj", "up_proj", "down_proj"),
+                           "glm4_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
                            "mixtral": ("gate", "w1", "w2", "w3"),
                            "gpt_oss": ("router", "experts", "gate_up_proj", "down_proj")}
 """The target_modules names that reach a MoE layer's router or fused experts in PEFT (gpt_oss: that PEFT refuses)."""
-PARAM_TARGETS = {"qwen3_moe": {"gate": "gate", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-                               "down_proj": "down_proj"},
+PARAM_TARGETS = {"qwen3_moe": _QWEN2_MOE_NAMES, "deepseek_v3": _QWEN2_MOE_NAMES, "glm4_moe": _QWEN2_MOE_NAMES,
                  "mixtral": {"gate": "gate", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}}
 """PEFT's transformers-4 names -> the resolved router / expert target (model/lora_moe.py)."""
-FUSED_PAIRS = {"qwen3_moe": ("gate_proj", "up_proj"), "mixtral": ("w1", "w3")}
+FUSED_PAIRS = {"qwen3_moe": ("gate_proj", "up_proj"), "deepseek_v3": ("gate_proj", "up_proj"),
+               "glm4_moe": ("gate_proj", "up_proj"), "mixtral": ("w1", "w3")}
 ROUTER_AND_EXPERTS = ("gate", "gate_up_proj", "down_proj")
+_SHARED = (" (the shared experts and the dense first layers' MLPs take no adapter: peft maps every target named "
+           "gate_proj, up_proj or down_proj onto the routed experts)")
+_SHARED_NOTE = {"deepseek_v3": _SHARED, "glm4_moe": _SHARED}
 
 
 def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
@@ -67,19 +83,20 @@ def _moe_targets(family: str, target_modules: list[str] | Literal["all-linear"],
                        "which is those four on gpt_oss)")
         return tuple(name for name in ATTENTION_PROJECTIONS if name in target_modules)
     mapping = PARAM_TARGETS[family]
+    attention = LATENT_PROJECTIONS if family == "deepseek_v3" else ATTENTION_PROJECTIONS
     if target_modules == "all-linear":
-        return (*ATTENTION_PROJECTIONS, *ROUTER_AND_EXPERTS)
+        return (*attention, *ROUTER_AND_EXPERTS)
     for name in target_modules:
-        if name not in ATTENTION_PROJECTIONS and name not in mapping:
+        if name not in attention and name not in mapping:
             refuse(key, target_modules, f"{name!r} is not a module of a {family} layer peft adapts; choose from "
-                   f"{', '.join((*ATTENTION_PROJECTIONS, *mapping))} or all-linear")
+                   f"{', '.join((*attention, *mapping))} or all-linear" + _SHARED_NOTE.get(family, ""))
     pair = FUSED_PAIRS[family]
     if (pair[0] in target_modules) != (pair[1] in target_modules):
         refuse(key, target_modules, f"{pair[0]} and {pair[1]} are fused into {family}'s mlp.experts.gate_up_proj: "
                "target both or neither (as peft requires)")
     resolved = {mapping[name] for name in target_modules if name in mapping}
-    return (*(n for n in ATTENTION_PROJECTIONS if n in target_modules), *(n for n in ROUTER_AND_EXPERTS
-                                                                         if n in resolved))
+    return (*(n for n in attention if n in target_modules), *(n for n in ROUTER_AND_EXPERTS if n in resolved))
+
 
 
 def refuse_param_adapter_settings(family: str, targets: tuple[str, ...], use_rslora: bool, lora_dropout: float,

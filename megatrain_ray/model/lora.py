@@ -25,11 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config.finetune_section import LoraConfig
+from megatrain_ray.config.latent_attention_section import latent_projection_shapes
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.sections import Config
 from megatrain_ray.model.lora_moe import param_adapters
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+              "kv_b_proj")
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -46,6 +48,8 @@ def adapter_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int,
     dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "qkv_proj": (q + 2 * kv, h),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f), "gate_up_proj": (2 * f, h)}
     linear = _ATTENTION if model.is_moe else dims  # a MoE family's MLP names are its router and experts
+    if model.latent_attention is not None:  # DeepSeek-V3: the latent attention's projections this model has
+        dims = linear = latent_projection_shapes(model)
     return {module_name(short): dims[short] for short in lora.targets(model.family) if short in linear}
 
 

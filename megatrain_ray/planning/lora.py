@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatrain_ray.config.latent_attention_section import present_targets
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES
@@ -97,7 +98,8 @@ def lora_tier_lines(plan: Any, params: int) -> list[str]:
     cfg, run = plan.cfg, plan.run
     store, adapters = plan.shm_total, lora_params(cfg)
     lora = cfg.finetune.lora
-    return [f"LoRA (finetune.method=lora, r {lora.r}, targets {', '.join(lora.targets(cfg.model.family))}): "
+    targets = present_targets(cfg.model, lora.targets(cfg.model.family))
+    return [f"LoRA (finetune.method=lora, r {lora.r}, targets {', '.join(targets)}): "
             f"{human_count(adapters)} adapter parameters ({adapters / params:.2%} of the model) "
             f"train on the {'GPU' if plan.on_gpu else 'CPU'}; the host store is the frozen base in "
             f"{base_storage(run)}, "

@@ -193,7 +193,8 @@ def test_bad_deepseek_settings_are_one_clear_error(tmp_path):
     hf = hf_deepseek_model("deepseek_v3").config.to_dict()
     model = dataclasses.asdict(model_config_from_hf(hf))
     cases = [
-        (dict(model=model, finetune={"method": "lora"}), "finetune.method"),
+        (dict(model=model, finetune={"method": "lora", "lora": {"target_modules": ["q_proj", "kv_b_proj"]}}),
+         "finetune.lora.target_modules"),  # the low-rank query has no q_proj
         (dict(model=model, engine={"compile": True}), "engine.compile"),
         (dict(model=model, finetune={"objective": "grpo"}), "finetune.objective"),
         (dict(model={**model, "output_router_logits": True}), "model.output_router_logits"),
