@@ -141,6 +141,9 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
                 "host_gib": trainer.host_memory_bytes() / 2**30,
                 "logp_gap_max": result.objective_metrics.get("sampling/sampling_logp_difference/max"),
                 "logp_gap_mean": result.objective_metrics.get("sampling/sampling_logp_difference/mean"),
+                "is_ratio": {k: result.objective_metrics.get(f"sampling/importance_sampling_ratio/{k}")
+                             for k in ("min", "mean", "max")},
+                "skipped": result.skipped,
             })
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}, flush=True)
             setup["host_bytes_per_param"] = records[-1]["host_gib"] * 2**30 / setup["params"]

@@ -163,6 +163,9 @@ class GRPOSteps:
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.double().mean()),
             "rollout_s": t1 - t0, "reward_s": t2 - t1, "rollout_tokens_per_s": rollout.stats["tokens_per_s"],
             "rollout_tokens": rollout.stats["generated_tokens"],
+            # inside rollout_s: the weights made ready before the generation and put back after it (the resident
+            # copy's refresh; LoRA merged: the adapters folded in, the base copied back)
+            "rollout_sync_s": rollout.stats.get("weights_sync_s", 0.0) + rollout.stats.get("weights_restore_s", 0.0),
         })
         if self.grpo.beta > 0 or self.grpo.num_iterations > 1:
             metrics["logps_s"] = t4 - t3  # the forward passes of the old and reference log-probabilities

@@ -85,7 +85,7 @@ def test_grpo_steps_log_trl_metrics_and_move_the_weights(tmp_path, prompts_dir):
     for record in history:
         for key in ("reward", "reward_std", "rewards/digit_reward/mean", "rewards/short_reward/mean",
                     "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "rollout_s",
-                    "rollout_tokens_per_s"):
+                    "rollout_tokens_per_s", "rollout_sync_s"):
             assert key in record and math.isfinite(record[key]), key
         assert math.isfinite(record["loss"]) and 1 <= record["completions/mean_length"] <= 12
         # the advantages are normalised within each group: the reward of a group minus its mean, so the

@@ -52,7 +52,8 @@ class RolloutResult:
     stopped: torch.Tensor
     """[N] bool: the row ended with a stop token (else it reached max_new_tokens)."""
     stats: dict[str, float] = field(default_factory=dict)
-    """prefill_s, decode_s, generated_tokens, tokens_per_s, kv_cache_bytes."""
+    """prefill_s, decode_s, generated_tokens, tokens_per_s, kv_cache_bytes; the built-in engine's also
+    weights_sync_s and weights_restore_s (the weights made ready before the generation and put back after it)."""
 
     def completions(self) -> list[list[int]]:
         """Each row's completion tokens, without padding."""
