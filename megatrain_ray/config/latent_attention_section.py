@@ -178,9 +178,6 @@ def check_latent_run(cfg: Any) -> None:
         return
     if cfg.finetune.method == "lora" and family in LATENT_FAMILIES:
         _check_latent_lora_targets(cfg)
-    if cfg.finetune.objective == "grpo":
-        _fail("finetune.objective", "grpo", f"the rollout engine is not tried with {family}'s layers yet (deepseek_v3: "
-              "its KV cache has no path for latent attention); use sft")
     if cfg.engine.compile is True:
         _fail("engine.compile", True, f"{family}'s layers run eagerly (not tried through torch.compile yet); set "
               "engine.compile to auto or false")

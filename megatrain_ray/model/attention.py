@@ -166,7 +166,7 @@ def folded_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     mask = allowed[:, :, None].expand(batch, 1, groups, count, allowed.shape[-1])
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.reshape(batch, 1, groups * count, -1),
                                          scale=scale)
-    return out.reshape(batch, heads, count, dim)
+    return out.reshape(batch, heads, count, v.shape[-1])  # the values' width (latent attention's differs)
 
 
 def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec,

@@ -5,7 +5,8 @@ Rows are left-padded to a common prompt length, so every row writes its next tok
 the whole batch decodes together. A row's padding is never attended to (`cache_mask`); RoPE positions count the
 row's own tokens only (0 at its first real token), as transformers' generate derives them from the attention
 mask. The layer's math is the training template's (model/templates.py: attention_qkv, attention_out,
-mlp_in_chunks); only the keys and values come from the cache.
+mlp_in_chunks); only the keys and values come from the cache. DeepSeek-V3's latent-attention layers cache their
+compressed keys and values instead (model/latent_decode.py: LatentCache, cached_latent_layer).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from megatrain_ray.model.attention import cached_attention
 from megatrain_ray.model.decode_attention import CHUNK_UNIT
+from megatrain_ray.model.latent_decode import LatentCache, cached_latent_layer
 from megatrain_ray.model.layer_spec import LayerSpec
 from megatrain_ray.model.sinks import explicit_sink_attention
 from megatrain_ray.model.templates import attention_out, attention_qkv, mlp_in_chunks
@@ -41,6 +43,10 @@ class KVCache:
         """Keys and values of one token of one row."""
         return 2 * spec.num_kv_heads * spec.head_dim * torch.tensor([], dtype=dtype).element_size()
 
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
     def write(self, k: torch.Tensor, v: torch.Tensor, start: Start) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [rows, H_kv, T, D] at cache indices start..start+T-1; returns the keys and values the queries
         attend over: the first start + T indices, or with a tensor `start` (one token, a CUDA graph's decode step,
@@ -55,11 +61,22 @@ class KVCache:
         return self.keys, self.values
 
 
+def layer_cache(rows: int, spec: LayerSpec, capacity: int, dtype: torch.dtype,
+                device: torch.device) -> LayerCache:
+    """An empty cache of one layer: its keys and values, or a latent-attention layer's compressed ones."""
+    if spec.latent is not None:
+        return LatentCache.empty(rows, spec, capacity, dtype, device)
+    return KVCache.empty(rows, spec, capacity, dtype, device)
+
+
 def cache_capacity(tokens: int) -> int:
     """The KV cache's slots for prompts and completions of `tokens` together: rounded up to a whole number of
     decode_attention's key chunks (the slots past `tokens` are never written nor attended to)."""
     return -(-tokens // CHUNK_UNIT) * CHUNK_UNIT
 
+
+LayerCache = KVCache | LatentCache
+"""One layer's cache: grouped-query keys and values, or latent attention's compressed ones."""
 
 Start = int | torch.Tensor
 """The cache index of a pass's first token: a Python int, or a 0-d int64 tensor on the device (a CUDA graph's decode
@@ -87,10 +104,12 @@ def positions_of(valid: torch.Tensor) -> torch.Tensor:
 
 
 def cached_decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                         spec: LayerSpec, cache: KVCache, start: Start, allowed: torch.Tensor,
+                         spec: LayerSpec, cache: LayerCache, start: Start, allowed: torch.Tensor,
                          mlp_chunk_tokens: int = 0) -> torch.Tensor:
     """decoder_layer for x [rows, T, hidden] at cache indices start..start+T-1: its keys and values go into `cache`,
     its queries attend to the cached keys where `allowed` (cache_mask) says."""
+    if spec.latent is not None:
+        return cached_latent_layer(x, w, rope, spec, cache, start, allowed, mlp_chunk_tokens)
     q, k, v = attention_qkv(x, w, rope, spec)
     keys, values = cache.write(k, v, start)
     if "self_attn.sinks" in w:  # gpt-oss: the explicit form takes any mask

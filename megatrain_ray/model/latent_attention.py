@@ -88,13 +88,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
-def latent_qkv(h: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-               spec: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention's inputs from the normed rows h [B, T, hidden]: q and k [B, H, T, qk_head_dim] (the rotated part
-    last), v [B, H, T, v_head_dim]. `spec`: the layer's LayerSpec (num_heads, latent, the LoRA settings)."""
+def latent_query(h: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                 spec: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's query from the normed rows h [B, T, hidden]: its unrotated part [B, H, T, qk_nope_head_dim] and
+    its rotated part [B, H, T, qk_rope_head_dim], RoPE applied. `spec`: the layer's LayerSpec (num_heads, latent,
+    the LoRA settings)."""
     mla: LatentSpec = spec.latent
     batch, seq_len, _ = h.shape
-    cos, sin = rope
     if mla.q_lora_rank:
         q = project(rms_norm(project(h, w, f"{P}q_a_proj", spec), w[f"{P}q_a_layernorm.weight"], LATENT_NORM_EPS),
                     w, f"{P}q_b_proj", spec)
@@ -102,11 +102,31 @@ def latent_qkv(h: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch
         q = project(h, w, f"{P}q_proj", spec)
     q = q.view(batch, seq_len, spec.num_heads, mla.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q, [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+    return q_pass, rotate(q_rot, *rope, mla.interleave)
+
+
+def latent_compress(h: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                    spec: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed key/value of each row and token: the normed latent [B, T, kv_lora_rank] and the rotated key
+    part every head shares [B, 1, T, qk_rope_head_dim] (what the rollout caches: model/latent_decode.py)."""
+    mla: LatentSpec = spec.latent
+    batch, seq_len, _ = h.shape
     compressed = project(h, w, f"{P}kv_a_proj_with_mqa", spec)
     kv_latent, k_rot = torch.split(compressed, [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
     kv_latent = rms_norm(kv_latent, w[f"{P}kv_a_layernorm.weight"], LATENT_NORM_EPS)
     k_rot = k_rot.view(batch, 1, seq_len, mla.qk_rope_head_dim)
-    q_rot, k_rot = rotate(q_rot, cos, sin, mla.interleave), rotate(k_rot, cos, sin, mla.interleave)
+    return kv_latent, rotate(k_rot, *rope, mla.interleave)
+
+
+def latent_qkv(h: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+               spec: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's inputs from the normed rows h [B, T, hidden]: q and k [B, H, T, qk_head_dim] (the rotated part
+    last), v [B, H, T, v_head_dim], every head's key and value expanded from the latent by kv_b_proj. `spec`: the
+    layer's LayerSpec (num_heads, latent, the LoRA settings)."""
+    mla: LatentSpec = spec.latent
+    batch, seq_len, _ = h.shape
+    q_pass, q_rot = latent_query(h, w, rope, spec)
+    kv_latent, k_rot = latent_compress(h, w, rope, spec)
     q = torch.cat((q_pass, q_rot), dim=-1)
     kv = project(kv_latent, w, f"{P}kv_b_proj", spec)
     kv = kv.view(batch, seq_len, spec.num_heads, mla.qk_nope_head_dim + mla.v_head_dim).transpose(1, 2)

@@ -31,7 +31,10 @@ def rollout_bytes(cfg: Config, run: RunSpec) -> dict[str, int]:
     compute_b = DTYPE_BYTES[run.compute_dtype]
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     rows = cfg.data.batch_size // max(run.world, 1)
-    kv = rows * rollout_tokens(cfg) * m.num_layers * 2 * m.num_key_value_heads * head_dim * compute_b
+    # a token's cached values a layer: its keys and values, or latent attention's compressed latent and rotated key
+    la = m.latent_attention
+    width = la.kv_lora_rank + la.qk_rope_head_dim if la is not None else 2 * m.num_key_value_heads * head_dim
+    kv = rows * rollout_tokens(cfg) * m.num_layers * width * compute_b
     layout = build_layout(m)
     resident_layers = set(range(1, 1 + run.resident_layers))  # stage indices of the GPU-resident tier's layers
     copy = 0 if run.frozen_base else sum(s.numel for s in layout.stages if s.index not in resident_layers) * compute_b

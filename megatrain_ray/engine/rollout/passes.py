@@ -18,7 +18,15 @@ from megatrain_ray.engine.rollout.sampling import next_tokens
 from megatrain_ray.engine.rollout.weights import (MergedBaseView, ResidentBaseView, RolloutWeights, choose_resident,
                                                   resident_bytes)
 from megatrain_ray.exceptions import ConfigError
-from megatrain_ray.model.decode import KVCache, Start, cache_capacity, cache_mask, cached_decoder_layer, positions_of
+from megatrain_ray.model.decode import (
+    LayerCache,
+    Start,
+    cache_capacity,
+    cache_mask,
+    cached_decoder_layer,
+    layer_cache,
+    positions_of,
+)
 from megatrain_ray.model.head import head_logits
 from megatrain_ray.model.templates import embed
 
@@ -41,9 +49,6 @@ class RolloutPasses:
         if self.model_cfg.linear_attention is not None:
             raise ConfigError(f"generation has no recurrent state for {self.model_cfg.family}'s linear-attention layers "
                               "yet (the KV cache serves attention layers only)")
-        if self.model_cfg.latent_attention is not None:
-            raise ConfigError(f"generation has no KV-cache path for {self.model_cfg.family}'s latent attention yet "
-                              "(the rollout engine caches grouped-query keys and values)")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows, longest, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
@@ -60,7 +65,7 @@ class RolloutPasses:
             valid[r, :longest - len(prompt)] = False
         ids, valid = ids.to(device), valid.to(device)
         positions = positions_of(valid)
-        caches = [KVCache.empty(rows, spec, valid.shape[1], self.compute_dtype, device) for spec in self.specs]
+        caches = [layer_cache(rows, spec, valid.shape[1], self.compute_dtype, device) for spec in self.specs]
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
         stop = torch.tensor(sampling.stop_token_ids, dtype=torch.int64, device=device)
         tokens = torch.full((rows, new), sampling.pad_token_id, dtype=torch.int64, device=device)
@@ -68,7 +73,7 @@ class RolloutPasses:
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.zeros(rows, dtype=torch.int64, device=device)
 
-        cache_bytes = sum(c.keys.numel() * c.keys.element_size() * 2 for c in caches)
+        cache_bytes = sum(c.nbytes for c in caches)
         t_sync = time.perf_counter()
         self.weights.invalidate()  # the slots may hold weights from before the last update
         copy = self._rollout_copy(cache_bytes)
@@ -142,7 +147,7 @@ class RolloutPasses:
                 and not (scaling is not None and scaling.rope_type == "longrope"))
 
     def _rollout_pass(self, ids: torch.Tensor, start: Start, valid: torch.Tensor, positions: torch.Tensor,
-                      caches: list[KVCache], copy: RolloutWeights | ResidentBaseView | None) -> torch.Tensor:
+                      caches: list[LayerCache], copy: RolloutWeights | ResidentBaseView | None) -> torch.Tensor:
         """Embedding, every layer through its cache, the final norm and LM head at each row's last token:
         [rows, vocab] logits in float32 (float64 when computing in it). `copy`: the resident weights, else the
         stages stream through the training slots."""
