@@ -172,12 +172,9 @@ def _check_latent_lora_targets(cfg: Any) -> None:
 
 
 def check_latent_run(cfg: Any) -> None:
-    """What a deepseek_v3 or glm4_moe run cannot do yet, refused on load (Config.__post_init__)."""
+    """The checks of a deepseek_v3 or glm4_moe run on load (Config.__post_init__): LoRA's named query projections."""
     family = cfg.model.family
     if family not in SIGMOID_ROUTER_FAMILIES or cfg.model.template == "generic":
         return
     if cfg.finetune.method == "lora" and family in LATENT_FAMILIES:
         _check_latent_lora_targets(cfg)
-    if cfg.engine.compile is True:
-        _fail("engine.compile", True, f"{family}'s layers run eagerly (not tried through torch.compile yet); set "
-              "engine.compile to auto or false")

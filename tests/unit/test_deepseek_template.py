@@ -195,7 +195,6 @@ def test_bad_deepseek_settings_are_one_clear_error(tmp_path):
     cases = [
         (dict(model=model, finetune={"method": "lora", "lora": {"target_modules": ["q_proj", "kv_b_proj"]}}),
          "finetune.lora.target_modules"),  # the low-rank query has no q_proj
-        (dict(model=model, engine={"compile": True}), "engine.compile"),
         (dict(model={**model, "output_router_logits": True}), "model.output_router_logits"),
         (dict(model={**model, "num_key_value_heads": 1}), "model.num_key_value_heads"),
         (dict(model={**model, "mlp_only_layers": [1]}), "model.mlp_only_layers"),
