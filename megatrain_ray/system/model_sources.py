@@ -16,7 +16,8 @@ A GGUF conversion writes into a hidden temporary directory beside its target
 conversion first removes the temporary directories whose lock nobody holds (a driver killed mid-conversion
 leaves a directory as large as the model), and those without a lock file (older versions) once they are a day
 old; a conversion in progress, in this process namespace or another sharing the cache, keeps its lock and
-its directory.
+its directory. Only one process converts a given file at a time: another that asks for it meanwhile waits for
+that conversion and uses it (`_one_conversion_of`).
 """
 
 from __future__ import annotations
@@ -192,26 +193,60 @@ def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
         raise error(f"{where}={str(gguf)!r}: reading GGUF needs transformers, gguf and accelerate: "
                     "pip install 'megatrain-ray[gguf]'") from None
     target.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale_conversions(target.parent)
-    log.info("converting %s into a Hugging Face directory at %s (once; dequantized to float32)", gguf, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=CONVERTING, dir=target.parent))
-    # Locked under another name, then renamed: no sweeper ever sees the lock file unlocked.
-    lock = os.open(tmp / (CONVERSION_LOCK + ".new"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        os.rename(tmp / (CONVERSION_LOCK + ".new"), tmp / CONVERSION_LOCK)
-        _convert_gguf(gguf, tmp, where, error)
+    with _one_conversion_of(target, gguf):
+        if (target / "config.json").is_file():  # converted by the process this one waited for
+            return target
+        sweep_stale_conversions(target.parent)
+        log.info("converting %s into a Hugging Face directory at %s (once; dequantized to float32)", gguf, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=CONVERTING, dir=target.parent))
+        # Locked under another name, then renamed: no sweeper ever sees the lock file unlocked.
+        lock = os.open(tmp / (CONVERSION_LOCK + ".new"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.rename(tmp, target)  # the lock file comes along, still held, and goes below
-        except OSError:  # another process converted the same file meanwhile
-            if not (target / "config.json").is_file():
-                raise
-        else:
-            (target / CONVERSION_LOCK).unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.close(lock)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            os.rename(tmp / (CONVERSION_LOCK + ".new"), tmp / CONVERSION_LOCK)
+            _convert_gguf(gguf, tmp, where, error)
+            try:
+                os.rename(tmp, target)  # the lock file comes along, still held, and goes below
+            except OSError:  # another process converted the same file meanwhile (one of an older version)
+                if not (target / "config.json").is_file():
+                    raise
+            else:
+                (target / CONVERSION_LOCK).unlink(missing_ok=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.close(lock)
     return target
+
+
+TURN = ".turn"
+
+
+@contextlib.contextmanager
+def _one_conversion_of(target: Path, gguf: Path) -> Iterator[None]:
+    """One process at a time converts into `target`: an exclusive flock on `.<target>.turn` beside it, so a second
+    process asking for the same file (a `train` started while `prepare` converts) waits and reuses the first one's
+    conversion instead of doing it again. The holder removes the file before it lets go; a waiter that then gets
+    the lock of a removed file opens the new one and waits again."""
+    path = target.parent / f".{target.name}{TURN}"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process converting %s into %s", gguf, target)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 CONVERTING = ".converting"

@@ -177,3 +177,42 @@ def test_a_killed_gguf_conversion_is_swept_and_a_live_one_kept(tmp_path, monkeyp
     finally:
         for fd in opened:
             os.close(fd)
+
+
+def test_two_processes_asking_for_one_gguf_conversion_convert_it_once(tmp_path, monkeypatch):
+    """A second caller (a `train` started while `prepare` converts) waits for the conversion in progress and uses
+    it; the turn file beside the target goes with the last one. Threads stand in for processes: flock excludes two
+    open file descriptions in one process as it does in two."""
+    import threading
+
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_convert(gguf: Path, out: Path, where: str, error: type) -> None:
+        calls.append(out)
+        started.set()
+        assert release.wait(10)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_sources, "_convert_gguf", slow_convert)
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF" + b"\x02" * 60)
+    targets: list[Path] = []
+
+    def ask() -> None:
+        targets.append(model_sources.gguf_to_hf_dir(tmp_path / "tiny.gguf", "model.path", ConfigError))
+
+    first = threading.Thread(target=ask)
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=ask)
+    second.start()
+    time.sleep(0.3)  # the second is waiting on the turn, not converting
+    assert len(calls) == 1 and second.is_alive()
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert len(calls) == 1 and len(targets) == 2 and targets[0] == targets[1]
+    assert (targets[0] / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == [targets[0].name]
