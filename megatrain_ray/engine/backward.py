@@ -16,7 +16,7 @@ from megatrain_ray.engine.weights import WeightSlot
 from megatrain_ray.messages import Batch
 from megatrain_ray.model.attention import DocumentBucket
 from megatrain_ray.model.generic_template import run_layer
-from megatrain_ray.model.head import HeadResult, head_loss_and_grads
+from megatrain_ray.model.head import HeadResult, chunk_cross_entropy, head_loss_and_grads, loss_rows
 from megatrain_ray.model.layout import StageLayout
 from megatrain_ray.model.moe import RouterRecord, idle_expert_spans
 from megatrain_ray.model.policy_head import policy_loss_and_grads
@@ -51,7 +51,17 @@ class BackwardPasses:
         if batch.policy is not None:
             return policy_loss_and_grads(x, norm_w, lm_w, labels, batch.policy, self.head_spec, chunk, lm_grads)
         return head_loss_and_grads(x, norm_w, lm_w, labels, n_valid, self.head_spec, chunk, lm_grads,
-                                   input_grad_only=input_grad_only, chunk_loss=self._chunk_loss)
+                                   input_grad_only=input_grad_only, chunk_loss=self._chunk_loss,
+                                   rows=self._loss_rows(batch, labels))
+
+    def _loss_rows(self, batch: Batch, labels: torch.Tensor) -> torch.Tensor | None:
+        """head.loss_rows of the batch, from its labels on the host, on the device; in whole chunks where the chunk
+        loss is compiled (a new row count would be a new shape to compile)."""
+        if batch.labels.shape != labels.shape:
+            return None
+        compiled = self._chunk_loss is not chunk_cross_entropy
+        rows = loss_rows(batch.labels, self.engine_cfg.loss_chunk_tokens if compiled else None)
+        return None if rows is None else rows.to(labels.device, non_blocking=True)
 
     def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
               batch: Batch) -> HeadResult:

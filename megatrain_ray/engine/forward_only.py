@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megatrain_ray.messages import IGNORE_INDEX, Batch
-from megatrain_ray.model.head import head_logits, head_loss_and_grads
+from megatrain_ray.model.head import head_logits, head_loss_and_grads, loss_rows
 from megatrain_ray.model.policy_head import policy_eval_loss, policy_token_logps
 from megatrain_ray.model.preference import preference_eval_loss, preference_logps
 
@@ -51,13 +51,16 @@ class ForwardOnlyPasses:
 
             return float(self._forward_only(batch, dpo)), batch.input_ids.shape[0] // 2
 
+        rows = loss_rows(batch.labels)  # the eager chunk loss: any row count
+        rows = None if rows is None else rows.to(self.device, non_blocking=True)
+
         def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
             if self.generic is not None:
                 return self.generic.head_loss(x, head_w, embed_w, labels, n_valid, self.engine_cfg.loss_chunk_tokens,
                                               None)[0].loss_sum
             return head_loss_and_grads(x, head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), labels,
                                        n_valid, self.head_spec, self.engine_cfg.loss_chunk_tokens,
-                                       grad_lm_acc=None).loss_sum
+                                       grad_lm_acc=None, rows=rows).loss_sum
 
         return float(self._forward_only(batch, head)), batch.loss_tokens
 

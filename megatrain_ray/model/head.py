@@ -77,10 +77,33 @@ def chunk_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, n_valid: tor
     return loss, grad_logits.to(in_dtype)
 
 
+SKIP_WHEN_COUNTED_BELOW = 0.9
+"""loss_rows picks rows only where fewer than this share of the tokens count: else gathering them costs more than
+the logits it saves."""
+
+
+def loss_rows(labels: torch.Tensor, bucket: int | None = None) -> torch.Tensor | None:
+    """The flat indices, ascending, of the tokens whose label counts, for head_loss_and_grads to compute the logits
+    of those rows only (a prompt's tokens, masked out of the loss, need none: their loss and gradients are zero);
+    None: every row, where nearly all count. Call it on the host's labels (nonzero would make a GPU synchronise).
+    `bucket`: the number of rows is rounded up to a multiple of it (or to all of them) with rows that do not count,
+    so a compiled chunk loss sees no new shape from step to step."""
+    flat = labels.reshape(-1)
+    counted = flat != IGNORE_INDEX
+    total, n = flat.numel(), int(counted.sum())
+    keep = n if bucket is None else min(total, -(-n // bucket) * bucket)
+    if keep >= SKIP_WHEN_COUNTED_BELOW * total:
+        return None
+    rows = counted.nonzero().squeeze(1)
+    if keep > n:  # padding rows whose label does not count: zero loss, zero gradient
+        rows = torch.cat([rows, (~counted).nonzero().squeeze(1)[:keep - n]]).sort().values
+    return rows
+
+
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_weight: torch.Tensor,
                         labels: torch.Tensor, n_valid: int, eps: float | HeadSpec, chunk_tokens: int,
                         grad_lm_acc: torch.Tensor | None, input_grad_only: bool = False,
-                        chunk_loss=chunk_cross_entropy) -> HeadResult:
+                        chunk_loss=chunk_cross_entropy, rows: torch.Tensor | None = None) -> HeadResult:
     """Mean cross-entropy over the valid labels and its gradients, in chunks of tokens.
 
     Logits exist for one chunk at a time (chunk_tokens x vocab, upcast to float32 as in Hugging
@@ -90,7 +113,8 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_we
     epsilon alone; `norm_weight=None`: x is normed already (no norm here). A final soft-cap (Gemma 2) is
     applied to the upcast logits, and its derivative, 1 - tanh^2, to their gradient (one more chunk-sized float32
     tensor while it is on). `input_grad_only` (a frozen head, LoRA): only the gradient of x, none of the weights
-    (grad_lm_acc unused). `chunk_loss`: chunk_cross_entropy, or a compiled version of it.
+    (grad_lm_acc unused). `chunk_loss`: chunk_cross_entropy, or a compiled version of it. `rows` (loss_rows, on
+    x's device): the logits of these tokens only, every other token's loss and gradients being zero; None: all.
     """
     spec = eps if isinstance(eps, HeadSpec) else HeadSpec(eps)
     batch, seq_len, hidden = x.shape
@@ -104,18 +128,25 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_we
             normed = rms_norm(x, norm_weight, spec.eps, spec.plus_one)
     flat = normed.detach().reshape(-1, hidden)
     flat_labels = labels.reshape(-1)
-    grad_flat = torch.empty_like(flat)
+    # Without rows every row is written below; with them, the rows left out keep a zero gradient.
+    grad_flat = torch.empty_like(flat) if rows is None else torch.zeros_like(flat)
     loss_dtype = norm_dtype(x.dtype)
     loss = torch.zeros((), dtype=loss_dtype, device=x.device)
     n_valid_t = torch.full((), n_valid, dtype=loss_dtype, device=x.device)  # a fill: no host-to-device copy
-    for start in range(0, flat.shape[0], chunk_tokens):
-        h = flat[start:start + chunk_tokens]
-        lab = flat_labels[start:start + chunk_tokens]
+    for start in range(0, flat.shape[0] if rows is None else rows.numel(), chunk_tokens):
+        if rows is None:
+            h, lab = flat[start:start + chunk_tokens], flat_labels[start:start + chunk_tokens]
+        else:
+            picked = rows[start:start + chunk_tokens]
+            h, lab = flat.index_select(0, picked), flat_labels.index_select(0, picked)
         chunk_sum, grad_logits = chunk_loss(F.linear(h, lm_weight), lab, n_valid_t, spec.softcap, with_grads)
         loss += chunk_sum
         if not with_grads:
             continue
-        grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
+        if rows is None:
+            grad_flat[start:start + chunk_tokens] = grad_logits @ lm_weight
+        else:
+            grad_flat.index_copy_(0, picked, grad_logits @ lm_weight)
         if not input_grad_only:
             grad_lm_acc.add_((grad_logits.t() @ h).to(grad_lm_acc.dtype))
     if not with_grads:
