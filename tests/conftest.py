@@ -19,6 +19,12 @@ from megatrain_ray.config.load import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Inductor's CPU kernels built without SIMD (read when torch._inductor.config is first imported, after this): the
+# C++ builds of the compiled-layer tests then take about a quarter less CPU (compile tests on 2 cores, cold caches:
+# 194 vs 255 CPU-s). What those tests check is the traced graph and its numerics against float64; on a GPU Inductor
+# writes Triton kernels, not these. Set TORCHINDUCTOR_VEC_ISA_OK=1 to build them as a CPU user's run would.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `pytest -n N`: the worker processes share the machine's cores. One intra-op thread each, inherited by the runs,
     # Ray actors and subprocesses a worker starts (system.topology.cpu_compute_threads honours OMP_NUM_THREADS):
