@@ -137,18 +137,42 @@ def ray_session(_shared_ray):
 @pytest.fixture(scope="session")
 def private_ray_cli_run(tmp_path_factory) -> dict:
     """`megatrain train configs/tiny.yaml` for 5 steps through the private Ray it starts, in a HOME of its own, run
-    once for the suite (a private Ray's start is some 15 s on 2 cores): test_cli checks the run, test_ray_privacy
-    its token. Returns {"result": the CompletedProcess, "pid": the driver's, "home", "out", "modes": every mode
-    ~/.ray/auth_token was seen with, watched from before the run starts}."""
+    once for the suite (a private Ray's start is some 15 s on 2 cores; the run some 30 s): test_cli checks the run,
+    test_ray_privacy its token, test_quiet_run its warnings. Under `pytest -n N` those modules may run in different
+    workers: the first to ask runs it, under a lock in the directory the workers share, and records it; the others
+    wait for the lock and read the record. Returns {"result": the CompletedProcess, "pid": the driver's, "home",
+    "out", "modes": every mode ~/.ray/auth_token was seen with, watched from before the run starts}."""
+    import fcntl
+    import subprocess
+    import tempfile
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: popen-gw<N> under one root
+    record = shared / "private-ray-cli-run.json"
+    with open(shared / "private-ray-cli-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.is_file():
+            run = _private_ray_cli_run(Path(tempfile.mkdtemp(prefix="private-ray-", dir=shared)))
+            part = record.with_suffix(".part")
+            part.write_text(json.dumps(run))
+            part.rename(record)
+    run = json.loads(record.read_text())
+    result = subprocess.CompletedProcess(run["args"], run["returncode"], run["stdout"], run["stderr"])
+    return {"result": result, "pid": run["pid"], "home": Path(run["home"]), "out": Path(run["out"]),
+            "modes": set(run["modes"])}
+
+
+def _private_ray_cli_run(root: Path) -> dict:
+    """The run of private_ray_cli_run in `root`, as JSON-ready values."""
     import stat
     import subprocess
     import sys
     import threading
     import time
 
-    home = tmp_path_factory.mktemp("private-ray") / "home"
+    home = root / "home"
     home.mkdir()
-    out, token = home.parent / "run", home / ".ray" / "auth_token"
+    out, token = root / "run", home / ".ray" / "auth_token"
     modes: set[int] = set()
     done = threading.Event()
 
@@ -174,8 +198,8 @@ def private_ray_cli_run(tmp_path_factory) -> dict:
     finally:
         done.set()
         watcher.join()
-    result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
-    return {"result": result, "pid": child.pid, "home": home, "out": out, "modes": modes}
+    return {"args": child.args, "returncode": child.returncode, "stdout": stdout, "stderr": stderr,
+            "pid": child.pid, "home": str(home), "out": str(out), "modes": sorted(modes)}
 
 
 @pytest.fixture(autouse=True)
