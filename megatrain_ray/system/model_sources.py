@@ -231,14 +231,18 @@ def _one_conversion_of(target: Path, gguf: Path) -> Iterator[None]:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process converting %s into %s", gguf, target)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            current = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            current = False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another process converting %s into %s", gguf, target)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+        except BaseException:  # interrupted while waiting: the descriptor goes, its lock (if taken) with it
+            os.close(fd)
+            raise
         if current:
             break
         os.close(fd)

@@ -216,3 +216,28 @@ def test_two_processes_asking_for_one_gguf_conversion_convert_it_once(tmp_path, 
     assert len(calls) == 1 and len(targets) == 2 and targets[0] == targets[1]
     assert (targets[0] / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == [targets[0].name]
+
+
+def test_a_caller_interrupted_while_waiting_for_the_turn_closes_its_descriptor(tmp_path, monkeypatch):
+    """_one_conversion_of: a waiter stopped while blocked on the turn's lock (Ctrl-C) leaves no descriptor open and
+    takes no turn; the holder's turn is untouched."""
+    turn = tmp_path / ".x.turn"
+    holder = os.open(turn, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    real = fcntl.flock
+
+    def interrupted(fd, operation):
+        if not operation & fcntl.LOCK_NB:  # the blocking wait
+            raise KeyboardInterrupt
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", interrupted)
+    try:
+        before = sorted(os.listdir("/proc/self/fd"))
+        with pytest.raises(KeyboardInterrupt):
+            with model_sources._one_conversion_of(tmp_path / "x", tmp_path / "x.gguf"):
+                raise AssertionError("the turn is held by another")
+        assert sorted(os.listdir("/proc/self/fd")) == before
+        assert turn.is_file()
+    finally:
+        os.close(holder)
