@@ -138,6 +138,7 @@ def run_resident_compile(spec: dict, segments: bool = False, checkpointing: bool
         if checkpointing:
             model, train_step = build(True)
             row, used = timed(train_step), True
+            train_step = None  # its closure holds the model and optimizer: else they live through the next build
         else:
             row, used, model = compiled_resident_run(build, timed)
         row.update(compiled=True, checkpointing=used, tower_attention="segments" if segments else "per window",
