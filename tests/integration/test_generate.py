@@ -14,6 +14,7 @@ one error naming the file, line or field, before the model loads."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -224,6 +225,38 @@ def test_chat_renders_the_whole_conversation_each_turn(tiny_llama, tok, monkeypa
     assert sent == [template("Hello there"), template("Hello there", replies[0], "And again?"),
                     template("Fresh start")]  # the blank line skipped, the conversation forgotten at /reset
     assert tok.decode(sent[1]).endswith("<|im_start|>assistant\n") and replies[0] in tok.decode(sent[1])
+
+
+@pytest.mark.parametrize("end, code", [(EOFError, 0), (KeyboardInterrupt, 130)], ids=["ctrl-d", "ctrl-c"])
+def test_chat_at_a_terminal_reads_turns_by_input_and_leaves_on_ctrl_d_or_ctrl_c(tiny_llama, tok, monkeypatch,
+                                                                                capsys, end, code):
+    """At a terminal (stdin a tty) each turn comes through input() (its line editing, the '> ' prompt) after a
+    banner naming the model; Ctrl-D leaves with 0, Ctrl-C with 130. The reply printed is transformers' greedy one
+    of the templated turn (--temperature 0: chat samples by default)."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    turns, asked = iter(["Hello there"]), []
+
+    def typed(prompt: str) -> str:
+        asked.append(prompt)
+        for turn in turns:
+            return turn
+        raise end
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr("builtins.input", typed)
+    capsys.readouterr()
+    assert main(["chat", str(tiny_llama), "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu",
+                 *FLOAT64]) == code
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64).eval()
+    ids = prompt_ids(tok, {"messages": [{"role": "user", "content": "Hello there"}]})
+    reply = tok.decode(greedy(model, ids, new=6), skip_special_tokens=True)
+    assert asked == ["> ", "> "]
+    assert capsys.readouterr().out == (f"chatting with model {tiny_llama}; /reset starts again, /exit or Ctrl-D "
+                                       f"leaves\n{reply}\n\n")
 
 
 BAD_LINES = [json.dumps(PROMPTS[0]), "", '{"prompt": "fine"}', '{"prompt": "unclosed', json.dumps(PROMPTS[1])]
