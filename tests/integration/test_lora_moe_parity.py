@@ -14,7 +14,7 @@ test_moe_parity.py: its clamped SwiGLU learns slowly).
 
 Tolerances (tests/numerics.py), as tests/integration/test_lora_parity.py holds the dense families:
 - float32: peft's run is made twice, in float32 and in float64 from the same adapters; every step's loss and every
-  final adapter must be within 4x the noise that measures (the float32 run against the float64 one, on the machine
+  final adapter must be within 6x (MOE_FACTOR) the noise that measures (the float32 run against the float64 one, on the machine
   running the test; floor 16 float32 ulps), and every adapter must have moved by more than 100x that bound. The
   engine sums in another order and AdamW amplifies it; MKL's float32 GEMMs round by CPU, so no fixed bound holds
   everywhere. The measured figures (an AVX-512 Xeon) are by the parameters.
@@ -144,8 +144,19 @@ def assert_float64_lora_parity(run: LoraRun, rel: float = FLOAT64_REL, loss_rel:
     return worst
 
 
+MOE_FACTOR = 6.0
+"""The float32 bound's factor over the measured noise here (tests/numerics.py: FACTOR 4 elsewhere). The routed
+experts' adapters start at zero and end small, and the engine sums each expert's adapter gradient over its routed
+tokens in other groupings than peft's loop over experts: on a 2-core AMD EPYC (Zen 2, AVX2 only) under
+MKL_CBWR=COMPATIBLE, Qwen3-MoE's layer-0 experts lora_B lay 4.07x the run's noise (3.87e-6 against 9.52e-7 over
+3 runs; 4.09e-6 from float64, where peft's float32 runs lay at most 9.5e-7). The training logits off by 1e-3 (the
+chunk loss's logits scaled by 1 + 1e-3, in process) fail the same 5 in-process float32 training cases at 6 as at 4,
+there under MKL_CBWR=COMPATIBLE: the losses 4.5e-6 to 1.0e-5 from peft's float32 run against a bound of 1.9e-6
+(their noise, 7e-8 to 9e-8, is under the floor at either factor)."""
+
+
 def assert_moe_lora_parity(run: LoraRun, dtype: str) -> float:
-    return assert_lora_parity(run) if dtype == "float32" else assert_float64_lora_parity(run)
+    return assert_lora_parity(run, MOE_FACTOR) if dtype == "float32" else assert_float64_lora_parity(run)
 
 
 def float32(*values):

@@ -36,7 +36,14 @@ peft = pytest.importorskip("peft")
 from megatrain_ray.config.load import load_config
 from megatrain_ray.driver.trainer import Trainer
 from tests.conftest import learnable_tokens, one_thread, tiny_raw
-from tests.numerics import Reference, assert_run_exact, assert_run_within_noise, reference_in_both, relative_error
+from tests.numerics import (
+    FACTOR,
+    Reference,
+    assert_run_exact,
+    assert_run_within_noise,
+    reference_in_both,
+    relative_error,
+)
 from tests.reference_cache import ReferenceRuns, code_of
 from tests.reference_llama import reference_lr
 
@@ -161,10 +168,11 @@ def run_both(tmp_path: Path, family: str, world: int = 1, **sections) -> LoraRun
     return LoraRun(ours, initial, final, peft_reference(base, cfg, initial, batches), base, base_after)
 
 
-def assert_lora_parity(run: LoraRun) -> float:
-    """The run's losses and adapters against peft's within the measured float32 noise; every adapter moved."""
+def assert_lora_parity(run: LoraRun, factor: float = FACTOR) -> float:
+    """The run's losses and adapters against peft's within `factor` x the measured float32 noise; every adapter
+    moved."""
     assert set(run.final) == set(run.reference.state32), set(run.final) ^ set(run.reference.state32)
-    return assert_run_within_noise(run.losses, run.final, run.reference, run.initial)
+    return assert_run_within_noise(run.losses, run.final, run.reference, run.initial, factor)
 
 
 def _rope_in_float64(self, x, position_ids=None):
