@@ -60,8 +60,7 @@ class BackwardPasses:
         if batch.labels.shape != labels.shape:
             return None
         compiled = self._chunk_loss is not chunk_cross_entropy
-        rows = loss_rows(batch.labels, self.engine_cfg.loss_chunk_tokens if compiled else None)
-        return None if rows is None else rows.to(labels.device, non_blocking=True)
+        return loss_rows(batch.labels, self.engine_cfg.loss_chunk_tokens if compiled else None, labels.device)
 
     def _head(self, x: torch.Tensor, embed_w: torch.Tensor, labels: torch.Tensor, n_valid: int,
               batch: Batch) -> HeadResult:

@@ -51,8 +51,7 @@ class ForwardOnlyPasses:
 
             return float(self._forward_only(batch, dpo)), batch.input_ids.shape[0] // 2
 
-        rows = loss_rows(batch.labels)  # the eager chunk loss: any row count
-        rows = None if rows is None else rows.to(self.device, non_blocking=True)
+        rows = loss_rows(batch.labels, device=self.device)  # the eager chunk loss: any row count
 
         def head(x: torch.Tensor, head_w: dict, embed_w: torch.Tensor) -> torch.Tensor:
             if self.generic is not None:

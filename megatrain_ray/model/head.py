@@ -82,12 +82,13 @@ SKIP_WHEN_COUNTED_BELOW = 0.9
 the logits it saves."""
 
 
-def loss_rows(labels: torch.Tensor, bucket: int | None = None) -> torch.Tensor | None:
+def loss_rows(labels: torch.Tensor, bucket: int | None = None,
+              device: torch.device | str | None = None) -> torch.Tensor | None:
     """The flat indices, ascending, of the tokens whose label counts, for head_loss_and_grads to compute the logits
     of those rows only (a prompt's tokens, masked out of the loss, need none: their loss and gradients are zero);
     None: every row, where nearly all count. Call it on the host's labels (nonzero would make a GPU synchronise).
     `bucket`: the number of rows is rounded up to a multiple of it (or to all of them) with rows that do not count,
-    so a compiled chunk loss sees no new shape from step to step."""
+    so a compiled chunk loss sees no new shape from step to step. `device`: where the rows go (non-blocking)."""
     flat = labels.reshape(-1)
     counted = flat != IGNORE_INDEX
     total, n = flat.numel(), int(counted.sum())
@@ -97,7 +98,7 @@ def loss_rows(labels: torch.Tensor, bucket: int | None = None) -> torch.Tensor |
     rows = counted.nonzero().squeeze(1)
     if keep > n:  # padding rows whose label does not count: zero loss, zero gradient
         rows = torch.cat([rows, (~counted).nonzero().squeeze(1)[:keep - n]]).sort().values
-    return rows
+    return rows if device is None else rows.to(device, non_blocking=True)
 
 
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor | None, lm_weight: torch.Tensor,
