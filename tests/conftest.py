@@ -123,7 +123,7 @@ def ray_session(_shared_ray):
     their actors fresh."""
     import ray
 
-    from megatrain_ray.config.engine_sections import RuntimeConfig
+    from megatrain_ray.config.runtime_sections import RuntimeConfig
     from megatrain_ray.driver import warm_actors
     from megatrain_ray.driver.runtime import start_ray
 

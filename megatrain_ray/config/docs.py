@@ -21,6 +21,7 @@ from megatrain_ray.config import (
     linear_attention_section,
     loop_sections,
     model_section,
+    runtime_sections,
 )
 
 SECTIONS = {
@@ -30,9 +31,9 @@ SECTIONS = {
     "model.sigmoid_router": latent_attention_section.SigmoidRouterConfig,
     "data": loop_sections.DataConfig, "optimizer": engine_sections.OptimizerConfig,
     "schedule": loop_sections.ScheduleConfig, "precision": engine_sections.PrecisionConfig,
-    "engine": engine_sections.EngineConfig, "host": engine_sections.HostConfig, "runtime": engine_sections.RuntimeConfig,
-    "parallel": engine_sections.ParallelConfig, "train": loop_sections.TrainConfig,
-    "checkpoint": loop_sections.CheckpointConfig,
+    "engine": engine_sections.EngineConfig, "host": runtime_sections.HostConfig,
+    "runtime": runtime_sections.RuntimeConfig, "parallel": runtime_sections.ParallelConfig,
+    "train": loop_sections.TrainConfig, "checkpoint": loop_sections.CheckpointConfig,
     "fault": loop_sections.FaultConfig,
     "finetune": finetune_section.FinetuneConfig, "finetune.lora": finetune_section.LoraConfig,
     "finetune.dpo": finetune_section.DPOConfig, "finetune.grpo": grpo_section.GRPOConfig,
@@ -70,7 +71,7 @@ def render() -> str:
              "Generated from the section classes in `megatrain_ray/config/` (model_section.py, linear_attention_section.py, "
              "latent_attention_section.py, "
              "loop_sections.py, "
-             "engine_sections.py, finetune_section.py, grpo_section.py) by `python -m megatrain_ray.config.docs`. "
+             "engine_sections.py, runtime_sections.py, finetune_section.py, grpo_section.py) by `python -m megatrain_ray.config.docs`. "
              "Every key can be set in the YAML file or overridden with `--set section.key=value`.", ""]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)

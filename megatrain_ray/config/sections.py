@@ -3,10 +3,11 @@
 A run is described by a YAML file whose sections map one to one onto `Config`'s fields
 (config/load.py reads it). Each section is a dataclass checking its own values, in the module of its
 concern: config/model_section.py (`model`), config/loop_sections.py (`data`, `schedule`, `train`,
-`checkpoint`, `fault`), config/engine_sections.py (`optimizer`, `precision`, `engine`, `host`, `runtime`,
-`parallel`) and config/finetune_section.py (`finetune`). Impossible values raise `ConfigError` naming the
-dotted key (`optimizer.lr`), the value received and what to do, before anything is allocated. Settings
-derived from several sections and the machine live in config/resolved.py (RunSpec).
+`checkpoint`, `fault`), config/engine_sections.py (`optimizer`, `precision`, `engine`),
+config/runtime_sections.py (`host`, `runtime`, `parallel`) and config/finetune_section.py (`finetune`).
+Impossible values raise `ConfigError` naming the dotted key (`optimizer.lr`), the value received and what to
+do, before anything is allocated. Settings derived from several sections and the machine live in
+config/resolved.py (RunSpec).
 """
 
 from __future__ import annotations
@@ -15,20 +16,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatrain_ray.config.engine_sections import (
-    EngineConfig,
-    HostConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    RuntimeConfig,
-)
+from megatrain_ray.config.engine_sections import EngineConfig, OptimizerConfig, PrecisionConfig
 from megatrain_ray.config.fields import refuse as _fail
 from megatrain_ray.config.finetune_section import FinetuneConfig
 from megatrain_ray.config.latent_attention_section import check_latent_run
 from megatrain_ray.config.linear_attention_section import check_hybrid_run
 from megatrain_ray.config.loop_sections import CheckpointConfig, DataConfig, FaultConfig, ScheduleConfig, TrainConfig
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.config.runtime_sections import HostConfig, ParallelConfig, RuntimeConfig
 
 
 @dataclass(kw_only=True, slots=True)

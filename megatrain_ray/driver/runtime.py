@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_ray import exceptions
-from megatrain_ray.config.engine_sections import RuntimeConfig
+from megatrain_ray.config.runtime_sections import RuntimeConfig
 from megatrain_ray.driver import warm_actors
 from megatrain_ray.driver.placement import numa_resources
 from megatrain_ray.driver.ray_setup import (

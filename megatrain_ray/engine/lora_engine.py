@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from megatrain_ray.config.engine_sections import EngineConfig, OptimizerConfig, ParallelConfig
+from megatrain_ray.config.engine_sections import EngineConfig, OptimizerConfig
 from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.config.runtime_sections import ParallelConfig
 from megatrain_ray.engine.adapters import AdapterTier
 from megatrain_ray.engine.collective import Collectives, RankInfo
 from megatrain_ray.engine.resident_base import ResidentBase

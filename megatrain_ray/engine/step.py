@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
-from megatrain_ray.config.engine_sections import EngineConfig, OptimizerConfig, ParallelConfig
+from megatrain_ray.config.engine_sections import EngineConfig, OptimizerConfig
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.resolved import RunSpec
+from megatrain_ray.config.runtime_sections import ParallelConfig
 from megatrain_ray.dtypes import TORCH_DTYPES
 from megatrain_ray.engine.activations import ActivationStash
 from megatrain_ray.engine.backward import BackwardPasses

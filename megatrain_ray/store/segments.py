@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatrain_ray.config.engine_sections import HostConfig
+from megatrain_ray.config.runtime_sections import HostConfig
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.exceptions import ConfigError, HostMemoryError

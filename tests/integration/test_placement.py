@@ -12,7 +12,7 @@ import time
 import pytest
 
 from actors.base import ActorBase
-from megatrain_ray.config.engine_sections import RuntimeConfig
+from megatrain_ray.config.runtime_sections import RuntimeConfig
 from megatrain_ray.driver.faults import HealthMonitor
 from megatrain_ray.driver.placement import RayPlacement, numa_resources
 from megatrain_ray.driver.runtime import spawn, start_ray

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_ray.config.engine_sections import RuntimeConfig
+from megatrain_ray.config.runtime_sections import RuntimeConfig
 from megatrain_ray.driver.runtime import spawn, start_ray
 
 pytestmark = pytest.mark.ray
