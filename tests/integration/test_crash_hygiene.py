@@ -192,12 +192,32 @@ def _in_new_pid_namespace(args: list[str], tmp: Path, pid_at_least: int) -> list
     return ["unshare", "-rpf", "--mount-proc", "sh", "-c", spin, "sh", *args]
 
 
-def _python_here(pid: int) -> bool:
-    """Whether `pid` is a Python process of this PID namespace."""
-    try:
-        return b"python" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+def _pids_inside(launcher: subprocess.Popen) -> set[int]:
+    """The pids, as that namespace numbers them, of the processes in the PID namespace that `launcher` (unshare)
+    made. Read from /proc/<pid>/status's NSpid, so a segment named with one of them is that namespace's even when
+    a process of this namespace has the same number (small pids in a container)."""
+    def field(pid: str, name: str) -> list[str]:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(name + ":"):
+                return line.split()[1:]
+        return []
+    inside: set[int] = set()
+    namespace = None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if namespace is None and field(pid, "PPid") == [str(launcher.pid)]:
+                namespace = os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:
+            continue
+    if namespace is None:
+        return inside
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
+                inside.add(int(field(pid, "NSpid")[-1]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return inside
 
 
 def test_two_runs_in_two_pid_namespaces_sharing_shm_never_sweep_each_other(tmp_path):
@@ -218,10 +238,11 @@ def test_two_runs_in_two_pid_namespaces_sharing_shm_never_sweep_each_other(tmp_p
         while time.monotonic() < deadline and first.poll() is None and not (
                 (first_run / "metrics.jsonl").exists() and (first_run / "metrics.jsonl").read_text().count("\n") >= 3):
             time.sleep(0.1)
-        # Other test processes' runs may create segments meanwhile: theirs carry the pid of a live Python process of
-        # this namespace, the first run's a pid of its own namespace.
+        # Other test processes' runs may create segments meanwhile: the first run's carry a pid of its own
+        # namespace (its driver's), which /proc maps to that namespace.
+        inside = _pids_inside(first)
         first_segments = {f for f in os.listdir("/dev/shm") if f.startswith(f"megatrain-{host}-")
-                          and not _python_here(int(f.split("-")[2]))} - before
+                          and int(f.split("-")[2]) in inside} - before
         assert first.poll() is None and first_segments, "the first run should be training, with its segments"
         assert all(int(f.split("-")[2]) >= 300 for f in first_segments), first_segments
         # The second run sweeps at its start, in a namespace where the first run's pid does not exist.
