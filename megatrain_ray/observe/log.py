@@ -10,6 +10,20 @@ _FORMAT = "%(asctime)s [megatrain %(actor)s] %(levelname)s %(message)s"
 _warned: set[str] = set()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record is emitted, not as it was when the logger was set up (as
+    logging's own last-resort handler does): a caller that swaps sys.stderr (contextlib.redirect_stderr, pytest's
+    capsys) gets the lines while it holds it, and a replacement closed since never receives one (in-process
+    runs after a `main()` under capsys lost every log line to 'I/O operation on closed file')."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+
 class _ActorFilter(logging.Filter):
     def __init__(self, actor: str):
         super().__init__()
@@ -32,7 +46,7 @@ def init_logger(actor: str = "driver", level: str | None = None, force: bool = F
     root.setLevel(level or os.environ.get("MEGATRAIN_LOG_LEVEL", "INFO"))
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     handler.addFilter(_ActorFilter(actor))
     root.addHandler(handler)
