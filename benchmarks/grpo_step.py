@@ -36,7 +36,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import RESULTS, ROOT, provenance, write_result  # noqa: E402
 
 from megatrain_ray.config.load import load_config  # noqa: E402
-from megatrain_ray.driver.grpo import policy_batch  # noqa: E402
+from megatrain_ray.driver.grpo import policy_batch, warn_vanished_weights  # noqa: E402
 from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.engine.rollout.interface import SamplingSettings  # noqa: E402
 import megatrain_ray.engine.rollout.passes as passes  # noqa: E402
@@ -142,9 +142,13 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
                 "logp_gap_max": result.objective_metrics.get("sampling/sampling_logp_difference/max"),
                 "logp_gap_mean": result.objective_metrics.get("sampling/sampling_logp_difference/mean"),
                 "is_ratio": {k: result.objective_metrics.get(f"sampling/importance_sampling_ratio/{k}")
-                             for k in ("min", "mean", "max")},
+                             for k in ("min", "mean", "max", "zero_fraction")},
+                "is_mode": cfg.finetune.grpo.vllm_importance_sampling_mode,
                 "skipped": result.skipped,
             })
+            records[-1]["warning"] = warn_vanished_weights(  # what Trainer.step logs for such a step
+                {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, **(result.objective_metrics or {})},
+                cfg.finetune.grpo)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}, flush=True)
             setup["host_bytes_per_param"] = records[-1]["host_gib"] * 2**30 / setup["params"]
             save(setup, records, f"step {step} trained")

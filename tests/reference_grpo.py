@@ -144,3 +144,9 @@ def trl_grpo(rollout: Rollout, *, num_generations: int, loss_type: str = "dapo",
     (grad,) = torch.autograd.grad(loss, leaf)
     return TRLResult(output["advantages"], output.get("importance_sampling_ratio"), loss.detach(), grad,
                      {k: v[-1] for k, v in stub._metrics["train"].items()})
+
+
+def trl_zero_fraction(is_ratio: torch.Tensor, mask: torch.Tensor, below: float) -> torch.Tensor:
+    """From TRL's importance-sampling ratio ([N, T] per token, [N, 1] per completion): the share of the completion
+    tokens (`mask`) it weighs below `below` (our zero_fraction; TRL logs no such metric)."""
+    return ((is_ratio < below).to(mask.dtype) * mask).sum() / mask.sum()

@@ -33,7 +33,17 @@ from megatrain_ray.data.prompts import PromptBatches, PromptRows
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
 from megatrain_ray.exceptions import CheckpointError, ConfigError
 from megatrain_ray.messages import IGNORE_INDEX, Batch, PolicyRows
-from megatrain_ray.model.policy_gradient import group_advantages, reward_name, score_completions, weighted_rewards
+from megatrain_ray.model.policy_gradient import (
+    NEGLIGIBLE_IS_WEIGHT,
+    ZERO_FRACTION,
+    group_advantages,
+    reward_name,
+    score_completions,
+    weighted_rewards,
+)
+from megatrain_ray.observe.log import get_logger
+
+log = get_logger(__name__)
 
 ROLLOUT_FILE = "grpo-rollout.pt"
 """The batch a checkpoint inside a num_iterations group keeps (GRPOSteps.save_state)."""
@@ -64,6 +74,38 @@ def policy_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], r
         labels[r, first:first + len(completion)] = torch.tensor(completion)
         sampling[r, first:first + len(completion)] = rollout_logps[r, :len(completion)]
     return Batch(input_ids, labels, policy=PolicyRows.from_config(grpo, advantages, sampling_logps=sampling))
+
+
+def vanished_weights_warning(record: dict[str, Any], grpo: Any) -> str | None:
+    """The warning for a step whose importance-sampling weights (vllm_importance_sampling_correction) left every
+    completion token below NEGLIGIBLE_IS_WEIGHT, so that it trained on nothing (loss and gradient 0, or nearly);
+    None for any other step. `record`: the step's metrics (ZERO_FRACTION; summed over data-parallel ranks, each a
+    share of the whole batch)."""
+    if not grpo.vllm_importance_sampling_correction or record.get(ZERO_FRACTION, 0.0) < 1 - 1e-6:
+        return None
+    key, mode = "finetune.grpo.vllm_importance_sampling_mode", grpo.vllm_importance_sampling_mode
+    bounds = (f"clip_min={grpo.vllm_importance_sampling_clip_min}, "
+              f"clip_max={grpo.vllm_importance_sampling_clip_max}")
+    gap = record.get("sampling/sampling_logp_difference/mean")
+    gap = "" if gap is None else f" (mean |gap| {gap:.3g} nats a token)"
+    head = (f"step {record.get('step')}: the importance-sampling correction weighs every completion token below "
+            f"{NEGLIGIBLE_IS_WEIGHT:g} ({key}={mode}, {bounds}): this step trains on nothing (loss "
+            f"{record.get('loss', float('nan')):.3g}, grad_norm {record.get('grad_norm', float('nan')):.3g}). ")
+    if mode.startswith("sequence"):
+        return head + (f"A sequence mode weighs a completion by exp of the trainer-minus-rollout log-probability gap "
+                       f"summed over all its tokens{gap}; over long completions that sum falls far below 0 (or above "
+                       f"log(clip_max)) and the weight vanishes. For long completions set {key}=token_truncate (one "
+                       f"ratio per token, clamped to [clip_min, clip_max]); docs/fine-tuning.md, GRPO.")
+    return head + (f"Every per-token ratio{gap} fell outside [clip_min, clip_max] ({mode}): widen the bounds, or set "
+                   f"{key}=token_truncate, which clamps instead of zeroing; docs/fine-tuning.md, GRPO.")
+
+
+def warn_vanished_weights(record: dict[str, Any], grpo: Any) -> str | None:
+    """Log vanished_weights_warning as a warning (the console and the run's log) and return it."""
+    message = vanished_weights_warning(record, grpo)
+    if message is not None:
+        log.warning("%s", message)
+    return message
 
 
 class GRPOSteps:

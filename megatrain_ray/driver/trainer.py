@@ -26,7 +26,7 @@ from megatrain_ray.driver.checkpointing import (
 )
 from megatrain_ray.driver.cluster import Cluster, ClusterView, new_run_id
 from megatrain_ray.driver.faults import FaultDrills, Recovery, stop_or_skip_nonfinite
-from megatrain_ray.driver.grpo import GRPOSteps
+from megatrain_ray.driver.grpo import GRPOSteps, warn_vanished_weights
 from megatrain_ray.driver.outputs import check_outputs, place_outputs
 from megatrain_ray.driver.parallel import merge_results, resolve_parallel, split_batch
 from megatrain_ray.driver.reference import check_reference, load_or_compute
@@ -257,6 +257,7 @@ class Trainer(RunTensors, ClusterView):
                              self.cluster.parallel.world, self.host_memory_bytes(), self.data.epoch_of(step + 1))
         if rollout is not None:
             record.update(rollout.metrics)
+            warn_vanished_weights(record, cfg.finetune.grpo)
         if not record["skipped"]:
             self.updates_applied += 1
         every = cfg.train.eval_every

@@ -34,6 +34,14 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STD_EPS = 1e-4
 """Added to the standard deviation before dividing by it (TRL's constant)."""
+NEGLIGIBLE_IS_WEIGHT = 1e-6
+"""An importance-sampling weight below this (0 when masked, or an exp that underflowed) leaves the token less than a
+millionth of its share of the update: counted in ZERO_FRACTION."""
+ZERO_FRACTION = "sampling/importance_sampling_ratio/zero_fraction"
+"""Ours, not TRL's: the share of the batch's completion tokens whose importance-sampling weight is below
+NEGLIGIBLE_IS_WEIGHT. 1 means the step trains on nothing (driver/grpo.py: warn_vanished_weights)."""
+OWN_METRICS = (ZERO_FRACTION,)
+"""The GRPO metrics this project logs beside TRL's names."""
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -167,13 +175,22 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
 
 def rollout_importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
                                mode: str = "sequence_mask", clip_min: float | None = None,
-                               clip_max: float | None = 3.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                               clip_max: float | None = 3.0, total_tokens: float | torch.Tensor | None = None,
+                               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weight w of each token ([N, T], token modes) or row ([N, 1], sequence modes) that corrects for the
     rollout engine sampling from slightly other probabilities than the trainer computes (TRL's
     vllm_importance_sampling_*): ratio = exp(old - sampling), per token or summed over the row's completion
     tokens; *_truncate clamps it to [clip_min, clip_max], *_mask sets it to 0 outside. A NaN sampling
     log-probability (the rollout could not score the token) counts as no gap. Returns (w, TRL's sampling/...
-    metrics)."""
+    metrics, plus ZERO_FRACTION: the completion tokens weighed below NEGLIGIBLE_IS_WEIGHT over `total_tokens`, the
+    whole step's when ranks share it, else this call's).
+
+    A sequence mode's ratio is exp of a sum over the whole completion. Tokens drawn from the rollout's distribution
+    make that sum's expectation -T x KL(rollout || trainer) for T tokens, so long completions drive it far below 0:
+    over 12,288 tokens at a mean |gap| of 0.156 nats a token (what the Qwen2.5-32B-shape benchmark measured;
+    tests/unit/test_grpo_long_completions.py) it is -205 and -281, and the weights underflow to 0 in float32 (1e-89
+    and 1e-122 in float64); a positive sum above log(clip_max) is masked. The token modes weigh each token by its
+    own ratio, near 1 on average."""
     if mode not in IS_MODES:
         raise ValueError(f"unknown importance sampling mode {mode!r}; expected one of {', '.join(IS_MODES)}")
     mask = mask.to(old_logps.dtype)
@@ -201,6 +218,9 @@ def rollout_importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Te
         "sampling/importance_sampling_ratio/mean": flat.mean() if flat.numel() else zero,
         "sampling/importance_sampling_ratio/max": flat.max() if flat.numel() else zero,
     }
+    negligible = ((ratio < NEGLIGIBLE_IS_WEIGHT).to(mask.dtype) * mask).sum()  # a row's ratio covers its tokens
+    tokens = mask.sum() if total_tokens is None else torch.as_tensor(total_tokens, dtype=mask.dtype)
+    metrics[ZERO_FRACTION] = negligible / tokens.clamp(min=1.0)
     return ratio, metrics
 
 

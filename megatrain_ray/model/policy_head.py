@@ -28,7 +28,8 @@ class PolicyHeadResult(HeadResult):
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """TRL's GRPO metrics of the batch as 0-d tensors on the device: clip_ratio/low_mean, high_mean, region_mean,
     low_min, high_max; kl (beta > 0); sampling/sampling_logp_difference/mean, max and
-    sampling/importance_sampling_ratio/min, mean, max (the importance-sampling correction on)."""
+    sampling/importance_sampling_ratio/min, mean, max (the importance-sampling correction on), and ours beside them,
+    sampling/importance_sampling_ratio/zero_fraction (model/policy_gradient.py: ZERO_FRACTION)."""
     token_logps: torch.Tensor | None = None
     """[rows, seq_len] each label's log-probability (0 where labels == -100), detached, float32 (float64 when the
     model computes in it), on the device."""
@@ -65,7 +66,8 @@ def policy_loss_and_token_grads(logps: torch.Tensor, labels: torch.Tensor, rows:
         sampling = torch.where(valid, rows.sampling_logps.to(device=logps.device, dtype=logps.dtype), 0)
         is_weights, is_metrics = rollout_importance_weights(
             logps.detach() if old is None else old, sampling, mask, rows.vllm_importance_sampling_mode,
-            rows.vllm_importance_sampling_clip_min, rows.vllm_importance_sampling_clip_max)
+            rows.vllm_importance_sampling_clip_min, rows.vllm_importance_sampling_clip_max,
+            total_tokens=rows.total_tokens or None)
     loss, grads, metrics = grpo_loss_and_token_grads(
         logps, old, mask, rows.advantages.to(logps.device), rows.loss, ref, is_weights,
         total_rows=rows.total_rows or None, total_tokens=rows.total_tokens or None)

@@ -22,10 +22,10 @@ from megatrain_ray.config.grpo_section import GRPOConfig
 from megatrain_ray.engine.forward_only import ForwardOnlyPasses
 from megatrain_ray.messages import IGNORE_INDEX, Batch, PolicyRows, PreferenceRows
 from megatrain_ray.model.head import HeadSpec
-from megatrain_ray.model.policy_gradient import GRPOLossSettings
+from megatrain_ray.model.policy_gradient import NEGLIGIBLE_IS_WEIGHT, ZERO_FRACTION, GRPOLossSettings
 from megatrain_ray.model.policy_head import policy_eval_loss, policy_loss_and_grads, policy_token_logps
 from tests.numerics import assert_exact
-from tests.reference_grpo import Rollout, first_reward, trl_grpo
+from tests.reference_grpo import Rollout, first_reward, trl_grpo, trl_zero_fraction
 
 pytest.importorskip("trl")
 
@@ -118,6 +118,10 @@ def check_head(chunk_tokens: int = 5, softcap: float = 0.0, on_policy: bool = Fa
     valid = inputs["labels"] != IGNORE_INDEX
     errors["token logps"] = assert_exact("token logps", head.token_logps, torch.where(valid, all_logps, 0))
     for key, value in head.metrics.items():
+        if key == ZERO_FRACTION:  # ours, from TRL's ratio
+            errors[key] = assert_exact(key, value, trl_zero_fraction(trl.is_ratio, rollout.mask,
+                                                                     NEGLIGIBLE_IS_WEIGHT))
+            continue
         assert key in trl.metrics, f"TRL logs no {key}; it logged {sorted(trl.metrics)}"
         if key in FLOAT32_SHARES:
             assert trl.metrics[key] in (float(value), float(value.float())), (key, float(value), trl.metrics[key])

@@ -14,6 +14,8 @@ import torch
 
 from megatrain_ray.exceptions import RewardFunctionError
 from megatrain_ray.model.policy_gradient import (
+    NEGLIGIBLE_IS_WEIGHT,
+    ZERO_FRACTION,
     GRPOLossSettings,
     group_advantages,
     grpo_loss_and_token_grads,
@@ -21,7 +23,7 @@ from megatrain_ray.model.policy_gradient import (
     score_completions,
 )
 from tests.numerics import assert_exact
-from tests.reference_grpo import Rollout, first_reward, second_reward, trl_grpo
+from tests.reference_grpo import Rollout, first_reward, second_reward, trl_grpo, trl_zero_fraction
 
 pytest.importorskip("trl")
 
@@ -82,6 +84,10 @@ def check_against_trl(**settings) -> dict[str, float]:
     if is_w is not None:
         errors["is_ratio"] = assert_exact("importance sampling ratio", is_w, ref.is_ratio)
     for key, value in metrics.items():
+        if key == ZERO_FRACTION:  # ours, from TRL's ratio
+            errors[key] = assert_exact(key, value, trl_zero_fraction(ref.is_ratio, rollout.mask,
+                                                                     NEGLIGIBLE_IS_WEIGHT))
+            continue
         assert key in ref.metrics, f"TRL logs no {key}; it logged {sorted(ref.metrics)}"
         if key in FLOAT32_SHARES:
             assert ref.metrics[key] in (float(value), float(value.float())), (key, float(value), ref.metrics[key])
@@ -108,7 +114,8 @@ def test_importance_sampling_correction_matches_trl(mode, clip_min, clip_max):
     check_against_trl(loss_type="dapo", beta=0.04, epsilon_high=0.28, is_mode=mode, is_clip_min=clip_min,
                       is_clip_max=clip_max)
     r = make_rollout()
-    w, _ = rollout_importance_weights(r.old_logps, r.sampling_logps, r.mask, mode, clip_min, clip_max)
+    w, metrics = rollout_importance_weights(r.old_logps, r.sampling_logps, r.mask, mode, clip_min, clip_max)
+    assert (metrics[ZERO_FRACTION] > 0) == mode.endswith("mask")  # masked tokens (0.43 and 0.42 of them) count
     bounded = w[r.mask.bool()] if mode.startswith("token") else w
     assert ((bounded == 0) | (bounded >= (clip_min or 0)) & (bounded <= clip_max)).all()
     assert (bounded != 1).any() and (bounded != bounded.flatten()[0]).any()  # the weights do vary
