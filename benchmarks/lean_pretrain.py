@@ -8,10 +8,11 @@ full: fp32 master and moments, every stage on the GPU-resident tier (engine.gpu_
 AdamW on the device, the same math, step order and clipping as the CPU optimizer's; tests/integration/
 test_gpu_resident.py). lean: optimizer.state=lean (bf16 master + bf16 compensation, int8 moments at block 256),
 every stage streamed (the lean state lives on the host; the tier keeps its own float32 state). The two runs go side
-by side, each a process of its own pinned to its own cores (--full-cores, the rest to lean: its Ray and optimizer
-workers inherit the mask), so that the tier's run does not wait for the CPU-bound lean one; --sequential runs them
-one after the other. Each run rewrites its partial file (losses so far) every 100 steps and stops at --deadline-s,
-so a cut-off run keeps its figures.
+by side, each a process of its own with its own private Ray (runtime.mode=ray, both), pinned to its own cores
+(--full-cores, the rest to lean: its Ray and optimizer workers inherit the mask), so that the tier's run does not
+wait for the CPU-bound lean one; --sequential runs them one after the other. Each run rewrites its partial file
+(losses so far) every 100 steps and stops at --deadline-s, so a cut-off run keeps its figures; at its end it adds
+its host memory per parameter (each shared segment kind, and the private memory of the driver and its actors).
 
 Tokens are the text's bytes (data.path=*.txt: vocab 256), no tokenizer needed. The "final loss" compared is the
 mean over the last --tail steps (both runs see the same windows, none of them twice: one epoch is far more than
@@ -38,12 +39,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, provenance, write_result  # noqa: E402
 
-VARIANTS = {"full": ["engine.gpu_resident=all"],
+VARIANTS = {"full": ["engine.gpu_resident=all", "runtime.mode=ray"],
             "lean": ["engine.gpu_resident=none", "optimizer.state=lean", "optimizer.lean_moments=int8",
                      "optimizer.lean_block=256", "runtime.mode=ray"]}
-"""full runs in-process (runtime.mode=local: its update is on the device); lean through Ray, as the product runs: an
-in-process optimizer worker is pinned nowhere and runs one thread (actors/optimizer_worker.py), so 4 workers updated
-0.336 B parameters in 0.307 s a step on 4 threads (lean-pretrain-h200-20261203-132652.json, cut at step 593)."""
+"""Both through Ray, as the product runs (each its own private Ray, inside its process's core mask). lean needs it:
+an in-process optimizer worker is pinned nowhere and runs one thread (actors/optimizer_worker.py), so 4 workers
+updated 0.336 B parameters in 0.307 s a step on 4 threads (lean-pretrain-h200-20261203-132652.json, cut at step
+593). full's update is on the device, so the mode changes none of its numbers (on the CPU its 12 steps' losses are
+the same bits in both modes); through Ray it runs the same actors as lean."""
 
 
 def stdlib_corpus(path: Path) -> dict:
@@ -106,11 +109,26 @@ def run_one(args) -> None:
             if cut:
                 row["cut_at_step"] = step + 1
                 break
+        row.update(host_memory(trainer, row["params"]))
     row["wall_seconds"] = time.time() - started
     row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     write_result("", row, path=Path(args.partial), quiet=True)
     print(f"{args.worker}: {len(row['losses'])} steps, loss {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}, "
           f"{row['wall_seconds']:.0f} s", flush=True)
+
+
+def host_memory(trainer, params: int) -> dict:
+    """What the run holds in host RAM, per parameter: each shared segment kind's bytes (as benchmarks/run.py counts
+    them) and the private memory of the driver and its actors."""
+    from megatrain_ray.observe.metrics import shm_bytes
+
+    total = trainer.host_memory_bytes()
+    by_kind: dict[str, int] = {}
+    for spec in trainer.specs:
+        by_kind[spec.kind] = by_kind.get(spec.kind, 0) + shm_bytes([spec.path])
+    return {"host_bytes_per_param": total / params,
+            "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
+                                               "private_rss": (total - sum(by_kind.values())) / params}}
 
 
 def summary(runs: dict, tail: int) -> dict:
@@ -126,6 +144,8 @@ def summary(runs: dict, tail: int) -> dict:
     return {"steps_compared": n, "tail": tail, "final_full": mean["full"], "final_lean": mean["lean"],
             "final_ratio": mean["lean"] / mean["full"], "last_full": full[n - 1], "last_lean": lean[n - 1],
             "last_ratio": lean[n - 1] / full[n - 1],
+            "max_abs_window_rel_diff": max((abs(d) for _, d in windows), default=None),
+            "max_abs_window_from_step": max(windows, key=lambda w: abs(w[1]))[0] if windows else None,
             "per_100_steps_rel_diff": [{"from_step": b, "lean_over_full_minus_1": d} for b, d in windows]}
 
 

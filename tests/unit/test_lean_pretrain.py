@@ -16,6 +16,7 @@ def test_final_losses_are_the_tail_means_of_the_steps_both_runs_reached():
     assert got["final_ratio"] == pytest.approx(1.1)
     assert got["last_ratio"] == pytest.approx(1.1)
     assert got["per_100_steps_rel_diff"] == []  # fewer than 100 steps: no window
+    assert got["max_abs_window_rel_diff"] is None and got["max_abs_window_from_step"] is None
 
 
 def test_windows_of_100_steps_and_a_tail_longer_than_the_runs():
@@ -25,4 +26,7 @@ def test_windows_of_100_steps_and_a_tail_longer_than_the_runs():
     assert got["tail"] == 250 and got["final_ratio"] == pytest.approx((100 * 2.0 + 150 * 2.2) / 500)
     assert [w["from_step"] for w in got["per_100_steps_rel_diff"]] == [0, 100]
     assert [w["lean_over_full_minus_1"] for w in got["per_100_steps_rel_diff"]] == pytest.approx([0.0, 0.1])
+    assert got["max_abs_window_rel_diff"] == pytest.approx(0.1) and got["max_abs_window_from_step"] == 100
+    lower = summary({"full": {"losses": full}, "lean": {"losses": [2.0] * 100 + [1.7] * 100 + [2.2] * 50}}, tail=1)
+    assert lower["max_abs_window_rel_diff"] == pytest.approx(0.15) and lower["max_abs_window_from_step"] == 100
     assert summary({"full": {"losses": []}, "lean": {"losses": [1.0]}}, tail=10) == {"steps_compared": 0}
