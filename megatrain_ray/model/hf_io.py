@@ -37,6 +37,7 @@ from megatrain_ray.model.moe_io import ExpertStacks
 from megatrain_ray.model.vision.names import split_names
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
+from megatrain_ray.system.model_sources import GGUF_ORIGIN
 
 log = get_logger(__name__)
 
@@ -54,8 +55,21 @@ FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 EXPORT_DTYPES = ("bfloat16", "float32")
 
 
+def gguf_export_dtype(model_dir: str | Path) -> str | None:
+    """For a directory converted from a GGUF file (GGUF_ORIGIN beside its config.json): bfloat16 when none of the
+    file's matrices had more than 16 bits (quantized, F16 or BF16), else float32; None for any other directory."""
+    path = Path(model_dir) / GGUF_ORIGIN
+    if not path.is_file():
+        return None
+    origin = read_json_object(path, str(path), CheckpointError)
+    return "bfloat16" if origin.get("matrices_at_most_16_bits") is True else "float32"
+
+
 def source_dtype(model_dir: str | Path) -> str | None:
-    """The dtype config.json declares (`dtype` in transformers 5, `torch_dtype` before), if one we export."""
+    """The dtype to export a model from `model_dir` in when none is asked: gguf_export_dtype for a converted GGUF
+    file, else the dtype config.json declares (`dtype` in transformers 5, `torch_dtype` before), if one we export."""
+    if (from_gguf := gguf_export_dtype(model_dir)) is not None:
+        return from_gguf
     hf = read_hf_config(model_dir)
     found = hf.get("dtype") or hf.get("torch_dtype")
     return found if found in EXPORT_DTYPES else None

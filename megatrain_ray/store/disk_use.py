@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatrain_ray.dtypes import DTYPE_BYTES
-from megatrain_ray.model.hf_io import source_dtype
+from megatrain_ray.model.hf_io import gguf_export_dtype, source_dtype
 from megatrain_ray.store.checkpoint import CheckpointDir
 from megatrain_ray.system.files import tree_bytes
 from megatrain_ray.units import human_bytes
@@ -18,9 +18,13 @@ from megatrain_ray.units import human_bytes
 
 def export_dtype(setting: str, source: str | None) -> tuple[str, str]:
     """train.export_dtype (or `megatrain export --dtype`) resolved, and why: an explicit value as it is; auto the
-    dtype `source`'s config.json names (`dtype`, `torch_dtype` before transformers 5), else float32."""
+    dtype `source`'s config.json names (`dtype`, `torch_dtype` before transformers 5), bfloat16 for a GGUF file whose
+    matrices had at most 16 bits, else float32."""
     if setting != "auto":
         return setting, f"train.export_dtype={setting}"
+    if source and (from_gguf := gguf_export_dtype(source)) is not None:
+        widths = "at most 16 bits" if from_gguf == "bfloat16" else "32-bit matrices"
+        return from_gguf, f"train.export_dtype=auto: model.path's GGUF file had {widths}"
     named = source_dtype(source) if source else None
     if named:
         return named, f"train.export_dtype=auto: the dtype {Path(source) / 'config.json'} names"

@@ -184,6 +184,11 @@ def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
     environment holding the same file shares one conversion."""
     target = cache_root() / "gguf" / f"{gguf.stem}-{_content_key(gguf)}"
     if (target / "config.json").is_file():
+        if not (target / GGUF_ORIGIN).is_file():  # converted before the origin was recorded: record it now
+            try:
+                _write_origin(target, _gguf_origin(gguf))
+            except Exception as exc:  # gguf missing or the file unreadable: the export stays float32, as before
+                log.debug("could not record %s's GGUF types: %s", gguf, exc)
         return target
     try:
         import accelerate  # noqa: F401
@@ -253,6 +258,12 @@ def _one_conversion_of(target: Path, gguf: Path) -> Iterator[None]:
         os.close(fd)
 
 
+GGUF_ORIGIN = "megatrain-gguf-origin.json"
+"""Beside a converted GGUF's config.json: the file it came from and its matrices' GGUF types. The weights here are
+float32 (dequantized) and config.json says so; train.export_dtype=auto exports bfloat16 where no matrix of the file
+was wider than 16 bits (model/hf_io.gguf_export_dtype): a float32 export of a 4-bit file doubles its size for bits
+the source never had."""
+WIDE_GGUF_TYPES = ("F32", "F64")
 CONVERTING = ".converting"
 CONVERSION_LOCK = ".lock"
 UNLOCKED_STALE_SECONDS = 24 * 3600
@@ -334,6 +345,7 @@ def _convert_gguf(gguf: Path, out: Path, where: str, error: type[MegatrainError]
         with _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            origin = _gguf_origin(gguf)
     except Exception as exc:  # transformers raises many kinds for files it cannot read
         raise error(f"{where}={str(gguf)!r}: transformers cannot read this GGUF file: {excerpt(str(exc), 300)}") \
             from None
@@ -346,4 +358,25 @@ def _convert_gguf(gguf: Path, out: Path, where: str, error: type[MegatrainError]
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    _write_origin(out, origin)
     tokenizer.save_pretrained(out)
+
+
+def _write_origin(directory: Path, origin: dict) -> None:
+    """GGUF_ORIGIN written whole or not at all (renamed into place: a reader never sees half of it)."""
+    part = directory / f".{GGUF_ORIGIN}.{os.getpid()}"
+    part.write_text(json.dumps(origin, indent=2))
+    os.replace(part, directory / GGUF_ORIGIN)
+
+
+def _gguf_origin(gguf: Path) -> dict:
+    """GGUF_ORIGIN's contents: the file's name and the count of each GGUF type among its matrices (2-D or more;
+    norms and biases stay F32 in every quantized file)."""
+    import gguf as gguf_package
+
+    types: dict[str, int] = {}
+    for tensor in gguf_package.GGUFReader(gguf).tensors:
+        if len(tensor.shape) >= 2:
+            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    return {"gguf_file": gguf.name, "matrix_types": types,
+            "matrices_at_most_16_bits": bool(types) and not any(t in WIDE_GGUF_TYPES for t in types)}
