@@ -1,5 +1,6 @@
 """examples/finetune_qwen2 as a user types it: make the model, prepare, train (with eval and export),
-re-export in bf16 with `megatrain export`, then load with transformers and generate."""
+re-export in bf16 with `megatrain export`, then `megatrain generate` on the export, against transformers' greedy
+generate of the same directory."""
 
 from __future__ import annotations
 
@@ -45,11 +46,27 @@ def test_finetune_example_end_to_end(tmp_path):
             safe_open(str(sft_bf16 / "model.safetensors"), "pt") as bf16:
         for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.bias"):
             assert torch.equal(bf16.get_tensor(name), f32.get_tensor(name).to(torch.bfloat16))
-    sys.path.insert(0, EXAMPLE)
-    from generate import PROMPTS, generate
-
-    answers = generate(str(sft_bf16), max_new_tokens=4)
-    assert len(answers) == len(PROMPTS) and all(isinstance(a, str) for a in answers)
+    # The README's last command, in float64 (greedy choices exact), against transformers' greedy generate of the
+    # same export loaded as a serving tool would (upcast to float64), each prompt alone.
+    answers = tmp_path / "answers.jsonl"
+    proc = megatrain("generate", str(sft_bf16), "--prompts", f"{EXAMPLE}/prompts.jsonl", "--max-new-tokens", "6",
+                     "--out", str(answers), "--set", "precision.master_dtype=float64",
+                     "--set", "precision.compute_dtype=float64")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in answers.read_text().splitlines()]
+    prompts = [json.loads(line) for line in open(f"{EXAMPLE}/prompts.jsonl")]
+    assert len(rows) == len(prompts) == 3
+    tok = transformers.AutoTokenizer.from_pretrained(sft_bf16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(sft_bf16, dtype=torch.float64).eval()
+    stops = hf.generation_config.eos_token_id
+    for row, prompt in zip(rows, prompts):
+        ids = tok.apply_chat_template(prompt["messages"], tokenize=True, return_dict=True,
+                                      add_generation_prompt=True)["input_ids"]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=6, do_sample=False, eos_token_id=stops, pad_token_id=tok.pad_token_id)
+        assert row["completion_ids"] == out[0, len(ids):].tolist(), (prompt, row)
+        assert row["completion"] == tok.decode(row["completion_ids"], skip_special_tokens=True)
 
 
 def test_cli_errors_are_one_line_without_traceback(tmp_path):
