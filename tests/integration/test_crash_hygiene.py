@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -192,32 +193,31 @@ def _in_new_pid_namespace(args: list[str], tmp: Path, pid_at_least: int) -> list
     return ["unshare", "-rpf", "--mount-proc", "sh", "-c", spin, "sh", *args]
 
 
-def _pids_inside(launcher: subprocess.Popen) -> set[int]:
-    """The pids, as that namespace numbers them, of the processes in the PID namespace that `launcher` (unshare)
-    made. Read from /proc/<pid>/status's NSpid, so a segment named with one of them is that namespace's even when
-    a process of this namespace has the same number (small pids in a container)."""
-    def field(pid: str, name: str) -> list[str]:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(name + ":"):
-                return line.split()[1:]
-        return []
-    inside: set[int] = set()
+def _runs_inside(launcher: subprocess.Popen) -> set[str]:
+    """The segment-name prefixes (megatrain-<host>-<pid>-<random>-) of the runs whose processes are in the PID
+    namespace that `launcher` (unshare) made, read from the run lock files (store/liveness.py) those processes hold
+    open. A pid alone cannot tell them: a process of this namespace may have the same number (small pids in a
+    container), and its own run's segments carry it too; the random part of the run id differs."""
     namespace = None
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if namespace is None and field(pid, "PPid") == [str(launcher.pid)]:
+            if f"PPid:\t{launcher.pid}\n" in Path(f"/proc/{pid}/status").read_text():
                 namespace = os.readlink(f"/proc/{pid}/ns/pid")
+                break
         except OSError:
             continue
-    if namespace is None:
-        return inside
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    prefixes: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")) if namespace else ():
         try:
-            if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
-                inside.add(int(field(pid, "NSpid")[-1]))
-        except (OSError, IndexError, ValueError):
+            if os.readlink(f"/proc/{pid}/ns/pid") != namespace:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                name = os.path.basename(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                if name.startswith("megatrain-") and re.fullmatch(r".*-shard\d+\.lock", name):
+                    prefixes.add(name[:name.rindex("shard")])
+        except OSError:
             continue
-    return inside
+    return prefixes
 
 
 def test_two_runs_in_two_pid_namespaces_sharing_shm_never_sweep_each_other(tmp_path):
@@ -238,12 +238,19 @@ def test_two_runs_in_two_pid_namespaces_sharing_shm_never_sweep_each_other(tmp_p
         while time.monotonic() < deadline and first.poll() is None and not (
                 (first_run / "metrics.jsonl").exists() and (first_run / "metrics.jsonl").read_text().count("\n") >= 3):
             time.sleep(0.1)
-        # Other test processes' runs may create segments meanwhile: the first run's carry a pid of its own
-        # namespace (its driver's), which /proc maps to that namespace.
-        inside = _pids_inside(first)
-        first_segments = {f for f in os.listdir("/dev/shm") if f.startswith(f"megatrain-{host}-")
-                          and int(f.split("-")[2]) in inside} - before
+        # Other test processes' runs may create segments meanwhile, one of them with the same pid as the first
+        # run's driver (as in CI's container, a decoy here): the first run's are told by its run id.
+        runs = _runs_inside(first)
+        decoys = [f"/dev/shm/megatrain-{host}-{p.split('-')[2]}-00000000-decoy" for p in runs]
+        for decoy in decoys:
+            Path(decoy).touch()
+        try:
+            first_segments = {f for f in os.listdir("/dev/shm") if f.startswith(tuple(runs))} - before
+        finally:
+            for decoy in decoys:
+                Path(decoy).unlink(missing_ok=True)
         assert first.poll() is None and first_segments, "the first run should be training, with its segments"
+        assert not {f"/dev/shm/{f}" for f in first_segments} & set(decoys), first_segments
         assert all(int(f.split("-")[2]) >= 300 for f in first_segments), first_segments
         # The second run sweeps at its start, in a namespace where the first run's pid does not exist.
         second = subprocess.run(_in_new_pid_namespace([*train, "--set", f"train.output_dir={second_run}", "--set",
