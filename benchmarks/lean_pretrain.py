@@ -125,7 +125,8 @@ def host_memory(trainer, params: int) -> dict:
     total = trainer.host_memory_bytes()
     by_kind: dict[str, int] = {}
     for spec in trainer.specs:
-        by_kind[spec.kind] = by_kind.get(spec.kind, 0) + shm_bytes([spec.path])
+        if not spec.on_disk:  # host.moments_tier=disk: files on disk, which host_memory_bytes does not count
+            by_kind[spec.kind] = by_kind.get(spec.kind, 0) + shm_bytes([spec.path])
     return {"host_bytes_per_param": total / params,
             "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
                                                "private_rss": (total - sum(by_kind.values())) / params}}

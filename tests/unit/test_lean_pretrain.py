@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.lean_pretrain import summary
+from benchmarks.lean_pretrain import host_memory, summary
 
 
 def test_final_losses_are_the_tail_means_of_the_steps_both_runs_reached():
@@ -30,3 +30,25 @@ def test_windows_of_100_steps_and_a_tail_longer_than_the_runs():
     lower = summary({"full": {"losses": full}, "lean": {"losses": [2.0] * 100 + [1.7] * 100 + [2.2] * 50}}, tail=1)
     assert lower["max_abs_window_rel_diff"] == pytest.approx(0.15) and lower["max_abs_window_from_step"] == 100
     assert summary({"full": {"losses": []}, "lean": {"losses": [1.0]}}, tail=10) == {"steps_compared": 0}
+
+
+def test_host_memory_counts_shared_segments_by_kind_and_the_rest_as_private(tmp_path):
+    """The disk tier's moment files (host.moments_tier=disk) are no host memory: host_memory_bytes leaves them out,
+    and so must the breakdown, else the private part comes out short by their size."""
+    import os
+    from types import SimpleNamespace
+
+    from megatrain_ray.store.segments import SegmentSpec
+
+    def written(name: str, size: int) -> str:
+        path = tmp_path / name
+        path.write_bytes(b"x" * size)
+        return str(path)
+
+    specs = [SegmentSpec(written("m", 8192), "float32", 2048, "master", 0),
+             SegmentSpec(written("a", 4096), "float32", 1024, "exp_avg", 0, on_disk=True)]
+    shm = os.stat(specs[0].path).st_blocks * 512
+    trainer = SimpleNamespace(specs=specs, host_memory_bytes=lambda: shm + 1000)  # as Cluster.host_memory_bytes
+    got = host_memory(trainer, 10)
+    assert got["host_bytes_per_param"] == (shm + 1000) / 10
+    assert got["host_breakdown_bytes_per_param"] == {"master": shm / 10, "private_rss": 100.0}
