@@ -78,8 +78,8 @@ def policy_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], r
 
 def vanished_weights_warning(record: dict[str, Any], grpo: Any) -> str | None:
     """The warning for a step whose importance-sampling weights (vllm_importance_sampling_correction) left every
-    completion token below NEGLIGIBLE_IS_WEIGHT, so that it trained on nothing (loss and gradient 0, or nearly);
-    None for any other step. `record`: the step's metrics (ZERO_FRACTION; summed over data-parallel ranks, each a
+    completion token below NEGLIGIBLE_IS_WEIGHT, so that it trained on nothing (loss and gradient 0, or nearly) but
+    the KL penalty where beta > 0 (TRL adds beta x KL after the weighting); None for any other step. `record`: the step's metrics (ZERO_FRACTION; summed over data-parallel ranks, each a
     share of the whole batch)."""
     if not grpo.vllm_importance_sampling_correction or record.get(ZERO_FRACTION, 0.0) < 1 - 1e-6:
         return None
@@ -88,8 +88,9 @@ def vanished_weights_warning(record: dict[str, Any], grpo: Any) -> str | None:
               f"clip_max={grpo.vllm_importance_sampling_clip_max}")
     gap = record.get("sampling/sampling_logp_difference/mean")
     gap = "" if gap is None else f" (mean |gap| {gap:.3g} nats a token)"
+    trains = f"on the KL penalty alone (beta={grpo.beta:g})" if grpo.beta else "on nothing"
     head = (f"step {record.get('step')}: the importance-sampling correction weighs every completion token below "
-            f"{NEGLIGIBLE_IS_WEIGHT:g} ({key}={mode}, {bounds}): this step trains on nothing (loss "
+            f"{NEGLIGIBLE_IS_WEIGHT:g} ({key}={mode}, {bounds}): this step trains {trains} (loss "
             f"{record.get('loss', float('nan')):.3g}, grad_norm {record.get('grad_norm', float('nan')):.3g}). ")
     if mode.startswith("sequence"):
         return head + (f"A sequence mode weighs a completion by exp of the trainer-minus-rollout log-probability gap "

@@ -154,6 +154,14 @@ def test_the_warning_names_the_mode_and_the_bounds():
     message = vanished_weights_warning({"step": 4, "loss": 0.0, "grad_norm": 0.0, ZERO_FRACTION: 1.0}, token)
     assert "step 4" in message and "token_mask, clip_min=2.0, clip_max=3.0" in message and "widen" in message
     assert vanished_weights_warning({ZERO_FRACTION: 0.999}, token) is None  # some tokens still train
+    # beta > 0: TRL adds beta x KL after the weighting, so the step still trains, towards the reference alone.
+    logps, ref, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2)
+    with_kl = GRPOConfig(vllm_importance_sampling_mode="token_mask", beta=0.04)
+    loss, grad, _ = grpo_loss_and_token_grads(logps, None, mask, torch.tensor([1.0]), GRPOLossSettings.of(with_kl),
+                                              ref, is_weights=torch.zeros(1, 2))
+    assert loss != 0 and (grad != 0).all()
+    message = vanished_weights_warning({"step": 4, ZERO_FRACTION: 1.0}, with_kl)
+    assert "trains on the KL penalty alone (beta=0.04)" in message and "on nothing" not in message, message
     off = GRPOConfig(vllm_importance_sampling_correction=False)
     assert vanished_weights_warning({ZERO_FRACTION: 1.0}, off) is None
     seen: list[str] = []
