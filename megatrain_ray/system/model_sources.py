@@ -363,10 +363,16 @@ def _convert_gguf(gguf: Path, out: Path, where: str, error: type[MegatrainError]
 
 
 def _write_origin(directory: Path, origin: dict) -> None:
-    """GGUF_ORIGIN written whole or not at all (renamed into place: a reader never sees half of it)."""
-    part = directory / f".{GGUF_ORIGIN}.{os.getpid()}"
-    part.write_text(json.dumps(origin, indent=2))
-    os.replace(part, directory / GGUF_ORIGIN)
+    """GGUF_ORIGIN written whole or not at all (renamed into place: a reader never sees half of it). The part's name
+    is this writer's alone: a pid is not (two containers sharing the cache, each recording an old conversion's origin
+    at once, can have the same pid, and one's rename would put the other's half-written file in place)."""
+    part = directory / f".{GGUF_ORIGIN}.{os.getpid()}.{os.urandom(4).hex()}"
+    try:
+        part.write_text(json.dumps(origin, indent=2))
+        os.replace(part, directory / GGUF_ORIGIN)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 
 def _gguf_origin(gguf: Path) -> dict:

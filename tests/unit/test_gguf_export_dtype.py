@@ -81,3 +81,22 @@ def test_the_smollm2_file_is_4_bit_and_an_old_conversion_gets_its_origin(tmp_pat
     assert origin["matrices_at_most_16_bits"] is True and "Q4_1" in origin["matrix_types"], origin
     assert not any(t in origin["matrix_types"] for t in ("F32", "F64"))
     assert export_dtype("auto", str(target))[0] == "bfloat16"
+
+
+def test_the_origin_is_never_half_written_by_a_writer_with_the_same_pid(tmp_path, monkeypatch):
+    """Another process sharing the cache (another PID namespace: the same pid) writes its part meanwhile; what lands
+    under GGUF_ORIGIN is one whole file."""
+    import os
+
+    origin = {"gguf_file": "m.gguf", "matrix_types": {"Q4_1": 1}, "matrices_at_most_16_bits": True}
+    other = open(tmp_path / f".{GGUF_ORIGIN}.{os.getpid()}", "w")  # its part, as the old naming called it
+    other.write(" " * 4096)
+    other.flush()
+    try:
+        model_sources._write_origin(tmp_path, origin)
+        other.write("}")  # it goes on writing where it was
+        other.flush()
+    finally:
+        other.close()
+    assert json.loads((tmp_path / GGUF_ORIGIN).read_text()) == origin
+    assert export_dtype("auto", str(tmp_path))[0] == "bfloat16"
