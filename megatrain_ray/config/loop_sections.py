@@ -101,7 +101,7 @@ class TrainConfig:
     tokenizer files of model.path) at the end of training. Empty: no export."""
     export_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Format of the exported weights. auto: the dtype model.path's config.json declares; bfloat16 for a .gguf file
-    whose matrices have at most 16 bits (quantized, F16, BF16); else float32."""
+    whose matrices are all quantized or BF16; else float32."""
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers that get every metrics.jsonl record (loss, lr, grad_norm, tok_per_s, eval_loss, ...)
     at its step, and the config once: any of `tensorboard` (event files in <train.output_dir>/tensorboard),

@@ -55,14 +55,23 @@ FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 EXPORT_DTYPES = ("bfloat16", "float32")
 
 
+GGUF_FINER_THAN_BFLOAT16 = ("F16", "F32", "F64")
+"""GGUF matrix types whose values bfloat16 (8 significant bits) would round: float16 keeps 11, float32 24. The
+others are BF16 itself or quantized to 8 bits or fewer a value (plus a 16-bit scale per block), whose own error, a
+step of the block's scale, is at least bfloat16's rounding of the dequantized value."""
+
+
 def gguf_export_dtype(model_dir: str | Path) -> str | None:
-    """For a directory converted from a GGUF file (GGUF_ORIGIN beside its config.json): bfloat16 when none of the
-    file's matrices had more than 16 bits (quantized, F16 or BF16), else float32; None for any other directory."""
+    """For a directory converted from a GGUF file (system/model_sources.GGUF_ORIGIN beside its config.json):
+    bfloat16 when every matrix of the file was BF16 or quantized (none of GGUF_FINER_THAN_BFLOAT16), else float32;
+    None for any other directory."""
     path = Path(model_dir) / GGUF_ORIGIN
     if not path.is_file():
         return None
-    origin = read_json_object(path, str(path), CheckpointError)
-    return "bfloat16" if origin.get("matrices_at_most_16_bits") is True else "float32"
+    types = read_json_object(path, str(path), CheckpointError).get("matrix_types")
+    if not isinstance(types, dict) or not types:
+        return "float32"
+    return "float32" if any(t in GGUF_FINER_THAN_BFLOAT16 for t in types) else "bfloat16"
 
 
 def source_dtype(model_dir: str | Path) -> str | None:

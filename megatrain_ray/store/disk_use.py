@@ -19,12 +19,12 @@ from megatrain_ray.units import human_bytes
 def export_dtype(setting: str, source: str | None) -> tuple[str, str]:
     """train.export_dtype (or `megatrain export --dtype`) resolved, and why: an explicit value as it is; auto the
     dtype `source`'s config.json names (`dtype`, `torch_dtype` before transformers 5), bfloat16 for a GGUF file whose
-    matrices had at most 16 bits, else float32."""
+    matrices are quantized or bfloat16 (model/hf_io.gguf_export_dtype), else float32."""
     if setting != "auto":
         return setting, f"train.export_dtype={setting}"
     if source and (from_gguf := gguf_export_dtype(source)) is not None:
-        widths = "at most 16 bits" if from_gguf == "bfloat16" else "32-bit matrices"
-        return from_gguf, f"train.export_dtype=auto: model.path's GGUF file had {widths}"
+        kinds = "quantized or bfloat16 matrices" if from_gguf == "bfloat16" else "float16 or float32 matrices"
+        return from_gguf, f"train.export_dtype=auto: model.path's GGUF file has {kinds}"
     named = source_dtype(source) if source else None
     if named:
         return named, f"train.export_dtype=auto: the dtype {Path(source) / 'config.json'} names"

@@ -259,11 +259,9 @@ def _one_conversion_of(target: Path, gguf: Path) -> Iterator[None]:
 
 
 GGUF_ORIGIN = "megatrain-gguf-origin.json"
-"""Beside a converted GGUF's config.json: the file it came from and its matrices' GGUF types. The weights here are
-float32 (dequantized) and config.json says so; train.export_dtype=auto exports bfloat16 where no matrix of the file
-was wider than 16 bits (model/hf_io.gguf_export_dtype): a float32 export of a 4-bit file doubles its size for bits
-the source never had."""
-WIDE_GGUF_TYPES = ("F32", "F64")
+"""Beside a converted GGUF's config.json: the file it came from and how many of its matrices each GGUF type holds
+(facts only; model/hf_io.gguf_export_dtype decides the export's dtype from them). The weights here are float32
+(dequantized) and config.json says so."""
 CONVERTING = ".converting"
 CONVERSION_LOCK = ".lock"
 UNLOCKED_STALE_SECONDS = 24 * 3600
@@ -384,5 +382,4 @@ def _gguf_origin(gguf: Path) -> dict:
     for tensor in gguf_package.GGUFReader(gguf).tensors:
         if len(tensor.shape) >= 2:
             types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
-    return {"gguf_file": gguf.name, "matrix_types": types,
-            "matrices_at_most_16_bits": bool(types) and not any(t in WIDE_GGUF_TYPES for t in types)}
+    return {"gguf_file": gguf.name, "matrix_types": types}

@@ -1,5 +1,6 @@
 """train.export_dtype=auto for a model read from a GGUF file (issue 47): the conversion dequantizes to float32, so
-config.json says float32, but a 4-bit or 16-bit file carries no more than 16 bits a weight; its export defaults to
+config.json says float32, but a file whose matrices are quantized (8 bits or fewer a value) or BF16 holds nothing
+that bfloat16's rounding would lose beyond the file's own; its export defaults to
 bfloat16 (half the size of float32), and to float32 only when the file's matrices were float32."""
 
 from __future__ import annotations
@@ -39,20 +40,24 @@ def tiny_gguf(path: Path, matrix_type: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("matrix_type, expected", [("F16", True), ("F32", False)])
-def test_the_origin_counts_the_matrices_types(tmp_path, matrix_type, expected):
+@pytest.mark.parametrize("matrix_type", ["F16", "F32"])
+def test_the_origin_counts_the_matrices_types(tmp_path, matrix_type):
     origin = model_sources._gguf_origin(tiny_gguf(tmp_path / "m.gguf", matrix_type))
-    assert origin == {"gguf_file": "m.gguf", "matrix_types": {matrix_type: 1}, "matrices_at_most_16_bits": expected}
+    assert origin == {"gguf_file": "m.gguf", "matrix_types": {matrix_type: 1}}
 
 
-def test_auto_exports_bfloat16_from_a_16_bit_or_quantized_file_and_float32_from_a_float32_one(tmp_path):
-    narrow = converted_dir(tmp_path / "q4", {"matrix_types": {"Q4_1": 210}, "matrices_at_most_16_bits": True})
-    wide = converted_dir(tmp_path / "f32", {"matrix_types": {"F32": 211}, "matrices_at_most_16_bits": False})
+def test_auto_exports_bfloat16_from_a_quantized_or_bf16_file_and_float32_from_a_float16_or_float32_one(tmp_path):
+    narrow = converted_dir(tmp_path / "q4", {"matrix_types": {"Q4_1": 210, "Q8_0": 1}})
+    wide = converted_dir(tmp_path / "f32", {"matrix_types": {"F32": 211}})
+    for types, expected in (({"BF16": 3}, "bfloat16"), ({"Q4_K": 2, "Q6_K": 1}, "bfloat16"),
+                            ({"F16": 3}, "float32"), ({"Q4_1": 2, "F16": 1}, "float32"), ({}, "float32")):
+        directory = converted_dir(tmp_path / ("-".join(types) + "-x"), {"matrix_types": types})
+        assert source_dtype(directory) == expected, types  # float16 keeps 11 bits, bfloat16 8
     before = converted_dir(tmp_path / "old", None)  # converted before the origin was recorded
     assert export_dtype("auto", str(narrow)) == (
-        "bfloat16", "train.export_dtype=auto: model.path's GGUF file had at most 16 bits")
+        "bfloat16", "train.export_dtype=auto: model.path's GGUF file has quantized or bfloat16 matrices")
     assert export_dtype("auto", str(wide)) == (
-        "float32", "train.export_dtype=auto: model.path's GGUF file had 32-bit matrices")
+        "float32", "train.export_dtype=auto: model.path's GGUF file has float16 or float32 matrices")
     assert export_dtype("auto", str(before))[0] == "float32"
     assert export_dtype("float32", str(narrow)) == ("float32", "train.export_dtype=float32")
     # The export itself (store/export.py, lora_export.py) reads the same answer.
@@ -78,8 +83,8 @@ def test_the_smollm2_file_is_4_bit_and_an_old_conversion_gets_its_origin(tmp_pat
     converted_dir(target, None)
     assert model_sources.gguf_to_hf_dir(Path(path), "model.path", RuntimeError) == target  # no conversion again
     origin = json.loads((target / GGUF_ORIGIN).read_text())
-    assert origin["matrices_at_most_16_bits"] is True and "Q4_1" in origin["matrix_types"], origin
-    assert not any(t in origin["matrix_types"] for t in ("F32", "F64"))
+    assert "Q4_1" in origin["matrix_types"], origin
+    assert not any(t in origin["matrix_types"] for t in ("F16", "F32", "F64"))
     assert export_dtype("auto", str(target))[0] == "bfloat16"
 
 
@@ -88,7 +93,7 @@ def test_the_origin_is_never_half_written_by_a_writer_with_the_same_pid(tmp_path
     under GGUF_ORIGIN is one whole file."""
     import os
 
-    origin = {"gguf_file": "m.gguf", "matrix_types": {"Q4_1": 1}, "matrices_at_most_16_bits": True}
+    origin = {"gguf_file": "m.gguf", "matrix_types": {"Q4_1": 1}}
     other = open(tmp_path / f".{GGUF_ORIGIN}.{os.getpid()}", "w")  # its part, as the old naming called it
     other.write(" " * 4096)
     other.flush()
