@@ -110,8 +110,12 @@ def test_prepare_from_a_directory_says_it_is_a_directory(tmp_path, capsys):
     code, err = run_main(["prepare", "--tokenizer", str(tmp_path), "--input", str(tmp_path / "chats"),
                           "--output", str(tmp_path / "out")], capsys)
     assert code == 2 and "is a directory; --input takes files" in err and "does not exist" not in err, err
-    assert f"--input {tmp_path / 'chats'}/*.jsonl" in err, err
+    assert f"--input {tmp_path / 'chats' / 'a.jsonl'}" in err, err  # the files it holds, which --input takes
     assert not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    code, err = run_main(["prepare", "--tokenizer", str(tmp_path), "--input", str(tmp_path / "empty"),
+                          "--output", str(tmp_path / "out")], capsys)
+    assert code == 2 and "is a directory" in err and "it holds none below it" in err, err
 
 
 def test_gpt2_is_refused_for_its_learned_position_embeddings(tmp_path):

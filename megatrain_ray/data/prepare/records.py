@@ -7,6 +7,7 @@ format cannot read raises `BadRecord`, whose `reason` is the short name it is co
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -54,12 +55,30 @@ class Columns:
 Item = tuple[str, Any, bool]
 
 
+INPUT_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+SCAN_ENTRIES = 10_000
+
+
+def _files_inside(directory: Path, shown: int = 3) -> str:
+    """What to name instead of `directory`: the input files below it (a few, and how many in all), or that it
+    holds none."""
+    entries = list(itertools.islice(directory.rglob("*"), SCAN_ENTRIES))  # a bound for a large tree (/ say)
+    found = sorted(p for p in entries if p.suffix.lower() in INPUT_SUFFIXES and p.is_file())
+    if not found:
+        return "it holds none below it" if len(entries) < SCAN_ENTRIES else \
+            f"none in the first {SCAN_ENTRIES:,} entries below it"
+    names = " ".join(str(p) for p in found[:shown])
+    more = f" ({len(found)}{'+' if len(entries) == SCAN_ENTRIES else ''} such files below it)" \
+        if len(found) > shown else ""
+    return f"name them, e.g. --input {names}{more}"
+
+
 def read_records(path: Path) -> Iterator[Item]:
     """Items of a jsonl (one record a line, read as bytes), json (a list), parquet (row group by row group)
     or txt (the whole file is one text) file. File-level problems raise DataError at once."""
     if path.is_dir():
         raise DataError(f"input file {str(path)!r} is a directory; --input takes files (.jsonl, .json, .parquet or "
-                        f".txt): name them, e.g. --input {str(path).rstrip('/')}/*.jsonl")
+                        f".txt): {_files_inside(path)}")
     if not path.is_file():
         raise DataError(f"input file {str(path)!r} does not exist" if not path.exists() else
                         f"input file {str(path)!r} is not a regular file")
