@@ -15,6 +15,7 @@ is renamed into place at the end: a reader never sees half an export.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -36,7 +37,13 @@ from megatrain_ray.model.layout import ModelLayout, build_layout
 from megatrain_ray.model.moe_io import ExpertStacks
 from megatrain_ray.model.vision.names import split_names
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.system.files import atomic_directory, contained, read_json_object, refuse_existing
+from megatrain_ray.system.files import (
+    atomic_directory,
+    contained,
+    read_json_object,
+    refuse_existing,
+    shared_file_mode,
+)
 from megatrain_ray.system.model_sources import GGUF_ORIGIN
 
 log = get_logger(__name__)
@@ -319,6 +326,7 @@ def write_shards(directory: Path, groups: list[list[str]], tensor_of: Callable[[
             weight_map[name] = file
             total += shard[name].numel() * shard[name].element_size()
         save_file(shard, str(directory / file), metadata={"format": "pt"})
+        os.chmod(directory / file, shared_file_mode())  # readable as the export's other files are
         log.info("export: wrote %s (%d tensors, %d/%d)", file, len(group), k + 1, len(groups))
     if len(groups) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

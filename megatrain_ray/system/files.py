@@ -154,6 +154,19 @@ def atomic_directory(out: Path, error: type[MegatrainError], what: str) -> Itera
         raise
 
 
+def shared_file_mode() -> int:
+    """The mode a new file of this process gets (0o666 less its umask, read from /proc so that nothing changes it):
+    for files made private by the writer (safetensors 0.8's save_file creates 0600) that belong in a directory to
+    share, such as an export."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
+
+
 def lock_is_held(path: str | os.PathLike) -> bool | None:
     """Whether some process holds a `flock` on the file at `path` (shared or exclusive): True or False; None when
     the file is gone. The kernel drops a lock when its process ends, however it ends, so a lock file tells a live

@@ -69,6 +69,8 @@ def test_load_then_export_is_bit_identical(tmp_path, family, sharded):
     for name, tensor in expected.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert json.loads((out / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    weights = sorted(out.glob("*.safetensors"))  # as readable as config.json (safetensors itself writes 0600)
+    assert weights and {f.stat().st_mode & 0o777 for f in weights} == {(out / "config.json").stat().st_mode & 0o777}
 
 
 @pytest.mark.float32_parity
