@@ -343,7 +343,11 @@ def _convert_gguf(gguf: Path, out: Path, where: str, error: type[MegatrainError]
         with _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            origin = _gguf_origin(gguf)
+            try:  # transformers read it through the same reader, so this does not fail in practice
+                origin = _gguf_origin(gguf)
+            except Exception as exc:
+                log.warning("could not list %s's matrix types (%s): its export defaults to float32", gguf, exc)
+                origin = {"gguf_file": gguf.name, "matrix_types": {}}
     except Exception as exc:  # transformers raises many kinds for files it cannot read
         raise error(f"{where}={str(gguf)!r}: transformers cannot read this GGUF file: {excerpt(str(exc), 300)}") \
             from None
