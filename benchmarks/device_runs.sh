@@ -48,6 +48,11 @@
 #                 against resident-compile (SYSTEMS adds resident), then PROFILE=1 the tier's profiler trace nvidia-h200
 #   lean-8k       issue 46: the 3.5B bench at 8k tokens, streamed, clipping on: optimizer.state full against
 #                 lean (megatrain-streamed-lean; vs_streamed is lean over full), host B/param            nvidia-h200
+#   lean-pretrain issue 46: a 0.525 B Llama shape (20 layers of 1280) pre-trained 2,000 steps byte-level on the
+#                 machine's Python stdlib, lean against full: PART=1 (default) runs both side by side to the deadline
+#                 (full on 2 cores finishes; lean, cut, saves a checkpoint in runs/lean-pretrain-state), PART=2 in
+#                 the next call while the machine is still warm continues lean alone on every core and writes the
+#                 JSON of both                                                                    nvidia-h200
 #   decode-step   issue 49: one rollout decode step of the Qwen2.5-32B shape (LoRA r 16, 2 rows) as a CUDA graph at
 #                 1k/4k/12.8k-token caches: the attention and LoRA variants, attention alone, the copy-rate bound  nvidia-h200
 #   grpo-lora-32b issue 49: Qwen2.5-32B shape LoRA (r 16, all linear), 1 prompt x 2 completions of 12,288 tokens, the
@@ -80,6 +85,10 @@ case "${1:-}" in
     python benchmarks/run.py --config configs/shapes/llama-3.5b-bench.yaml --batches 4 \
       --systems megatrain-streamed,megatrain-streamed-lean --steps 4 --warmup 2 --no-roofline --timeout 200 \
       --name bench-3.5b-8k-lean-vs-full --out "$OUT" ;;
+  lean-pretrain)
+    if [ "${PART:-1}" = 2 ]; then part=(--variants lean); else part=(--full-cores 14,15); fi
+    python benchmarks/lean_pretrain.py --hidden 1280 --intermediate 5120 --layers 20 --heads 20 \
+      --state-dir runs/lean-pretrain-state --deadline-s 540 --out "$OUT" "${part[@]}" ;;
   decode-step)
     python benchmarks/decode_step.py --out "$OUT" ;;
   grpo-lora-32b)

@@ -13,6 +13,9 @@ by side, each a process of its own with its own private Ray (runtime.mode=ray, b
 wait for the CPU-bound lean one; --sequential runs them one after the other. Each run rewrites its partial file
 (losses so far) every 100 steps and stops at --deadline-s, so a cut-off run keeps its figures; at its end it adds
 its host memory per parameter (each shared segment kind, and the private memory of the driver and its actors).
+With --state-dir DIR the runs, their figures and the corpus live in DIR: a run cut by the deadline saves a
+checkpoint there, and a later call with the same arguments continues it from that step (--variants lean: the lean
+run alone, on every core), so that 2,000 lean steps can span two calls (benchmarks/device_runs.sh lean-pretrain).
 
 Tokens are the text's bytes (data.path=*.txt: vocab 256), no tokenizer needed. The "final loss" compared is the
 mean over the last --tail steps (both runs see the same windows, none of them twice: one epoch is far more than
@@ -93,10 +96,17 @@ def run_one(args) -> None:
     cfg = config(args, args.worker, Path(args.corpus), Path(args.work))
     row: dict = {"overrides": VARIANTS[args.worker] + args.set, "cores": sorted(os.sched_getaffinity(0)),
                  "losses": [], "grad_norms": [], "step_seconds": [], "optimizer_seconds": []}
-    with Trainer(cfg) as trainer:
+    earlier = json.loads(Path(args.partial).read_text()) if args.resumable and Path(args.partial).is_file() else None
+    # --state-dir: continue from the checkpoint an earlier call saved at its deadline (none: from step 0).
+    with Trainer(cfg, resume="auto" if args.resumable else None) as trainer:
         row["params"] = trainer.layout.num_params
         row["startup_seconds"] = time.time() - started
-        for step in range(args.steps):
+        if trainer.next_step and earlier is not None:  # that call's figures up to its checkpoint, then this one's
+            for key in ("losses", "grad_norms", "step_seconds", "optimizer_seconds"):
+                row[key] = earlier[key][:trainer.next_step]
+            row["calls"] = earlier.get("calls", []) + [{"resumed_at_step": trainer.next_step,
+                                                        "cores": row["cores"]}]
+        for step in range(trainer.next_step, args.steps):
             record = trainer.step(step)
             for key, value in (("losses", "loss"), ("grad_norms", "grad_norm"), ("step_seconds", "step_seconds"),
                                ("optimizer_seconds", "optimizer_seconds")):
@@ -108,7 +118,12 @@ def run_one(args) -> None:
                 write_result("", row, path=Path(args.partial), quiet=True)
             if cut:
                 row["cut_at_step"] = step + 1
+                if args.resumable:  # a later call (--state-dir, --variants) continues from here
+                    trainer.next_step = step + 1
+                    trainer.save(wait=True)
                 break
+        else:
+            row.pop("cut_at_step", None)
         row.update(host_memory(trainer, row["params"]))
     row["wall_seconds"] = time.time() - started
     row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -168,30 +183,45 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=540.0, help="seconds from the start; runs stop there")
     parser.add_argument("--full-cores", default="", help="cores of the full run (taskset), e.g. 15; lean the rest")
     parser.add_argument("--sequential", action="store_true")
+    parser.add_argument("--variants", default="full,lean", help="which runs this call makes (full, lean or both)")
+    parser.add_argument("--state-dir", default="",
+                        help="keep the runs here: a run cut by --deadline-s saves a checkpoint, and a later call with "
+                             "the same arguments continues it (e.g. --variants lean on every core)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     for flag in ("--corpus", "--partial", "--work"):  # the main process's to its workers
         parser.add_argument(flag, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--resumable", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.workers = args.workers if args.workers == "auto" else int(args.workers)
         run_one(args)
         return
     started = time.time()
-    work = Path(tempfile.mkdtemp(prefix="lean-pretrain-"))
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or set(variants) - set(VARIANTS):
+        sys.exit(f"--variants: a comma-separated subset of {', '.join(VARIANTS)}")
+    if args.state_dir:
+        work = Path(args.state_dir).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = Path(tempfile.mkdtemp(prefix="lean-pretrain-"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    partials = work if args.state_dir else out  # with --state-dir the rows outlive the call, beside the runs
     corpus = stdlib_corpus(work / "stdlib.txt")
     print(f"corpus: {corpus['files']} files, {corpus['bytes']:,} bytes from {corpus['root']}", flush=True)
     everything = set(os.sched_getaffinity(0))
     full_cores = {int(c) for c in args.full_cores.split(",") if c} & everything
     cores = {"full": full_cores or everything, "lean": (everything - full_cores) or everything}
+    if len(variants) == 1:
+        cores = {name: everything for name in VARIANTS}
     procs = {}
-    for name in VARIANTS:
+    for name in variants:
         command = [sys.executable, __file__, *sys.argv[1:], "--worker", name, "--corpus", str(work / "stdlib.txt"),
-                   "--partial", str(out / f"lean-pretrain-partial-{name}.json"), "--work", str(work),
-                   "--deadline", str(started + args.deadline_s)]
+                   "--partial", str(partials / f"lean-pretrain-partial-{name}.json"), "--work", str(work),
+                   "--deadline", str(started + args.deadline_s)] + (["--resumable"] if args.state_dir else [])
         if shutil.which("taskset") and cores[name] != everything:
             command = ["taskset", "-c", ",".join(map(str, sorted(cores[name]))), *command]
         procs[name] = subprocess.Popen(command)
@@ -199,10 +229,11 @@ def main() -> None:
             procs[name].wait()
     codes = {name: proc.wait() for name, proc in procs.items()}
     runs = {}
-    for name in VARIANTS:
-        partial = out / f"lean-pretrain-partial-{name}.json"
+    for name in VARIANTS:  # a variant not run in this call: its row from an earlier call (--state-dir), if any
+        partial = partials / f"lean-pretrain-partial-{name}.json"
         runs[name] = json.loads(partial.read_text()) if partial.is_file() else {"losses": []}
-        runs[name]["exit_code"] = codes[name]
+        if name in codes:
+            runs[name]["exit_code"] = codes[name]
     device = next((r["device"] for r in runs.values() if "device" in r), "unknown")
     shape = {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "seq_len", "batch")}
     result = {**provenance(device), "steps": args.steps, "lr": args.lr, "warmup": args.warmup, "clip": args.clip,
@@ -212,9 +243,11 @@ def main() -> None:
               "side_by_side": not args.sequential, "wall_seconds": time.time() - started,
               "summary": summary(runs, args.tail), "runs": runs}
     print(json.dumps(result["summary"] | {"per_100_steps_rel_diff": None}), flush=True)
+    result["variants_this_call"] = variants
     write_result("lean-pretrain", result, out=out)
-    for name in VARIANTS:
-        (out / f"lean-pretrain-partial-{name}.json").unlink(missing_ok=True)
+    if not args.state_dir:
+        for name in VARIANTS:
+            (out / f"lean-pretrain-partial-{name}.json").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
