@@ -97,6 +97,9 @@ def run_one(args) -> None:
     row: dict = {"overrides": VARIANTS[args.worker] + args.set, "cores": sorted(os.sched_getaffinity(0)),
                  "losses": [], "grad_norms": [], "step_seconds": [], "optimizer_seconds": []}
     earlier = json.loads(Path(args.partial).read_text()) if args.resumable and Path(args.partial).is_file() else None
+    if earlier is not None and len(earlier["losses"]) >= args.steps and "cut_at_step" not in earlier:
+        print(f"{args.worker}: already ran its {args.steps} steps in an earlier call ({args.partial})", flush=True)
+        return
     # --state-dir: continue from the checkpoint an earlier call saved at its deadline (none: from step 0).
     with Trainer(cfg, resume="auto" if args.resumable else None) as trainer:
         row["params"] = trainer.layout.num_params
