@@ -9,6 +9,7 @@ callers fall back to torch's kernels (`optimizer.kernel: auto`).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -52,15 +53,25 @@ def _build(source_path: Path, flags: list[str], what: str) -> ctypes.CDLL:
     target = _cache_dir() / f"{source_path.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-        os.close(fd)
-        proc = subprocess.run([cxx, *flags, str(source_path), "-o", tmp], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise KernelUnavailable(f"compiling {source_path.name} failed: {proc.stderr.strip()[:2000]}")
-        os.replace(tmp, target)
-        log.info("built the native %s kernel: %s", what, target)
+        # One builder at a time per library: the optimizer workers of a run start together, and on an empty cache
+        # each compiled the same file (the rename kept that safe, not cheap). A waiter finds the library built.
+        with open(target.parent / f".{target.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():
+                _compile(cxx, flags, source_path, target)
+                log.info("built the native %s kernel: %s", what, target)
     return ctypes.CDLL(str(target))
+
+
+def _compile(cxx: str, flags: list[str], source_path: Path, target: Path) -> None:
+    """Compile into a temporary file beside `target`, then rename it into place (a reader never loads half)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    proc = subprocess.run([cxx, *flags, str(source_path), "-o", tmp], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise KernelUnavailable(f"compiling {source_path.name} failed: {proc.stderr.strip()[:2000]}")
+    os.replace(tmp, target)
 
 
 @lru_cache(maxsize=1)
