@@ -81,6 +81,22 @@ def point_overrides(batch: int, gpus: int, layers: int) -> list[str]:
     return [f"data.batch_size={batch * gpus}", f"parallel.gpus={gpus}", f"model.num_layers={layers}"]
 
 
+def host_memory(trainer: Any, params: int) -> dict[str, Any]:
+    """What a run holds in host RAM, per parameter: the total (Trainer.host_memory_bytes), each shared segment kind's
+    bytes, and the rest as the private memory of the driver and its actors. The disk tier's moment files
+    (host.moments_tier=disk) are no host memory, as host_memory_bytes leaves them out."""
+    from megatrain_ray.observe.metrics import shm_bytes
+
+    total = trainer.host_memory_bytes()
+    by_kind: dict[str, int] = {}
+    for spec in trainer.specs:
+        if not spec.on_disk:
+            by_kind[spec.kind] = by_kind.get(spec.kind, 0) + shm_bytes([spec.path])
+    return {"host_bytes_per_param": total / params,
+            "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
+                                               "private_rss": (total - sum(by_kind.values())) / params}}
+
+
 def write_result(name: str, result: dict[str, Any], out: str | Path = RESULTS, path: Path | None = None,
                  quiet: bool = False) -> Path:
     """benchmarks/results/<name>-<device>-<time>.json, written atomically; `path` rewrites a file an

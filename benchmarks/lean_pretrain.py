@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, provenance, write_result  # noqa: E402
+from benchmarks.common import RESULTS, host_memory, provenance, write_result  # noqa: E402
 
 VARIANTS = {"full": ["engine.gpu_resident=all", "runtime.mode=ray"],
             "lean": ["engine.gpu_resident=none", "optimizer.state=lean", "optimizer.lean_moments=int8",
@@ -133,21 +133,6 @@ def run_one(args) -> None:
     write_result("", row, path=Path(args.partial), quiet=True)
     print(f"{args.worker}: {len(row['losses'])} steps, loss {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}, "
           f"{row['wall_seconds']:.0f} s", flush=True)
-
-
-def host_memory(trainer, params: int) -> dict:
-    """What the run holds in host RAM, per parameter: each shared segment kind's bytes (as benchmarks/run.py counts
-    them) and the private memory of the driver and its actors."""
-    from megatrain_ray.observe.metrics import shm_bytes
-
-    total = trainer.host_memory_bytes()
-    by_kind: dict[str, int] = {}
-    for spec in trainer.specs:
-        if not spec.on_disk:  # host.moments_tier=disk: files on disk, which host_memory_bytes does not count
-            by_kind[spec.kind] = by_kind.get(spec.kind, 0) + shm_bytes([spec.path])
-    return {"host_bytes_per_param": total / params,
-            "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
-                                               "private_rss": (total - sum(by_kind.values())) / params}}
 
 
 def summary(runs: dict, tail: int) -> dict:

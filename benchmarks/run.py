@@ -64,6 +64,7 @@ from benchmarks.common import (  # noqa: E402
     VARIANTS,
     compiled_resident_run,
     deepspeed_train_step,
+    host_memory,
     point_overrides,
     provenance,
     seq_len_overrides,
@@ -97,7 +98,6 @@ def _common(cfg, tokens_per_s: float) -> dict:
 
 def run_megatrain(spec: dict) -> dict:
     from megatrain_ray.driver.trainer import Trainer
-    from megatrain_ray.observe.metrics import shm_bytes
     from megatrain_ray.planning.machine import Machine
     from megatrain_ray.planning.memory import plan_run
 
@@ -108,11 +108,7 @@ def run_megatrain(spec: dict) -> dict:
         startup_seconds = time.perf_counter() - started  # Ray, the host store filled (NF4: packed), the engine
         records = [trainer.step(s) for s in range(spec["warmup"] + spec["steps"])]
         trainer.flush()
-        host_bytes = trainer.host_memory_bytes()
-        by_kind: dict[str, int] = {}
-        for s in trainer.specs:
-            by_kind[s.kind] = by_kind.get(s.kind, 0) + shm_bytes([s.path])
-        private = host_bytes - sum(by_kind.values())
+        host = host_memory(trainer, trainer.layout.num_params)
         device = trainer.device_name
         lora = cfg.finetune.method == "lora"
         run = trainer.run_spec  # the settings the run resolved (compiled layers, gradient home, ...)
@@ -129,10 +125,7 @@ def run_megatrain(spec: dict) -> dict:
     by_rank = [r["rank_update_wait_seconds"] for r in measured if r.get("rank_update_wait_seconds")]
     row.update({
         "device": device, "gpu_peak_gib": max(r["gpu_peak_gib"] for r in measured),
-        "host_bytes_per_param": host_bytes / params,
-        "host_breakdown_bytes_per_param": {**{k: v / params for k, v in by_kind.items()},
-                                           "private_rss": private / params},
-        "host_gib": host_bytes / 2**30, "gpus": cfg.parallel.gpus,
+        **host, "host_gib": host["host_bytes_per_param"] * params / 2**30, "gpus": cfg.parallel.gpus,
         "comm_seconds": mean("comm_seconds"),
         "grad_home": run.grad_home, "grad_dtype": run.grad_dtype, "clip": cfg.optimizer.grad_clip,
         "vocab_grad_pieces": run.vocab_in_pieces, "compiled": run.layers_compiled,
