@@ -17,9 +17,10 @@ from megatrain_ray.exceptions import MegatrainError, excerpt
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """`text` into `path` whole or not at all: written beside it (a name of this process's own, so concurrent
-    writers never share a temporary) and renamed over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """`text` into `path` whole or not at all: written beside it (a name of this writer's own, so concurrent
+    writers never share a temporary: a pid alone is not, as two containers sharing a cache can have the same pid)
+    and renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         tmp.write_text(text)
         os.replace(tmp, path)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from megatrain_ray.exceptions import CheckpointError, MegatrainError, excerpt
 from megatrain_ray.observe.log import get_logger
-from megatrain_ray.system.files import lock_is_held, tree_bytes
+from megatrain_ray.system.files import lock_is_held, tree_bytes, write_atomic
 
 log = get_logger(__name__)
 
@@ -186,7 +186,7 @@ def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
     if (target / "config.json").is_file():
         if not (target / GGUF_ORIGIN).is_file():  # converted before the origin was recorded: record it now
             try:
-                _write_origin(target, _gguf_origin(gguf))
+                write_atomic(target / GGUF_ORIGIN, json.dumps(_gguf_origin(gguf), indent=2))
             except Exception as exc:  # gguf missing or the file unreadable: the export stays float32, as before
                 log.debug("could not record %s's GGUF types: %s", gguf, exc)
         return target
@@ -360,21 +360,8 @@ def _convert_gguf(gguf: Path, out: Path, where: str, error: type[MegatrainError]
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _write_origin(out, origin)
+    write_atomic(out / GGUF_ORIGIN, json.dumps(origin, indent=2))
     tokenizer.save_pretrained(out)
-
-
-def _write_origin(directory: Path, origin: dict) -> None:
-    """GGUF_ORIGIN written whole or not at all (renamed into place: a reader never sees half of it). The part's name
-    is this writer's alone: a pid is not (two containers sharing the cache, each recording an old conversion's origin
-    at once, can have the same pid, and one's rename would put the other's half-written file in place)."""
-    part = directory / f".{GGUF_ORIGIN}.{os.getpid()}.{os.urandom(4).hex()}"
-    try:
-        part.write_text(json.dumps(origin, indent=2))
-        os.replace(part, directory / GGUF_ORIGIN)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
 
 
 def _gguf_origin(gguf: Path) -> dict:

@@ -14,6 +14,7 @@ import pytest
 from megatrain_ray.model.hf_io import source_dtype
 from megatrain_ray.store.disk_use import export_dtype
 from megatrain_ray.system import model_sources
+from megatrain_ray.system.files import write_atomic
 from megatrain_ray.system.model_sources import GGUF_ORIGIN
 
 gguf = pytest.importorskip("gguf")
@@ -90,15 +91,15 @@ def test_the_smollm2_file_is_4_bit_and_an_old_conversion_gets_its_origin(tmp_pat
 
 def test_the_origin_is_never_half_written_by_a_writer_with_the_same_pid(tmp_path, monkeypatch):
     """Another process sharing the cache (another PID namespace: the same pid) writes its part meanwhile; what lands
-    under GGUF_ORIGIN is one whole file."""
+    under GGUF_ORIGIN is one whole file (system/files.write_atomic, which the conversion writes it with)."""
     import os
 
     origin = {"gguf_file": "m.gguf", "matrix_types": {"Q4_1": 1}}
-    other = open(tmp_path / f".{GGUF_ORIGIN}.{os.getpid()}", "w")  # its part, as the old naming called it
+    other = open(tmp_path / f".{GGUF_ORIGIN}.{os.getpid()}.tmp", "w")  # its part, as a pid-only name called it
     other.write(" " * 4096)
     other.flush()
     try:
-        model_sources._write_origin(tmp_path, origin)
+        write_atomic(tmp_path / GGUF_ORIGIN, json.dumps(origin))  # how the conversion writes it
         other.write("}")  # it goes on writing where it was
         other.flush()
     finally:
