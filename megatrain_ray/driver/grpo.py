@@ -79,8 +79,8 @@ def policy_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], r
 def vanished_weights_warning(record: dict[str, Any], grpo: Any) -> str | None:
     """The warning for a step whose importance-sampling weights (vllm_importance_sampling_correction) left every
     completion token below NEGLIGIBLE_IS_WEIGHT, so that it trained on nothing (loss and gradient 0, or nearly) but
-    the KL penalty where beta > 0 (TRL adds beta x KL after the weighting); None for any other step. `record`: the step's metrics (ZERO_FRACTION; summed over data-parallel ranks, each a
-    share of the whole batch)."""
+    the KL penalty where beta > 0 (TRL adds beta x KL after the weighting); None for any other step. `record`: the
+    step's metrics (ZERO_FRACTION; summed over data-parallel ranks, each a share of the whole batch)."""
     if not grpo.vllm_importance_sampling_correction or record.get(ZERO_FRACTION, 0.0) < 1 - 1e-6:
         return None
     key, mode = "finetune.grpo.vllm_importance_sampling_mode", grpo.vllm_importance_sampling_mode

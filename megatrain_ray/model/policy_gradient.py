@@ -40,8 +40,6 @@ millionth of its share of the update: counted in ZERO_FRACTION."""
 ZERO_FRACTION = "sampling/importance_sampling_ratio/zero_fraction"
 """Ours, not TRL's: the share of the batch's completion tokens whose importance-sampling weight is below
 NEGLIGIBLE_IS_WEIGHT. 1 means the step trains on nothing (driver/grpo.py: warn_vanished_weights)."""
-OWN_METRICS = (ZERO_FRACTION,)
-"""The GRPO metrics this project logs beside TRL's names."""
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
