@@ -59,6 +59,8 @@
 #                 base GPU-resident; first a 31-pass decode probe with engine.rollout_lora adapters and merged, then
 #                 the step merged (B drawn at std 0.01); the result rewritten at each phase (a cut-off run keeps its
 #                 figures)                                                                         nvidia-h200
+#   grpo-lora-32b-tt  the same step without the probes, with the per-token importance-sampling mode
+#                 (vllm_importance_sampling_mode=token_truncate), under which 12,288-token completions train   nvidia-h200
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -86,18 +88,28 @@ case "${1:-}" in
       --systems megatrain-streamed,megatrain-streamed-lean --steps 4 --warmup 2 --no-roofline --timeout 200 \
       --name bench-3.5b-8k-lean-vs-full --out "$OUT" ;;
   lean-pretrain)
-    if [ "${PART:-1}" = 2 ]; then part=(--variants lean); else part=(--full-cores 14,15); fi
+    if [ "${PART:-1}" = 2 ]; then
+      # PART=1's checkpoint lives on the warm machine only: a fresh one would start lean over from step 0
+      if [ ! -f runs/lean-pretrain-state/lean-pretrain-partial-lean.json ]; then
+        echo "lean-pretrain PART=2: runs/lean-pretrain-state holds no PART=1 run (the machine was given back?)" >&2
+        exit 3
+      fi
+      part=(--variants lean)
+    else part=(--full-cores 14,15); fi
     python benchmarks/lean_pretrain.py --hidden 1280 --intermediate 5120 --layers 20 --heads 20 \
       --state-dir runs/lean-pretrain-state --deadline-s 540 --out "$OUT" "${part[@]}" ;;
   decode-step)
     python benchmarks/decode_step.py --out "$OUT" ;;
-  grpo-lora-32b)
+  grpo-lora-32b|grpo-lora-32b-tt)
+    lora32=(--set engine.rollout_lora=merged --set finetune.method=lora --set finetune.lora.r=16
+      --set finetune.lora.lora_alpha=32 --set finetune.lora.target_modules=all-linear
+      --set precision.stream_dtype=bfloat16 --set engine.gpu_resident=64 --set engine.compile=false
+      --set optimizer.lr=2e-4 --set optimizer.weight_decay=0.0 --set optimizer.grad_clip=1.0)
+    if [ "$1" = grpo-lora-32b-tt ]; then
+      run=(--name grpo-lora-32b-12k-token-truncate --set finetune.grpo.vllm_importance_sampling_mode=token_truncate)
+    else run=(--probe-lora adapters,merged --probe-passes 31 --name grpo-lora-32b-12k); fi
     python benchmarks/grpo_step.py --config configs/shapes/qwen2.5-32b.yaml --steps 1 --prompts 1 --generations 2 \
-      --prompt-len 512 --completion-len 12288 --probe-lora adapters,merged --probe-passes 31 --lora-b-std 0.01 \
-      --no-baseline --name grpo-lora-32b-12k --out "$OUT" --set engine.rollout_lora=merged \
-      --set finetune.method=lora --set finetune.lora.r=16 --set finetune.lora.lora_alpha=32 \
-      --set finetune.lora.target_modules=all-linear --set precision.stream_dtype=bfloat16 --set engine.gpu_resident=64 \
-      --set engine.compile=false --set optimizer.lr=2e-4 --set optimizer.weight_decay=0.0 --set optimizer.grad_clip=1.0 ;;
+      --prompt-len 512 --completion-len 12288 --lora-b-std 0.01 --no-baseline --out "$OUT" "${lora32[@]}" "${run[@]}" ;;
   load-8b)
     python benchmarks/load_checkpoint.py --dir /tmp/llama8b-random --layers 32 --shards 2 --out "$OUT" ;;
   long-context)
