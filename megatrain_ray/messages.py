@@ -82,6 +82,10 @@ class StepResult:
     vision_seconds: float = 0.0
     """A vision-language model: time the compute stream spent in its vision tower and projector (the features and
     their backward; not in compute_seconds)."""
+    device_update_seconds: float = 0.0
+    """Time the compute stream spent in optimizer updates on the device (the GPU-resident tier's, the LoRA adapters';
+    not in compute_seconds). Those ordered after the step's last read (clipping on) are counted in the step that
+    reads them done: the next one."""
     slab_wait_seconds: float = 0.0
     """Of update_wait_seconds, the waits before copying gradients into a host slab whose last update had not
     finished (in the backward); the rest waited to load a stage's updated weights."""

@@ -137,6 +137,7 @@ def merge_results(results: list[StepResult]) -> StepResult:
         compute_seconds=total("compute_seconds") / len(results), h2d_seconds=total("h2d_seconds"),
         d2h_seconds=total("d2h_seconds"), skipped=first.skipped, gpu_peak_bytes=slowest("gpu_peak_bytes"),
         comm_seconds=slowest("comm_seconds"), vision_seconds=slowest("vision_seconds"),
+        device_update_seconds=total("device_update_seconds") / len(results),
         slab_wait_seconds=slowest("slab_wait_seconds"),
         rank_update_wait_seconds=tuple(r.update_wait_seconds for r in results),
         objective_metrics={k: sum(r.objective_metrics[k] for r in results) for k in first.objective_metrics}

@@ -191,7 +191,8 @@ class LoraStreamEngine(StreamEngine):
     def _order_deferred_updates(self, loss: float, grad_norm: float) -> bool:
         """The adapters' clipped AdamW step; returns whether the step is dropped (a non-finite norm or loss)."""
         skipped = not (torch.isfinite(torch.tensor(grad_norm)) and torch.isfinite(torch.tensor(loss)))
-        self.adapters.step(self.updates.lr, self.clip, grad_norm, apply=not skipped)
+        with self.telemetry.device_update(self.streams.compute):
+            self.adapters.step(self.updates.lr, self.clip, grad_norm, apply=not skipped)
         return skipped
 
     def close(self) -> None:

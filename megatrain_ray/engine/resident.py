@@ -26,6 +26,8 @@ CPU buffers of that stage's size (`staging`, `put`, `take`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +60,15 @@ class ResidentStage:
 class ResidentTier:
     def __init__(self, layout: ModelLayout, count: int, optimizer: OptimizerConfig, device: torch.device,
                  master_dtype: torch.dtype, stream_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 grad_dtype: torch.dtype, poison: bool, vocab: bool = False, fused: Any = None):
+                 grad_dtype: torch.dtype, poison: bool, vocab: bool = False, fused: Any = None,
+                 timed: Callable[[], contextlib.AbstractContextManager] | None = None):
         """`count`: resident layers (RunSpec.resident_layers); `vocab`: the embedding and LM head too
         (RunSpec.resident_vocab); the dtypes are the run's (RunSpec); `poison`: engine.poison_buffers (NaN gradient
         buffers, so a gradient never written fails loudly); `fused`: resident_update.adamw_span or its compiled
-        CompiledFunction (resident_update_function), the update in one pass per span; None: per chunk."""
+        CompiledFunction (resident_update_function), the update in one pass per span; None: per chunk; `timed`:
+        a context around each stage's update, which times it on the device (StepTelemetry.device_update)."""
         self.cfg = optimizer
+        self.timed = timed or contextlib.nullcontext
         self.device = device
         self.fused = fused
         self.span_scalars = SpanScalars(optimizer, master_dtype, device)
@@ -155,10 +160,11 @@ class ResidentTier:
 
     def update(self, index: int, lr: float, adam_step: int, coef: float) -> None:
         """AdamW on one stage, as FlatAdamW's torch path computes it (see the module docstring)."""
-        if self.fused is not None and not getattr(self.fused, "failed", False):
-            self._update_spans(self.stages[index], lr, adam_step, coef)
-        else:
-            self._update_chunks(self.stages[index], lr, adam_step, coef)
+        with self.timed():
+            if self.fused is not None and not getattr(self.fused, "failed", False):
+                self._update_spans(self.stages[index], lr, adam_step, coef)
+            else:
+                self._update_chunks(self.stages[index], lr, adam_step, coef)
 
     @torch.no_grad()
     def _update_spans(self, resident: ResidentStage, lr: float, adam_step: int, coef: float) -> None:

@@ -141,7 +141,8 @@ class StreamEngine(BackwardPasses, ForwardOnlyPasses, RolloutPasses):
                                      TORCH_DTYPES[run.master_dtype], stream_dtype, self.compute_dtype,
                                      host_grad_dtype, poison, vocab=run.resident_vocab and not run.frozen_base,
                                      fused=resident_update_function(device, run.device_compiles,
-                                                                    TORCH_DTYPES[run.master_dtype], fall_back))
+                                                                    TORCH_DTYPES[run.master_dtype], fall_back),
+                                     timed=lambda: self.telemetry.device_update(self.streams.compute))
         # Resident layers whose forward keeps its graph (engine/kept_graphs.py), by position; this step's graphs.
         self.kept_positions = {s.index - 1 for s in layout.kept_stages(run.resident_layers, run.kept_layers)} \
             if not run.frozen_base and self.generic is None else set()
@@ -223,6 +224,7 @@ class StreamEngine(BackwardPasses, ForwardOnlyPasses, RolloutPasses):
             optimizer_seconds=stats["optimizer_seconds"],
             optimizer_bytes=int(stats["optimizer_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
             d2h_bytes=int(stats["d2h_bytes"]), compute_seconds=device_seconds["compute"],
+            device_update_seconds=device_seconds["update"],
             h2d_seconds=device_seconds["h2d"], d2h_seconds=device_seconds["d2h"], skipped=skipped, gpu_peak_bytes=peak,
             comm_seconds=device_seconds["comm"], vision_seconds=device_seconds["vision"],
             objective_metrics={k: float(v) for k, v in head.metrics.items()}

@@ -26,10 +26,12 @@ events (Timeline) and host-side counters (STEP_STATS), both returned in the step
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +77,17 @@ STEP_STATS = ("optimizer_seconds", "optimizer_bytes", "update_wait_seconds", "sl
 
 class Timeline:
     """Device time of each activity in a step (compute, H2D, D2H, comm; vision: a vision-language model's tower and
-    projector, forward and backward, engine/vision_engine.py), from timing events that are
-    read once at the end of the step: no synchronisation inside it."""
+    projector, forward and backward, engine/vision_engine.py; update: the optimizer updates that run on the device,
+    the GPU-resident tier's and the LoRA adapters'), from timing events that are read once at the end of the step:
+    no synchronisation inside it. The updates ordered once the global norm is known (clipping on) are queued
+    after the step's last read, so the end of the step does not wait for them: a span not yet done there is
+    counted in the next step's timeline (`pending`), where the device runs it."""
 
-    def __init__(self, streams: DeviceStreams):
+    def __init__(self, streams: DeviceStreams, pending: list | None = None):
         self.streams = streams
-        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": [], "comm": [], "vision": []}
+        self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": [], "comm": [], "vision": [],
+                                       "update": list(pending or [])}
+        self.pending: list = []
 
     def start(self, stream: Any) -> Any:
         return self.streams.record(stream, timing=True)
@@ -94,7 +101,11 @@ class Timeline:
     def seconds(self) -> dict[str, float]:
         out = {}
         for kind, spans in self.spans.items():
-            if spans:
+            if kind == "update":
+                finished = [span[1].query() for span in spans]  # one look each: a span is done or pending
+                self.pending = [span for span, done in zip(spans, finished) if not done]
+                spans = [span for span, done in zip(spans, finished) if done]
+            elif spans:
                 spans[-1][1].synchronize()
             out[kind] = sum(a.elapsed_time(b) for a, b in spans) / 1e3
         return out
@@ -111,8 +122,15 @@ class StepTelemetry:
         self.stats: dict[str, float] = dict.fromkeys(STEP_STATS, 0.0)
 
     def new_step(self) -> None:
-        self.timeline = Timeline(self.streams)
+        self.timeline = Timeline(self.streams, pending=self.timeline.pending)
         self.reset_stats()
+
+    @contextlib.contextmanager
+    def device_update(self, stream: Any) -> Iterator[None]:
+        """Around an optimizer update queued on `stream` on the device: its time goes to the "update" span."""
+        start = self.timeline.start(stream)
+        yield
+        self.timeline.stop("update", stream, start)
 
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(STEP_STATS, 0.0)

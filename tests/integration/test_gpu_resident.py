@@ -78,6 +78,12 @@ def test_resident_layers_train_exactly_like_streamed_ones_in_float64(tmp_path, s
     layout = resident[0].layout
     layer = layout.layers[0].numel * 8
     assert {r["h2d_bytes"] for r in resident[1]} == {(layout.embed.numel + layout.head.numel) * 8 + layer}
+    # The resident layers' updates run on the device, so they count in gpu_busy (device_update_seconds); a streamed
+    # run has none.
+    assert all(r["device_update_seconds"] > 0 for r in resident[1])
+    assert all(r["device_update_seconds"] == 0 for r in streamed[1])
+    for r in resident[1]:
+        assert r["gpu_busy"] == min(1.0, (r["compute_seconds"] + r["device_update_seconds"]) / r["step_seconds"])
     assert [r["d2h_bytes"] for r in resident[1]] == [r["d2h_bytes"] - 2 * layer for r in streamed[1]]
 
 
