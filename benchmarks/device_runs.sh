@@ -53,6 +53,10 @@
 #                 (full on 2 cores finishes; lean, cut, saves a checkpoint in runs/lean-pretrain-state), PART=2 in
 #                 the next call while the machine is still warm continues lean alone on every core and writes the
 #                 JSON of both                                                                    nvidia-h200
+#   qwen35-8l     issue 43: Qwen3.5-27B's first 8 layers (6 linear-attention, 2 full), 32k tokens, full precision:
+#                 the default config against transformers resident-compile (its torch fallback for the gated delta
+#                 rule without flash-linear-attention), then one linear and one full-attention layer's forward and
+#                 recompute + backward time, eager and compiled (benchmarks/layer_profile.py)   nvidia-h200
 #   decode-step   issue 49: one rollout decode step of the Qwen2.5-32B shape (LoRA r 16, 2 rows) as a CUDA graph at
 #                 1k/4k/12.8k-token caches: the attention and LoRA variants, attention alone, the copy-rate bound  nvidia-h200
 #   grpo-lora-32b issue 49: Qwen2.5-32B shape LoRA (r 16, all linear), 1 prompt x 2 completions of 12,288 tokens, the
@@ -98,6 +102,14 @@ case "${1:-}" in
     else part=(--full-cores 14,15); fi
     python benchmarks/lean_pretrain.py --hidden 1280 --intermediate 5120 --layers 20 --heads 20 \
       --state-dir runs/lean-pretrain-state --deadline-s 540 --out "$OUT" "${part[@]}" ;;
+  qwen35-8l)
+    python benchmarks/run.py --config configs/shapes/qwen3.5-27b-8l-bench.yaml --batches 8 \
+      --systems "${SYSTEMS:-megatrain,resident-compile}" --steps 3 --warmup 2 --no-roofline --timeout 300 \
+      --name qwen3.5-27b-8l-32k-vs-resident --out "$OUT"
+    for layer in 0 3; do  # a linear-attention (Gated DeltaNet) layer, then a gated full-attention one
+      python benchmarks/layer_profile.py --config configs/shapes/qwen3.5-27b-8l-bench.yaml --tokens 32768 \
+        --seq-len 4096 --layer "$layer" --modes eager compiled --out "$OUT"
+    done ;;
   decode-step)
     python benchmarks/decode_step.py --out "$OUT" ;;
   grpo-lora-32b|grpo-lora-32b-tt)

@@ -95,7 +95,9 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        row = {"config": args.config, "layer": args.layer, "moe": moe, "mode": mode, "tokens": args.tokens,
+        row = {"config": args.config, "layer": args.layer, "moe": moe,
+               "token_mixer": "linear attention" if spec.linear is not None else "attention", "mode": mode,
+               "tokens": args.tokens,
                "seq_len": args.seq_len, "dtype": str(dtype).removeprefix("torch."), "params": stage.numel,
                "forward_seconds": timed(forward), "recompute_backward_seconds": timed(backward)}
         row["peak_above_inputs_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
@@ -123,7 +125,7 @@ def main() -> int:
             print(f"  {k['cuda_seconds'] * 1e3:8.2f} ms {k['share']:6.1%} x{k['calls']:<4} {k['name']}")
         print("  host:", row["host_calls"])
         rows.append(row)
-    name = f"layer-profile-{Path(args.config).stem}"
+    name = f"layer-profile-{Path(args.config).stem}-layer{args.layer}"
     write_result(name, {**provenance(torch.cuda.get_device_name()), "rows": rows}, args.out)
     return 0
 
