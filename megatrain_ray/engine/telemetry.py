@@ -87,7 +87,14 @@ class Timeline:
         self.streams = streams
         self.spans: dict[str, list] = {"compute": [], "h2d": [], "d2h": [], "comm": [], "vision": [],
                                        "update": list(pending or [])}
-        self.pending: list = []
+        self.pending: list | None = None
+        """The update spans not done at this timeline's read (`seconds`); None while it has not been read."""
+
+    def carried(self) -> list:
+        """The update spans the next timeline counts: those not done at this one's read; every one of them where
+        it was never read (a forward-only pass between two steps, a step that failed before its end), else
+        those carried into it would be lost."""
+        return self.spans["update"] if self.pending is None else self.pending
 
     def start(self, stream: Any) -> Any:
         return self.streams.record(stream, timing=True)
@@ -122,7 +129,7 @@ class StepTelemetry:
         self.stats: dict[str, float] = dict.fromkeys(STEP_STATS, 0.0)
 
     def new_step(self) -> None:
-        self.timeline = Timeline(self.streams, pending=self.timeline.pending)
+        self.timeline = Timeline(self.streams, pending=self.timeline.carried())
         self.reset_stats()
 
     @contextlib.contextmanager

@@ -64,3 +64,23 @@ def test_gpu_busy_counts_the_device_updates_beside_the_compute():
     record = step_record(0, 1e-3, result, seconds=0.2, flops_per_token=1.0, params=1, gpus=1, host_memory_bytes=0,
                          epoch=0.0)
     assert abs(record["gpu_busy"] - 0.85) < 1e-12 and record["device_update_seconds"] == 0.05
+
+
+def test_an_update_pending_across_a_timeline_never_read_still_counts_once():
+    """A forward-only pass between two steps (evaluation, GRPO's and DPO's log-probabilities: engine/forward_only.py
+    starts a timeline and never reads it), or a step that failed before its end, must not drop the update that the
+    step before left running."""
+    late_end = FakeEvent(14.0, done=False)
+    streams = FakeStreams([FakeEvent(10.0), late_end,  # step 1's update, still running when the step reads: 4 ms
+                           FakeEvent(20.0), FakeEvent(25.0)])  # the forward-only pass: compute 5 ms, never read
+    telemetry = StepTelemetry(streams, trace=None)
+    with telemetry.device_update(None):
+        pass
+    assert telemetry.timeline.seconds()["update"] == 0.0
+    telemetry.new_step()  # the forward-only pass
+    telemetry.timeline.stop("compute", None, telemetry.timeline.start(None))
+    late_end.done = True
+    telemetry.new_step()  # the next training step
+    assert abs(telemetry.timeline.seconds()["update"] - 4e-3) < 1e-12
+    telemetry.new_step()
+    assert telemetry.timeline.seconds()["update"] == 0.0
