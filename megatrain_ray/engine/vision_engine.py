@@ -97,7 +97,8 @@ class VisionPasses:
         skipped = super()._order_deferred_updates(loss, grad_norm)  # type: ignore[misc]
         clips = self.clip > 0 or getattr(self, "grads", None) is None  # LoRA always clips (a finite norm)
         coef = min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 and math.isfinite(grad_norm) else 1.0
-        self.vision.step(self.updates.lr, coef, not skipped if clips else True)
+        with self.telemetry.device_update(self.streams.compute):  # the tower's update runs on the device
+            self.vision.step(self.updates.lr, coef, not skipped if clips else True)
         return skipped
 
     @torch.no_grad()

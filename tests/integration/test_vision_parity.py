@@ -121,15 +121,19 @@ def test_logits_equal_transformers(family, tmp_path):
         assert relative_error(hf_logits(name, plain, ids, pixels)[0], ref64[0]) > 1e-3
 
 
-def run_ours(cfg, batches, resume=None, steps=None, probe=None, export=None):
+def run_ours(cfg, batches, resume=None, steps=None, probe=None, export=None, records=None):
     """megatrain's run on `batches` (steps from the start or the checkpoint resumed up to `steps`, else
     cfg.train.steps; a checkpoint at the end when `steps` is given); returns (losses, text weights, vision state,
-    logits of `probe` (ids, pixels) after the steps). `export`: the trained model exported there."""
+    logits of `probe` (ids, pixels) after the steps). `export`: the trained model exported there; `records`: a list
+    the steps' metrics records are appended to."""
     with Trainer(cfg, resume=resume) as trainer:
         trainer.data = trainer.saver.data = ListBatches(batches)
         losses = []
         for step in range(trainer.next_step, steps or cfg.train.steps):
-            losses.append(trainer.step(step)["loss"])
+            record = trainer.step(step)
+            losses.append(record["loss"])
+            if records is not None:
+                records.append(record)
             trainer.next_step = step + 1
         if steps is not None:
             trainer.save(wait=True)
@@ -145,7 +149,10 @@ def test_float64_training_matches_transformers(family, tmp_path, vision):
     name, model, directory = family
     cfg = vision_config(tmp_path, directory, finetune={"vision": vision})
     batches = [batch(name, seed) for seed in range(3)]
-    ours, text, state, _ = run_ours(cfg, batches)
+    records = []
+    ours, text, state, _ = run_ours(cfg, batches, records=records)
+    # The projector (and a trained tower) updates on the device: its time counts in gpu_busy.
+    assert all(r["device_update_seconds"] > 0 for r in records), [r["device_update_seconds"] for r in records]
     ref, ref_state = train_hf_vision(name, model, cfg, [batches[s % 3] for s in range(STEPS)], torch.float64, vision)
     initial = {k: v.double() for k, v in model.state_dict().items()}
     for step, (a, b) in enumerate(zip(ours, ref)):
