@@ -57,6 +57,9 @@
 #                 the default config against transformers resident-compile (its torch fallback for the gated delta
 #                 rule without flash-linear-attention), then one linear and one full-attention layer's forward and
 #                 recompute + backward time, eager and compiled (benchmarks/layer_profile.py)   nvidia-h200
+#   vision-32k-ds issue 44: the Qwen2.5-VL-7B shape (4 of 28 layers, 4 images of 448x448 a sample) at 32k tokens:
+#                 DeepSpeed ZeRO-3 offload beside megatrain streamed (WITH_DEEPSPEED=1 before install.sh; the last
+#                 try stopped DeepSpeed at 67 s, still starting)                                 nvidia-h200
 #   decode-step   issue 49: one rollout decode step of the Qwen2.5-32B shape (LoRA r 16, 2 rows) as a CUDA graph at
 #                 1k/4k/12.8k-token caches: the attention and LoRA variants, attention alone, the copy-rate bound  nvidia-h200
 #   grpo-lora-32b issue 49: Qwen2.5-32B shape LoRA (r 16, all linear), 1 prompt x 2 completions of 12,288 tokens, the
@@ -110,6 +113,9 @@ case "${1:-}" in
       python benchmarks/layer_profile.py --config configs/shapes/qwen3.5-27b-8l-bench.yaml --tokens 32768 \
         --seq-len 4096 --layer "$layer" --modes eager compiled --out "$OUT"
     done ;;
+  vision-32k-ds)
+    python benchmarks/vision_bench.py --tokens 32768 --layers 4 --steps 2 --warmup 1 \
+      --systems "${SYSTEMS:-deepspeed,megatrain-streamed}" --point-limit-s deepspeed=400 --budget-s 540 --out "$OUT" ;;
   decode-step)
     python benchmarks/decode_step.py --out "$OUT" ;;
   grpo-lora-32b|grpo-lora-32b-tt)
