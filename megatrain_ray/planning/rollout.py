@@ -11,10 +11,15 @@ from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.decode import cache_capacity
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
+from megatrain_ray.store.nf4_base import packs_stage
 from megatrain_ray.units import GiB
 
 MARGIN = 0.10
 """The share of the free GPU memory auto leaves unused (engine/rollout/weights.py's)."""
+NF4_DEQUANT_VALUES_PER_S = {True: 132.6e9, False: 90.1e9}
+"""NF4 values an H200 dequantizes per second into the compute dtype, compiled (engine.compile) and eager: one
+gpt-oss-120b layer of 3.2 B values (benchmarks/nf4_dequant.py, nf4-dequant-gpt-oss-120b-qlora-h200-20261126-050500
+.json). A LoRA rollout over an NF4 base dequantizes every layer at each decode step (engine/packed_stream.py)."""
 
 
 def rollout_tokens(cfg: Config) -> int:
@@ -56,13 +61,35 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
     if gpu_memory:
         free = gpu_memory - training_peak - GPU_RESERVE_BYTES
         fits = sizes["KV cache"] + sizes["resident weights copy"] <= free * (1 - MARGIN)
-        if setting == "auto" and not run.frozen_base:
-            choice = "resident (fits beside the training peak)" if fits else \
-                "streamed (the copy does not fit beside the training peak: every decode step copies the model)"
+        if run.frozen_base:
+            choice = ""  # the base is read where training keeps it: base_reads below
+        elif setting == "auto":
+            choice = "  -> weights resident (fits beside the training peak)" if fits else \
+                "  -> weights streamed (the copy does not fit beside the training peak: every decode step copies " \
+                "the model)"
         else:
-            choice = "resident" if setting == "resident" and not run.frozen_base else "streamed"
-        lines.append(f"  {'free beside the training peak':<38}{free / GiB:10.2f} GiB  -> weights {choice}")
+            choice = f"  -> weights {'resident' if setting == 'resident' else 'streamed'}"
+        lines.append(f"  {'free beside the training peak':<38}{free / GiB:10.2f} GiB{choice}")
         if sizes["KV cache"] > free:
             lines.append("  the KV cache does not fit beside the training peak: lower data.batch_size or "
                          "finetune.grpo.max_completion_length")
+    if run.frozen_base:
+        lines.append(base_reads(cfg, run))
     return lines + [""]
+
+
+def base_reads(cfg: Config, run: RunSpec) -> str:
+    """Where a LoRA rollout reads its frozen base at each decode step: the GPU-resident tier's layers where they
+    are, the others copied in through the weight buffers; an NF4 base's layers dequantized at each use."""
+    layers = cfg.model.num_layers
+    resident = min(run.resident_layers, layers)
+    where = ("every layer GPU-resident" if resident == layers else
+             f"layers 0-{resident - 1} GPU-resident, the other {layers - resident} copied in at each decode step"
+             if resident else "every layer copied in at each decode step (engine.gpu_resident keeps none)")
+    packed = [s for s in build_layout(cfg.model).stages if packs_stage(run, s)]
+    if packed:
+        values, rate = sum(s.numel for s in packed), NF4_DEQUANT_VALUES_PER_S[run.device_compiles]
+        return (f"  base in the rollout: {where}; in NF4, so each decode step dequantizes {values / 1e9:.1f} B values "
+                f"(about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an H200)")
+    graph = "; with every layer resident a dense model's decode step is one CUDA graph" if resident == layers else ""
+    return f"  base in the rollout: {where}{graph}"

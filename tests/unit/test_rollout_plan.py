@@ -50,3 +50,29 @@ def test_lora_reads_its_base_where_training_keeps_it_and_a_small_gpu_streams():
     assert "LoRA: the base is read where training keeps it" in format_plan(plan)
     small = Machine.from_preset("h200-128gb").override(gpu_memory="36GiB")
     assert "-> weights streamed (the copy does not fit" in format_plan(plan_run(grpo_7b(), small))
+
+
+def test_the_plan_says_where_a_lora_rollout_reads_its_base_and_what_an_nf4_base_costs_a_decode_step():
+    h200 = Machine.from_preset("h200-128gb")
+    all_resident = grpo_7b(method="lora")
+    all_resident.engine.gpu_resident = 28
+    text = format_plan(plan_run(all_resident, h200))
+    assert "base in the rollout: every layer GPU-resident; with every layer resident a dense model's decode step is " \
+           "one CUDA graph" in text
+    assert "-> weights" not in text  # no resident copy to choose: the base is where training keeps it
+
+    some = grpo_7b(method="lora")
+    some.engine.gpu_resident = 10
+    assert "base in the rollout: layers 0-9 GPU-resident, the other 18 copied in at each decode step" in \
+        format_plan(plan_run(some, h200))
+
+    nf4 = grpo_7b(method="lora", lora={"base_quantization": "nf4"})
+    nf4.engine.gpu_resident = 28
+    plan = plan_run(nf4, h200)
+    # every decoder layer's values, by the shape's own arithmetic: attention with its q/k/v biases, the MLP, 2 norms
+    h, f, kv = 3584, 18944, 4 * 128
+    layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * f + 2 * h
+    compiled = plan.run.device_compiles
+    seconds = 28 * layer / (132.6e9 if compiled else 90.1e9)
+    assert (f"in NF4, so each decode step dequantizes {28 * layer / 1e9:.1f} B values (about {seconds:.2f} s a step "
+            f"at the {133 if compiled else 90} G values/s measured on an H200)") in format_plan(plan)
