@@ -41,6 +41,7 @@ def test_the_plan_shows_the_rollouts_cache_and_weight_copy_and_where_auto_puts_t
     text = format_plan(plan)
     assert "GRPO rollout (16 completions of up to 1,536 tokens" in text
     assert f"{sizes['KV cache'] / 2**30:10.2f} GiB" in text and "-> weights resident" in text
+    assert "the expected speed below is the training pass alone: a step's rollout adds up to 1,024 decode steps" in text
 
 
 def test_lora_reads_its_base_where_training_keeps_it_and_a_small_gpu_streams():
