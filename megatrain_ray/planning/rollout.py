@@ -75,8 +75,10 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
                          "finetune.grpo.max_completion_length")
     if run.frozen_base:
         lines.append(base_reads(cfg, run))
-    lines.append(f"  the expected speed below is the training pass alone: a step's rollout adds up to "
-                 f"{cfg.finetune.grpo.max_completion_length:,} decode steps (measured ones: docs/benchmarks.md, GRPO)")
+    if cfg.engine.device != "cpu":  # a CPU run's plan has no speed section
+        lines.append(f"  the expected speed below is the training pass alone: a step's rollout adds up to "
+                     f"{cfg.finetune.grpo.max_completion_length:,} decode steps (measured ones: docs/benchmarks.md, "
+                     "GRPO)")
     return lines + [""]
 
 
