@@ -135,7 +135,7 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
                 "decode_tokens_per_s": stats["generated_tokens"] / stats["decode_s"],
                 "weights_resident": bool(stats["weights_resident"]), "kv_cache_gib": stats["kv_cache_bytes"] / 2**30,
                 "train_tokens": int(batch.input_ids.numel()), "loss": result.loss, "grad_norm": result.grad_norm,
-                "gpu_busy_train": (result.compute_seconds + result.device_update_seconds) / max(result.seconds, 1e-9),
+                "gpu_busy_train": result.busy_seconds / max(result.seconds, 1e-9),
                 "gpu_peak_gib_train": result.gpu_peak_bytes / 2**30, "gpu_peak_gib_rollout": rollout_peak,
                 "cuda_graph": bool(stats.get("cuda_graph")),
                 "host_gib": trainer.host_memory_bytes() / 2**30,

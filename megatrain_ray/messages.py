@@ -103,6 +103,12 @@ class StepResult:
     this rank's rows, on the host; 0 where labels == -100. float32 (float64 when computing in it). The driver keeps
     them as old_logps (num_iterations > 1) and compares them with the rollout's. None for other batches."""
 
+    @property
+    def busy_seconds(self) -> float:
+        """Time the device spent computing in the step: the stages and the optimizer updates on the device (what
+        gpu_busy divides by the step's time)."""
+        return self.compute_seconds + self.device_update_seconds
+
 
 @dataclass(frozen=True, slots=True)
 class ActorStatus:

@@ -137,7 +137,7 @@ def step_record(step: int, lr: float, result: StepResult, seconds: float, flops_
         "loss_tokens": result.valid_tokens,
         "tok_per_s": tok_per_s, "tflops": tok_per_s * flops_per_token / 1e12, "step_seconds": seconds,
         "compute_seconds": result.compute_seconds, "device_update_seconds": result.device_update_seconds,
-        "gpu_busy": min(1.0, (result.compute_seconds + result.device_update_seconds) / seconds),
+        "gpu_busy": min(1.0, result.busy_seconds / seconds),
         "gpus": gpus, "comm_seconds": result.comm_seconds, "worker_seconds": result.seconds,
         **({"vision_seconds": result.vision_seconds} if result.vision_seconds else {}),
         "optimizer_seconds": result.optimizer_seconds, "update_wait_seconds": result.update_wait_seconds,
