@@ -95,16 +95,17 @@ case "${1:-}" in
       --systems megatrain-streamed,megatrain-streamed-lean --steps 4 --warmup 2 --no-roofline --timeout 200 \
       --name bench-3.5b-8k-lean-vs-full --out "$OUT" ;;
   lean-pretrain)
+    state=runs/lean-pretrain-state
     if [ "${PART:-1}" = 2 ]; then
       # PART=1's checkpoint lives on the warm machine only: a fresh one would start lean over from step 0
-      if [ ! -f runs/lean-pretrain-state/lean-pretrain-partial-lean.json ]; then
-        echo "lean-pretrain PART=2: runs/lean-pretrain-state holds no PART=1 run (the machine was given back?)" >&2
+      if [ ! -f "$state/lean-pretrain-partial-lean.json" ]; then
+        echo "lean-pretrain PART=2: $state holds no PART=1 run (the machine was given back?)" >&2
         exit 3
       fi
       part=(--variants lean)
     else part=(--full-cores 14,15); fi
     python benchmarks/lean_pretrain.py --hidden 1280 --intermediate 5120 --layers 20 --heads 20 \
-      --state-dir runs/lean-pretrain-state --deadline-s 540 --out "$OUT" "${part[@]}" ;;
+      --state-dir "$state" --deadline-s 540 --out "$OUT" "${part[@]}" ;;
   qwen35-8l)
     python benchmarks/run.py --config configs/shapes/qwen3.5-27b-8l-bench.yaml --batches 8 \
       --systems "${SYSTEMS:-megatrain,resident-compile}" --steps 3 --warmup 2 --no-roofline --timeout 300 \
