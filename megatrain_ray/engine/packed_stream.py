@@ -9,6 +9,13 @@ stage. The dequantization's temporaries are bounded by nf4_stage's chunking (deq
 
 GPU-resident packed layers (engine.gpu_resident with an NF4 base): their packed bytes are copied to the device once,
 at the start, and kept there; each use dequantizes them into the slot as above, without the copy.
+
+On a CUDA device with Triton the block decoding is quant/nf4_triton's one-pass kernel, writing the slot in place
+(bit for bit the values of the torch decoding; about 2.5 bytes of device memory traffic a value instead of the
+compiled torch decoding's 6.5). A rollout's decode step over GPU-resident packed MoE layers (`load(...,
+keep_experts=True)`) dequantizes all but the fused expert tensors, which the layer then reads in NF4 where they
+lie (`expert_views`: only the experts some row is routed to, quant/nf4_triton.NF4Experts.products); dequantizing a
+gpt-oss-120b layer's 3.2 B expert values for a batch of 32 tokens was most of a decode step's time.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from typing import Any
 import torch
 
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.quant.nf4_stage import NF4StageFormat, dequantize_stage
+from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES, NF4StageFormat, dequantize_stage
+from megatrain_ray.quant.nf4_triton import NF4Experts, dequantize_blocks_into, triton_available
 from megatrain_ray.store.nf4_base import NF4_KIND, stage_format
 from megatrain_ray.store.segments import HostStore
 
@@ -37,6 +45,9 @@ class PackedArrival:
                           for s in layout.resident_stages(resident_layers) if s.index in self.formats}
         largest = max((f.nbytes for i, f in self.formats.items() if i not in self.on_device), default=0)
         self.staging = torch.empty(largest, dtype=torch.uint8, device=device)
+        kernels = triton_available(device) and compute_dtype in (torch.bfloat16, torch.float16, torch.float32)
+        self.decode_into = dequantize_blocks_into if kernels else None  # float64 (tests) decodes in torch
+        self._expert_views: dict[int, dict[str, NF4Experts]] = {}
 
     @classmethod
     def of(cls, layout: ModelLayout, store: HostStore, compute_dtype: torch.dtype, device: torch.device,
@@ -53,15 +64,53 @@ class PackedArrival:
     def packs(self, stage: StageLayout) -> bool:
         return stage.index in self.formats
 
-    def load(self, stage: StageLayout, dense: torch.Tensor) -> int:
+    def keeps_experts(self, stage: StageLayout) -> bool:
+        """The stage's fused expert tensors can be read in NF4 where they lie: its packed bytes stay on the device
+        (a streamed stage's staging buffer is overwritten by the next layer's copy while this one computes), the
+        Triton kernels run here, and its experts are quantized."""
+        fmt = self.formats[stage.index] if stage.index in self.formats else None
+        experts = [] if fmt is None else [m for m in fmt.matrices if m.slot.name in EXPERT_MATRICES]
+        # NF4Experts.products reads whole blocks (at most 64 values) along each expert row's contiguous axis
+        return (self.decode_into is not None and stage.index in self.on_device and bool(experts)
+                and all(m.slot.shape[-1] % min(64, fmt.blocksize) == 0 for m in experts))
+
+    def expert_views(self, stage: StageLayout) -> dict[str, NF4Experts]:
+        """The stage's fused expert tensors as NF4Experts over its device-resident packed bytes (keeps_experts)."""
+        views = self._expert_views.get(stage.index)
+        if views is None:
+            fmt, packed = self.formats[stage.index], self.on_device[stage.index]
+            views = self._expert_views[stage.index] = {
+                m.slot.name: stage_experts(packed, fmt, i)
+                for i, m in enumerate(fmt.matrices) if m.slot.name in EXPERT_MATRICES}
+        return views
+
+    def load(self, stage: StageLayout, dense: torch.Tensor, keep_experts: bool = False) -> int:
         """Issue, on the current (H2D) stream, the copy of the stage's packed bytes (none for a resident one) and
-        their dequantization into `dense` (the slot's compute buffer, stage.numel elements); returns the bytes
+        their dequantization into `dense` (the slot's compute buffer, stage.numel elements), all but the fused
+        expert tensors with `keep_experts` (keeps_experts; the layer binds expert_views instead); returns the bytes
         copied."""
         fmt = self.formats[stage.index]
+        skip = EXPERT_MATRICES if keep_experts else frozenset()
         if stage.index in self.on_device:
-            dequantize_stage(self.on_device[stage.index], fmt, out=dense, decode=self.decode)
+            dequantize_stage(self.on_device[stage.index], fmt, out=dense, decode=self.decode,
+                             decode_into=self.decode_into, skip=skip)
             return 0
+        assert not keep_experts, "only device-resident packed stages keep their experts in NF4"
         staged = self.staging[:fmt.nbytes]
         staged.copy_(self.store.get(NF4_KIND, stage.index), non_blocking=True)
-        dequantize_stage(staged, fmt, out=dense, decode=self.decode)
+        dequantize_stage(staged, fmt, out=dense, decode=self.decode, decode_into=self.decode_into)
         return fmt.nbytes
+
+
+def stage_experts(packed: torch.Tensor, fmt: NF4StageFormat, i: int) -> NF4Experts:
+    """Matrix i of a packed stage (a fused [E, A, B] expert tensor) as NF4Experts: views of its codes, block maxima,
+    scales and offset in the stage's sections (quant/nf4_stage.py), no copy."""
+    m, bs = fmt.matrices[i], fmt.blocksize
+    blocks = slice(m.first_block, m.first_block + m.num_blocks)
+    codes = fmt.section(packed, "codes")[m.first_block * bs // 2:(m.first_block + m.num_blocks) * bs // 2]
+    if not fmt.double_quant:
+        return NF4Experts(codes, fmt.section(packed, "absmax", torch.float32)[blocks], None, None, m.slot.shape, bs,
+                          fmt.compute_dtype)
+    scales = fmt.section(packed, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales]
+    offset = fmt.section(packed, "offsets", torch.float32)[i:i + 1]
+    return NF4Experts(codes, fmt.section(packed, "absmax")[blocks], scales, offset, m.slot.shape, bs, fmt.compute_dtype)

@@ -42,6 +42,8 @@ class WeightSlot:
     free: Any = None
     """Event: compute no longer reads the previous occupant."""
     holds: int = -1
+    nf4_experts: bool = False
+    """The stage was loaded with its fused experts left in NF4 (WeightStream.experts_in_nf4): bind adds their views."""
 
 
 class WeightStream:
@@ -68,6 +70,9 @@ class WeightStream:
         """This step loads weights in pieces gathered over the node's ranks (training steps only)."""
         self.checksum: float | None = None
         self.summed: set[int] = set()
+        self.experts_in_nf4 = False
+        """Load device-resident packed MoE layers with their experts left in NF4 (a rollout's decode step:
+        PackedArrival.keeps_experts); such a load is never reused, as its slot lacks the experts' dense values."""
         self.reading: str | None = None
         """The host kind the stages are copied from: None, the streaming copy (store.stream); "reference": GRPO's
         frozen initial weights (ForwardOnlyPasses.reference_weights)."""
@@ -139,8 +144,9 @@ class WeightStream:
             start = timeline.start(s.h2d)
             first, end = self.rank.piece(stage.numel) if self.gather else (0, stage.numel)
             packed = self.packed is not None and self.packed.packs(stage)
+            keep = packed and self.experts_in_nf4 and self.packed.keeps_experts(stage)
             if packed:  # one rank (LoRA): no pieces; dequantized straight into the compute dtype
-                copied = self.packed.load(stage, slot.compute[:stage.numel])
+                copied = self.packed.load(stage, slot.compute[:stage.numel], keep_experts=keep)
             else:
                 host = self.store.stream(stage.index) if self.reading is None else \
                     self.store.get(self.reading, stage.index)  # type: ignore[arg-type]
@@ -154,7 +160,7 @@ class WeightStream:
             if slot.compute is not slot.raw and not packed:
                 slot.compute[:stage.numel].copy_(slot.raw[:stage.numel])
             slot.ready = s.record(s.h2d)
-        slot.holds = stage.index
+        slot.holds, slot.nf4_experts = (-1 if keep else stage.index), keep
         self.telemetry.stats["h2d_bytes"] += copied
         return slot
 
@@ -167,7 +173,10 @@ class WeightStream:
     def bind(self, stage: StageLayout, slot: WeightSlot) -> dict[str, torch.Tensor]:
         """The stage's tensors, views of the slot, once compute waited for their load."""
         self.streams.wait(self.streams.compute, slot.ready)
-        return bind(slot.compute[:stage.numel], stage)
+        weights = bind(slot.compute[:stage.numel], stage)
+        if slot.nf4_experts:
+            weights.update(self.packed.expert_views(stage))
+        return weights
 
     def release(self, slot: WeightSlot) -> None:
         """Compute is done with the slot's weights: the next load may overwrite them."""

@@ -210,10 +210,18 @@ def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             and all(n % 8 == 0 for t in (x, *weights) for n in t.shape[1:]))
 
 
-def _expert_products(rows: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor,
+def _packed(weight) -> bool:
+    """An expert tensor left in a packed format on the device (quant/nf4_triton.NF4Experts, bound for a rollout's
+    decode step): it computes its own products from the offsets, reading only the experts that have rows."""
+    return not isinstance(weight, torch.Tensor)
+
+
+def _expert_products(rows: torch.Tensor, weight, counts: list[int], offsets: torch.Tensor,
                      transposed: bool) -> torch.Tensor:
     """Each expert's rows times its matrix: rows [N, in] sorted by expert, weight [E, out, in] (or [E, in,
-    out] when `transposed`, gpt-oss); returns [N, out]."""
+    out] when `transposed`, gpt-oss) or a packed expert tensor (`_packed`); returns [N, out]."""
+    if _packed(weight):
+        return weight.products(rows, offsets, transposed)
     if grouped_mm_usable(rows, weight):
         mat = weight if transposed else weight.transpose(-2, -1)
         return torch._grouped_mm(rows, mat, offs=offsets)
@@ -294,11 +302,12 @@ def experts(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, w: Mapp
     # data, which torch.compile cannot trace), and no atomics.
     ends = torch.searchsorted(sorted_expert, torch.arange(spec.num_experts, device=h.device), right=True)
     offsets = ends.to(torch.int32)
-    grouped = grouped_mm_usable(h, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
-    # The loop needs the counts on the host (a device sync).
+    gate_up_w, down_w = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
+    grouped = (_packed(gate_up_w) and _packed(down_w)) or grouped_mm_usable(h, gate_up_w, down_w)
+    # The loop needs the counts on the host (a device sync); the grouped products and packed experts take offsets.
     counts = [] if grouped else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     rows = _Dispatch.apply(h, token_of, inverse, k)
-    gate_up = _expert_products(rows, w["mlp.experts.gate_up_proj"], counts, offsets, spec.gpt_oss)
+    gate_up = _expert_products(rows, gate_up_w, counts, offsets, spec.gpt_oss)
     if spec.gpt_oss:
         gate_up = gate_up + w["mlp.experts.gate_up_proj_bias"][sorted_expert]
     act = _swiglu(gate_up, spec)
@@ -306,7 +315,7 @@ def experts(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, w: Mapp
     weight_first = not spec.gpt_oss and pair_weights.dtype == act.dtype
     if weight_first:
         act = act * pair_weights
-    out = _expert_products(act, w["mlp.experts.down_proj"], counts, offsets, spec.gpt_oss)
+    out = _expert_products(act, down_w, counts, offsets, spec.gpt_oss)
     if spec.gpt_oss:
         out = out + w["mlp.experts.down_proj_bias"][sorted_expert]
     if not weight_first:

@@ -11,6 +11,8 @@ from megatrain_ray.dtypes import DTYPE_BYTES
 from megatrain_ray.model.decode import cache_capacity
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
+from megatrain_ray.quant.nf4 import nf4_nbytes
+from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES
 from megatrain_ray.store.nf4_base import packs_stage
 from megatrain_ray.units import GiB
 
@@ -82,6 +84,17 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
     return lines + [""]
 
 
+def experts_read_in_place(cfg: Config, run: RunSpec, stage) -> bool:
+    """A decode step reads this packed layer's experts in NF4 (engine/packed_stream.PackedArrival.keeps_experts,
+    engine/rollout/passes.py): on a GPU, the layer's packed bytes GPU-resident, MoE, no adapter on its experts, each
+    expert row whole blocks along its contiguous axis."""
+    experts = [slot for slot in stage.slots if slot.name in EXPERT_MATRICES]
+    adapted = any(t in ("gate_up_proj", "down_proj") for t in cfg.finetune.lora.targets(cfg.model.family))
+    return (cfg.engine.device != "cpu" and stage.index <= run.resident_layers and bool(experts) and not adapted
+            and run.compute_dtype in ("bfloat16", "float16", "float32")
+            and all(slot.shape[-1] % 64 == 0 for slot in experts))
+
+
 def base_reads(cfg: Config, run: RunSpec) -> str:
     """Where a LoRA rollout reads its frozen base at each decode step: the GPU-resident tier's layers where they
     are, the others copied in through the weight buffers; an NF4 base's layers dequantized at each use."""
@@ -93,7 +106,21 @@ def base_reads(cfg: Config, run: RunSpec) -> str:
     packed = [s for s in build_layout(cfg.model).stages if packs_stage(run, s)]
     if packed:
         values, rate = sum(s.numel for s in packed), NF4_DEQUANT_VALUES_PER_S[run.device_compiles]
-        return (f"  base in the rollout: {where}; in NF4, so each decode step dequantizes {values / 1e9:.1f} B values "
-                f"(about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an H200)")
+        in_place = [s for s in packed if experts_read_in_place(cfg, run, s)]
+        if not in_place:
+            return (f"  base in the rollout: {where}; in NF4, so each decode step dequantizes {values / 1e9:.1f} B "
+                    f"values (about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an "
+                    "H200)")
+        experts = [slot for s in in_place for slot in s.slots if slot.name in EXPERT_MATRICES]
+        values -= sum(slot.numel for slot in experts)
+        m, rows = cfg.model, cfg.data.batch_size // max(run.world, 1)
+        # experts a layer that at least one row routes to, if the routing were uniform: 1 - (1 - k/E)^rows of them
+        share = 1 - (1 - m.num_experts_per_tok / m.num_experts) ** rows
+        code_bytes = sum(nf4_nbytes(slot.numel) for slot in experts)
+        return (f"  base in the rollout: {where}; in NF4: each decode step dequantizes {values / 1e9:.1f} B values "
+                f"(about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an H200) and "
+                f"reads the routed experts of {len(in_place)} MoE layers in NF4 where they lie: {rows} rows to "
+                f"{m.num_experts_per_tok} of {m.num_experts} experts reach {share:.0%} of them if routed uniformly, "
+                f"{share * code_bytes / 1e9:.1f} of their {code_bytes / 1e9:.1f} GB a step")
     graph = "; with every layer resident a dense model's decode step is one CUDA graph" if resident == layers else ""
     return f"  base in the rollout: {where}{graph}"

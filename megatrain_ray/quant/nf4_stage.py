@@ -52,6 +52,10 @@ KEPT_MATRICES = ("mlp.router.weight", "mlp.gate.weight")
 layer whose rounding would change which experts a token goes to (bitsandbytes leaves them too: in transformers 5
 they are not nn.Linear)."""
 
+EXPERT_MATRICES = frozenset({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"})
+"""A MoE layer's fused expert tensors: the ones a rollout's decode step may read in NF4 where they lie
+(engine/packed_stream.py, quant/nf4_triton.NF4Experts)."""
+
 
 def quantized_slot(slot: TensorSlot) -> bool:
     """Whether a slot is quantized: every matrix of a layer's linear maps and every fused expert tensor; not the
@@ -238,12 +242,16 @@ def decode_blocks(codes: torch.Tensor, absmax: torch.Tensor, pairs: torch.Tensor
 
 
 def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tensor | None = None,
-                     decode: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                     decode: Callable[..., torch.Tensor] | None = None,
+                     decode_into: Callable[..., None] | None = None,
+                     skip: frozenset[str] = frozenset()) -> torch.Tensor:
     """The stage's flat compute-dtype buffer (StageLayout order, padding zero) from its packed buffer, on
     the packed buffer's device, written into `out` if given (e.g. the GPU weight buffer the stage streams
     into). Per chunk of blocks `decode` (decode_blocks, or a compiled version of it, which then returns the
-    compute dtype); each value is code * absmax in float32 rounded once to the compute dtype, as bitsandbytes'
-    dequantize_4bit."""
+    compute dtype); or, given `decode_into(codes, absmax, out, blocksize)` (quant/nf4_triton.dequantize_blocks_into:
+    one kernel writing the output in place, no temporaries), each run of blocks at once. Each value is code * absmax
+    in float32 rounded once to the compute dtype, as bitsandbytes' dequantize_4bit. The matrices named in `skip` are
+    not decoded (their span of `out` is left as it was: a rollout's decode step reads its experts in NF4)."""
     stage, bs, device = fmt.stage, fmt.blocksize, packed.device
     if packed.dtype != torch.uint8 or packed.numel() != fmt.nbytes:
         raise ValueError(f"the packed buffer of stage {stage.name} must be uint8 of {fmt.nbytes} bytes, "
@@ -254,14 +262,21 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
         raise ValueError(f"the output of stage {stage.name} must hold {stage.numel} {fmt.compute_dtype} on "
                          f"{device}, got {out.numel()} {out.dtype} on {out.device}")
     flat = out.view(-1)
-    absmax = _stage_absmax(packed, fmt)
+    # the skipped matrices' block maxima are not decoded either (a MoE layer's experts: nearly all its blocks)
+    absmax = _stage_absmax(packed, fmt) if not skip else _kept_absmax(packed, fmt, skip)
     codes = fmt.section(packed, "codes")
-    if fmt.blocks_in_layout_order:  # one run: all blocks straight into [0, decay_numel)
+    if fmt.blocks_in_layout_order and not skip:  # one run: all blocks straight into [0, decay_numel)
         runs = [(0, fmt.num_blocks, 0, stage.decay_numel)]
     else:
         for start, end in fmt.padding:  # the alignment between slots
             flat[start:end].zero_()
-        runs = [(m.first_block, m.num_blocks, m.slot.offset, m.slot.numel) for m in fmt.matrices]
+        runs = [(m.first_block, m.num_blocks, m.slot.offset, m.slot.numel) for m in fmt.matrices
+                if m.slot.name not in skip]
+    if decode_into is not None:
+        for first_block, num_blocks, out_offset, numel in runs:
+            decode_into(codes[first_block * bs // 2:(first_block + num_blocks) * bs // 2],
+                        absmax[first_block:first_block + num_blocks], flat[out_offset:out_offset + numel], bs)
+        runs = []
     pairs = nf4_byte_table(device)
     chunk_blocks = max(1, _DEQUANTIZE_CHUNK_VALUES // bs)
     decode, dtype = (decode_blocks, torch.float32) if decode is None else (decode, fmt.compute_dtype)
@@ -294,6 +309,24 @@ def _stage_absmax(packed: torch.Tensor, fmt: NF4StageFormat) -> torch.Tensor:
     scale_of_block = _scale_of_block(fmt, packed.device)
     decoded = dynamic_code_on(packed.device)[codes.long()] * scales[scale_of_block]
     return decoded + offset_of_scale[scale_of_block]
+
+
+def _kept_absmax(packed: torch.Tensor, fmt: NF4StageFormat, skip: frozenset[str]) -> torch.Tensor:
+    """_stage_absmax's values for the blocks of the matrices not in `skip` (the others' stay 0): each decoded
+    from its own codes, scales and offset in the same two roundings."""
+    absmax = torch.zeros(fmt.num_blocks, dtype=torch.float32, device=packed.device)
+    stored = fmt.section(packed, "absmax", torch.uint8 if fmt.double_quant else torch.float32)
+    for i, m in enumerate(fmt.matrices):
+        if m.slot.name in skip:
+            continue
+        blocks = slice(m.first_block, m.first_block + m.num_blocks)
+        if not fmt.double_quant:
+            absmax[blocks] = stored[blocks]
+            continue
+        scales = fmt.section(packed, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales]
+        offset = fmt.section(packed, "offsets", torch.float32)[i]
+        absmax[blocks] = dequantize_dynamic_blockwise(stored[blocks], scales, ABSMAX_BLOCKSIZE) + offset
+    return absmax
 
 
 @functools.lru_cache(maxsize=16)

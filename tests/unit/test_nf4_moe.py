@@ -11,9 +11,17 @@ import torch
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.quant import nf4 as nf4_module
-from megatrain_ray.quant.nf4 import _midpoints, _nf4_codes, dequantize_nf4, quantize_nf4, quantize_nf4_pieces
+from megatrain_ray.quant.nf4 import (
+    _midpoints,
+    _nf4_codes,
+    dequantize_nf4,
+    nf4_byte_table,
+    quantize_nf4,
+    quantize_nf4_pieces,
+)
 from megatrain_ray.quant.nf4_stage import (
     NF4StageFormat,
+    decode_blocks,
     dequantize_stage,
     pack_stage,
     pack_stage_pieces,
@@ -77,6 +85,33 @@ def test_a_moe_layer_quantizes_experts_and_attention_and_keeps_router_biases_and
         assert torch.equal(out[s.offset:s.offset + s.numel].view(s.shape), expected), s.name
     assert not out.isnan().any()  # the padding between slots is written (zero), not left as it was
     assert torch.equal(out[stage.decay_numel:], flat[stage.decay_numel:])
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_a_decode_step_skips_the_experts_and_an_in_place_decoder_writes_the_same_values(double_quant):
+    """dequantize_stage with skip={the fused experts} (a rollout's decode step, engine/packed_stream.py): every other
+    matrix, the kept ones and the vectors as the full dequantization gives them, the experts' spans untouched. With
+    `decode_into` (the Triton kernel's place; here the torch block decoding written in place) the same bytes as the
+    chunked decoding, for every matrix's run (gpt-oss's are not in layout order)."""
+    stage = gpt_oss_layer()
+    fmt = NF4StageFormat.for_stage(stage, torch.bfloat16, double_quant=double_quant)
+    flat = torch.randn(stage.numel, generator=torch.Generator().manual_seed(3)) * 0.02
+    packed = pack_stage(fmt, flat)
+    full = dequantize_stage(packed, fmt)
+    calls = []
+
+    def decode_into(codes, absmax, out, blocksize):
+        calls.append(out.numel())
+        out.copy_(decode_blocks(codes, absmax, nf4_byte_table(codes.device), torch.float32)[:out.numel()])
+
+    assert torch.equal(dequantize_stage(packed, fmt, decode_into=decode_into), full)
+    assert sorted(calls) == sorted(m.slot.numel for m in fmt.matrices)
+    experts = frozenset({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"})
+    sentinel = torch.full((stage.numel,), 3.0, dtype=torch.bfloat16)
+    partial = dequantize_stage(packed, fmt, out=sentinel.clone(), skip=experts)
+    for s in stage.slots:
+        got, want = partial[s.offset:s.offset + s.numel], full[s.offset:s.offset + s.numel]
+        assert torch.equal(got, torch.full_like(want, 3.0) if s.name in experts else want), s.name
 
 
 def test_random_init_in_pieces_is_init_master_and_packs_to_the_same_bytes(monkeypatch):

@@ -81,8 +81,14 @@ class RolloutPasses:
             t0 = time.perf_counter()
             logits = self._rollout_pass(ids, 0, valid, positions, caches, copy)
 
+            experts_in_nf4 = self._experts_in_nf4(copy)
+
             def decode(token: torch.Tensor, index: Start) -> torch.Tensor:
-                return self._rollout_pass(token[:, None], index, valid, positions, caches, copy)
+                self.weights.experts_in_nf4 = experts_in_nf4
+                try:
+                    return self._rollout_pass(token[:, None], index, valid, positions, caches, copy)
+                finally:
+                    self.weights.experts_in_nf4 = False
 
             step = graph_or_eager(decode, self._graph_applies(copy), rows, longest, device) if new > 1 else decode
             self._synchronize()
@@ -116,6 +122,7 @@ class RolloutPasses:
                  "lora_merged": float(isinstance(copy, MergedBaseView)),
                  "cuda_graph": float(isinstance(step, DecodeGraph)),
                  "decode_steps": float(steps), "tokens_per_s": generated / max(t2 - t0, 1e-9),
+                 "experts_in_nf4": float(new > 1 and experts_in_nf4),
                  "kv_cache_bytes": float(cache_bytes)}
         return RolloutResult(tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(), done.cpu(), stats)
 
@@ -138,6 +145,18 @@ class RolloutPasses:
             self._rollout_weights = RolloutWeights(own, self.compute_dtype, self.device)
         self._rollout_weights.refresh(self.weights.store, self.updates.wait)
         return self._rollout_weights
+
+    def _experts_in_nf4(self, copy: RolloutWeights | ResidentBaseView | None) -> bool:
+        """A decode step reads the MoE layers' experts in NF4 where they lie (engine/packed_stream.py): an NF4 base
+        streamed through the slots, MoE layers, and no LoRA adapter on the experts (an adapted expert tensor is
+        formed dense, model/lora_moe.py). Prefill, with every prompt token routed, dequantizes as training does."""
+        packed = self.weights.packed
+        if copy is not None or packed is None or all(s.moe is None for s in self.specs):
+            return False
+        adapters = getattr(self, "adapters", None)
+        adapted = adapters is not None and any(name.startswith("mlp.experts") for i in range(len(self.layout.layers))
+                                               for name in adapters.layer(i))
+        return not adapted and any(packed.keeps_experts(s) for s in self.layout.layers)
 
     def _graph_applies(self, copy: RolloutWeights | ResidentBaseView | None) -> bool:
         """A decode step can be one CUDA graph (engine/rollout/graphs.py): on a GPU, resident weights, dense layers,
