@@ -281,6 +281,16 @@ class EngineConfig:
     product in every decode step (two small float32 products per projection). Elsewhere (a streamed or NF4 base,
     MoE) the adapters are always computed apart."""
 
+    nf4_kernels: Literal["auto", "triton", "torch"] = "torch"
+    """How an NF4 base (finetune.lora.base_quantization=nf4) is read on the device. torch: each use dequantizes the
+    whole layer into its weight slot with torch operations (through torch.compile with engine.compile). triton: the
+    Triton kernels of quant/nf4_triton.py: a one-pass dequantization into the slot (bit for bit the torch values),
+    and in a GRPO rollout's decode step over GPU-resident packed MoE layers the routed experts read in NF4 where they
+    lie (a grouped product from the 4-bit codes; only the experts some row is routed to are read) instead of every
+    expert dequantized for each generated token. Needs triton and a CUDA device. auto: triton where it runs, else
+    torch. The default stays torch until the kernels are measured on a GPU: they are checked in Triton's interpreter
+    on the CPU (tests/unit/test_nf4_triton.py, tests/integration/test_rollout_nf4_experts.py)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:
             _fail("engine.gpu_resident", self.gpu_resident, "must be none, auto, all or a number of layers >= 0")

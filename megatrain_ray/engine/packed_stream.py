@@ -10,7 +10,8 @@ stage. The dequantization's temporaries are bounded by nf4_stage's chunking (deq
 GPU-resident packed layers (engine.gpu_resident with an NF4 base): their packed bytes are copied to the device once,
 at the start, and kept there; each use dequantizes them into the slot as above, without the copy.
 
-On a CUDA device with Triton the block decoding is quant/nf4_triton's one-pass kernel, writing the slot in place
+With engine.nf4_kernels=triton (or auto, on a CUDA device with triton) the block decoding is quant/nf4_triton's
+one-pass kernel, writing the slot in place
 (bit for bit the values of the torch decoding; about 2.5 bytes of device memory traffic a value instead of the
 compiled torch decoding's 6.5). A rollout's decode step over GPU-resident packed MoE layers (`load(...,
 keep_experts=True)`) dequantizes all but the fused expert tensors, which the layer then reads in NF4 where they
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import ModelLayout, StageLayout
 from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES, NF4StageFormat, dequantize_stage
 from megatrain_ray.quant.nf4_triton import NF4Experts, dequantize_blocks_into, triton_available
@@ -33,7 +35,7 @@ from megatrain_ray.store.segments import HostStore
 
 class PackedArrival:
     def __init__(self, layout: ModelLayout, store: HostStore, compute_dtype: torch.dtype, device: torch.device,
-                 resident_layers: int = 0, decode: Any = None):
+                 resident_layers: int = 0, decode: Any = None, kernels: str = "torch"):
         """The packed stages are those with an `nf4` segment in `store`; the first `resident_layers` layers
         (RunSpec.resident_layers) keep their packed bytes on the device; `decode`: the block decoding
         (quant/nf4_stage.decode_blocks through torch.compile with engine.compile; None: eager)."""
@@ -45,17 +47,17 @@ class PackedArrival:
                           for s in layout.resident_stages(resident_layers) if s.index in self.formats}
         largest = max((f.nbytes for i, f in self.formats.items() if i not in self.on_device), default=0)
         self.staging = torch.empty(largest, dtype=torch.uint8, device=device)
-        kernels = triton_available(device) and compute_dtype in (torch.bfloat16, torch.float16, torch.float32)
-        self.decode_into = dequantize_blocks_into if kernels else None  # float64 (tests) decodes in torch
+        self.decode_into = dequantize_blocks_into if uses_triton(kernels, device, compute_dtype) else None
         self._expert_views: dict[int, dict[str, NF4Experts]] = {}
 
     @classmethod
     def of(cls, layout: ModelLayout, store: HostStore, compute_dtype: torch.dtype, device: torch.device,
-           resident_layers: int = 0, decode: Any = None) -> PackedArrival | None:
-        """The arrival of the store's packed stages, or None when it holds none (every dense run)."""
+           resident_layers: int = 0, decode: Any = None, kernels: str = "torch") -> PackedArrival | None:
+        """The arrival of the store's packed stages, or None when it holds none (every dense run); `kernels`:
+        engine.nf4_kernels."""
         if not any(store.has(NF4_KIND, s.index) for s in layout.stages):
             return None
-        return cls(layout, store, compute_dtype, device, resident_layers, decode)
+        return cls(layout, store, compute_dtype, device, resident_layers, decode, kernels)
 
     @property
     def resident_bytes(self) -> int:
@@ -100,6 +102,17 @@ class PackedArrival:
         staged.copy_(self.store.get(NF4_KIND, stage.index), non_blocking=True)
         dequantize_stage(staged, fmt, out=dense, decode=self.decode, decode_into=self.decode_into)
         return fmt.nbytes
+
+
+def uses_triton(kernels: str, device: torch.device, compute_dtype: torch.dtype) -> bool:
+    """engine.nf4_kernels resolved: triton where it runs (auto), or because it was asked for (an error if it cannot
+    run); never for float64 (the tests' exact runs), which the kernels do not take."""
+    if kernels == "torch" or compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if kernels == "triton" and not triton_available(device):
+        raise ConfigError(f"engine.nf4_kernels=triton needs triton and a CUDA device; this worker runs on {device}"
+                          f"{' without triton' if device.type == 'cuda' else ''}: set engine.nf4_kernels to auto or torch")
+    return triton_available(device)
 
 
 def stage_experts(packed: torch.Tensor, fmt: NF4StageFormat, i: int) -> NF4Experts:

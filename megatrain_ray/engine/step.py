@@ -130,7 +130,8 @@ class StreamEngine(BackwardPasses, ForwardOnlyPasses, RolloutPasses):
                                     self.compute_dtype, poison, parallel.gather_weights,
                                     run.resident_layers, frozen=run.frozen_base,
                                     decode=CompiledFunction(decode_blocks, fall_back, "the NF4 dequantization",
-                                                            dynamic=True) if run.device_compiles else None)
+                                                            dynamic=True) if run.device_compiles else None,
+                                    nf4_kernels=self.engine_cfg.nf4_kernels)
         # A frozen base (LoRA, engine/lora_engine.py) sends no gradients to the host: no sink, no vocabulary sums.
         self.grads = None if run.frozen_base else GradientSink(
             layout, store, self.streams, self.telemetry, self.updates, rank, host_grad_dtype, self.acc_dtype,

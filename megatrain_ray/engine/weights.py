@@ -50,12 +50,13 @@ class WeightStream:
     def __init__(self, layout: ModelLayout, store: HostStore, streams: DeviceStreams, telemetry: StepTelemetry,
                  updates: UpdateDispatch, rank: RankInfo, stream_dtype: torch.dtype, compute_dtype: torch.dtype,
                  poison: bool, gather_weights: bool, resident_layers: int = 0, frozen: bool = False,
-                 decode: Any = None):
+                 decode: Any = None, nf4_kernels: str = "torch"):
         """`poison`: fill the slots with NaN (engine.poison_buffers); `gather_weights`: parallel.gather_weights;
         `resident_layers`: the first layers are GPU-resident (RunSpec.resident_layers: no layer slots when every one
         is, unless packed: an NF4 base keeps its resident layers packed and dequantizes them into the slots);
         `frozen`: the weights never change (a LoRA base), so a slot's stage stays valid from one step to the next;
-        `decode`: an NF4 base's block decoding (quant/nf4_stage.decode_blocks compiled; None: eager)."""
+        `decode`: an NF4 base's block decoding (quant/nf4_stage.decode_blocks compiled; None: eager); `nf4_kernels`:
+        engine.nf4_kernels."""
         self.store = store
         self.streams = streams
         self.telemetry = telemetry
@@ -77,7 +78,8 @@ class WeightStream:
         """The host kind the stages are copied from: None, the streaming copy (store.stream); "reference": GRPO's
         frozen initial weights (ForwardOnlyPasses.reference_weights)."""
         # An NF4 base (finetune.lora.base_quantization): its layers arrive packed and are dequantized on the device.
-        self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device, resident_layers, decode)
+        self.packed = PackedArrival.of(layout, store, compute_dtype, streams.device, resident_layers, decode,
+                                       nf4_kernels)
         self.frozen = frozen
         streams_layers = resident_layers < len(layout.layers) or self.packed is not None
         self.layer_slots = [self._slot(layout.max_layer_numel, dense=self.packed is None)

@@ -86,11 +86,12 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
 
 def experts_read_in_place(cfg: Config, run: RunSpec, stage) -> bool:
     """A decode step reads this packed layer's experts in NF4 (engine/packed_stream.PackedArrival.keeps_experts,
-    engine/rollout/passes.py): on a GPU, the layer's packed bytes GPU-resident, MoE, no adapter on its experts, each
+    engine/rollout/passes.py): engine.nf4_kernels triton or auto on a GPU, the layer's packed bytes GPU-resident, MoE, no adapter on its experts, each
     expert row whole blocks along its contiguous axis."""
     experts = [slot for slot in stage.slots if slot.name in EXPERT_MATRICES]
     adapted = any(t in ("gate_up_proj", "down_proj") for t in cfg.finetune.lora.targets(cfg.model.family))
-    return (cfg.engine.device != "cpu" and stage.index <= run.resident_layers and bool(experts) and not adapted
+    return (cfg.engine.device != "cpu" and cfg.engine.nf4_kernels != "torch" and stage.index <= run.resident_layers
+            and bool(experts) and not adapted
             and run.compute_dtype in ("bfloat16", "float16", "float32")
             and all(slot.shape[-1] % 64 == 0 for slot in experts))
 

@@ -45,7 +45,7 @@ for run, dtype, nf4_experts in (("nf4", "float32", True), ("dense", "float32", F
     cfg = moe_lora_config(tmp / run, tmp / "base", name, ATTENTION, dtype,
                           finetune={"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": ATTENTION,
                                                                "base_quantization": "nf4"}},
-                          engine={"device": "cpu", "gpu_resident": 3})
+                          engine={"device": "cpu", "gpu_resident": 3, "nf4_kernels": "triton"})
     with Trainer(cfg) as trainer:
         result = trainer.gpu.generate(prompts, sampling).result()
     out[run] = {"tokens": result.tokens.tolist(), "logps": result.logps.double().tolist(),

@@ -197,3 +197,17 @@ def test_random_pieces_are_one_float32_draw_of_the_whole_tensor_rounded(dtype, m
     for slot in stage.slots:
         pieces = torch.cat(list(init_slot_pieces(stage, slot, 7, 0.02, dtype)))
         assert torch.equal(master[slot.offset:slot.offset + slot.numel], pieces), slot.name
+
+
+def test_nf4_kernels_triton_where_it_cannot_run_is_one_clear_error(monkeypatch):
+    """engine.nf4_kernels=triton on a CPU worker (no interpreter): a ConfigError naming the key and what to set;
+    auto falls back to torch there, and float64 (the exact test runs) always decodes in torch."""
+    from megatrain_ray.engine.packed_stream import uses_triton
+    from megatrain_ray.exceptions import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="engine.nf4_kernels=triton needs triton and a CUDA device"):
+        uses_triton("triton", cpu, torch.bfloat16)
+    assert not uses_triton("auto", cpu, torch.bfloat16)
+    assert not uses_triton("triton", cpu, torch.float64) and not uses_triton("torch", cpu, torch.bfloat16)

@@ -79,14 +79,15 @@ def test_the_plan_says_where_a_lora_rollout_reads_its_base_and_what_an_nf4_base_
             f"at the {133 if compiled else 90} G values/s measured on an H200)") in format_plan(plan)
 
 
-def grpo_moe(gpu_resident, device: str = "auto", targets=("q_proj", "v_proj")):
+def grpo_moe(gpu_resident, device: str = "auto", targets=("q_proj", "v_proj"), kernels: str = "auto"):
     """A Qwen3-MoE shape (hidden 2048, 24 experts of 768, top 4, 6 layers) with an NF4 LoRA base, 16 rollout rows."""
     raw = {"model": {"family": "qwen3_moe", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
                      "num_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
                      "num_experts": 24, "num_experts_per_tok": 4, "moe_intermediate_size": 768,
                      "max_position_embeddings": 4096, "qk_norm": True},
            "data": {"path": "synthetic", "seq_len": 1536, "batch_size": 16},
-           "precision": {"compute_dtype": "bfloat16"}, "engine": {"gpu_resident": gpu_resident, "device": device},
+           "precision": {"compute_dtype": "bfloat16"}, "engine": {"gpu_resident": gpu_resident, "device": device,
+                                                                 "nf4_kernels": kernels},
            "finetune": {"objective": "grpo", "method": "lora",
                         "lora": {"base_quantization": "nf4", "target_modules": list(targets)},
                         "grpo": {"reward_funcs": ["tests.reference_grpo:first_reward"], "num_generations": 2,
@@ -98,7 +99,7 @@ def test_a_decode_step_over_resident_nf4_moe_layers_reads_the_routed_experts_in_
     """Every layer's packed bytes GPU-resident: the plan dequantizes the attention only and counts the experts'
     NF4 bytes a step reads: 16 rows to 4 of 24 experts reach 1 - (20/24)^16 of them, of 6 layers x 24 experts x 3
     matrices of 2048 x 768 values at 0.5 + 1/64 + 1/16384 bytes a value (quant/nf4.nf4_nbytes). Streamed layers,
-    a CPU run or adapters on the experts dequantize every expert as before."""
+    a CPU run, engine.nf4_kernels=torch or adapters on the experts dequantize every expert as before."""
     h200 = Machine.from_preset("h200-128gb")
     text = format_plan(plan_run(grpo_moe(6), h200))
     share = 1 - (20 / 24) ** 16
@@ -111,6 +112,7 @@ def test_a_decode_step_over_resident_nf4_moe_layers_reads_the_routed_experts_in_
     assert (f"reads the routed experts of 6 MoE layers in NF4 where they lie: 16 rows to 4 of 24 experts reach "
             f"{share:.0%} of them if routed uniformly, {share * code_bytes / 1e9:.1f} of their "
             f"{code_bytes / 1e9:.1f} GB a step") in text
-    for cfg in (grpo_moe("none"), grpo_moe(6, device="cpu"), grpo_moe(6, targets=("q_proj", "gate_proj", "up_proj"))):
+    for cfg in (grpo_moe("none"), grpo_moe(6, device="cpu"), grpo_moe(6, kernels="torch"),
+                grpo_moe(6, targets=("q_proj", "gate_proj", "up_proj"))):
         other = format_plan(plan_run(cfg, h200))
         assert "in NF4, so each decode step dequantizes" in other and "where they lie" not in other
