@@ -6,7 +6,8 @@ kernels' time does not depend on the values; packing a real 120B layer on the CP
 - `dequantize`: the whole stage into its compute-dtype buffer, with the block decoding through torch.compile (the
   engine without Triton) and with quant/nf4_triton's kernel (the engine's path on a GPU); the two bit for bit equal.
 - `experts`: the layer's routed experts for a decode batch of `--rows` tokens (each routed to top-k distinct
-  experts at random): dense (the stage dequantized, then model/moe.experts on the dense tensors) against in NF4
+  experts at random): dense (the stage dequantized, by the compiled torch decoding as engine.nf4_kernels=torch
+  does and by the Triton kernel, then model/moe.experts on the dense tensors) against in NF4
   (the stage less its experts dequantized, then model/moe.experts on NF4Experts views, which read only the routed
   experts' codes); the largest difference between the two outputs, relative to the dense output's largest value.
 Times the layers: the MoE halves of a whole decode step (`decode_step_seconds_*`).
@@ -103,20 +104,27 @@ def main() -> None:
             dequantize_stage(packed, fmt, out=dense, decode_into=dequantize_blocks_into)
             return experts(h, weights, index, bind(dense, stage), spec)
 
+        def dense_torch_step():  # engine.nf4_kernels=torch: the block decoding compiled, every expert
+            dequantize_stage(packed, fmt, out=dense, decode=compiled)
+            return experts(h, weights, index, bind(dense, stage), spec)
+
         def nf4_step():
             dequantize_stage(packed, fmt, out=dense, decode_into=dequantize_blocks_into, skip=EXPERT_MATRICES)
             return experts(h, weights, index, {**bind(dense, stage), **views}, spec)
 
         dense_s, nf4_s = timed(dense_step, args.repeats), timed(nf4_step, args.repeats)
+        torch_s = timed(dense_torch_step, args.repeats)
         want, got = dense_step().float(), nf4_step().float()
         routed = int(index.unique().numel())
         expert_bytes = sum(m.num_blocks * (fmt.blocksize // 2 + 1) for m in fmt.matrices
                            if m.slot.name in EXPERT_MATRICES) * routed / spec.num_experts
         row = {"row": "experts", "rows": count, "top_k": spec.top_k, "experts_routed": routed,
-               "dense_ms": dense_s * 1e3, "nf4_ms": nf4_s * 1e3, "speedup": dense_s / nf4_s,
+               "dense_torch_ms": torch_s * 1e3, "dense_ms": dense_s * 1e3, "nf4_ms": nf4_s * 1e3,
+               "speedup": dense_s / nf4_s, "speedup_vs_torch": torch_s / nf4_s,
                "routed_expert_bytes": expert_bytes, "nf4_gbs_routed": expert_bytes / nf4_s / 1e9,
                "max_abs_diff_over_max": float((got - want).abs().max() / want.abs().max()),
-               "decode_step_seconds_dense": dense_s * layers, "decode_step_seconds_nf4": nf4_s * layers}
+               "decode_step_seconds_torch": torch_s * layers, "decode_step_seconds_dense": dense_s * layers,
+               "decode_step_seconds_nf4": nf4_s * layers}
         print(row)
         rows.append(row)
     name = torch.cuda.get_device_name(device)

@@ -12,8 +12,8 @@ at the start, and kept there; each use dequantizes them into the slot as above, 
 
 With engine.nf4_kernels=triton (or auto, on a CUDA device with triton) the block decoding is quant/nf4_triton's
 one-pass kernel, writing the slot in place
-(bit for bit the values of the torch decoding; about 2.5 bytes of device memory traffic a value instead of the
-compiled torch decoding's 6.5). A rollout's decode step over GPU-resident packed MoE layers (`load(...,
+(bit for bit the values of the torch decoding; by its reads and writes about 2.5 bytes of device memory traffic a
+value against the compiled torch decoding's 6.5, an estimate not yet measured). A rollout's decode step over GPU-resident packed MoE layers (`load(...,
 keep_experts=True)`) dequantizes all but the fused expert tensors, which the layer then reads in NF4 where they
 lie (`expert_views`: only the experts some row is routed to, quant/nf4_triton.NF4Experts.products); dequantizing a
 gpt-oss-120b layer's 3.2 B expert values for a batch of 32 tokens was most of a decode step's time.
@@ -27,7 +27,13 @@ import torch
 
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import ModelLayout, StageLayout
-from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES, NF4StageFormat, dequantize_stage
+from megatrain_ray.quant.nf4_stage import (
+    EXPERT_MATRICES,
+    TRITON_DTYPES,
+    NF4StageFormat,
+    dequantize_stage,
+    experts_readable_in_nf4,
+)
 from megatrain_ray.quant.nf4_triton import NF4Experts, dequantize_blocks_into, triton_available
 from megatrain_ray.store.nf4_base import NF4_KIND, stage_format
 from megatrain_ray.store.segments import HostStore
@@ -43,11 +49,12 @@ class PackedArrival:
         self.decode = decode
         self.formats: dict[int, NF4StageFormat] = {
             s.index: stage_format(s, compute_dtype) for s in layout.stages if store.has(NF4_KIND, s.index)}
+        # engine.nf4_kernels resolved first: a refusal comes before the resident layers' bytes are copied
+        self.decode_into = dequantize_blocks_into if uses_triton(kernels, device, compute_dtype) else None
         self.on_device = {s.index: store.get(NF4_KIND, s.index).to(device)
                           for s in layout.resident_stages(resident_layers) if s.index in self.formats}
         largest = max((f.nbytes for i, f in self.formats.items() if i not in self.on_device), default=0)
         self.staging = torch.empty(largest, dtype=torch.uint8, device=device)
-        self.decode_into = dequantize_blocks_into if uses_triton(kernels, device, compute_dtype) else None
         self._expert_views: dict[int, dict[str, NF4Experts]] = {}
 
     @classmethod
@@ -70,11 +77,8 @@ class PackedArrival:
         """The stage's fused expert tensors can be read in NF4 where they lie: its packed bytes stay on the device
         (a streamed stage's staging buffer is overwritten by the next layer's copy while this one computes), the
         Triton kernels run here, and its experts are quantized."""
-        fmt = self.formats[stage.index] if stage.index in self.formats else None
-        experts = [] if fmt is None else [m for m in fmt.matrices if m.slot.name in EXPERT_MATRICES]
-        # NF4Experts.products reads whole blocks (at most 64 values) along each expert row's contiguous axis
-        return (self.decode_into is not None and stage.index in self.on_device and bool(experts)
-                and all(m.slot.shape[-1] % min(64, fmt.blocksize) == 0 for m in experts))
+        return (self.decode_into is not None and stage.index in self.on_device
+                and experts_readable_in_nf4(self.formats[stage.index].stage.slots, self.formats[stage.index].blocksize))
 
     def expert_views(self, stage: StageLayout) -> dict[str, NF4Experts]:
         """The stage's fused expert tensors as NF4Experts over its device-resident packed bytes (keeps_experts)."""
@@ -107,7 +111,7 @@ class PackedArrival:
 def uses_triton(kernels: str, device: torch.device, compute_dtype: torch.dtype) -> bool:
     """engine.nf4_kernels resolved: triton where it runs (auto), or because it was asked for (an error if it cannot
     run); never for float64 (the tests' exact runs), which the kernels do not take."""
-    if kernels == "torch" or compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if kernels == "torch" or compute_dtype not in TRITON_DTYPES:
         return False
     if kernels == "triton" and not triton_available(device):
         raise ConfigError(f"engine.nf4_kernels=triton needs triton and a CUDA device; this worker runs on {device}"

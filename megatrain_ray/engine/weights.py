@@ -137,6 +137,7 @@ class WeightStream:
         if slot.holds == stage.index:
             return slot
         self.updates.wait(stage.index)
+        slot.holds = -1  # until the load below is issued: a load that raised leaves no stale claim behind
         if self.checksum is not None and stage.index not in self.summed:
             self.summed.add(stage.index)
             self.checksum += self._sample_sum(stage)

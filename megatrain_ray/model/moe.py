@@ -24,7 +24,9 @@ Expert compute: the token-expert pairs are sorted by expert (a stable sort, so e
 in order), each expert multiplies its rows, the outputs are weighted and summed per token (gathers by the sort's
 permutation and its inverse, forward and backward, so no index_add_ adds rows one by one with atomics). On CUDA in
 bfloat16 with sm90 the expert products go through torch._grouped_mm (one kernel per product for all
-experts); elsewhere a loop over the experts that received tokens.
+experts); elsewhere a loop over the experts that received tokens. An expert tensor bound packed (a rollout's decode
+step over an NF4 base: quant/nf4_triton.NF4Experts, anything with products(rows, ends, transposed)) computes its
+own products from the sorted rows and the cumulative ends, reading only the experts that have rows.
 """
 
 from __future__ import annotations

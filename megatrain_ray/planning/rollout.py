@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
-from megatrain_ray.dtypes import DTYPE_BYTES
+from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.model.decode import cache_capacity
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
 from megatrain_ray.quant.nf4 import nf4_nbytes
-from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES
+from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES, TRITON_DTYPES, experts_readable_in_nf4
 from megatrain_ray.store.nf4_base import packs_stage
 from megatrain_ray.units import GiB
 
@@ -86,14 +86,12 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
 
 def experts_read_in_place(cfg: Config, run: RunSpec, stage) -> bool:
     """A decode step reads this packed layer's experts in NF4 (engine/packed_stream.PackedArrival.keeps_experts,
-    engine/rollout/passes.py): engine.nf4_kernels triton or auto on a GPU, the layer's packed bytes GPU-resident, MoE, no adapter on its experts, each
-    expert row whole blocks along its contiguous axis."""
-    experts = [slot for slot in stage.slots if slot.name in EXPERT_MATRICES]
+    engine/rollout/passes.py): engine.nf4_kernels triton or auto on a GPU (whose torch brings triton), the layer's
+    packed bytes GPU-resident, MoE experts the kernels read, no adapter on them, a compute dtype they take."""
     adapted = any(t in ("gate_up_proj", "down_proj") for t in cfg.finetune.lora.targets(cfg.model.family))
     return (cfg.engine.device != "cpu" and cfg.engine.nf4_kernels != "torch" and stage.index <= run.resident_layers
-            and bool(experts) and not adapted
-            and run.compute_dtype in ("bfloat16", "float16", "float32")
-            and all(slot.shape[-1] % 64 == 0 for slot in experts))
+            and experts_readable_in_nf4(stage.slots) and not adapted
+            and TORCH_DTYPES[run.compute_dtype] in TRITON_DTYPES)
 
 
 def base_reads(cfg: Config, run: RunSpec) -> str:

@@ -56,6 +56,16 @@ EXPERT_MATRICES = frozenset({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 """A MoE layer's fused expert tensors: the ones a rollout's decode step may read in NF4 where they lie
 (engine/packed_stream.py, quant/nf4_triton.NF4Experts)."""
 
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The compute dtypes quant/nf4_triton's kernels write and multiply in (float64, the exact tests', decodes in torch)."""
+
+
+def experts_readable_in_nf4(slots: Iterable[TensorSlot], blocksize: int = 64) -> bool:
+    """A layer's fused expert tensors can be read in NF4 where they lie (quant/nf4_triton.NF4Experts.products): the
+    layer has them, and each expert row is whole tiles of min(64, blocksize) values along its contiguous axis."""
+    experts = [s for s in slots if s.name in EXPERT_MATRICES]
+    return bool(experts) and all(s.shape[-1] % min(64, blocksize) == 0 for s in experts)
+
 
 def quantized_slot(slot: TensorSlot) -> bool:
     """Whether a slot is quantized: every matrix of a layer's linear maps and every fused expert tensor; not the
@@ -262,29 +272,30 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
         raise ValueError(f"the output of stage {stage.name} must hold {stage.numel} {fmt.compute_dtype} on "
                          f"{device}, got {out.numel()} {out.dtype} on {out.device}")
     flat = out.view(-1)
-    # the skipped matrices' block maxima are not decoded either (a MoE layer's experts: nearly all its blocks)
-    absmax = _stage_absmax(packed, fmt) if not skip else _kept_absmax(packed, fmt, skip)
     codes = fmt.section(packed, "codes")
+    # Runs of blocks: (their codes, their float32 block maxima, the output offset, the values). With `skip` each kept
+    # matrix decodes its own block maxima (a MoE layer's skipped experts hold nearly all of the stage's blocks).
     if fmt.blocks_in_layout_order and not skip:  # one run: all blocks straight into [0, decay_numel)
-        runs = [(0, fmt.num_blocks, 0, stage.decay_numel)]
+        runs = [(codes[:fmt.num_blocks * bs // 2], _stage_absmax(packed, fmt), 0, stage.decay_numel)]
     else:
         for start, end in fmt.padding:  # the alignment between slots
             flat[start:end].zero_()
-        runs = [(m.first_block, m.num_blocks, m.slot.offset, m.slot.numel) for m in fmt.matrices
-                if m.slot.name not in skip]
+        stage_absmax = _stage_absmax(packed, fmt) if not skip else None
+        runs = [(codes[m.first_block * bs // 2:(m.first_block + m.num_blocks) * bs // 2],
+                 _matrix_absmax(packed, fmt, i) if skip else stage_absmax[m.first_block:m.first_block + m.num_blocks],
+                 m.slot.offset, m.slot.numel)
+                for i, m in enumerate(fmt.matrices) if m.slot.name not in skip]
     if decode_into is not None:
-        for first_block, num_blocks, out_offset, numel in runs:
-            decode_into(codes[first_block * bs // 2:(first_block + num_blocks) * bs // 2],
-                        absmax[first_block:first_block + num_blocks], flat[out_offset:out_offset + numel], bs)
+        for run_codes, run_absmax, out_offset, numel in runs:
+            decode_into(run_codes, run_absmax, flat[out_offset:out_offset + numel], bs)
         runs = []
     pairs = nf4_byte_table(device)
     chunk_blocks = max(1, _DEQUANTIZE_CHUNK_VALUES // bs)
     decode, dtype = (decode_blocks, torch.float32) if decode is None else (decode, fmt.compute_dtype)
-    for first_block, num_blocks, out_offset, numel in runs:
-        for b0 in range(0, num_blocks, chunk_blocks):
-            b1 = min(b0 + chunk_blocks, num_blocks)
-            chunk = codes[(first_block + b0) * bs // 2:(first_block + b1) * bs // 2]
-            values = decode(chunk, absmax[first_block + b0:first_block + b1], pairs, dtype)
+    for run_codes, run_absmax, out_offset, numel in runs:
+        for b0 in range(0, run_absmax.numel(), chunk_blocks):
+            b1 = min(b0 + chunk_blocks, run_absmax.numel())
+            values = decode(run_codes[b0 * bs // 2:b1 * bs // 2], run_absmax[b0:b1], pairs, dtype)
             take = min(numel, b1 * bs) - b0 * bs
             flat[out_offset + b0 * bs:out_offset + b0 * bs + take].copy_(values[:take])
     kept, start = fmt.section(packed, "kept", fmt.compute_dtype), 0
@@ -311,22 +322,16 @@ def _stage_absmax(packed: torch.Tensor, fmt: NF4StageFormat) -> torch.Tensor:
     return decoded + offset_of_scale[scale_of_block]
 
 
-def _kept_absmax(packed: torch.Tensor, fmt: NF4StageFormat, skip: frozenset[str]) -> torch.Tensor:
-    """_stage_absmax's values for the blocks of the matrices not in `skip` (the others' stay 0): each decoded
-    from its own codes, scales and offset in the same two roundings."""
-    absmax = torch.zeros(fmt.num_blocks, dtype=torch.float32, device=packed.device)
-    stored = fmt.section(packed, "absmax", torch.uint8 if fmt.double_quant else torch.float32)
-    for i, m in enumerate(fmt.matrices):
-        if m.slot.name in skip:
-            continue
-        blocks = slice(m.first_block, m.first_block + m.num_blocks)
-        if not fmt.double_quant:
-            absmax[blocks] = stored[blocks]
-            continue
-        scales = fmt.section(packed, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales]
-        offset = fmt.section(packed, "offsets", torch.float32)[i]
-        absmax[blocks] = dequantize_dynamic_blockwise(stored[blocks], scales, ABSMAX_BLOCKSIZE) + offset
-    return absmax
+def _matrix_absmax(packed: torch.Tensor, fmt: NF4StageFormat, i: int) -> torch.Tensor:
+    """_stage_absmax's values for matrix i's blocks alone, decoded from its own codes, scales and offset in the same
+    two roundings (a view of the section without double quantization)."""
+    m = fmt.matrices[i]
+    blocks = slice(m.first_block, m.first_block + m.num_blocks)
+    if not fmt.double_quant:
+        return fmt.section(packed, "absmax", torch.float32)[blocks]
+    scales = fmt.section(packed, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales]
+    offset = fmt.section(packed, "offsets", torch.float32)[i]
+    return dequantize_dynamic_blockwise(fmt.section(packed, "absmax")[blocks], scales, ABSMAX_BLOCKSIZE) + offset
 
 
 @functools.lru_cache(maxsize=16)

@@ -23,6 +23,7 @@ from functools import cache
 import torch
 
 from megatrain_ray.quant.nf4 import ABSMAX_BLOCKSIZE, NF4_BLOCKSIZES, NF4Tensor, dynamic_code_on, nf4_code
+from megatrain_ray.quant.nf4_stage import TRITON_DTYPES
 
 try:  # optional: the module imports (and triton_available says False) where triton is missing
     import triton
@@ -30,7 +31,7 @@ try:  # optional: the module imports (and triton_available says False) where tri
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OUT_DTYPES = TRITON_DTYPES
 _DEQUANT_TILE_BYTES = 4096  # code bytes per program of the block decode: 8192 values, whole blocks
 # K-loop software pipelining off: it would route the per-value NF4 table lookups through cp.async copies into
 # shared memory; the codes stream is covered by many small resident programs instead.

@@ -53,7 +53,8 @@ class RolloutResult:
     """[N] bool: the row ended with a stop token (else it reached max_new_tokens)."""
     stats: dict[str, float] = field(default_factory=dict)
     """prefill_s, decode_s, generated_tokens, tokens_per_s, kv_cache_bytes; the built-in engine's also
-    weights_sync_s and weights_restore_s (the weights made ready before the generation and put back after it)."""
+    weights_sync_s and weights_restore_s (the weights made ready before the generation and put back after it) and
+    experts_in_nf4 (1: the decode steps read an NF4 base's MoE experts in NF4, engine.nf4_kernels)."""
 
     def completions(self) -> list[list[int]]:
         """Each row's completion tokens, without padding."""

@@ -82,6 +82,8 @@ class RolloutPasses:
             logits = self._rollout_pass(ids, 0, valid, positions, caches, copy)
 
             experts_in_nf4 = self._experts_in_nf4(copy)
+            if experts_in_nf4:
+                self.weights.invalidate()  # the slots hold prefill's dense layers: decode reloads each in NF4
 
             def decode(token: torch.Tensor, index: Start) -> torch.Tensor:
                 self.weights.experts_in_nf4 = experts_in_nf4
