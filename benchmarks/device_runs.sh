@@ -68,6 +68,13 @@
 #                 figures)                                                                         nvidia-h200
 #   grpo-lora-32b-tt  the same step without the probes, with the per-token importance-sampling mode
 #                 (vllm_importance_sampling_mode=token_truncate), under which 12,288-token completions train   nvidia-h200
+#   nf4-decode    issue 49: the NF4 Triton kernels on CUDA (tests/unit/test_nf4_triton.py's CHECKS, bit for bit and
+#                 within measured noise), then benchmarks/nf4_decode.py on a gpt-oss-120b layer: the stage's
+#                 dequantization (compiled torch against Triton) and a decode step's MoE half at 32/8/1 rows, every
+#                 expert dequantized against the routed ones read in NF4                            any GPU
+#   grpo-gpt-oss-120b  issue 49: gpt-oss-120b, NF4 base, LoRA r 16 on attention, every packed layer GPU-resident,
+#                 engine.nf4_kernels=triton: 3 GRPO steps of 8 prompts x 4 completions of 1,024 tokens (prompt 512),
+#                 s/step, host and GPU memory against the plan                                      nvidia-h200
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -117,6 +124,14 @@ case "${1:-}" in
   vision-32k-ds)
     python benchmarks/vision_bench.py --tokens 32768 --layers 4 --steps 2 --warmup 1 \
       --systems "${SYSTEMS:-deepspeed,megatrain-streamed}" --point-limit-s deepspeed=400 --budget-s 540 --out "$OUT" ;;
+  nf4-decode)
+    python -c "import ast; m = ast.parse(open('tests/unit/test_nf4_triton.py').read()); exec(next(n.value.value \
+      for n in m.body if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == 'CHECKS'))" cuda
+    python benchmarks/nf4_decode.py --config configs/shapes/gpt-oss-120b-qlora.yaml --out "$OUT" ;;
+  grpo-gpt-oss-120b)
+    python benchmarks/grpo_step.py --config configs/shapes/gpt-oss-120b-qlora.yaml --steps 3 --prompts 8 \
+      --generations 4 --prompt-len 512 --completion-len 1024 --lora-b-std 0.01 --no-baseline --out "$OUT" \
+      --name grpo-gpt-oss-120b-nf4 --set engine.gpu_resident=36 --set engine.nf4_kernels=triton ;;
   decode-step)
     python benchmarks/decode_step.py --out "$OUT" ;;
   grpo-lora-32b|grpo-lora-32b-tt)
