@@ -231,7 +231,7 @@ def test_two_runs_in_two_pid_namespaces_sharing_shm_never_sweep_each_other(tmp_p
     before = {f for f in os.listdir("/dev/shm") if f.startswith(f"megatrain-{host}-")}
     train = [sys.executable, "-m", "megatrain_ray", "train", str(config), "--local", "--set", "train.log_every=1"]
     first = subprocess.Popen(_in_new_pid_namespace([*train, "--set", f"train.output_dir={first_run}", "--set",
-                                                    "train.steps=400", "--set", "checkpoint.every=0"], tmp_path, 300),
+                                                    "train.steps=1000000", "--set", "checkpoint.every=0"], tmp_path, 300),
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -257,9 +257,11 @@ def test_two_runs_in_two_pid_namespaces_sharing_shm_never_sweep_each_other(tmp_p
                                                        "train.steps=4"], tmp_path, 0),
                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert second.returncode == 0, second.stderr[-3000:]
+        # Alive first (it trains until interrupted below): a run that ended removed its own segments, which the
+        # check after it would blame on the second run.
+        assert first.poll() is None, "the first run should still be training"
         still = {f for f in os.listdir("/dev/shm") if f in first_segments}
         assert still == first_segments, f"the second run removed {sorted(first_segments - still)[:5]}"
-        assert first.poll() is None, "the first run should still be training"
     finally:
         for pid in filter(str.isdigit, os.listdir("/proc")):  # the driver itself, inside the namespace
             try:
