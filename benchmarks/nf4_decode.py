@@ -32,6 +32,7 @@ from megatrain_ray.engine.packed_stream import stage_experts  # noqa: E402
 from megatrain_ray.model.layout import build_layout  # noqa: E402
 from megatrain_ray.model.moe import MoeSpec, experts  # noqa: E402
 from megatrain_ray.model.templates import bind  # noqa: E402
+from megatrain_ray.quant.nf4 import nf4_nbytes  # noqa: E402
 from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES, decode_blocks, dequantize_stage  # noqa: E402
 from megatrain_ray.quant.nf4_triton import dequantize_blocks_into  # noqa: E402
 from megatrain_ray.store.nf4_base import stage_format  # noqa: E402
@@ -116,7 +117,7 @@ def main() -> None:
         torch_s = timed(dense_torch_step, args.repeats)
         want, got = dense_step().float(), nf4_step().float()
         routed = int(index.unique().numel())
-        expert_bytes = sum(m.num_blocks * (fmt.blocksize // 2 + 1) for m in fmt.matrices
+        expert_bytes = sum(nf4_nbytes(m.slot.numel, fmt.blocksize, fmt.double_quant) for m in fmt.matrices
                            if m.slot.name in EXPERT_MATRICES) * routed / spec.num_experts
         row = {"row": "experts", "rows": count, "top_k": spec.top_k, "experts_routed": routed,
                "dense_torch_ms": torch_s * 1e3, "dense_ms": dense_s * 1e3, "nf4_ms": nf4_s * 1e3,

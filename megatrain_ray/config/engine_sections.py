@@ -288,8 +288,9 @@ class EngineConfig:
     and in a GRPO rollout's decode step over GPU-resident packed MoE layers the routed experts read in NF4 where they
     lie (a grouped product from the 4-bit codes; only the experts some row is routed to are read) instead of every
     expert dequantized for each generated token. Needs triton and a CUDA device. auto: triton where it runs, else
-    torch. A float64 compute dtype (exact test runs) always decodes in torch. The default stays torch until the kernels are measured on a GPU: they are checked in Triton's interpreter
-    on the CPU (tests/unit/test_nf4_triton.py, tests/integration/test_rollout_nf4_experts.py)."""
+    torch. A float64 compute dtype (exact test runs) always decodes in torch. The default stays torch until the
+    kernels are measured on a GPU: they are checked in Triton's interpreter on the CPU (tests/unit/test_nf4_triton.py,
+    tests/integration/test_rollout_nf4_experts.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpu_resident, int) and self.gpu_resident < 0:

@@ -11,10 +11,10 @@ GPU-resident packed layers (engine.gpu_resident with an NF4 base): their packed 
 at the start, and kept there; each use dequantizes them into the slot as above, without the copy.
 
 With engine.nf4_kernels=triton (or auto, on a CUDA device with triton) the block decoding is quant/nf4_triton's
-one-pass kernel, writing the slot in place
-(bit for bit the values of the torch decoding; by its reads and writes about 2.5 bytes of device memory traffic a
-value against the compiled torch decoding's 6.5, an estimate not yet measured). A rollout's decode step over GPU-resident packed MoE layers (`load(...,
-keep_experts=True)`) dequantizes all but the fused expert tensors, which the layer then reads in NF4 where they
+one-pass kernel, writing the slot in place (bit for bit the values of the torch decoding; by its reads and writes
+about 2.5 bytes of device memory traffic a value against the compiled torch decoding's 6.5, an estimate not yet
+measured). A rollout's decode step over GPU-resident packed MoE layers (`load(..., keep_experts=True)`)
+dequantizes all but the fused expert tensors, which the layer then reads in NF4 where they
 lie (`expert_views`: only the experts some row is routed to, quant/nf4_triton.NF4Experts.products); dequantizing a
 gpt-oss-120b layer's 3.2 B expert values for a batch of 32 tokens was most of a decode step's time.
 """
@@ -77,8 +77,10 @@ class PackedArrival:
         """The stage's fused expert tensors can be read in NF4 where they lie: its packed bytes stay on the device
         (a streamed stage's staging buffer is overwritten by the next layer's copy while this one computes), the
         Triton kernels run here, and its experts are quantized."""
-        return (self.decode_into is not None and stage.index in self.on_device
-                and experts_readable_in_nf4(self.formats[stage.index].stage.slots, self.formats[stage.index].blocksize))
+        if self.decode_into is None or stage.index not in self.on_device:
+            return False
+        fmt = self.formats[stage.index]
+        return experts_readable_in_nf4(fmt.stage.slots, fmt.blocksize)
 
     def expert_views(self, stage: StageLayout) -> dict[str, NF4Experts]:
         """The stage's fused expert tensors as NF4Experts over its device-resident packed bytes (keeps_experts)."""
@@ -114,20 +116,13 @@ def uses_triton(kernels: str, device: torch.device, compute_dtype: torch.dtype) 
     if kernels == "torch" or compute_dtype not in TRITON_DTYPES:
         return False
     if kernels == "triton" and not triton_available(device):
-        raise ConfigError(f"engine.nf4_kernels=triton needs triton and a CUDA device; this worker runs on {device}"
-                          f"{' without triton' if device.type == 'cuda' else ''}: set engine.nf4_kernels to auto or torch")
+        missing = " without triton" if device.type == "cuda" else ""
+        raise ConfigError(f"engine.nf4_kernels=triton needs triton and a CUDA device; this worker runs on "
+                          f"{device}{missing}: set engine.nf4_kernels to auto or torch")
     return triton_available(device)
 
 
 def stage_experts(packed: torch.Tensor, fmt: NF4StageFormat, i: int) -> NF4Experts:
     """Matrix i of a packed stage (a fused [E, A, B] expert tensor) as NF4Experts: views of its codes, block maxima,
     scales and offset in the stage's sections (quant/nf4_stage.py), no copy."""
-    m, bs = fmt.matrices[i], fmt.blocksize
-    blocks = slice(m.first_block, m.first_block + m.num_blocks)
-    codes = fmt.section(packed, "codes")[m.first_block * bs // 2:(m.first_block + m.num_blocks) * bs // 2]
-    if not fmt.double_quant:
-        return NF4Experts(codes, fmt.section(packed, "absmax", torch.float32)[blocks], None, None, m.slot.shape, bs,
-                          fmt.compute_dtype)
-    scales = fmt.section(packed, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales]
-    offset = fmt.section(packed, "offsets", torch.float32)[i:i + 1]
-    return NF4Experts(codes, fmt.section(packed, "absmax")[blocks], scales, offset, m.slot.shape, bs, fmt.compute_dtype)
+    return NF4Experts(*fmt.matrix_parts(packed, i), fmt.matrices[i].slot.shape, fmt.blocksize, fmt.compute_dtype)

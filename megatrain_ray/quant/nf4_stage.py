@@ -165,6 +165,20 @@ class NF4StageFormat:
                 return packed[offset:offset + size].view(dtype)
         raise KeyError(name)
 
+    def matrix_parts(self, packed: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                  torch.Tensor | None]:
+        """Matrix i's views in a packed buffer (no copy): its codes (whole blocks), its stored block maxima (uint8
+        codes with double quantization, else float32), and with double quantization its absmax scales and its
+        offset as a 1-element tensor (else None, None)."""
+        m, bs = self.matrices[i], self.blocksize
+        blocks = slice(m.first_block, m.first_block + m.num_blocks)
+        codes = self.section(packed, "codes")[m.first_block * bs // 2:(m.first_block + m.num_blocks) * bs // 2]
+        if not self.double_quant:
+            return codes, self.section(packed, "absmax", torch.float32)[blocks], None, None
+        return (codes, self.section(packed, "absmax")[blocks],
+                self.section(packed, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales],
+                self.section(packed, "offsets", torch.float32)[i:i + 1])
+
 
 def nf4_stage_bytes(stage: StageLayout, compute_dtype: torch.dtype | str, blocksize: int = 64,
                     double_quant: bool = True) -> int:
@@ -281,7 +295,7 @@ def dequantize_stage(packed: torch.Tensor, fmt: NF4StageFormat, out: torch.Tenso
         for start, end in fmt.padding:  # the alignment between slots
             flat[start:end].zero_()
         stage_absmax = _stage_absmax(packed, fmt) if not skip else None
-        runs = [(codes[m.first_block * bs // 2:(m.first_block + m.num_blocks) * bs // 2],
+        runs = [(fmt.matrix_parts(packed, i)[0],
                  _matrix_absmax(packed, fmt, i) if skip else stage_absmax[m.first_block:m.first_block + m.num_blocks],
                  m.slot.offset, m.slot.numel)
                 for i, m in enumerate(fmt.matrices) if m.slot.name not in skip]
@@ -325,13 +339,10 @@ def _stage_absmax(packed: torch.Tensor, fmt: NF4StageFormat) -> torch.Tensor:
 def _matrix_absmax(packed: torch.Tensor, fmt: NF4StageFormat, i: int) -> torch.Tensor:
     """_stage_absmax's values for matrix i's blocks alone, decoded from its own codes, scales and offset in the same
     two roundings (a view of the section without double quantization)."""
-    m = fmt.matrices[i]
-    blocks = slice(m.first_block, m.first_block + m.num_blocks)
-    if not fmt.double_quant:
-        return fmt.section(packed, "absmax", torch.float32)[blocks]
-    scales = fmt.section(packed, "scales", torch.float32)[m.first_scale:m.first_scale + m.num_scales]
-    offset = fmt.section(packed, "offsets", torch.float32)[i]
-    return dequantize_dynamic_blockwise(fmt.section(packed, "absmax")[blocks], scales, ABSMAX_BLOCKSIZE) + offset
+    _, stored, scales, offset = fmt.matrix_parts(packed, i)
+    if scales is None or offset is None:  # no double quantization: stored as float32
+        return stored
+    return dequantize_dynamic_blockwise(stored, scales, ABSMAX_BLOCKSIZE) + offset
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,7 +1,8 @@
 """A rollout's decode step over an NF4 MoE base reads the experts in NF4 where they lie (engine/packed_stream.py,
 quant/nf4_triton.NF4Experts): greedy generation of tiny gpt-oss and Qwen3-MoE bases (LoRA on attention, every
-layer's packed bytes on the device; each of the 3 layers' experts read in NF4 at every decode step) gives the tokens of the same engine with every expert dequantized first, and
-log-probs within 4x the float32 noise measured by the dequantizing engine in float64 (floor 1e-6).
+layer's packed bytes on the device; each of the 3 layers' experts read in NF4 at every decode step) gives the
+tokens of the same engine with every expert dequantized first, and log-probs within 4x the float32 noise measured
+by the dequantizing engine in float64 (floor 1e-6).
 
 The Triton kernels run in Triton's interpreter on the CPU, which must be switched on before triton is imported:
 the runs are a subprocess of their own."""
