@@ -46,6 +46,11 @@ def resolve_device(device_type: str) -> torch.device:
 
 
 class GPUWorker(ActorBase):
+    STORE_KINDS = ("stream", "grad", "gradpool", "sync", "nf4", "parity", "reference")
+    """The host segments it maps (besides `master` where the master weights are streamed)."""
+    PINNED_KINDS = ("master", "stream", "grad", "gradpool", "nf4", "reference")
+    """Those it copies to and from the device, registered as pinned memory."""
+
     def __init__(self, cfg: Config, run: RunSpec, layout: ModelLayout, specs: list[SegmentSpec], optimizers: list[Any],
                  rank: RankInfo | None = None, cores: list[int] | None = None, restore: CheckpointInfo | None = None):
         """`optimizers`: the node's optimizer workers, for the rank that orders the updates (the first of
@@ -67,12 +72,11 @@ class GPUWorker(ActorBase):
             binding = "not pinned (computes on the CPU)"
             torch.set_num_threads(cpu_compute_threads(rank.local_world))
         # The parities: the update dispatch switches a speculatively updated stage's current set.
-        self.store = HostStore([s for s in specs if s.kind in ("stream", "grad", "gradpool", "sync", "nf4", "parity",
-                                                               "reference")
+        self.store = HostStore([s for s in specs if s.kind in self.STORE_KINDS
                                 or (s.kind == "master" and run.stream_is_master)])
         if self.device.type == "cuda":
             t0 = time.perf_counter()
-            gib = self.store.register_pinned(("master", "stream", "grad", "gradpool", "nf4", "reference"))
+            gib = self.store.register_pinned(self.PINNED_KINDS)
             log.info("registered %.2f GiB of host segments as pinned memory in %.1f s", gib, time.perf_counter() - t0)
         vision = vision_config_of_dir(cfg.model.path) is not None  # a vision-language model: engine/vision_engine.py
         full_engine, lora_engine = engine_classes(vision)

@@ -21,6 +21,7 @@ from megatrain_ray.config import (
     linear_attention_section,
     loop_sections,
     model_section,
+    rl_section,
     runtime_sections,
 )
 
@@ -37,6 +38,7 @@ SECTIONS = {
     "fault": loop_sections.FaultConfig,
     "finetune": finetune_section.FinetuneConfig, "finetune.lora": finetune_section.LoraConfig,
     "finetune.dpo": finetune_section.DPOConfig, "finetune.grpo": grpo_section.GRPOConfig,
+    "rl": rl_section.RLConfig,
 }
 
 

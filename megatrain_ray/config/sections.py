@@ -4,7 +4,8 @@ A run is described by a YAML file whose sections map one to one onto `Config`'s 
 (config/load.py reads it). Each section is a dataclass checking its own values, in the module of its
 concern: config/model_section.py (`model`), config/loop_sections.py (`data`, `schedule`, `train`,
 `checkpoint`, `fault`), config/engine_sections.py (`optimizer`, `precision`, `engine`),
-config/runtime_sections.py (`host`, `runtime`, `parallel`) and config/finetune_section.py (`finetune`).
+config/runtime_sections.py (`host`, `runtime`, `parallel`), config/finetune_section.py (`finetune`) and
+config/rl_section.py (`rl`).
 Impossible values raise `ConfigError` naming the dotted key (`optimizer.lr`), the value received and what to
 do, before anything is allocated. Settings derived from several sections and the machine live in
 config/resolved.py (RunSpec).
@@ -23,6 +24,7 @@ from megatrain_ray.config.latent_attention_section import check_latent_run
 from megatrain_ray.config.linear_attention_section import check_hybrid_run
 from megatrain_ray.config.loop_sections import CheckpointConfig, DataConfig, FaultConfig, ScheduleConfig, TrainConfig
 from megatrain_ray.config.model_section import ModelConfig
+from megatrain_ray.config.rl_section import RLConfig
 from megatrain_ray.config.runtime_sections import HostConfig, ParallelConfig, RuntimeConfig
 
 
@@ -43,6 +45,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self) -> None:
         if self.schedule.warmup_steps > self.train.steps:
@@ -182,6 +185,7 @@ def check_objective(cfg: Config, ranks: int | None = None) -> None:
     resolved)."""
     if cfg.finetune.objective == "grpo":
         check_grpo(cfg)
+    check_rl(cfg)
     if cfg.finetune.objective != "dpo":
         return
     if cfg.model.template == "generic":
@@ -233,6 +237,30 @@ def check_trainable(cfg: Config) -> None:
               "path); GRPO needs a model family with a native template")
     if cfg.data.packing:
         _fail("data.packing", True, "a GRPO row is one prompt and one completion; set data.packing: false")
+
+
+def check_rl(cfg: Config) -> None:
+    """The rl section against the objective and the GRPO settings it changes the meaning of."""
+    rl, grpo = cfg.rl, cfg.finetune.grpo
+    if not rl.separate:
+        return
+    if cfg.finetune.objective != "grpo":
+        _fail("rl.rollout", rl.rollout, f"places GRPO's rollout; finetune.objective is {cfg.finetune.objective!r}: "
+              "set rl.rollout: colocated")
+    if cfg.optimizer.speculative_stages:
+        _fail("optimizer.speculative_stages", cfg.optimizer.speculative_stages, "keeps a second set of weights per "
+              "stage, which the separate rollout worker (rl.rollout: separate) does not follow: set it to 0")
+    if cfg.engine.rollout_weights == "streamed":
+        _fail("engine.rollout_weights", "streamed", "with rl.rollout: separate the rollout worker holds its own copy "
+              "of the weights on its GPU (taken between steps, never while the optimizer writes them): set it to auto")
+    if rl.async_steps and not grpo.vllm_importance_sampling_correction:
+        _fail("finetune.grpo.vllm_importance_sampling_correction", False, "rl.async_steps=1 trains on completions of "
+              "the weights before the last update; the importance-sampling correction is what accounts for that "
+              "gap: set it true (or rl.async_steps: 0)")
+    if rl.async_steps and grpo.num_iterations != 1:
+        _fail("finetune.grpo.num_iterations", grpo.num_iterations, "rl.async_steps=1 generates every step's batch "
+              "one step ahead; several updates on one batch (num_iterations > 1) are not combined with it: set "
+              "num_iterations: 1 or rl.async_steps: 0")
 
 
 def check_generic(cfg: Config) -> None:

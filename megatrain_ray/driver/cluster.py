@@ -5,6 +5,7 @@
     optimizers = OptimizerWorker x optimizer.workers (map the segments, AdamW on their share)
     gpus       = GPUWorker x parallel.gpus / nodes   (map the segments, run the layer stream; the
                                                       first orders the node's updates itself)
+    rollout    = RolloutWorker, node 0 only, with rl.rollout: separate (GRPO's generation on a GPU of its own)
 
 A restart after an actor died tears the whole cluster down and spawns a new one under a new run id.
 """
@@ -22,11 +23,12 @@ from actors.base import DeferredList
 from actors.gpu_worker import GPUWorker
 from actors.host_shard import HostShard
 from actors.optimizer_worker import OptimizerWorker
+from actors.rollout_worker import RolloutWorker
 from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.driver.faults import HealthMonitor, monitor_actors
 from megatrain_ray.driver.parallel import ParallelPlan
-from megatrain_ray.driver.placement import RunPlacement, gpu_actor
+from megatrain_ray.driver.placement import ROLLOUT_ACTOR, RunPlacement, gpu_actor
 from megatrain_ray.driver.runtime import Handle, gather, spawn
 from megatrain_ray.model.layout import ModelLayout
 from megatrain_ray.observe.log import get_logger
@@ -51,6 +53,8 @@ class NodeActors:
     shards: list[Handle] = field(default_factory=list)
     optimizers: list[Handle] = field(default_factory=list)
     gpus: list[Handle] = field(default_factory=list)
+    rollout: Handle | None = None
+    """GRPO's separate rollout worker (rl.rollout: separate; node 0 only)."""
     specs: list[SegmentSpec] = field(default_factory=list)
     placement: RunPlacement | None = None
     prefix: str = ""
@@ -60,6 +64,8 @@ class NodeActors:
         out: dict[str, Handle] = {f"{self.prefix}host{k}": h for k, h in enumerate(self.shards)}
         out.update({f"{self.prefix}optim{w}": h for w, h in enumerate(self.optimizers)})
         out.update({f"{self.prefix}{gpu_actor(r)}": h for r, h in enumerate(self.gpus)})
+        if self.rollout is not None:
+            out[f"{self.prefix}{ROLLOUT_ACTOR}"] = self.rollout
         return out
 
 
@@ -86,6 +92,11 @@ class Cluster:
     def gpus(self) -> list[Handle]:
         """Every rank, in rank order."""
         return [g for node in self.nodes for g in node.gpus]
+
+    @property
+    def rollout(self) -> Handle | None:
+        """GRPO's separate rollout worker (rl.rollout: separate), else None."""
+        return self.nodes[0].rollout if self.nodes else None
 
     def actor_handles(self) -> dict[str, Handle]:
         """Every actor by its short name: host<k>, optim<w>, gpu, gpu<r> (node 0), node<k>-... (others)."""
@@ -126,7 +137,7 @@ class Cluster:
         ranks = plan.ranks_per_node
         node.placement = placement = RunPlacement(cfg, use_gpu=plan.use_gpu, ranks=ranks, node_id=plan.node_ids[k],
                                                   node_resources=plan.node_resources[k],
-                                                  frozen_base=self.run.frozen_base)
+                                                  frozen_base=self.run.frozen_base, rollout=self._rollout_on(k))
         name = f"{tag}-{node.prefix}"
         node.shards = [spawn(mode, HostShard, cfg, self.run, self.layout, run_id, s, stages,
                              *placement.shard_binding(s), restore=restore, name=f"{name}host{s}",
@@ -146,14 +157,22 @@ class Cluster:
                            plan.rank(k, r), placement.gpu_cores(r), restore=restore, name=f"{name}{gpu_actor(r)}",
                            num_gpus=1 if plan.use_gpu else 0, ray_options=placement.options(gpu_actor(r)))
                      for r in range(ranks)]
+        if self._rollout_on(k):
+            node.rollout = spawn(mode, RolloutWorker, cfg, self.run, self.layout, specs, placement.rollout_cores(),
+                                 restore=restore, name=f"{name}{ROLLOUT_ACTOR}", num_gpus=1 if plan.use_gpu else 0,
+                                 ray_options=placement.options(ROLLOUT_ACTOR))
         if mode == "ray":
             try:
                 node.specs = [spec for f in segments for spec in f.result()]
             except BaseException:  # a shard's own error (a bad weight, no room), raised here as before; the others
-                for handle in [*node.gpus, *node.optimizers]:  # wait for specs that never come (DeferredList)
-                    handle.kill()
-                node.gpus, node.optimizers = [], []
+                for handle in [*node.gpus, *node.optimizers, *([node.rollout] if node.rollout else [])]:
+                    handle.kill()  # they wait for specs that never come (DeferredList)
+                node.gpus, node.optimizers, node.rollout = [], [], None
                 raise
+
+    def _rollout_on(self, node: int) -> bool:
+        """Node `node` runs GRPO's separate rollout worker (node 0, with rl.rollout: separate)."""
+        return node == 0 and self.cfg.finetune.objective == "grpo" and self.cfg.rl.separate
 
     def _join_process_group(self) -> None:
         """Every rank joins one torch.distributed group: through a file in shared memory when all ranks are
@@ -225,7 +244,12 @@ class Cluster:
                     handle.shutdown().result()
                 except Exception as exc:
                     log.warning("shard shutdown: %s", exc)
-            for handle in [*node.gpus, *node.optimizers, *node.shards]:
+            if node.rollout is not None:
+                try:
+                    node.rollout.shutdown().result(timeout=max(0.1, deadline - time.monotonic()))
+                except Exception as exc:
+                    log.warning("rollout worker shutdown: %s", exc)
+            for handle in [*node.gpus, *([node.rollout] if node.rollout else []), *node.optimizers, *node.shards]:
                 handle.kill() if after_failure else handle.retire()
             for spec in node.specs:  # segments of a shard that died
                 unlink_segment(spec)

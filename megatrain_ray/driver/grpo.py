@@ -30,6 +30,7 @@ import torch
 from megatrain_ray.config.sections import Config
 from megatrain_ray.data.prepare.tokenize import load_tokenizer, resolve_tokenizer
 from megatrain_ray.data.prompts import PromptBatches, PromptRows
+from megatrain_ray.driver.separate_rollout import Launched, SeparateRollouts, generation_seconds
 from megatrain_ray.engine.rollout.interface import RolloutResult, SamplingSettings
 from megatrain_ray.exceptions import CheckpointError, ConfigError
 from megatrain_ray.messages import IGNORE_INDEX, Batch, PolicyRows
@@ -127,52 +128,84 @@ class GRPOSteps:
         self.pad_id = int(pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0))
         self.pending: tuple[int, Batch] | None = None
         """(the step that generated it, the batch) of the num_iterations group under way."""
+        self.separate = SeparateRollouts(self, cfg.rl.async_steps, cfg.train.steps, cfg.finetune.method == "lora") \
+            if cfg.rl.separate else None
+        """rl.rollout: separate: the rollout worker's steps (driver/separate_rollout.py)."""
 
-    def step_batch(self, step: int, gpu: Any) -> RolloutBatch:
+    def step_batch(self, step: int, gpu: Any, worker: Any = None) -> RolloutBatch:
         """Step `step`'s batch: generated at the first step of its num_iterations group (with the rollout's metrics),
-        the group's batch again at the others."""
+        the group's batch again at the others. `worker`: the separate rollout worker (rl.rollout: separate)."""
         start = step - step % self.grpo.num_iterations
         if self.pending is not None and self.pending[0] == start:
             return RolloutBatch(self.pending[1], {})
         if step != start:
             raise RuntimeError(f"step {step} trains on the batch generated at step {start}, which this run does not "
                                "hold")
-        generated = self.batch(step, gpu)
+        if self.separate is not None:
+            assert worker is not None, "rl.rollout=separate: the cluster spawns a rollout worker"
+            generated = self.separate.batch(step, gpu, worker)
+        else:
+            generated = self.batch(step, gpu)
         self.pending = (start, generated.batch) if self.grpo.num_iterations > 1 else None
         return generated
 
     def save_state(self, next_step: int, directory: Path) -> dict[str, Any]:
-        """What a checkpoint after `next_step` steps keeps of the GRPO loop: inside a num_iterations group its batch,
-        written into `directory`, and the manifest's entry naming it; else nothing."""
+        """What a checkpoint after `next_step` steps keeps of the GRPO loop, written into `directory`, and the
+        manifest's entry naming it: inside a num_iterations group its batch; with rl.async_steps=1 the batch of step
+        `next_step`, generated ahead (waited for now); else nothing."""
+        if self.separate is not None and self.separate.async_steps:
+            ahead = self.separate.hold_ahead(next_step, self.separate.gpu)
+            if ahead is None:
+                return {}
+            self._write_batch(ahead.batch, ahead.metrics, directory)
+            return {"grpo_rollout": {"file": ROLLOUT_FILE, "generated_at": next_step, "ahead": True}}
         if self.pending is None or next_step % self.grpo.num_iterations == 0:
             return {}
         start, batch = self.pending
+        self._write_batch(batch, {}, directory)
+        return {"grpo_rollout": {"file": ROLLOUT_FILE, "generated_at": start}}
+
+    @staticmethod
+    def _write_batch(batch: Batch, metrics: dict[str, float], directory: Path) -> None:
         rows = batch.policy
         directory.mkdir(parents=True, exist_ok=True)
         torch.save({"input_ids": batch.input_ids, "labels": batch.labels, "advantages": rows.advantages,
                     **{name: getattr(rows, name) for name in ("sampling_logps", "old_logps", "ref_logps")
-                       if getattr(rows, name) is not None}}, directory / ROLLOUT_FILE)
-        return {"grpo_rollout": {"file": ROLLOUT_FILE, "generated_at": start}}
+                       if getattr(rows, name) is not None},
+                    "metrics": {k: float(v) for k, v in metrics.items()}}, directory / ROLLOUT_FILE)
 
     def restore(self, directory: Path | None, manifest: dict[str, Any] | None) -> None:
-        """The group's batch of a checkpoint taken inside one (save_state); none at a group's first step."""
+        """The batch a checkpoint keeps (save_state): a num_iterations group's, none at a group's first step; with
+        rl.async_steps=1 the one generated ahead, where it holds one."""
         self.pending = None
-        if manifest is None or int(manifest["step"]) % self.grpo.num_iterations == 0:
+        if self.separate is not None:
+            self.separate.reset()
+        entry, mu = (manifest or {}).get("grpo_rollout"), self.grpo.num_iterations
+        if self.separate is not None and self.separate.async_steps:
+            if entry is not None and entry.get("ahead"):
+                batch, metrics = self._read_batch(Path(directory), entry, "")
+                self.separate.held = (int(entry["generated_at"]), RolloutBatch(batch, metrics))
             return
-        entry, mu = manifest.get("grpo_rollout"), self.grpo.num_iterations
+        if manifest is None or int(manifest["step"]) % mu == 0:
+            return
         if entry is None:
             raise CheckpointError(f"checkpoint {directory} is at step {manifest['step']}, inside a group of "
                                   f"finetune.grpo.num_iterations={mu} steps on one generated batch, and holds no batch "
                                   f"({ROLLOUT_FILE}); resume from a checkpoint at a multiple of {mu} steps")
-        path = Path(directory) / entry["file"]
+        batch, _ = self._read_batch(Path(directory), entry, f"; resume from a checkpoint at a multiple of "
+                                    f"finetune.grpo.num_iterations={mu} steps")
+        self.pending = (int(entry["generated_at"]), batch)
+
+    def _read_batch(self, directory: Path, entry: dict[str, Any], advice: str) -> tuple[Batch, dict[str, float]]:
+        path = directory / Path(entry["file"]).name  # a name inside the checkpoint directory, never a path out of it
         try:
             saved = torch.load(path, weights_only=True)
         except Exception as exc:  # a missing or damaged file
-            raise CheckpointError(f"checkpoint {directory}: the GRPO batch {path} cannot be read ({exc}); resume from "
-                                  f"a checkpoint at a multiple of finetune.grpo.num_iterations={mu} steps") from None
+            raise CheckpointError(f"checkpoint {directory}: the GRPO batch {path} cannot be read ({exc}){advice}") \
+                from None
         rows = PolicyRows.from_config(self.grpo, saved["advantages"], sampling_logps=saved.get("sampling_logps"),
                                       old_logps=saved.get("old_logps"), ref_logps=saved.get("ref_logps"))
-        self.pending = (int(entry["generated_at"]), Batch(saved["input_ids"], saved["labels"], policy=rows))
+        return Batch(saved["input_ids"], saved["labels"], policy=rows), dict(saved.get("metrics", {}))
 
     def sampling(self, step: int) -> SamplingSettings:
         """The rollout's settings at `step`: its generator seeded by (train.seed, step)."""
@@ -183,11 +216,22 @@ class GRPOSteps:
 
     def batch(self, step: int, gpu: Any) -> RolloutBatch:
         """Generate, score and batch the completions of step `step` on `gpu` (the GPU worker of rank 0)."""
+        return self.finish(self.launch(step, gpu), gpu)
+
+    def launch(self, step: int, generator: Any, ahead: bool = False) -> Launched:
+        """Start the generation of step `step`'s completions on `generator` (a GPU worker or the rollout worker);
+        `ahead`: while the trainer trains the step before (rl.async_steps=1)."""
         rows = self.prompts.step_prompts(step)
-        group = self.grpo.num_generations
-        prompt_ids = [ids for ids in rows.ids for _ in range(group)]
+        prompt_ids = [ids for ids in rows.ids for _ in range(self.grpo.num_generations)]
+        return Launched(step, rows, prompt_ids, generator.generate(prompt_ids, self.sampling(step)),
+                        time.perf_counter(), ahead)
+
+    def finish(self, launched: Launched, gpu: Any) -> RolloutBatch:
+        """Wait for a launched generation, then score and batch its completions; `gpu`: the trainer's GPU worker
+        (the old and reference log-probabilities)."""
+        rows, prompt_ids, group = launched.rows, launched.prompt_ids, self.grpo.num_generations
         t0 = time.perf_counter()
-        rollout: RolloutResult = gpu.generate(prompt_ids, self.sampling(step)).result()
+        rollout: RolloutResult = launched.future.result()
         t1 = time.perf_counter()
         completion_ids = rollout.completions()
         rewards, prompts, completions = self.score(rows, completion_ids)
@@ -204,7 +248,11 @@ class GRPOSteps:
         metrics.update({
             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.double().mean()),
-            "rollout_s": t1 - t0, "reward_s": t2 - t1, "rollout_tokens_per_s": rollout.stats["tokens_per_s"],
+            # generated ahead: the generation's own seconds (it overlapped the step before), and how long the
+            # driver still waited for it
+            "rollout_s": generation_seconds(rollout.stats) if launched.ahead else t1 - launched.started,
+            **({"rollout_wait_s": t1 - t0} if launched.ahead else {}),
+            "reward_s": t2 - t1, "rollout_tokens_per_s": rollout.stats["tokens_per_s"],
             "rollout_tokens": rollout.stats["generated_tokens"],
             # inside rollout_s: the weights made ready before the generation and put back after it (the resident
             # copy's refresh; LoRA merged: the adapters folded in, the base copied back)

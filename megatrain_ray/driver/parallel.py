@@ -55,11 +55,16 @@ class ParallelPlan:
 def resolve_parallel(cfg: Config) -> ParallelPlan:
     """The ranks and nodes of a run; in Ray mode from the cluster's nodes (Ray must be initialised)."""
     p = cfg.parallel
+    rollout_gpus = int(cfg.finetune.objective == "grpo" and cfg.rl.separate)  # GRPO's rollout worker: one GPU more
     if cfg.runtime.mode == "local":  # one rank (the config check refused more in-process), on this process's GPU
         if cfg.engine.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("engine.device=cuda but CUDA is not available to this process; set engine.device=auto "
                               "or cpu")
-        return ParallelPlan(use_gpu=cfg.engine.device != "cpu" and torch.cuda.is_available())
+        use_gpu = cfg.engine.device != "cpu" and torch.cuda.is_available()
+        if use_gpu and rollout_gpus:
+            raise ConfigError("rl.rollout=separate puts the rollout worker on a GPU of its own, which Ray assigns: set "
+                              "runtime.mode: ray (or rl.rollout: colocated)")
+        return ParallelPlan(use_gpu=use_gpu)
     import ray
 
     has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
@@ -71,10 +76,13 @@ def resolve_parallel(cfg: Config) -> ParallelPlan:
     wanted = p.gpus // p.nodes if p.gpus != "auto" else None
     if p.nodes == 1:
         most = max(gpus_of.values(), default=0)
-        per_node = wanted if wanted is not None else (most if use_gpu else 1)
-        if use_gpu and per_node > most:
-            raise ConfigError(f"parallel.gpus={p.gpus}: no node of the Ray cluster offers {per_node} GPUs (the "
-                              f"largest has {most}); lower parallel.gpus or spread it with parallel.nodes")
+        extra = rollout_gpus if use_gpu else 0
+        per_node = wanted if wanted is not None else (max(1, most - extra) if use_gpu else 1)
+        if use_gpu and per_node + extra > most:
+            rollout = " and one for the rollout worker (rl.rollout: separate)" if extra else ""
+            raise ConfigError(f"parallel.gpus={p.gpus}: no node of the Ray cluster offers {per_node} GPUs{rollout} "
+                              f"(the largest has {most}); lower parallel.gpus"
+                              f"{', or set rl.rollout: colocated' if extra else ' or spread it with parallel.nodes'}")
         chosen: list[dict] = []
     else:
         here = ray.get_runtime_context().get_node_id()  # node 0, whose shards write checkpoints, is the driver's

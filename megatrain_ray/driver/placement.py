@@ -72,10 +72,17 @@ def gpu_actor(local_rank: int) -> str:
     return "gpu" if local_rank == 0 else f"gpu{local_rank}"
 
 
-def actor_slots(placement: Placement, use_gpu: bool, ranks: int = 1) -> list[ActorSlot]:
-    """One slot per actor in bundle order: the GPU workers, the host shards, the optimizer workers."""
+ROLLOUT_ACTOR = "rollout"
+"""Short name of GRPO's separate rollout worker (rl.rollout: separate): a GPU of its own, cores like a GPU worker's."""
+
+
+def actor_slots(placement: Placement, use_gpu: bool, ranks: int = 1, rollout: bool = False) -> list[ActorSlot]:
+    """One slot per actor in bundle order: the GPU workers (and the rollout worker: `rollout`), the host shards, the
+    optimizer workers."""
     gpu_node = placement.gpu_node
     members = [(gpu_actor(r), placement.gpu_cores[r], gpu_node) for r in range(ranks)]
+    if rollout:  # plan_placement reserved cores for one GPU worker more
+        members.append((ROLLOUT_ACTOR, placement.gpu_cores[ranks], gpu_node))
     members += [(f"host{k}", placement.reserved_cores if node == gpu_node else node_cpus(placement, node), node)
                 for k, node in enumerate(placement.shard_nodes)]
     members += [(f"optim{w.index}", w.cores, w.node) for w in placement.workers]
@@ -85,7 +92,7 @@ def actor_slots(placement: Placement, use_gpu: bool, ranks: int = 1) -> list[Act
         # Round down to Ray's resource granularity so the shares never add up to more than the cores.
         share = math.floor(sum(1.0 / users[c] for c in cores) * 1e4) / 1e4
         bundle = {"CPU": share, numa_resource(node): share}
-        if name.startswith("gpu") and use_gpu:
+        if (name.startswith("gpu") or name == ROLLOUT_ACTOR) and use_gpu:
             bundle["GPU"] = 1.0
         slots.append(ActorSlot(name, cores, node, bundle))
     return slots
@@ -95,12 +102,13 @@ class RayPlacement:
     """The placement group of a run and the `.options()` of each actor in it."""
 
     def __init__(self, placement: Placement, use_gpu: bool, ranks: int = 1, node_id: str | None = None,
-                 node_resources: dict[str, float] | None = None):
-        """`node_id`: the Ray node every bundle must land on (several nodes), with its `node_resources`."""
+                 node_resources: dict[str, float] | None = None, rollout: bool = False):
+        """`node_id`: the Ray node every bundle must land on (several nodes), with its `node_resources`; `rollout`:
+        a bundle for the separate rollout worker too."""
         import ray
         from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
-        self.slots = actor_slots(placement, use_gpu, ranks)
+        self.slots = actor_slots(placement, use_gpu, ranks, rollout)
         cluster = node_resources if node_resources is not None else ray.cluster_resources()
         missing = sorted({k for s in self.slots for k in s.bundle if k.startswith("numa_node_")} - set(cluster))
         if missing:
@@ -163,12 +171,14 @@ class RunPlacement:
 
     def __init__(self, cfg: Config, use_gpu: bool, topology: Topology | None = None, ranks: int = 1,
                  node_id: str | None = None, node_resources: dict[str, float] | None = None,
-                 frozen_base: bool = False):
+                 frozen_base: bool = False, rollout: bool = False):
         """`ranks`: GPU workers on the node; `node_id`: the Ray node of this placement (several nodes; its
         cores are taken to look like the driver's, as a cluster's nodes usually do); `frozen_base`: the run
-        updates no host weights (RunSpec.frozen_base: a LoRA base, or a generation session), so no workers."""
+        updates no host weights (RunSpec.frozen_base: a LoRA base, or a generation session), so no workers;
+        `rollout`: GRPO's separate rollout worker runs on the node too, with cores and a GPU as a GPU worker's."""
         self.plan = plan_placement(topology or detect_topology(), cfg.optimizer.workers, cfg.host.num_shards,
-                                   gpu_ranks=ranks)
+                                   gpu_ranks=ranks + rollout)
+        self.rollout = rollout
         if cfg.finetune.method == "lora" or frozen_base:  # no optimizer workers, no bundles or cores for them
             self.plan = replace(self.plan, workers=(), shared_cores=False,
                                 workers_reason=LORA_UPDATES if cfg.finetune.method == "lora" else FORWARD_ONLY)
@@ -177,7 +187,7 @@ class RunPlacement:
             log.warning("optimizer.workers=%s exceeds the usable cores: workers share cores (slower); lower it or "
                         "use auto", cfg.optimizer.workers)
         self.in_ray = cfg.runtime.mode == "ray"
-        self.ray = RayPlacement(self.plan, use_gpu, ranks, node_id, node_resources) if self.in_ray else None
+        self.ray = RayPlacement(self.plan, use_gpu, ranks, node_id, node_resources, rollout) if self.in_ray else None
 
     @property
     def num_workers(self) -> int:
@@ -193,6 +203,10 @@ class RunPlacement:
     def gpu_cores(self, local_rank: int) -> list[int]:
         """Cores the GPU worker of `local_rank` pins itself to; none in-process."""
         return list(self.plan.gpu_cores[local_rank]) if self.in_ray else []
+
+    def rollout_cores(self) -> list[int]:
+        """Cores the separate rollout worker pins itself to (after the GPU workers'); none in-process."""
+        return list(self.plan.gpu_cores[-1]) if self.in_ray and self.rollout else []
 
     def shard_binding(self, index: int) -> tuple[tuple[int, ...], int | None, tuple[int, ...]]:
         """(cores, NUMA node, start-up cores: topology.shard_start_up_cores) of HostShard `index`; nothing

@@ -230,7 +230,7 @@ class Trainer(RunTensors, ClusterView):
         lr = lr_at(step, cfg.optimizer.lr, cfg.train.steps, cfg.schedule)
         if self.rollouts is not None:  # GRPO: sampled after every ordered update is applied (on-policy)
             self.flush()
-        rollout = self.rollouts.step_batch(step, self.gpu) if self.rollouts is not None else None
+        rollout = self.rollouts.step_batch(step, self.gpu, self.cluster.rollout) if self.rollouts is not None else None
         parts, loss_tokens = split_batch(rollout.batch if rollout else self.data.batch(step), self.cluster.parallel.world)
         if self.drills.due("nan_grad", step) is not None:
             self.gpu.arm_nan_grad().result()  # rank 0's next step puts a NaN into a gradient

@@ -55,6 +55,8 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
     sizes = rollout_bytes(cfg, run)
     rows = cfg.data.batch_size // max(run.world, 1)
     setting = cfg.engine.rollout_weights
+    if cfg.rl.separate:
+        return separate_lines(cfg, run, sizes, rows, gpu_memory)
     lines = [f"GRPO rollout ({rows} completions of up to {rollout_tokens(cfg):,} tokens with their prompt; "
              f"engine.rollout_weights={setting}):",
              f"  {'KV cache':<38}{sizes['KV cache'] / GiB:10.2f} GiB",
@@ -81,6 +83,26 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
         lines.append(f"  the expected speed below is the training pass alone: a step's rollout adds up to "
                      f"{cfg.finetune.grpo.max_completion_length:,} decode steps (measured ones: docs/benchmarks.md, "
                      "GRPO)")
+    return lines + [""]
+
+
+def separate_lines(cfg: Config, run: RunSpec, sizes: dict[str, int], rows: int, gpu_memory: int | None) -> list[str]:
+    """rl.rollout: separate: the rollout worker's GPU holds the KV cache and the whole model (full fine-tuning; LoRA:
+    the base as the trainer's GPU holds it, plus the adapters), nothing of the training's."""
+    ahead = ("; rl.async_steps=1: each step's batch is generated while the step before trains, from the weights one "
+             "update older" if cfg.rl.async_steps else "; rl.async_steps=0: generation and training take turns")
+    lines = [f"GRPO rollout on a GPU of its own (rl.rollout=separate; {rows} completions of up to "
+             f"{rollout_tokens(cfg):,} tokens with their prompt{ahead}):",
+             f"  {'KV cache':<38}{sizes['KV cache'] / GiB:10.2f} GiB",
+             f"  {'the model in ' + run.compute_dtype:<38}{sizes['resident weights copy'] / GiB:10.2f} GiB"
+             if not run.frozen_base else "  the frozen base as the trainer's GPU holds it, and the adapters"]
+    if gpu_memory and not run.frozen_base:
+        need, free = sizes["KV cache"] + sizes["resident weights copy"], gpu_memory - GPU_RESERVE_BYTES
+        lines.append(f"  {'of the rollout GPU':<38}{free / GiB:10.2f} GiB" + (
+            "" if need <= free else "  -> does not fit: lower data.batch_size or finetune.grpo.max_completion_length, "
+            "or set rl.rollout: colocated"))
+    lines.append("  after each step the rollout worker copies the new weights from the host's streaming copy "
+                 "(LoRA: the adapters from the trainer): rollout_sync_s in metrics.jsonl")
     return lines + [""]
 
 

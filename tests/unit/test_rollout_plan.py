@@ -116,3 +116,23 @@ def test_a_decode_step_over_resident_nf4_moe_layers_reads_the_routed_experts_in_
                 grpo_moe(6, targets=("q_proj", "gate_proj", "up_proj"))):
         other = format_plan(plan_run(cfg, h200))
         assert "in NF4, so each decode step dequantizes" in other and "where they lie" not in other
+
+
+def test_a_separate_rollout_is_planned_on_a_gpu_of_its_own():
+    """rl.rollout: separate: the plan puts the KV cache and the whole model in the compute dtype on the rollout's GPU
+    (none of the training's buffers beside them), and says what async_steps does; a 7B model fits an H200, not a
+    16 GiB GPU."""
+    raw = grpo_7b().to_dict()
+    raw["engine"]["gpu_resident"] = "auto"  # resolves to none beside a separate rollout (the trainer reads the host)
+    raw["rl"] = {"rollout": "separate", "async_steps": 1}
+    cfg = load_config(raw=raw)
+    plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
+    assert plan.run.resident_layers == 0
+    sizes = rollout_bytes(cfg, plan.run)
+    text = format_plan(plan)
+    assert "GRPO rollout on a GPU of its own (rl.rollout=separate; 16 completions of up to 1,536 tokens" in text
+    assert "rl.async_steps=1: each step's batch is generated while the step before trains" in text
+    assert f"the model in bfloat16{' ' * 17}{sizes['resident weights copy'] / 2**30:10.2f} GiB" in text
+    assert "-> does not fit" not in text
+    small = Machine.from_preset("h200-128gb").override(gpu_memory="16GiB")  # 15.2 GiB of bf16 weights + the cache
+    assert "-> does not fit: lower data.batch_size" in format_plan(plan_run(cfg, small))

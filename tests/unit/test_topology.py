@@ -194,3 +194,22 @@ def test_a_generation_session_logs_no_optimizer_workers(tmp_path):
     assert "optimizer worker(s)" not in line and placement.num_workers == 0
     assert "no optimizer workers (forward only: megatrain generate/chat" in line, line
     assert [s.name for s in actor_slots(placement.plan, use_gpu=False)] == ["gpu", "host0"]
+
+
+def test_a_separate_rollout_gets_cores_and_a_gpu_bundle_of_its_own(tmp_path):
+    """rl.rollout: separate: the placement reserves cores for one GPU worker more, the rollout worker's, and its Ray
+    bundle asks for a GPU as the GPU workers' do."""
+    from megatrain_ray.config.load import load_config
+    from megatrain_ray.driver.placement import ROLLOUT_ACTOR, RunPlacement, actor_slots
+    from tests.conftest import tiny_raw
+
+    topology = detect_topology(tmp_path / "missing", allowed=set(range(16)), cgroup_root=tmp_path / "nocgroup")
+    cfg = load_config(raw=tiny_raw())
+    plain = RunPlacement(cfg, use_gpu=True, topology=topology)
+    placement = RunPlacement(cfg, use_gpu=True, topology=topology, rollout=True)
+    slots = {s.name: s for s in actor_slots(placement.plan, use_gpu=True, rollout=True)}
+    assert slots[ROLLOUT_ACTOR].bundle["GPU"] == 1.0 and slots["gpu"].bundle["GPU"] == 1.0
+    assert not set(slots[ROLLOUT_ACTOR].cores) & set(slots["gpu"].cores)
+    workers = {c for w in placement.plan.workers for c in w.cores}
+    assert not workers & set(slots[ROLLOUT_ACTOR].cores)  # the optimizer keeps off the rollout worker's cores
+    assert len(placement.plan.gpu_cores) == len(plain.plan.gpu_cores) + 1

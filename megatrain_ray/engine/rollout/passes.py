@@ -39,6 +39,10 @@ class RolloutPasses:
 
     binds_adapters = False
     """The layers' weights come bound with LoRA adapters (engine/lora_engine.py): no resident copy of plain weights."""
+    refresh_on_generate = True
+    """Each generation first copies the host's new weights into the rollout's own copy. False in a separate rollout
+    worker (actors/rollout_worker.py), which takes them only when told (refresh_rollout_weights), between the
+    trainer's updates: the optimizer may be writing the host's copy while it generates."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> RolloutResult:
@@ -137,6 +141,10 @@ class RolloutPasses:
                 return None
             merged = self.engine_cfg.rollout_lora == "merged" and MergedBaseView.applies(self)
             return MergedBaseView(self) if merged else ResidentBaseView(self)
+        if not self.refresh_on_generate:
+            if getattr(self, "_rollout_weights", None) is None:
+                raise RuntimeError("this rollout worker holds no weights yet: refresh_rollout_weights() first")
+            return self._rollout_weights
         own = [s for s in self.layout.stages if not (s.kind == "layer" and self.resident.holds(s))]
         wanted = choose_resident(self.engine_cfg.rollout_weights, self.device, self.binds_adapters,
                                  resident_bytes(own, self.compute_dtype), cache_bytes)
@@ -147,6 +155,18 @@ class RolloutPasses:
             self._rollout_weights = RolloutWeights(own, self.compute_dtype, self.device)
         self._rollout_weights.refresh(self.weights.store, self.updates.wait)
         return self._rollout_weights
+
+    def refresh_rollout_weights(self) -> int:
+        """(A separate rollout worker: refresh_on_generate False, no layer of its own resident, no LoRA) Copy every
+        stage's streaming copy from the host into the rollout's own copy on the device, allocated on the first call;
+        its bytes."""
+        if self.binds_adapters or self.resident.stages:
+            raise RuntimeError("refresh_rollout_weights serves a full fine-tune's rollout worker, which keeps no "
+                               "layer resident with training state")
+        if getattr(self, "_rollout_weights", None) is None:
+            self._rollout_weights = RolloutWeights(list(self.layout.stages), self.compute_dtype, self.device)
+        self._rollout_weights.refresh(self.weights.store, lambda index: None)  # the trainer flushed its updates
+        return resident_bytes(list(self.layout.stages), self.compute_dtype)
 
     def _experts_in_nf4(self, copy: RolloutWeights | ResidentBaseView | None) -> bool:
         """A decode step reads the MoE layers' experts in NF4 where they lie (engine/packed_stream.py): an NF4 base
