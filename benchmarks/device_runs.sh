@@ -75,6 +75,9 @@
 #   grpo-gpt-oss-120b  issue 49: gpt-oss-120b, NF4 base, LoRA r 16 on attention, every packed layer GPU-resident,
 #                 engine.nf4_kernels=triton: 3 GRPO steps of 8 prompts x 4 completions of 1,024 tokens (prompt 512),
 #                 s/step, host and GPU memory against the plan                                      nvidia-h200
+#   grpo-x2       issue 49: MegaTrain's 7B GRPO configuration (8 x 2 completions, 512 + 1024 tokens, full precision)
+#                 colocated, then with the rollout on the second GPU on-policy (rl.rollout: separate) and one step
+#                 ahead (rl.async_steps: 1), 3 steps each, through the Trainer on Ray (MODES overrides)     nvidia-h200-x2
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -132,6 +135,8 @@ case "${1:-}" in
     python benchmarks/grpo_step.py --config configs/shapes/gpt-oss-120b-qlora.yaml --steps 3 --prompts 8 \
       --generations 4 --prompt-len 512 --completion-len 1024 --lora-b-std 0.01 --no-baseline --out "$OUT" \
       --name grpo-gpt-oss-120b-nf4 --set engine.gpu_resident=36 --set engine.nf4_kernels=triton ;;
+  grpo-x2)
+    python benchmarks/grpo_two_gpus.py --modes "${MODES:-colocated,separate,separate-async}" --steps 3 --out "$OUT" ;;
   decode-step)
     python benchmarks/decode_step.py --out "$OUT" ;;
   grpo-lora-32b|grpo-lora-32b-tt)
