@@ -273,14 +273,18 @@ class GRPOSteps:
             return batch
         return dataclasses.replace(batch, policy=dataclasses.replace(rows, old_logps=old, ref_logps=ref))
 
-    def evaluate(self, prompts: PromptBatches, gpu: Any) -> dict[str, float]:
+    def evaluate(self, prompts: PromptBatches, gpu: Any, worker: Any = None) -> dict[str, float]:
         """The mean reward of the first train.eval_batches x (data.batch_size / num_generations) held-out prompts,
         num_generations completions each, sampled as in training but with one fixed seed: evaluations differ only by
-        the weights."""
+        the weights (those after every step taken). `worker`: the separate rollout worker, which generates them."""
         rows = prompts.eval_prompts(self.cfg.train.eval_batches * self.prompts.prompts_per_step)
         prompt_ids = [ids for ids in rows.ids for _ in range(self.grpo.num_generations)]
         sampling = dataclasses.replace(self.sampling(0), seed=self.cfg.train.seed)
-        rollout: RolloutResult = gpu.generate(prompt_ids, sampling).result()
+        generator = gpu
+        if self.separate is not None and worker is not None:
+            self.separate.up_to_date(gpu, worker)
+            generator = worker
+        rollout: RolloutResult = generator.generate(prompt_ids, sampling).result()
         rewards = self.score(rows, rollout.completions())[0]
         metrics = {"eval_reward": float(weighted_rewards(rewards, self.weights).nanmean())}
         for name, column in zip(self.names, rewards.T):

@@ -96,6 +96,15 @@ class SeparateRollouts:
             self.held = (step, batch)
         return batch
 
+    def up_to_date(self, gpu: Any, worker: Any) -> None:
+        """Before a generation outside the steps' schedule (evaluation: the weights after every step taken): the
+        batch generated ahead collected and held for its step, the trainer's updates applied, the worker synced."""
+        if self.ahead is not None:
+            launched, self.ahead = self.ahead, None
+            self.held = (launched.step, self.steps.finish(launched, gpu))
+        gpu.flush().result()
+        self.sync(gpu, worker)
+
     def sync(self, gpu: Any, worker: Any) -> dict[str, float]:
         """The rollout worker takes the weights after the trainer's updates so far (its generation, if any, is done:
         the actor runs one call at a time)."""

@@ -67,7 +67,8 @@ def _session_overrides(device: str, overrides: list[str]) -> list[str]:
     per stage: the session never trains). On the CPU the rollout keeps its own copy of the weights (one memcpy)
     instead of copying every stage for each token. The user's --set come last and win."""
     fixed = ["runtime.mode=local", "runtime.dashboard=false", "parallel.gpus=1", "parallel.nodes=1",
-             f"engine.device={device}", "optimizer.grad_clip=0.0", "train.report_to=[]"]
+             f"engine.device={device}", "optimizer.grad_clip=0.0", "train.report_to=[]", "rl.rollout=colocated",
+             "rl.async_steps=0"]
     if not _uses_cuda(device):
         fixed.append("engine.rollout_weights=resident")
     return [*fixed, *overrides]

@@ -376,7 +376,9 @@ class Trainer(RunTensors, ClusterView):
 
     def evaluation(self) -> dict[str, float]:
         """train.eval_every's measures: eval_loss, or GRPO's held-out rewards (GRPOSteps.evaluate)."""
-        return self.rollouts.evaluate(self.eval_data, self.gpu) if self.rollouts else {"eval_loss": self.evaluate()}
+        if self.rollouts:
+            return self.rollouts.evaluate(self.eval_data, self.gpu, self.cluster.rollout)
+        return {"eval_loss": self.evaluate()}
 
     def evaluate(self) -> float:
         """Loss over the fixed evaluation batches, each token weighted equally (forward only, after the

@@ -99,8 +99,9 @@ def replay_one_step_ahead(cfg, steps: int) -> tuple[list, list[dict], dict]:
 
 
 def test_one_step_ahead_trains_batch_k_from_the_weights_of_k_minus_1(tmp_path, prompts_dir, monkeypatch):  # noqa: F811
-    steps = 4
-    cfg = rl_config(tmp_path / "ahead", prompts_dir, async_steps=1, steps=steps)
+    steps = 4  # evaluated after steps 1 and 3, on the rollout worker: the weights after every step taken
+    cfg = rl_config(tmp_path / "ahead", prompts_dir, async_steps=1, steps=steps,
+                    extra={"train": {"eval_every": 2, "eval_batches": 1}, "data": {"eval_path": str(prompts_dir)}})
     seen = recording(monkeypatch)
     with Trainer(cfg) as trainer:
         history = trainer.train()
@@ -112,6 +113,8 @@ def test_one_step_ahead_trains_batch_k_from_the_weights_of_k_minus_1(tmp_path, p
         assert torch.equal(ids, batch.batch.input_ids), step
         assert torch.equal(logps, batch.batch.policy.sampling_logps), step
     assert [r["loss"] for r in history] == [r["loss"] for r in records]
+    assert [r.get("eval_reward") for r in history] == [r.get("eval_reward") for r in records]
+    assert "eval_reward" in history[1] and "eval_reward" in history[3]
     assert all(torch.equal(weights[k], weights_ref[k]) for k in weights)
     # off by one update from step 1 on: the trainer's log-probabilities of the sampled tokens move away from the
     # rollout's (lr 1e-2), which the importance-sampling correction weighs; at step 0 they agree to float32 rounding
