@@ -173,3 +173,25 @@ def test_a_separate_rollout_needs_grpo(tmp_path):
 
     with pytest.raises(ConfigError, match=r"rl\.rollout.*finetune\.objective is 'sft'"):
         load_config(raw=tiny_raw(rl={"rollout": "separate"}))
+
+
+@pytest.mark.parametrize("gpus,error", [(2, None), (1, r"offers 1 GPUs and one for the rollout worker")])
+def test_the_rollout_worker_needs_a_gpu_beside_the_trainers(tmp_path, prompts_dir, monkeypatch, gpus,  # noqa: F811
+                                                          error):
+    """On a Ray cluster with GPUs, parallel.gpus auto leaves one for the rollout worker; a node with one GPU only is
+    one clear error (the cluster's answers faked: this machine has no GPU)."""
+    import ray
+
+    from megatrain_ray.driver.parallel import resolve_parallel
+
+    node = {"NodeID": "n0", "Alive": True, "Resources": {"GPU": float(gpus)}, "NodeManagerAddress": "127.0.0.1"}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": float(gpus), "CPU": 16.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [node])
+    cfg = rl_config(tmp_path, prompts_dir, extra={"runtime": {"mode": "ray"}, "engine": {"device": "auto"},
+                                                  "parallel": {"gpus": "auto"}})
+    if error is None:
+        plan = resolve_parallel(cfg)
+        assert (plan.world, plan.use_gpu) == (1, True)
+    else:
+        with pytest.raises(ConfigError, match=error):
+            resolve_parallel(cfg)
