@@ -101,9 +101,6 @@ def check_hybrid_run(cfg: Any) -> None:
     if cfg.model.family not in HYBRID_FAMILIES:
         return
     family = cfg.model.family
-    if cfg.finetune.method == "lora":
-        _fail("finetune.method", "lora", f"LoRA targets of {family}'s linear-attention layers are not mapped yet; "
-              "use finetune.method=full")
     if cfg.finetune.objective == "grpo":
         _fail("finetune.objective", "grpo", f"the rollout engine's KV cache has no recurrent state for {family}'s "
               "linear-attention layers; use sft or dpo")

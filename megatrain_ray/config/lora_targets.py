@@ -20,6 +20,12 @@ a module of its own, neither an nn.Linear, so PEFT adapts them only through `tar
   q_lora_rank is 0), kv_a_proj_with_mqa, kv_b_proj, o_proj; GLM-4.5 MoE's are q/k/v/o_proj (with their biases,
   which stay frozen).
 The resolved names: the attention projections, and `gate`, `gate_up_proj`, `down_proj` for the router and experts.
+
+Hybrid families (qwen3_5, qwen3_5_moe, qwen3_next): a full-attention layer has q/k/v/o_proj (q_proj holds the output
+gate's rows too), a linear-attention layer its Gated DeltaNet's projections (LINEAR_MIXER_PROJECTIONS), each nn.Linear,
+so peft adapts each on the layers that have it. Qwen3.5's dense MLP is gate/up/down_proj. On the MoE hybrids peft's
+all-linear also takes the shared expert's projections (qwen3_next: the router and experts too), which are not built
+here: all-linear is refused there, the attention and linear-attention projections are taken by name.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ LORA_PROJECTIONS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
 PHI3_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """Phi-3's fused projections."""
 
+LINEAR_MIXER_PROJECTIONS = {"qwen3_5": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+                            "qwen3_5_moe": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+                            "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj")}
+"""A hybrid family's linear-attention (Gated DeltaNet) projections (model/linear_attention.py), by PEFT's names."""
 _QWEN2_MOE_NAMES = {"gate": "gate", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 ROUTER_AND_EXPERT_NAMES = {"qwen3_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
                            "deepseek_v3": ("gate", "gate_proj", "up_proj", "down_proj"),
@@ -58,6 +68,8 @@ _SHARED_NOTE = {"deepseek_v3": _SHARED, "glm4_moe": _SHARED}
 def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
     """The targeted projections' short names for a family, in the layer's order; `key`: the config field, named
     in the error when a target cannot be adapted."""
+    if family in LINEAR_MIXER_PROJECTIONS:
+        return _hybrid_targets(family, target_modules, key)
     if family in ROUTER_AND_EXPERT_NAMES:
         return _moe_targets(family, target_modules, key)
     known = PHI3_LORA_PROJECTIONS if family == "phi3" else LORA_PROJECTIONS
@@ -67,6 +79,24 @@ def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"],
     if unknown:
         refuse(key, target_modules,
                f"{unknown[0]!r} is not a linear module of a {family} layer; choose from {', '.join(known)}")
+    return tuple(name for name in known if name in target_modules)
+
+
+def _hybrid_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
+    known = (*ATTENTION_PROJECTIONS, *LINEAR_MIXER_PROJECTIONS[family],
+             *(("gate_proj", "up_proj", "down_proj") if family == "qwen3_5" else ()))
+    if target_modules == "all-linear":
+        if family != "qwen3_5":
+            refuse(key, target_modules, f"peft's all-linear on {family} also adapts the MoE layers' shared expert"
+                   f"{' and its router and experts' if family == 'qwen3_next' else ''}, which this version does not "
+                   f"build; name the projections: {', '.join(known)}")
+        return known
+    for name in target_modules:
+        if name not in known:
+            moe = family != "qwen3_5" and name not in LINEAR_MIXER_PROJECTIONS[family]
+            refuse(key, target_modules, f"{name!r} is not " + (
+                f"built as a LoRA target of {family}'s MoE layers (their router, experts and shared expert); "
+                if moe else f"a linear module of a {family} layer; ") + f"choose from {', '.join(known)}")
     return tuple(name for name in known if name in target_modules)
 
 

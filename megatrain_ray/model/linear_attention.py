@@ -15,7 +15,7 @@ operation (training: every row from a zero state, no cache):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,18 +50,21 @@ class LinearAttentionSpec:
                    cfg.rms_norm_eps, cfg.family in FUSED_PROJECTIONS)
 
 
-def _projections(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec):
+Projection = Callable[[torch.Tensor, str], torch.Tensor]
+"""(input, module name) -> the module's product: the plain matrix, or with its LoRA adapter (model/lora.project)."""
+
+
+def _projections(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec, proj: Projection):
     """[q k v] side by side [B, T, conv channels], z [B, T, H_v, d_v], b and a [B, T, H_v]."""
     batch, seq_len, _ = h.shape
     nk, nv, dk, dv = spec.num_key_heads, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim
     if not spec.fused:
-        z = F.linear(h, w[f"{P}in_proj_z.weight"]).view(batch, seq_len, nv, dv)
-        return F.linear(h, w[f"{P}in_proj_qkv.weight"]), z, F.linear(h, w[f"{P}in_proj_b.weight"]), \
-            F.linear(h, w[f"{P}in_proj_a.weight"])
+        z = proj(h, f"{P}in_proj_z").view(batch, seq_len, nv, dv)
+        return proj(h, f"{P}in_proj_qkv"), z, proj(h, f"{P}in_proj_b"), proj(h, f"{P}in_proj_a")
     per = nv // nk  # value heads per key head: Qwen3-Next's rows are [q k v z] and [b a] per key head
-    qkvz = F.linear(h, w[f"{P}in_proj_qkvz.weight"]).view(batch, seq_len, nk, 2 * dk + 2 * per * dv)
+    qkvz = proj(h, f"{P}in_proj_qkvz").view(batch, seq_len, nk, 2 * dk + 2 * per * dv)
     q, k, v, z = qkvz.split((dk, dk, per * dv, per * dv), dim=-1)
-    b, a = F.linear(h, w[f"{P}in_proj_ba.weight"]).view(batch, seq_len, nk, 2 * per).split((per, per), dim=-1)
+    b, a = proj(h, f"{P}in_proj_ba").view(batch, seq_len, nk, 2 * per).split((per, per), dim=-1)
     mixed = torch.cat([t.reshape(batch, seq_len, -1) for t in (q, k, v)], dim=-1)
     return mixed, z.reshape(batch, seq_len, nv, dv), b.reshape(batch, seq_len, nv), a.reshape(batch, seq_len, nv)
 
@@ -83,12 +86,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (normed * F.silu(gate.to(work))).to(x.dtype)
 
 
-def linear_attention(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec) -> torch.Tensor:
+def linear_attention(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec,
+                     proj: Projection | None = None) -> torch.Tensor:
     """The token mixer's output [B, T, hidden] of the normed input h [B, T, hidden] (the residual add is the
-    caller's)."""
+    caller's); `proj`: how a projection is computed (default: the plain matrix product)."""
     batch, seq_len, _ = h.shape
     nk, dk, dv = spec.num_key_heads, spec.key_head_dim, spec.value_head_dim
-    mixed, z, b, a = _projections(h, w, spec)
+    proj = proj or (lambda x, module: F.linear(x, w[f"{module}.weight"]))
+    mixed, z, b, a = _projections(h, w, spec, proj)
     mixed = causal_conv(mixed, w[f"{P}conv1d.weight"])
     q, k, v = mixed.split((nk * dk, nk * dk, spec.num_value_heads * dv), dim=-1)
     q, k = q.reshape(batch, seq_len, nk, dk), k.reshape(batch, seq_len, nk, dk)
@@ -99,4 +104,4 @@ def linear_attention(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: Linea
     g = -w[f"{P}A_log"].to(work).exp() * F.softplus(a.to(work) + w[f"{P}dt_bias"])
     out = chunk_gated_delta_rule(q, k, v, g, beta)
     out = gated_rms_norm(out, z, w[f"{P}norm.weight"], spec.eps)
-    return F.linear(out.reshape(batch, seq_len, -1), w[f"{P}out_proj.weight"])
+    return proj(out.reshape(batch, seq_len, -1), f"{P}out_proj")

@@ -28,28 +28,43 @@ from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.latent_attention_section import latent_projection_shapes
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.sections import Config
+from megatrain_ray.model.layout import linear_attention_tensors
 from megatrain_ray.model.lora_moe import param_adapters
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
               "kv_b_proj")
+_LINEAR_MIXER = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
+"""A hybrid family's linear-attention projections (model/linear_attention.py), under `linear_attn.`."""
 _PEFT_PREFIX = "base_model.model."
 
 
 def module_name(short: str) -> str:
-    """`q_proj` -> `self_attn.q_proj`, `gate_proj` -> `mlp.gate_proj`: the module inside a decoder layer."""
-    return f"{'self_attn' if short in _ATTENTION else 'mlp'}.{short}"
+    """`q_proj` -> `self_attn.q_proj`, `in_proj_z` -> `linear_attn.in_proj_z`, `gate_proj` -> `mlp.gate_proj`: the
+    module inside a decoder layer."""
+    where = "self_attn" if short in _ATTENTION else "linear_attn" if short in _LINEAR_MIXER else "mlp"
+    return f"{where}.{short}"
 
 
-def adapter_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
+def adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int | None = None) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each targeted linear projection of a layer, by module name, in the layer's
-    order (a MoE family's router and expert adapters: layer_adapter_shapes)."""
+    order (a MoE family's router and expert adapters: layer_adapter_shapes). A hybrid family's layers differ:
+    `layer` picks one (its attention or its linear-attention projections); None gives those of every kind."""
     h, f, hd = model.hidden_size, model.intermediate_size, model.resolved_head_dim
     q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
-    dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "qkv_proj": (q + 2 * kv, h),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f), "gate_up_proj": (2 * f, h)}
+    hybrid = model.linear_attention is not None
+    dims = {"q_proj": (2 * q if hybrid else q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "qkv_proj": (q + 2 * kv, h), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+            "gate_up_proj": (2 * f, h)}  # a hybrid's gated attention: q_proj holds each head's query and gate
     linear = _ATTENTION if model.is_moe else dims  # a MoE family's MLP names are its router and experts
     if model.latent_attention is not None:  # DeepSeek-V3: the latent attention's projections this model has
         dims = linear = latent_projection_shapes(model)
+    if hybrid:
+        mixer = {name.split(".")[1]: shape for name, shape, _ in linear_attention_tensors(model)
+                 if name.split(".")[1] in _LINEAR_MIXER}
+        dims, linear = {**dims, **mixer}, (*linear, *mixer)
+        if layer is not None:  # a linear-attention layer has no self_attn, a full-attention one no linear_attn
+            mixes = model.layer_types[layer] == "linear_attention"
+            linear = tuple(n for n in linear if (n in mixer) == mixes or (n not in mixer and n not in _ATTENTION))
     return {module_name(short): dims[short] for short in lora.targets(model.family) if short in linear}
 
 
@@ -57,7 +72,7 @@ def layer_adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int) -> di
                                                                                              tuple[int, int]]]:
     """The shapes of A and B of every adapter of decoder layer `layer`, by module name (PEFT's), in the layer's
     order: the linear projections' and, on a MoE layer, the router's and experts' (model/lora_moe.py)."""
-    shapes = {m: ((lora.r, inp), (out, lora.r)) for m, (out, inp) in adapter_shapes(model, lora).items()}
+    shapes = {m: ((lora.r, inp), (out, lora.r)) for m, (out, inp) in adapter_shapes(model, lora, layer).items()}
     for p in param_adapters(model, lora.targets(model.family), lora.r, layer):
         shapes[p.module] = (p.a_shape, p.b_shape)
     return shapes
@@ -255,10 +270,11 @@ def adapter_activation_bytes(model: ModelConfig, lora: LoraConfig, tokens: int, 
     product with A. The MLP's projections see `mlp_tokens` at a time (engine.mlp_chunk_tokens). A MoE layer's
     router and expert adapters make the adapted tensor (its size in the compute dtype) and, in the backward, its
     gradient (model/lora_moe.py)."""
-    total = 0
-    for module, (_, in_features) in adapter_shapes(model, lora).items():
-        n = mlp_tokens if module.startswith("mlp.") else tokens
-        total += n * ((in_features * 4 if compute_bytes != 4 else 0) + lora.r * 4)
+    def held(layer: int) -> int:
+        return sum((mlp_tokens if module.startswith("mlp.") else tokens) *
+                   ((in_features * 4 if compute_bytes != 4 else 0) + lora.r * 4)
+                   for module, (_, in_features) in adapter_shapes(model, lora, layer).items())
+    total = max(held(layer) for layer in range(model.num_layers))
     adapted = max((sum(p.experts * p.in_features * p.out_features for p in
                        param_adapters(model, lora.targets(model.family), lora.r, layer))
                    for layer in range(model.num_layers)), default=0)

@@ -128,9 +128,10 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     place of attn. x: [B, T, hidden]."""
     if spec.linear is not None:  # Qwen3.5 / Qwen3-Next's Gated DeltaNet layers (no RoPE; packed rows: per document)
         h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.plus_one)
+        proj = lambda inp, module: project(inp, w, module, spec)  # noqa: E731  (LoRA adapters where bound)
         if documents is None:
-            return x + linear_attention(h, w, spec.linear)
-        return x + per_document(h, documents, lambda doc: linear_attention(doc, w, spec.linear))
+            return x + linear_attention(h, w, spec.linear, proj)
+        return x + per_document(h, documents, lambda doc: linear_attention(doc, w, spec.linear, proj))
     if spec.latent is not None:  # DeepSeek-V3's multi-head latent attention (model/latent_attention.py)
         q, k, v = latent_qkv(rms_norm(x, w["input_layernorm.weight"], spec.eps), w, rope, spec)
         return x + latent_output(attention(q, k, v, spec, documents), w, spec)

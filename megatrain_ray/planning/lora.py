@@ -135,5 +135,6 @@ def lora_stage_seconds(cfg: Config, stage: Any, forward: float, backward: float,
     matrices = sum(s.numel * active_fraction(cfg.model, s.name) for s in stage.slots if s.decay)
     weight_grads = 6.0 * matrices * tokens / rate / 4
     lora = cfg.finetune.lora
-    adapters = 6.0 * sum(lora.r * (o + i) for o, i in adapter_shapes(cfg.model, lora).values()) * tokens / rate
+    adapters = 6.0 * sum(lora.r * (o + i) for o, i in adapter_shapes(cfg.model, lora, stage.index - 1).values()) \
+        * tokens / rate
     return forward + adapters / 4, backward - weight_grads + 3 * adapters / 4
