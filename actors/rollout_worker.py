@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import torch
 
@@ -38,8 +37,10 @@ def rollout_run(run: RunSpec) -> RunSpec:
     trainer computes the KL reference's log-probabilities)."""
     if run.frozen_base:  # LoRA: its resident base is copied from the host store, as the trainer's
         return dataclasses.replace(run, kept_layers=0, reference_copy=False)
+    # frozen_base: the engine then allocates no gradient sink and no vocabulary accumulator (it never trains); the
+    # store it maps stays the trainer's (stream_is_master, the kinds and dtypes unchanged)
     return dataclasses.replace(run, resident_layers=0, resident_vocab=False, kept_layers=0, speculative_stages=0,
-                               reference_copy=False)
+                               reference_copy=False, frozen_base=True)
 
 
 class RolloutWorker(GPUWorker):
@@ -80,5 +81,3 @@ class RolloutWorker(GPUWorker):
                               f"{self.engine.compute_dtype}: {need / gib:.1f} GiB, more than its {free / gib:.1f} GiB "
                               f"free (of {total / gib:.1f}); use rl.rollout: colocated")
 
-    def describe(self) -> dict[str, Any]:
-        return {"device": self.device_name(), "lora": self.lora}

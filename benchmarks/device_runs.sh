@@ -78,6 +78,9 @@
 #   grpo-x2       issue 49: MegaTrain's 7B GRPO configuration (8 x 2 completions, 512 + 1024 tokens, full precision)
 #                 colocated, then with the rollout on the second GPU on-policy (rl.rollout: separate) and one step
 #                 ahead (rl.async_steps: 1), 3 steps each, through the Trainer on Ray (MODES overrides)     nvidia-h200-x2
+#   qwen35-397b-x2  issue 43: Qwen3.5-397B-A17B's text model, NF4 base, LoRA r 16 on the attention and Gated
+#                 DeltaNet projections, 2 x 4096 tokens, 5 steps (1 warm-up) on one GPU of the 256 GiB box: loss,
+#                 host and GPU memory against the plan (195 GiB host planned)                        nvidia-h200-x2
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MEGATRAIN_COMMIT=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -135,6 +138,13 @@ case "${1:-}" in
     python benchmarks/grpo_step.py --config configs/shapes/gpt-oss-120b-qlora.yaml --steps 3 --prompts 8 \
       --generations 4 --prompt-len 512 --completion-len 1024 --lora-b-std 0.01 --no-baseline --out "$OUT" \
       --name grpo-gpt-oss-120b-nf4 --set engine.gpu_resident=36 --set engine.nf4_kernels=triton ;;
+  qwen35-397b-x2)
+    python benchmarks/run.py --config configs/shapes/qwen3.5-397b-a17b.yaml --systems megatrain --batches 2 \
+      --seq-lens 4096 --steps 4 --warmup 1 --no-roofline --timeout 570 --name qwen3.5-397b-a17b-nf4-lora-x2 \
+      --out "$OUT" --set finetune.method=lora --set finetune.lora.base_quantization=nf4 --set finetune.lora.r=16 \
+      --set finetune.lora.lora_alpha=32 --set precision.stream_dtype=bfloat16 --set optimizer.lr=2e-4 \
+      --set 'finetune.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj]' \
+      --set checkpoint.at_end=false ;;
   grpo-x2)
     python benchmarks/grpo_two_gpus.py --modes "${MODES:-colocated,separate,separate-async}" --steps 3 --out "$OUT" ;;
   decode-step)

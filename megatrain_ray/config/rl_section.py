@@ -1,5 +1,5 @@
 """The `rl` section: where a reinforcement-learning run (finetune.objective=grpo) generates its completions, and how
-far the generation may run ahead of the training. The loop is driver/grpo.py (driver/rollout_loop.py for the
+far the generation may run ahead of the training. The loop is driver/grpo.py (driver/separate_rollout.py for the
 separate rollout worker); the worker is actors/rollout_worker.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from megatrain_ray.config.fields import refuse as _fail
 
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
-    """Placement of GRPO's rollout (docs/fine-tuning.md, GRPO on two GPUs)."""
+    """Placement of GRPO's rollout (docs/fine-tuning.md, GRPO: the rollout on a GPU of its own)."""
 
     SECTION: ClassVar[str] = "rl"
     rollout: Literal["colocated", "separate"] = "colocated"

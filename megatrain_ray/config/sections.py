@@ -250,7 +250,7 @@ def check_rl(cfg: Config) -> None:
     if cfg.optimizer.speculative_stages:
         _fail("optimizer.speculative_stages", cfg.optimizer.speculative_stages, "keeps a second set of weights per "
               "stage, which the separate rollout worker (rl.rollout: separate) does not follow: set it to 0")
-    if cfg.engine.rollout_weights == "streamed":
+    if cfg.engine.rollout_weights == "streamed" and cfg.finetune.method == "full":
         _fail("engine.rollout_weights", "streamed", "with rl.rollout: separate the rollout worker holds its own copy "
               "of the weights on its GPU (taken between steps, never while the optimizer writes them): set it to auto")
     if rl.async_steps and not grpo.vllm_importance_sampling_correction:

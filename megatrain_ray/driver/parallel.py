@@ -79,10 +79,12 @@ def resolve_parallel(cfg: Config) -> ParallelPlan:
         extra = rollout_gpus if use_gpu else 0
         per_node = wanted if wanted is not None else (max(1, most - extra) if use_gpu else 1)
         if use_gpu and per_node + extra > most:
-            rollout = " and one for the rollout worker (rl.rollout: separate)" if extra else ""
-            raise ConfigError(f"parallel.gpus={p.gpus}: no node of the Ray cluster offers {per_node} GPUs{rollout} "
-                              f"(the largest has {most}); lower parallel.gpus"
-                              f"{', or set rl.rollout: colocated' if extra else ' or spread it with parallel.nodes'}")
+            if extra:
+                raise ConfigError(f"rl.rollout=separate: the trainer's {per_node} GPU(s) and one for the rollout "
+                                  f"worker need a node with {per_node + extra} GPUs, and the largest of the Ray "
+                                  f"cluster has {most}; set rl.rollout: colocated, or add a GPU")
+            raise ConfigError(f"parallel.gpus={p.gpus}: no node of the Ray cluster offers {per_node} GPUs (the "
+                              f"largest has {most}); lower parallel.gpus or spread it with parallel.nodes")
         chosen: list[dict] = []
     else:
         here = ray.get_runtime_context().get_node_id()  # node 0, whose shards write checkpoints, is the driver's

@@ -96,7 +96,8 @@ class RunTensors:
         if self._resident_holder is not None:
             self._resident_holder.write_resident(tensors).result()
         if self.run_spec.frozen_base:  # the base each GPU worker holds on its device is copied again
-            for done in [gpu.reload_base() for gpu in self.gpus]:
+            rollout = [self.cluster.rollout] if getattr(self.cluster, "rollout", None) is not None else []
+            for done in [gpu.reload_base() for gpu in [*self.gpus, *rollout]]:  # rl.rollout=separate's worker too
                 done.result()
 
     def adapters(self) -> dict[str, torch.Tensor]:

@@ -47,10 +47,11 @@ SECTION_ALIGN = 256
 # Blocks decoded at a time on the device: bounds the temporaries (an int64 index per byte and a float32
 # value per element, about 24 bytes per value) to ~0.4 GB whatever the stage.
 _DEQUANTIZE_CHUNK_VALUES = 1 << 24
-KEPT_MATRICES = ("mlp.router.weight", "mlp.gate.weight")
-"""The MoE routers' weights (gpt-oss, Qwen3-MoE / Mixtral), kept in the compute dtype: a few thousand values a
+KEPT_MATRICES = ("mlp.router.weight", "mlp.gate.weight", "linear_attn.conv1d.weight")
+"""Kept in the compute dtype: the MoE routers' weights (gpt-oss, Qwen3-MoE / Mixtral), a few thousand values a
 layer whose rounding would change which experts a token goes to (bitsandbytes leaves them too: in transformers 5
-they are not nn.Linear)."""
+they are not nn.Linear); the Gated DeltaNet's depthwise convolution kernel (Qwen3.5, Qwen3-Next: an nn.Conv1d,
+which bitsandbytes does not quantize either)."""
 
 EXPERT_MATRICES = frozenset({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"})
 """A MoE layer's fused expert tensors: the ones a rollout's decode step may read in NF4 where they lie

@@ -26,6 +26,8 @@ from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.exceptions import ConfigError  # noqa: E402
 from tests.conftest import learnable_tokens, tiny_raw  # noqa: E402
 from tests.integration.test_lora_parity import train_peft  # noqa: E402
+from tests.integration.test_qlora import assert_nf4_logits_match_the_dequantized_model  # noqa: E402
+from megatrain_ray.quant.nf4 import dequantize_nf4, quantize_nf4  # noqa: E402
 from tests.numerics import EXACT, assert_exact, relative_error  # noqa: E402
 from tests.reference_hybrid import float64_hybrid, hf_hybrid_model  # noqa: E402
 
@@ -106,3 +108,47 @@ def test_hybrid_lora_targets_that_are_not_built_are_refused(tmp_path, name, targ
     raw["model"] = {"path": str(tmp_path / "base")}
     with pytest.raises(ConfigError, match=match):
         load_config(raw=raw)
+
+
+KEPT = ("mlp.gate.weight", "linear_attn.conv1d.weight")
+"""What an NF4 base keeps in the compute dtype besides the vectors: the router and the convolution kernel, neither an
+nn.Linear (quant/nf4_stage.KEPT_MATRICES)."""
+
+
+@pytest.mark.float32_parity
+@pytest.mark.parametrize("name,targets", [("qwen3_5", "all-linear"),
+                                          ("qwen3_5_moe", ["q_proj", "o_proj", *MIXER["qwen3_5_moe"]])])
+def test_hybrid_lora_on_an_nf4_base_equals_peft_on_the_dequantized_model(tmp_path, name, targets):
+    """QLoRA on a hybrid: every decoder matrix and fused expert tensor streams in NF4 (the Gated DeltaNet's
+    projections, the shared expert and its gate included), the router and the convolution kernel in the compute dtype;
+    fp32 logits with random non-zero adapters within 4x the float32 noise of peft on the dequantized model (its float64
+    twin), far from peft on the original base (test_qlora.assert_nf4_logits_match_the_dequantized_model)."""
+    model = hf_hybrid_model(name)
+    base, reference_base = tmp_path / "base", tmp_path / "dequantized"
+    model.save_pretrained(base)
+    replaced = 0
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if ".layers." in pname and param.dim() >= 2 and not pname.endswith(KEPT):
+                param.copy_(dequantize_nf4(quantize_nf4(param, 64, double_quant=True), torch.float32))
+                replaced += 1
+    model.save_pretrained(reference_base)
+    assert replaced >= 3 * 5
+    raw = tiny_raw(finetune={"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": targets,
+                                                        "base_quantization": "nf4"}},
+                   train={"steps": 2, "output_dir": str(tmp_path / "run")}, schedule={"warmup_steps": 1})
+    raw["model"] = {"path": str(base)}
+    raw["data"]["path"] = learnable_tokens(tmp_path / "tokens.npy", model.config.vocab_size)
+    cfg = load_config(raw=raw)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    experts = {"experts_implementation": "eager"} if name != "qwen3_5" else {}
+
+    def peft_model_of(model_dir, adapters, dtype):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                               **experts)
+        wrapped = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
+                                                          task_type="CAUSAL_LM"))
+        peft.set_peft_model_state_dict(wrapped, {k: v.to(dtype) for k, v in adapters.items()})
+        return wrapped.eval()
+    err = assert_nf4_logits_match_the_dequantized_model(cfg, base, reference_base, ids, peft_model_of)
+    print(f"{name}: NF4-base logits within {err:.2e} of peft on the dequantized model")

@@ -165,7 +165,8 @@ def test_bad_hybrid_settings_are_one_clear_error(tmp_path):
     hf = hf_hybrid_model("qwen3_5").config.to_dict()
     model = dataclasses.asdict(model_config_from_hf(hf))
     cases = [
-        (dict(model=model, finetune={"method": "lora"}), "finetune.method"),
+        (dict(model=model, finetune={"method": "lora", "lora": {"target_modules": ["in_proj_qkvz"]}}),
+         "finetune.lora.target_modules"),  # Qwen3-Next's fused projection, not Qwen3.5's
         (dict(model=model, engine={"compile": True}), "engine.compile"),
         (dict(model={**model, "layer_types": ["full_attention"] * 3, "linear_attention": None}),
          "model.linear_attention"),
