@@ -22,6 +22,19 @@ NF4_DEQUANT_VALUES_PER_S = {True: 132.6e9, False: 90.1e9}
 """NF4 values an H200 dequantizes per second into the compute dtype, compiled (engine.compile) and eager: one
 gpt-oss-120b layer of 3.2 B values (benchmarks/nf4_dequant.py, nf4-dequant-gpt-oss-120b-qlora-h200-20261126-050500
 .json). A LoRA rollout over an NF4 base dequantizes every layer at each decode step (engine/packed_stream.py)."""
+NF4_TRITON_DEQUANT_VALUES_PER_S = 1070.9e9
+"""The same layer dequantized by quant/nf4_triton's kernel (engine.nf4_kernels triton or auto on a GPU), bit for bit
+the compiled torch decoding's values, on an H200 (nf4-decode-gpt-oss-120b-qlora-h200-20261207-040720.json)."""
+
+
+def nf4_dequant_rate(cfg: Config, run: RunSpec) -> tuple[float, str]:
+    """(values per second, which code) a decode step dequantizes an NF4 base's layers at: the Triton kernel where
+    engine.nf4_kernels lets it run (a GPU, a compute dtype it writes), else compiled or eager torch."""
+    if cfg.engine.device != "cpu" and cfg.engine.nf4_kernels != "torch" and \
+            TORCH_DTYPES[run.compute_dtype] in TRITON_DTYPES:
+        return NF4_TRITON_DEQUANT_VALUES_PER_S, "Triton"
+    compiled = run.device_compiles
+    return NF4_DEQUANT_VALUES_PER_S[compiled], "compiled torch" if compiled else "eager torch"
 
 
 def rollout_tokens(cfg: Config) -> int:
@@ -126,12 +139,12 @@ def base_reads(cfg: Config, run: RunSpec) -> str:
              if resident else "every layer copied in at each decode step (engine.gpu_resident keeps none)")
     packed = [s for s in build_layout(cfg.model).stages if packs_stage(run, s)]
     if packed:
-        values, rate = sum(s.numel for s in packed), NF4_DEQUANT_VALUES_PER_S[run.device_compiles]
+        values, (rate, code) = sum(s.numel for s in packed), nf4_dequant_rate(cfg, run)
         in_place = [s for s in packed if experts_read_in_place(cfg, run, s)]
         if not in_place:
             return (f"  base in the rollout: {where}; in NF4, so each decode step dequantizes {values / 1e9:.1f} B "
                     f"values (about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an "
-                    "H200)")
+                    f"H200, {code})")
         experts = [slot for s in in_place for slot in s.slots if slot.name in EXPERT_MATRICES]
         values -= sum(slot.numel for slot in experts)
         m, rows = cfg.model, cfg.data.batch_size // max(run.world, 1)
@@ -139,7 +152,8 @@ def base_reads(cfg: Config, run: RunSpec) -> str:
         share = 1 - (1 - m.num_experts_per_tok / m.num_experts) ** rows
         code_bytes = sum(nf4_nbytes(slot.numel) for slot in experts)
         return (f"  base in the rollout: {where}; in NF4: each decode step dequantizes {values / 1e9:.1f} B values "
-                f"(about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an H200) and "
+                f"(about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an H200, {code}) "
+                f"and "
                 f"reads the routed experts of {len(in_place)} MoE layers in NF4 where they lie: {rows} rows to "
                 f"{m.num_experts_per_tok} of {m.num_experts} experts reach {share:.0%} of them if routed uniformly, "
                 f"{share * code_bytes / 1e9:.1f} of their {code_bytes / 1e9:.1f} GB a step")
