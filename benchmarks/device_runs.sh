@@ -73,8 +73,10 @@
 #                 dequantization (compiled torch against Triton) and a decode step's MoE half at 32/8/1 rows, every
 #                 expert dequantized against the routed ones read in NF4                            any GPU
 #   grpo-gpt-oss-120b  issue 49: gpt-oss-120b, NF4 base, LoRA r 16 on attention, every packed layer GPU-resident,
-#                 engine.nf4_kernels=triton: 3 GRPO steps of 8 prompts x 4 completions of 1,024 tokens (prompt 512),
-#                 s/step, host and GPU memory against the plan                                      nvidia-h200
+#                 engine.nf4_kernels=triton (KERNELS=torch: the dequantizing path, for its rollout/trainer gap):
+#                 3 GRPO steps of 8 prompts x 4 completions of 1,024 tokens (prompt 512), token_truncate ratios
+#                 (IS_MODE overrides; sequence_mask weighed every token 0 at a 0.58-nat gap), s/step, host and GPU
+#                 against the plan; start-up 176 s + 130 s a step: give the call its whole 600 s  nvidia-h200
 #   grpo-x2       issue 49: MegaTrain's 7B GRPO configuration (8 x 2 completions, 512 + 1024 tokens, full precision)
 #                 colocated, then with the rollout on the second GPU on-policy (rl.rollout: separate) and one step
 #                 ahead (rl.async_steps: 1), 3 steps each, through the Trainer on Ray (MODES overrides)     nvidia-h200-x2
@@ -137,7 +139,9 @@ case "${1:-}" in
   grpo-gpt-oss-120b)
     python benchmarks/grpo_step.py --config configs/shapes/gpt-oss-120b-qlora.yaml --steps 3 --prompts 8 \
       --generations 4 --prompt-len 512 --completion-len 1024 --lora-b-std 0.01 --no-baseline --out "$OUT" \
-      --name grpo-gpt-oss-120b-nf4 --set engine.gpu_resident=36 --set engine.nf4_kernels=triton ;;
+      --name "grpo-gpt-oss-120b-nf4-${KERNELS:-triton}" --set engine.gpu_resident=36 \
+      --set "engine.nf4_kernels=${KERNELS:-triton}" \
+      --set "finetune.grpo.vllm_importance_sampling_mode=${IS_MODE:-token_truncate}" ;;
   qwen35-397b-x2)
     python benchmarks/run.py --config configs/shapes/qwen3.5-397b-a17b.yaml --systems megatrain --batches 2 \
       --seq-lens 4096 --steps 4 --warmup 1 --no-roofline --timeout 570 --name qwen3.5-397b-a17b-nf4-lora-x2 \
