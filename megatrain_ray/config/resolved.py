@@ -237,7 +237,7 @@ def resident_tier_refusal(cfg: Config, world: int) -> str:
                          (cfg.finetune.objective == "grpo" and cfg.finetune.grpo.beta > 0,
                           "finetune.grpo.beta=0 (the KL reference pass streams every layer's initial weights from "
                           "host RAM; no layer may live on the device)"),
-                         (cfg.finetune.objective == "grpo" and cfg.rl.separate,
+                         (cfg.rl.separate,
                           "rl.rollout=colocated (a separate rollout worker reads every stage's new weights from the "
                           "host's streaming copy, which a GPU-resident layer does not have)")):
         if refused:

@@ -68,6 +68,11 @@ class NodeActors:
             out[f"{self.prefix}{ROLLOUT_ACTOR}"] = self.rollout
         return out
 
+    @property
+    def device_workers(self) -> list[Handle]:
+        """The GPU workers and, where there is one, the rollout worker."""
+        return [*self.gpus, *([self.rollout] if self.rollout is not None else [])]
+
 
 class Cluster:
     """Every node's actors under one run id; node 0's shards write the checkpoints and its segments
@@ -165,14 +170,14 @@ class Cluster:
             try:
                 node.specs = [spec for f in segments for spec in f.result()]
             except BaseException:  # a shard's own error (a bad weight, no room), raised here as before; the others
-                for handle in [*node.gpus, *node.optimizers, *([node.rollout] if node.rollout else [])]:
+                for handle in [*node.device_workers, *node.optimizers]:
                     handle.kill()  # they wait for specs that never come (DeferredList)
                 node.gpus, node.optimizers, node.rollout = [], [], None
                 raise
 
     def _rollout_on(self, node: int) -> bool:
         """Node `node` runs GRPO's separate rollout worker (node 0, with rl.rollout: separate)."""
-        return node == 0 and self.cfg.finetune.objective == "grpo" and self.cfg.rl.separate
+        return node == 0 and self.cfg.rl.separate  # GRPO only (config/sections.check_rl)
 
     def _join_process_group(self) -> None:
         """Every rank joins one torch.distributed group: through a file in shared memory when all ranks are
@@ -249,7 +254,7 @@ class Cluster:
                     node.rollout.shutdown().result(timeout=max(0.1, deadline - time.monotonic()))
                 except Exception as exc:
                     log.warning("rollout worker shutdown: %s", exc)
-            for handle in [*node.gpus, *([node.rollout] if node.rollout else []), *node.optimizers, *node.shards]:
+            for handle in [*node.device_workers, *node.optimizers, *node.shards]:
                 handle.kill() if after_failure else handle.retire()
             for spec in node.specs:  # segments of a shard that died
                 unlink_segment(spec)

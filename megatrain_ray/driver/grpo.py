@@ -154,7 +154,7 @@ class GRPOSteps:
         manifest's entry naming it: inside a num_iterations group its batch; with rl.async_steps=1 the batch of step
         `next_step`, generated ahead (waited for now); else nothing."""
         if self.separate is not None and self.separate.async_steps:
-            ahead = self.separate.hold_ahead(next_step, self.separate.gpu)
+            ahead = self.separate.hold_ahead(next_step)
             if ahead is None:
                 return {}
             self._write_batch(ahead.batch, ahead.metrics, directory)

@@ -55,7 +55,7 @@ class ParallelPlan:
 def resolve_parallel(cfg: Config) -> ParallelPlan:
     """The ranks and nodes of a run; in Ray mode from the cluster's nodes (Ray must be initialised)."""
     p = cfg.parallel
-    rollout_gpus = int(cfg.finetune.objective == "grpo" and cfg.rl.separate)  # GRPO's rollout worker: one GPU more
+    rollout_gpus = int(cfg.rl.separate)  # GRPO's rollout worker: one GPU more (config/sections.check_rl)
     if cfg.runtime.mode == "local":  # one rank (the config check refused more in-process), on this process's GPU
         if cfg.engine.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("engine.device=cuda but CUDA is not available to this process; set engine.device=auto "

@@ -86,12 +86,12 @@ class SeparateRollouts:
             return self.steps.finish(launched, gpu)
         return None
 
-    def hold_ahead(self, step: int, gpu: Any) -> Any:
-        """(A checkpoint after `step` steps) The batch generated ahead for step `step`, collected now and kept for
-        that step; None where there is none."""
-        if gpu is None:  # no step ran yet in this incarnation
+    def hold_ahead(self, step: int) -> Any:
+        """(A checkpoint after `step` steps) The batch generated ahead for step `step`, collected now (scored with the
+        GPU worker of the last step) and kept for that step; None where there is none."""
+        if self.gpu is None:  # no step ran yet in this incarnation
             return self.held[1] if self.held is not None and self.held[0] == step else None
-        batch = self.collect(step, gpu)
+        batch = self.collect(step, self.gpu)
         if batch is not None:
             self.held = (step, batch)
         return batch

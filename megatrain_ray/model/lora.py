@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.latent_attention_section import latent_projection_shapes
+from megatrain_ray.config.lora_targets import LINEAR_MIXER_PROJECTIONS
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.sections import Config
 from megatrain_ray.model.layout import linear_attention_tensors
@@ -33,8 +34,8 @@ from megatrain_ray.model.lora_moe import param_adapters
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
               "kv_b_proj")
-_LINEAR_MIXER = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
-"""A hybrid family's linear-attention projections (model/linear_attention.py), under `linear_attn.`."""
+_LINEAR_MIXER = frozenset(name for names in LINEAR_MIXER_PROJECTIONS.values() for name in names)
+"""Every hybrid family's linear-attention projections (model/linear_attention.py), under `linear_attn.`."""
 _PEFT_PREFIX = "base_model.model."
 
 
