@@ -6,7 +6,8 @@ transformers computes several steps in float32 whatever the model's dtype: the R
 chunked gated delta rule (torch_chunk_gated_delta_rule casts q, k, v, beta and g to float32) and the eager attention's
 softmax. megatrain computes all of them in its compute dtype (float64 in the exact tests), so float64_hybrid makes the
 reference do the same: the norms and tables written out as transformers writes them without the casts; the delta rule
-and the GatedDeltaNet forward are transformers' own source with its float32 casts turned into float64 ones (the number
+(chunked, and the recurrent one its generation's decode steps run) and the GatedDeltaNet forward are transformers' own
+source with its float32 casts turned into float64 ones (the number
 of casts replaced is checked, so a transformers that changes them fails here, not silently); SDPA for the attention.
 Left in float32 on both sides, as in tests/reference_hf.py: a MoE router's softmax and the load-balancing loss's sums.
 """
@@ -126,10 +127,11 @@ def float64_hybrid(model):
             module.forward = types.MethodType(_norm_forward, module)
         elif name.endswith("GatedDeltaNet"):
             namespace = inspect.unwrap(type(module).forward).__globals__  # the module its forward was written in
-            rule = _recompiled(namespace["torch_chunk_gated_delta_rule"], {"torch.float32": "torch.float64"},
-                               {"torch.float32": 1}, namespace)
+            rules = {name: _recompiled(namespace[name], {"torch.float32": "torch.float64"}, {"torch.float32": 1},
+                                       namespace)
+                     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")}
             forward = _recompiled(type(module).forward, {".float()": ".double()"}, {".float()": 2},
-                                  {**namespace, "torch_chunk_gated_delta_rule": rule})
+                                  {**namespace, **rules})
             module.forward = types.MethodType(forward, module)
             deltanets += 1
     assert deltanets, "no GatedDeltaNet module"

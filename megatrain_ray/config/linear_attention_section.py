@@ -101,9 +101,6 @@ def check_hybrid_run(cfg: Any) -> None:
     if cfg.model.family not in HYBRID_FAMILIES:
         return
     family = cfg.model.family
-    if cfg.finetune.objective == "grpo":
-        _fail("finetune.objective", "grpo", f"the rollout engine's KV cache has no recurrent state for {family}'s "
-              "linear-attention layers; use sft or dpo")
     if cfg.engine.compile is True:
         _fail("engine.compile", True, f"{family}'s layers run eagerly (the chunked delta rule is not tried through "
               "torch.compile yet); set engine.compile to auto or false")

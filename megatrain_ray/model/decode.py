@@ -6,7 +6,8 @@ the whole batch decodes together. A row's padding is never attended to (`cache_m
 row's own tokens only (0 at its first real token), as transformers' generate derives them from the attention
 mask. The layer's math is the training template's (model/templates.py: attention_qkv, attention_out,
 mlp_in_chunks); only the keys and values come from the cache. DeepSeek-V3's latent-attention layers cache their
-compressed keys and values instead (model/latent_decode.py: LatentCache, cached_latent_layer).
+compressed keys and values instead (model/latent_decode.py: LatentCache, cached_latent_layer), and the linear-attention
+layers of Qwen3.5 and Qwen3-Next a fixed-size state per row (model/recurrent_decode.py: RecurrentCache).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from megatrain_ray.model.attention import cached_attention
 from megatrain_ray.model.decode_attention import CHUNK_UNIT
 from megatrain_ray.model.latent_decode import LatentCache, cached_latent_layer
 from megatrain_ray.model.layer_spec import LayerSpec
+from megatrain_ray.model.lora import project
+from megatrain_ray.model.recurrent_decode import RecurrentCache, cached_linear_block
 from megatrain_ray.model.sinks import explicit_sink_attention
-from megatrain_ray.model.templates import attention_out, attention_qkv, mlp_in_chunks
+from megatrain_ray.model.templates import attention_out, gated_attention_inputs, mlp_in_chunks
 
 
 @dataclass(slots=True)
@@ -63,7 +66,10 @@ class KVCache:
 
 def layer_cache(rows: int, spec: LayerSpec, capacity: int, dtype: torch.dtype,
                 device: torch.device) -> LayerCache:
-    """An empty cache of one layer: its keys and values, or a latent-attention layer's compressed ones."""
+    """An empty cache of one layer: its keys and values, a latent-attention layer's compressed ones, or a
+    linear-attention layer's states."""
+    if spec.linear is not None:
+        return RecurrentCache.empty(rows, spec, dtype, device)
     if spec.latent is not None:
         return LatentCache.empty(rows, spec, capacity, dtype, device)
     return KVCache.empty(rows, spec, capacity, dtype, device)
@@ -75,8 +81,9 @@ def cache_capacity(tokens: int) -> int:
     return -(-tokens // CHUNK_UNIT) * CHUNK_UNIT
 
 
-LayerCache = KVCache | LatentCache
-"""One layer's cache: grouped-query keys and values, or latent attention's compressed ones."""
+LayerCache = KVCache | LatentCache | RecurrentCache
+"""One layer's cache: grouped-query keys and values, latent attention's compressed ones, or a linear-attention
+layer's states."""
 
 Start = int | torch.Tensor
 """The cache index of a pass's first token: a Python int, or a 0-d int64 tensor on the device (a CUDA graph's decode
@@ -105,16 +112,27 @@ def positions_of(valid: torch.Tensor) -> torch.Tensor:
 
 def cached_decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                          spec: LayerSpec, cache: LayerCache, start: Start, allowed: torch.Tensor,
-                         mlp_chunk_tokens: int = 0) -> torch.Tensor:
+                         mlp_chunk_tokens: int = 0, valid: torch.Tensor | None = None) -> torch.Tensor:
     """decoder_layer for x [rows, T, hidden] at cache indices start..start+T-1: its keys and values go into `cache`,
-    its queries attend to the cached keys where `allowed` (cache_mask) says."""
+    its queries attend to the cached keys where `allowed` (cache_mask) says. A linear-attention layer reads `valid`
+    ([rows, capacity], the rows' real tokens) in the prefill (start 0), which it runs from the zero state; a later
+    pass must be one decode token."""
+    if spec.linear is not None:
+        prefill = isinstance(start, int) and start == 0
+        if not prefill and x.shape[1] != 1:
+            raise ValueError("a linear-attention layer's cache takes a prefill from index 0, then one token a pass")
+        if prefill and valid is None:
+            raise ValueError("a linear-attention layer's prefill needs `valid` (its padding must not write the state)")
+        proj = lambda inp, module: project(inp, w, module, spec)  # noqa: E731  (LoRA adapters where bound)
+        real = valid[:, :x.shape[1]] if prefill else None
+        return mlp_in_chunks(cached_linear_block(x, w, spec, cache, real, proj), w, spec, mlp_chunk_tokens)
     if spec.latent is not None:
         return cached_latent_layer(x, w, rope, spec, cache, start, allowed, mlp_chunk_tokens)
-    q, k, v = attention_qkv(x, w, rope, spec)
+    q, k, v, gate = gated_attention_inputs(x, w, rope, spec)
     keys, values = cache.write(k, v, start)
     if "self_attn.sinks" in w:  # gpt-oss: the explicit form takes any mask
         a = explicit_sink_attention(q, keys, values, w["self_attn.sinks"], spec.head_dim ** -0.5, spec.sliding_window,
                                     allowed)
     else:
         a = cached_attention(q, keys, values, allowed, spec)
-    return mlp_in_chunks(attention_out(x, a, w, spec), w, spec, mlp_chunk_tokens)
+    return mlp_in_chunks(attention_out(x, a, w, spec, gate), w, spec, mlp_chunk_tokens)

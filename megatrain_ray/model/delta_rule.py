@@ -28,11 +28,12 @@ def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           chunk: int = CHUNK) -> torch.Tensor:
+                           chunk: int = CHUNK, final_state: bool = False):
     """The gated delta rule's output [B, T, H_v, d_v] in v's dtype, from q and k [B, T, H_k, d_k], v [B, T, H_v, d_v],
     the log-decay g and the write strength beta [B, T, H_v]; each query/key head serves H_v / H_k consecutive value
     heads. Every row starts from a zero state; T need not be a multiple of `chunk` (zero padding, which neither
-    decays nor writes the state, and whose outputs are dropped)."""
+    decays nor writes the state, and whose outputs are dropped). With `final_state`, (output, the state after the
+    last token [B, H_v, d_k, d_v] in the working dtype): where the rollout's decode steps go on from a prefill."""
     out_dtype = v.dtype
     work = norm_dtype(out_dtype)
     groups = v.shape[2] // k.shape[2]
@@ -78,7 +79,28 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = torch.baddbmm((state * decay_i).flatten(0, 1), k_i.flatten(0, 1),
                               v_new.flatten(0, 1)).view_as(state)
     out = torch.stack(outs, dim=1).reshape(batch, heads, padded, -1)[:, :, :seq_len]
-    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
+    out = out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
+    return (out, state) if final_state else out
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule for every row, its state updated in place (a decode step; in place so a
+    CUDA graph replays it on the same buffer): q and k [B, 1, H_k, d_k], v [B, 1, H_v, d_v], g and beta [B, 1, H_v],
+    state [B, H_v, d_k, d_v] in the working dtype; returns the output [B, 1, H_v, d_v] in v's dtype. The recurrence
+    of the module docstring term by term, as transformers' torch_recurrent_gated_delta_rule."""
+    out_dtype, work = v.dtype, state.dtype
+    groups = v.shape[2] // k.shape[2]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    q, k, v = (t[:, 0].to(work) for t in (q, k, v))  # [B, H, d]
+    q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    decayed = state * g[:, 0].to(work).exp()[..., None, None]
+    predicted = (decayed * k.unsqueeze(-1)).sum(dim=-2)  # S^T k, [B, H, d_v]
+    delta = (v - predicted) * beta[:, 0].to(work).unsqueeze(-1)
+    state.copy_(decayed + k.unsqueeze(-1) * delta.unsqueeze(-2))
+    return (state * q.unsqueeze(-1)).sum(dim=-2).unsqueeze(1).to(out_dtype)
 
 
 def delta_rule_flops_per_token(value_heads: int, key_dim: int, value_dim: int, chunk: int = CHUNK) -> float:

@@ -54,7 +54,7 @@ Projection = Callable[[torch.Tensor, str], torch.Tensor]
 """(input, module name) -> the module's product: the plain matrix, or with its LoRA adapter (model/lora.project)."""
 
 
-def _projections(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec, proj: Projection):
+def projections(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec, proj: Projection):
     """[q k v] side by side [B, T, conv channels], z [B, T, H_v, d_v], b and a [B, T, H_v]."""
     batch, seq_len, _ = h.shape
     nk, nv, dk, dv = spec.num_key_heads, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim
@@ -86,22 +86,40 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (normed * F.silu(gate.to(work))).to(x.dtype)
 
 
+def split_heads(mixed: torch.Tensor, spec: LinearAttentionSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k [B, T, H_k, d_k], v [B, T, H_v, d_v] of the convolution's output [B, T, conv channels]."""
+    batch, seq_len, _ = mixed.shape
+    nk, dk, dv = spec.num_key_heads, spec.key_head_dim, spec.value_head_dim
+    q, k, v = mixed.split((nk * dk, nk * dk, spec.num_value_heads * dv), dim=-1)
+    return q.reshape(batch, seq_len, nk, dk), k.reshape(batch, seq_len, nk, dk), v.reshape(batch, seq_len, -1, dv)
+
+
+def write_gates(b: torch.Tensor, a: torch.Tensor, w: Mapping[str, torch.Tensor],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta = sigmoid(b) and the log-decay g = -exp(A_log) * softplus(a + dt_bias) (float32, float64 when computing
+    in it) for the compute dtype `dtype`."""
+    work = norm_dtype(dtype)
+    # as transformers: A_log and a upcast before the exp and softplus (a low-precision A would overflow to -inf)
+    return b.sigmoid(), -w[f"{P}A_log"].to(work).exp() * F.softplus(a.to(work) + w[f"{P}dt_bias"])
+
+
+def mixer_output(out: torch.Tensor, z: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec,
+                 proj: Projection) -> torch.Tensor:
+    """The rule's output [B, T, H_v, d_v] normed per head, gated by SiLU(z), projected back [B, T, hidden]."""
+    out = gated_rms_norm(out, z, w[f"{P}norm.weight"], spec.eps)
+    return proj(out.reshape(out.shape[0], out.shape[1], -1), f"{P}out_proj")
+
+
+def plain_projection(w: Mapping[str, torch.Tensor]) -> Projection:
+    return lambda x, module: F.linear(x, w[f"{module}.weight"])
+
+
 def linear_attention(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LinearAttentionSpec,
                      proj: Projection | None = None) -> torch.Tensor:
     """The token mixer's output [B, T, hidden] of the normed input h [B, T, hidden] (the residual add is the
     caller's); `proj`: how a projection is computed (default: the plain matrix product)."""
-    batch, seq_len, _ = h.shape
-    nk, dk, dv = spec.num_key_heads, spec.key_head_dim, spec.value_head_dim
-    proj = proj or (lambda x, module: F.linear(x, w[f"{module}.weight"]))
-    mixed, z, b, a = _projections(h, w, spec, proj)
-    mixed = causal_conv(mixed, w[f"{P}conv1d.weight"])
-    q, k, v = mixed.split((nk * dk, nk * dk, spec.num_value_heads * dv), dim=-1)
-    q, k = q.reshape(batch, seq_len, nk, dk), k.reshape(batch, seq_len, nk, dk)
-    v = v.reshape(batch, seq_len, -1, dv)
-    work = norm_dtype(h.dtype)
-    beta = b.sigmoid()
-    # as transformers: A_log and a upcast before the exp and softplus (a low-precision A would overflow to -inf)
-    g = -w[f"{P}A_log"].to(work).exp() * F.softplus(a.to(work) + w[f"{P}dt_bias"])
-    out = chunk_gated_delta_rule(q, k, v, g, beta)
-    out = gated_rms_norm(out, z, w[f"{P}norm.weight"], spec.eps)
-    return proj(out.reshape(batch, seq_len, -1), f"{P}out_proj")
+    proj = proj or plain_projection(w)
+    mixed, z, b, a = projections(h, w, spec, proj)
+    q, k, v = split_heads(causal_conv(mixed, w[f"{P}conv1d.weight"]), spec)
+    beta, g = write_gates(b, a, w, h.dtype)
+    return mixer_output(chunk_gated_delta_rule(q, k, v, g, beta), z, w, spec, proj)

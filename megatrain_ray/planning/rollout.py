@@ -9,6 +9,8 @@ from megatrain_ray.config.resolved import RunSpec
 from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.model.decode import cache_capacity
+from megatrain_ray.model.layer_spec import LayerSpec
+from megatrain_ray.model.recurrent_decode import RecurrentCache
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
 from megatrain_ray.quant.nf4 import nf4_nbytes
@@ -46,7 +48,8 @@ def rollout_tokens(cfg: Config) -> int:
 
 
 def rollout_bytes(cfg: Config, run: RunSpec) -> dict[str, int]:
-    """{'KV cache': ..., 'resident weights copy': ...} of one GPU worker (its data.batch_size / ranks rows)."""
+    """{'KV cache': ..., 'resident weights copy': ...} of one GPU worker (its data.batch_size / ranks rows). The KV
+    cache includes the linear-attention layers' recurrent states, which do not grow with the tokens."""
     m = cfg.model
     compute_b = DTYPE_BYTES[run.compute_dtype]
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
@@ -54,7 +57,11 @@ def rollout_bytes(cfg: Config, run: RunSpec) -> dict[str, int]:
     # a token's cached values a layer: its keys and values, or latent attention's compressed latent and rotated key
     la = m.latent_attention
     width = la.kv_lora_rank + la.qk_rope_head_dim if la is not None else 2 * m.num_key_value_heads * head_dim
-    kv = rows * rollout_tokens(cfg) * m.num_layers * width * compute_b
+    linear = [i for i in range(m.num_layers) if m.layer_is_linear(i)]
+    kv = rows * rollout_tokens(cfg) * (m.num_layers - len(linear)) * width * compute_b
+    if linear:  # the hybrids' linear-attention layers: a fixed state per row (model/recurrent_decode.py)
+        spec = LayerSpec.from_config(m, linear[0])
+        kv += rows * len(linear) * RecurrentCache.bytes_per_row(spec, TORCH_DTYPES[run.compute_dtype])
     layout = build_layout(m)
     resident_layers = set(range(1, 1 + run.resident_layers))  # stage indices of the GPU-resident tier's layers
     copy = 0 if run.frozen_base else sum(s.numel for s in layout.stages if s.index not in resident_layers) * compute_b

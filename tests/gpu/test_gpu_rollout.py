@@ -47,3 +47,26 @@ def test_greedy_rows_on_cuda_equal_transformers_generate(tmp_path, name, weights
     assert result.tokens.shape == (len(prompts), NEW)
     for row, prompt in enumerate(prompts):
         assert_greedy_row(result.tokens[row], model, prompt, f"{name} on cuda ({weights}): row {row}")
+
+
+@pytest.mark.parametrize("weights", ["resident", "streamed"])
+def test_a_hybrids_greedy_rows_on_cuda_equal_transformers_generate(tmp_path, weights):
+    """Qwen3.5's linear-attention layers with their recurrent states (model/recurrent_decode.py), resident: the
+    decode step captured as a CUDA graph, the states saved and restored around its warm-up runs (a graph that
+    replayed from states the warm-up had advanced would part from transformers at the first token)."""
+    from tests.integration.test_rollout_hybrid import LENGTHS
+    from tests.reference_hybrid import float64_hybrid, hf_hybrid_model
+
+    model = float64_hybrid(hf_hybrid_model("qwen3_5"))
+    prompts = prompts_for(model.config.vocab_size, LENGTHS)
+    cfg = tiny_config(tmp_path, model=dataclasses.asdict(model_config_from_hf(model.config.to_dict())),
+                      precision={"master_dtype": "float64", "compute_dtype": "float64"},
+                      engine={"device": "cuda", "poison_buffers": True, "rollout_weights": weights,
+                              "gpu_resident": "none"})
+    with Trainer(cfg) as trainer:
+        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
+        result = trainer.gpu.generate(prompts, SamplingSettings(max_new_tokens=NEW, temperature=0)).result()
+    print(f"qwen3_5 {weights}: cuda_graph {result.stats['cuda_graph']:.0f}")
+    assert result.stats["cuda_graph"] == (weights == "resident")
+    for row, prompt in enumerate(prompts):
+        assert_greedy_row(result.tokens[row], model, prompt, f"qwen3_5 on cuda ({weights}): row {row}")

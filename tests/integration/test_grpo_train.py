@@ -63,8 +63,8 @@ def prompts_dir(tmp_path_factory, tokenizer_dir):  # noqa: F811
 
 
 def grpo_config(tmp_path, prompts_dir, steps: int = 3, rewards=("digit_reward", "short_reward"),
-                rollout_weights: str = "auto", sections=None, **grpo):
-    raw = tiny_raw(model={"vocab_size": 512, "max_position_embeddings": 256}, train={"steps": steps},
+                rollout_weights: str = "auto", sections=None, model=None, **grpo):
+    raw = tiny_raw(model={"vocab_size": 512, "max_position_embeddings": 256, **(model or {})}, train={"steps": steps},
                    engine={"device": "cpu", "poison_buffers": True, "rollout_weights": rollout_weights},
                    data={"path": str(prompts_dir), "seq_len": 40, "batch_size": 8, "seed": 3},
                    optimizer={"lr": 1e-2}, checkpoint={"dir": str(tmp_path / "ckpt")}, **(sections or {}))

@@ -51,8 +51,10 @@ def assert_greedy_row(ours: torch.Tensor, model, prompt: list[int], what: str) -
     transformers' two best logits are within TIE of each other, a rounding may pick either (gpt-oss's reference keeps
     float32 steps in a float64 model, and an MKL code path moves its last bits), and the rows may part there."""
     with torch.no_grad(), one_thread():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        # the mask given: generate would take a prompt token equal to pad_token_id for padding (and restart RoPE)
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                             max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
     theirs = out.sequences[0, len(prompt):]
     differ = (ours != theirs).nonzero()
     if len(differ):
@@ -95,7 +97,7 @@ def test_the_cuda_graph_pass_with_its_index_on_the_device_decodes_the_same(tmp_p
     place of the graph, its greedy rows equal transformers' generate as the int-index pass does."""
     import megatrain_ray.engine.rollout.passes as passes
 
-    def index_on_device(decode, applies, rows, first_index, device):
+    def index_on_device(decode, applies, rows, first_index, device, kept=()):
         return lambda token, index: decode(token, torch.tensor(index, device=device))
 
     monkeypatch.setattr(passes, "graph_or_eager", index_on_device)

@@ -70,7 +70,7 @@ def test_the_device_index_decode_pass_decodes_the_same(tmp_path, monkeypatch):
     cache, attention over all of it under the mask), run eagerly on the CPU."""
     import megatrain_ray.engine.rollout.passes as passes
 
-    def index_on_device(decode, applies, rows, first_index, device):
+    def index_on_device(decode, applies, rows, first_index, device, kept=()):
         return lambda token, index: decode(token, torch.tensor(index, device=device))
 
     monkeypatch.setattr(passes, "graph_or_eager", index_on_device)

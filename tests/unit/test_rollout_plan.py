@@ -138,3 +138,21 @@ def test_a_separate_rollout_is_planned_on_a_gpu_of_its_own():
     assert "-> does not fit" not in text
     small = Machine.from_preset("h200-128gb").override(gpu_memory="16GiB")  # 15.2 GiB of bf16 weights + the cache
     assert "-> does not fit: lower data.batch_size" in format_plan(plan_run(cfg, small))
+
+
+def test_a_hybrid_caches_keys_for_its_attention_layers_and_a_fixed_state_for_its_linear_ones():
+    """Qwen3.5-27B (48 Gated DeltaNet layers, 16 gated attention layers): per token only the attention layers'
+    keys and values; per row each linear layer's convolution inputs (bf16) and delta-rule state (float32)."""
+    cfg = load_config(Path(REPO) / "configs/shapes/qwen3.5-27b.yaml", [
+        "finetune.objective=grpo", "finetune.grpo.reward_funcs=[tests.reference_grpo:first_reward]",
+        "finetune.grpo.num_generations=2", "finetune.grpo.max_prompt_length=512",
+        "finetune.grpo.max_completion_length=1024", "data.batch_size=16", "data.seq_len=1536",
+        "precision.compute_dtype=bfloat16", "precision.stream_dtype=bfloat16"])
+    m, la = cfg.model, cfg.model.linear_attention
+    linear = m.layer_types.count("linear_attention")
+    assert (linear, m.num_layers - linear) == (48, 16)
+    attention = 16 * 1536 * 16 * 2 * m.num_key_value_heads * m.head_dim * 2
+    conv = (2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim) * (la.conv_kernel_dim - 1)
+    state = la.num_value_heads * la.key_head_dim * la.value_head_dim
+    plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
+    assert rollout_bytes(cfg, plan.run)["KV cache"] == attention + 16 * 48 * (conv * 2 + state * 4)

@@ -25,21 +25,28 @@ WARMUP = 2
 class DecodeGraph:
     """`decode(token [rows], index 0-d tensor) -> logits [rows, vocab]` captured; call with the token and the Python
     index of the cache slot it goes to. `first_index`: where the first replay writes (the warm-up and capture write
-    there too, and the first replay overwrites it before anything reads it)."""
+    there too, and the first replay overwrites it before anything reads it). `kept`: state a step updates in place
+    rather than writes at the index (the linear-attention layers' recurrent states): saved before the warm-up runs
+    and put back after the capture (which runs nothing), so the first replay starts from the prefill's."""
 
     def __init__(self, decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int, first_index: int,
-                 device: torch.device):
+                 device: torch.device, kept: tuple[torch.Tensor, ...] = ()):
         self.token = torch.zeros(rows, dtype=torch.int64, device=device)
         self.index = torch.full((), first_index, dtype=torch.int64, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP):
-                decode(self.token, self.index)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = decode(self.token, self.index)
+        saved = [t.clone() for t in kept]
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP):
+                    decode(self.token, self.index)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = decode(self.token, self.index)
+        finally:  # also where the capture failed: the eager decoding then goes on from the prefill's state
+            for tensor, value in zip(kept, saved):
+                tensor.copy_(value)
 
     def __call__(self, token: torch.Tensor, index: int) -> torch.Tensor:
         self.token.copy_(token)
@@ -49,12 +56,13 @@ class DecodeGraph:
 
 
 def graph_or_eager(decode: Callable[[torch.Tensor, torch.Tensor | int], torch.Tensor], applies: bool, rows: int,
-                   first_index: int, device: torch.device) -> Callable[[torch.Tensor, int], torch.Tensor]:
+                   first_index: int, device: torch.device,
+                   kept: tuple[torch.Tensor, ...] = ()) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """A DecodeGraph of `decode` where it applies and captures, else `decode` itself, eager (a capture that fails is
     logged once and the generation goes on eagerly)."""
     if applies:
         try:
-            return DecodeGraph(decode, rows, first_index, device)
+            return DecodeGraph(decode, rows, first_index, device, kept)
         except Exception as exc:  # noqa: BLE001 (any capture failure: the eager path computes the same)
             log.warning("the rollout's decode step could not be captured as a CUDA graph (%s: %s); decoding eagerly",
                         type(exc).__name__, exc)

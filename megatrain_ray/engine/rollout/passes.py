@@ -28,6 +28,7 @@ from megatrain_ray.model.decode import (
     positions_of,
 )
 from megatrain_ray.model.head import head_logits
+from megatrain_ray.model.recurrent_decode import RecurrentCache
 from megatrain_ray.model.templates import embed
 
 SYNC_EVERY = 16
@@ -50,9 +51,6 @@ class RolloutPasses:
         if self.generic is not None:
             raise ConfigError("generation runs on the native templates only; this model uses model.template: "
                               "generic (transformers' own modules), which has no KV-cache path here")
-        if self.model_cfg.linear_attention is not None:
-            raise ConfigError(f"generation has no recurrent state for {self.model_cfg.family}'s linear-attention layers "
-                              "yet (the KV cache serves attention layers only)")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows, longest, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
@@ -96,7 +94,9 @@ class RolloutPasses:
                 finally:
                     self.weights.experts_in_nf4 = False
 
-            step = graph_or_eager(decode, self._graph_applies(copy), rows, longest, device) if new > 1 else decode
+            kept = tuple(t for c in caches if isinstance(c, RecurrentCache) for t in c.tensors)
+            step = graph_or_eager(decode, self._graph_applies(copy), rows, longest, device, kept) \
+                if new > 1 else decode
             self._synchronize()
             t1 = time.perf_counter()
             for t in range(new):
@@ -208,7 +208,7 @@ class RolloutPasses:
         for i, w in zip(range(len(self.layout.layers)), stages):
             spec = specs[i]
             x = cached_decoder_layer(x, w, rope[spec.local_rope], spec, caches[i], start, masks[spec.sliding_window],
-                                     self.mlp_chunk)
+                                     self.mlp_chunk, valid)
         head_w = next(stages)
         logits = head_logits(x[:, -1], head_w["model.norm.weight"], self._lm_weight(head_w, embed_w), self.head_spec)
         next(stages, None)  # the head's slot released
