@@ -55,8 +55,10 @@
 #                 JSON of both                                                                    nvidia-h200
 #   qwen35-8l     issue 43: Qwen3.5-27B's first 8 layers (6 linear-attention, 2 full), 32k tokens, full precision:
 #                 the default config against transformers resident-compile (its torch fallback for the gated delta
-#                 rule without flash-linear-attention), then one linear and one full-attention layer's forward and
-#                 recompute + backward time, eager and compiled (benchmarks/layer_profile.py)   nvidia-h200
+#                 rule without flash-linear-attention; PyTorch's expandable segments, without which its retry with
+#                 checkpointing found 56 GiB reserved and failed), then one linear and one full-attention layer's
+#                 forward and recompute + backward time, eager (MODES="eager compiled" adds compiled; PROFILE_ONLY=1
+#                 runs the layers alone) (benchmarks/layer_profile.py, 3 repeats)                nvidia-h200
 #   vision-32k-ds issue 44: the Qwen2.5-VL-7B shape (4 of 28 layers, 4 images of 448x448 a sample) at 32k tokens:
 #                 DeepSpeed ZeRO-3 offload beside megatrain streamed (WITH_DEEPSPEED=1 before install.sh; the last
 #                 try stopped DeepSpeed at 67 s, still starting)                                 nvidia-h200
@@ -77,6 +79,10 @@
 #                 3 GRPO steps of 8 prompts x 4 completions of 1,024 tokens (prompt 512), token_truncate ratios
 #                 (IS_MODE overrides; sequence_mask weighed every token 0 at a 0.58-nat gap), s/step, host and GPU
 #                 against the plan; start-up 176 s + 130 s a step: give the call its whole 600 s  nvidia-h200
+#   grpo-qwen35-27b  issues 43/49: GRPO on a hybrid, Qwen3.5-27B (48 Gated DeltaNet + 16 gated attention layers),
+#                 LoRA r 16 all-linear on a bf16 base every layer GPU-resident (the decode step one CUDA graph with the
+#                 recurrent states), MegaTrain's GRPO shape (8 prompts x 2, 512 + 1024 tokens), 2 steps: rollout /
+#                 train s, the rollout/trainer gap, memory against the plan                     nvidia-h200
 #   grpo-x2       issue 49: MegaTrain's 7B GRPO configuration (8 x 2 completions, 512 + 1024 tokens, full precision)
 #                 colocated, then with the rollout on the second GPU on-policy (rl.rollout: separate) and one step
 #                 ahead (rl.async_steps: 1), 3 steps each, through the Trainer on Ray (MODES overrides)     nvidia-h200-x2
@@ -122,12 +128,15 @@ case "${1:-}" in
     python benchmarks/lean_pretrain.py --hidden 1280 --intermediate 5120 --layers 20 --heads 20 \
       --state-dir "$state" --deadline-s 540 --out "$OUT" "${part[@]}" ;;
   qwen35-8l)
-    python benchmarks/run.py --config configs/shapes/qwen3.5-27b-8l-bench.yaml --batches 8 \
-      --systems "${SYSTEMS:-megatrain,resident-compile}" --steps 3 --warmup 2 --no-roofline --timeout 300 \
-      --name qwen3.5-27b-8l-32k-vs-resident --out "$OUT"
+    if [ "${PROFILE_ONLY:-0}" != 1 ]; then
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/run.py \
+        --config configs/shapes/qwen3.5-27b-8l-bench.yaml --batches 8 \
+        --systems "${SYSTEMS:-megatrain,resident-compile}" --steps 3 --warmup 2 --no-roofline --timeout 300 \
+        --name qwen3.5-27b-8l-32k-vs-resident --out "$OUT"
+    fi
     for layer in 0 3; do  # a linear-attention (Gated DeltaNet) layer, then a gated full-attention one
       python benchmarks/layer_profile.py --config configs/shapes/qwen3.5-27b-8l-bench.yaml --tokens 32768 \
-        --seq-len 4096 --layer "$layer" --modes eager compiled --out "$OUT"
+        --seq-len 4096 --layer "$layer" --modes ${MODES:-eager} --repeats 3 --out "$OUT"
     done ;;
   vision-32k-ds)
     python benchmarks/vision_bench.py --tokens 32768 --layers 4 --steps 2 --warmup 1 \
@@ -149,6 +158,14 @@ case "${1:-}" in
       --set finetune.lora.lora_alpha=32 --set precision.stream_dtype=bfloat16 --set optimizer.lr=2e-4 \
       --set 'finetune.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj]' \
       --set checkpoint.at_end=false ;;
+  grpo-qwen35-27b)
+    python benchmarks/grpo_step.py --config configs/shapes/qwen3.5-27b.yaml --steps 2 --prompts 8 --generations 2 \
+      --prompt-len 512 --completion-len 1024 --lora-b-std 0.01 --no-baseline --out "$OUT" \
+      --name grpo-qwen3.5-27b-lora --set finetune.method=lora --set finetune.lora.r=16 \
+      --set finetune.lora.lora_alpha=32 --set finetune.lora.target_modules=all-linear \
+      --set precision.compute_dtype=bfloat16 --set precision.stream_dtype=bfloat16 --set engine.gpu_resident=64 \
+      --set optimizer.lr=2e-4 --set optimizer.weight_decay=0.0 \
+      --set finetune.grpo.vllm_importance_sampling_mode=token_truncate ;;
   grpo-x2)
     python benchmarks/grpo_two_gpus.py --modes "${MODES:-colocated,separate,separate-async}" --steps 3 --out "$OUT" ;;
   decode-step)
