@@ -21,7 +21,7 @@ from megatrain_ray.model.attention import cached_attention
 from megatrain_ray.model.decode_attention import CHUNK_UNIT
 from megatrain_ray.model.latent_decode import LatentCache, cached_latent_layer
 from megatrain_ray.model.layer_spec import LayerSpec
-from megatrain_ray.model.lora import project
+from megatrain_ray.model.lora import projection
 from megatrain_ray.model.recurrent_decode import RecurrentCache, cached_linear_block
 from megatrain_ray.model.sinks import explicit_sink_attention
 from megatrain_ray.model.templates import attention_out, gated_attention_inputs, mlp_in_chunks
@@ -123,9 +123,9 @@ def cached_decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: t
             raise ValueError("a linear-attention layer's cache takes a prefill from index 0, then one token a pass")
         if prefill and valid is None:
             raise ValueError("a linear-attention layer's prefill needs `valid` (its padding must not write the state)")
-        proj = lambda inp, module: project(inp, w, module, spec)  # noqa: E731  (LoRA adapters where bound)
         real = valid[:, :x.shape[1]] if prefill else None
-        return mlp_in_chunks(cached_linear_block(x, w, spec, cache, real, proj), w, spec, mlp_chunk_tokens)
+        return mlp_in_chunks(cached_linear_block(x, w, spec, cache, real, projection(w, spec)), w, spec,
+                             mlp_chunk_tokens)
     if spec.latent is not None:
         return cached_latent_layer(x, w, rope, spec, cache, start, allowed, mlp_chunk_tokens)
     q, k, v, gate = gated_attention_inputs(x, w, rope, spec)

@@ -27,6 +27,12 @@ def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def unit_queries_keys(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k L2-normalised along their last dimension, q then scaled by d_k ** -0.5."""
+    q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            chunk: int = CHUNK, final_state: bool = False):
     """The gated delta rule's output [B, T, H_v, d_v] in v's dtype, from q and k [B, T, H_k, d_k], v [B, T, H_v, d_v],
@@ -41,8 +47,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     # [B, H, T, d] in the working dtype
     q, k, v, beta, g = (t.transpose(1, 2).to(work, memory_format=torch.contiguous_format) for t in (q, k, v, beta, g))
-    q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
+    q, k = unit_queries_keys(q, k)
     seq_len = q.shape[2]
     pad = (chunk - seq_len % chunk) % chunk
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -94,8 +99,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     q, k, v = (t[:, 0].to(work) for t in (q, k, v))  # [B, H, d]
-    q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
+    q, k = unit_queries_keys(q, k)
     decayed = state * g[:, 0].to(work).exp()[..., None, None]
     predicted = (decayed * k.unsqueeze(-1)).sum(dim=-2)  # S^T k, [B, H, d_v]
     delta = (v - predicted) * beta[:, 0].to(work).unsqueeze(-1)

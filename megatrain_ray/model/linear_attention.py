@@ -43,6 +43,11 @@ class LinearAttentionSpec:
     fused: bool
     """Qwen3-Next's in_proj_qkvz / in_proj_ba (rows grouped by key head); else Qwen3.5's four projections."""
 
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "LinearAttentionSpec":
         la = cfg.linear_attention

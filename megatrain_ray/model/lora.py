@@ -146,6 +146,12 @@ def project(h: torch.Tensor, w: Mapping[str, torch.Tensor], module: str, spec: A
     return (out + delta).to(out.dtype)
 
 
+def projection(w: Mapping[str, torch.Tensor], spec: Any):
+    """project bound to one layer's tensors: (input, module name) -> the product (model/linear_attention.Projection),
+    with the module's adapter where one is bound."""
+    return lambda h, module: project(h, w, module, spec)
+
+
 def project_group(h: torch.Tensor, w: Mapping[str, torch.Tensor], modules: tuple[str, ...],
                   spec: Any) -> list[torch.Tensor]:
     """project of each of `modules` over the same input h (q, k and v; gate and up). With LayerSpec.lora_inplace the

@@ -7,13 +7,15 @@ instead of keys and values per token, each row keeps a fixed-size state a layer,
 
 Prefill runs the training's chunked rule (model/delta_rule.py) over the whole left-padded prompt and keeps its final
 state; the padding's normed inputs are zeroed first (as transformers' apply_mask_to_padding_states), so their keys
-are 0 and write nothing, and the state a real token meets is the zero state of its row's start, as in training. Each
+are 0 and write nothing, and its decay is set to 0, so the state a real token meets is the zero state of its row's
+start, as in training. Each
 decode step is one recurrence step (gated_delta_step), both states updated in place: a CUDA graph replays it on the
 same buffers (engine/rollout/graphs.py saves and restores them around its warm-up runs).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.model.delta_rule import chunk_gated_delta_rule, gated_delta_step
-from megatrain_ray.model.linear_attention import P, mixer_output, projections, split_heads, write_gates
+from megatrain_ray.model.linear_attention import P, causal_conv, mixer_output, projections, split_heads, write_gates
 from megatrain_ray.model.norms import norm_dtype, rms_norm
 
 
@@ -33,22 +35,26 @@ class RecurrentCache:
     conv: torch.Tensor
     state: torch.Tensor
 
+    @staticmethod
+    def shapes(spec: Any, rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The convolution's kept inputs' shape and the state's."""
+        la = spec.linear
+        return (rows, la.conv_channels, la.conv_kernel - 1), (rows, la.num_value_heads, la.key_head_dim,
+                                                              la.value_head_dim)
+
     @classmethod
     def empty(cls, rows: int, spec: Any, dtype: torch.dtype, device: torch.device) -> RecurrentCache:
-        la = spec.linear
-        channels = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
-        conv = torch.zeros((rows, channels, la.conv_kernel - 1), dtype=dtype, device=device)
-        state = torch.zeros((rows, la.num_value_heads, la.key_head_dim, la.value_head_dim), dtype=norm_dtype(dtype),
-                            device=device)
-        return cls(conv, state)
+        conv, state = cls.shapes(spec, rows)
+        return cls(torch.zeros(conv, dtype=dtype, device=device),
+                   torch.zeros(state, dtype=norm_dtype(dtype), device=device))
 
-    @staticmethod
-    def bytes_per_row(spec: Any, dtype: torch.dtype) -> int:
-        """The two states of one row (whatever the number of tokens)."""
-        la, size = spec.linear, torch.tensor([], dtype=dtype).element_size()
-        channels = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
-        work = torch.tensor([], dtype=norm_dtype(dtype)).element_size()
-        return channels * (la.conv_kernel - 1) * size + la.num_value_heads * la.key_head_dim * la.value_head_dim * work
+    @classmethod
+    def bytes_per_row(cls, spec: Any, dtype: torch.dtype) -> int:
+        """The two states of one row (whatever the number of tokens): the inputs in `dtype`, the state in float32
+        (float64 when computing in it)."""
+        conv, state = (math.prod(shape) for shape in cls.shapes(spec, 1))
+        size = torch.tensor([], dtype=dtype).element_size()
+        return conv * size + state * torch.tensor([], dtype=norm_dtype(dtype)).element_size()
 
     @property
     def nbytes(self) -> int:
@@ -70,18 +76,21 @@ def cached_linear_mixer(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: An
     if real is not None:
         h = h * real.unsqueeze(-1).to(h.dtype)
     mixed, z, b, a = projections(h, w, la, proj)
-    inputs = mixed.transpose(1, 2)  # [rows, channels, T]
     if real is not None:  # prefill: the causal convolution from zeros, its last K - 1 inputs kept
-        width = la.conv_kernel - 1
-        cache.conv.copy_(F.pad(inputs, (max(width - inputs.shape[-1], 0), 0))[..., -width:])
-        conv = F.conv1d(inputs, conv_weight, padding=width, groups=inputs.shape[1])[..., :inputs.shape[-1]]
+        inputs, width = mixed.transpose(1, 2), la.conv_kernel - 1
+        padded = F.pad(inputs, (max(width - inputs.shape[-1], 0), 0))
+        cache.conv.copy_(padded[..., padded.shape[-1] - width:])
+        convolved = causal_conv(mixed, conv_weight)
     else:
-        window = torch.cat((cache.conv, inputs), dim=-1)  # [rows, channels, K]
+        window = torch.cat((cache.conv, mixed.transpose(1, 2)), dim=-1)  # [rows, channels, K]
         cache.conv.copy_(window[..., 1:])
-        conv = F.conv1d(window, conv_weight, groups=inputs.shape[1])
-    q, k, v = split_heads(F.silu(conv).transpose(1, 2), la)
+        convolved = F.silu(F.conv1d(window, conv_weight, groups=window.shape[1])).transpose(1, 2)
+    q, k, v = split_heads(convolved, la)
     beta, g = write_gates(b, a, w, h.dtype)
     if real is not None:
+        # the padding writes nothing (its keys are 0); without its decay too, the chunk's running decay is the
+        # row's own, as in an unpadded prompt (a float32 decay summed over the padding costs precision)
+        g = g.masked_fill(~real.unsqueeze(-1), 0.0)
         out, state = chunk_gated_delta_rule(q, k, v, g, beta, final_state=True)
         cache.state.copy_(state)
     else:

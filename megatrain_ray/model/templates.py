@@ -32,7 +32,7 @@ from megatrain_ray.model.layer_spec import LayerSpec, layer_specs
 from megatrain_ray.model.latent_attention import latent_output, latent_qkv
 from megatrain_ray.model.layout import StageLayout, token_chunks
 from megatrain_ray.model.linear_attention import linear_attention
-from megatrain_ray.model.lora import chunk_spec, project, project_group
+from megatrain_ray.model.lora import chunk_spec, project, project_group, projection
 from megatrain_ray.model.lora_moe import with_param_adapters
 from megatrain_ray.model.moe import RouterRecord, moe_mlp
 from megatrain_ray.model.norms import rms_norm
@@ -128,7 +128,7 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], rope: tuple[
     place of attn. x: [B, T, hidden]."""
     if spec.linear is not None:  # Qwen3.5 / Qwen3-Next's Gated DeltaNet layers (no RoPE; packed rows: per document)
         h = rms_norm(x, w["input_layernorm.weight"], spec.eps, spec.plus_one)
-        proj = lambda inp, module: project(inp, w, module, spec)  # noqa: E731  (LoRA adapters where bound)
+        proj = projection(w, spec)  # LoRA adapters where bound
         if documents is None:
             return x + linear_attention(h, w, spec.linear, proj)
         return x + per_document(h, documents, lambda doc: linear_attention(doc, w, spec.linear, proj))

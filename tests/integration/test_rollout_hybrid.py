@@ -39,11 +39,14 @@ from tests.reference_hybrid import float64_hybrid, hf_hybrid_model  # noqa: E402
 LENGTHS = (70, 5, 33)
 
 
-@pytest.mark.parametrize("name, weights", [("qwen3_5", "streamed"), ("qwen3_5", "resident"),
-                                           ("qwen3_next", "streamed"), ("qwen3_5_moe", "resident")])
-def test_greedy_rows_equal_transformers_generate(tmp_path, name, weights):
+@pytest.mark.parametrize("name, weights, lengths", [
+    ("qwen3_5", "streamed", LENGTHS), ("qwen3_5", "resident", LENGTHS), ("qwen3_next", "streamed", LENGTHS),
+    ("qwen3_5_moe", "resident", LENGTHS),
+    ("qwen3_next", "resident", (2, 1, 3)), ("qwen3_5_moe", "streamed", (1, 2)),  # prompts shorter than the kernel
+])
+def test_greedy_rows_equal_transformers_generate(tmp_path, name, weights, lengths):
     model = float64_hybrid(hf_hybrid_model(name))
-    prompts = prompts_for(model.config.vocab_size, LENGTHS)
+    prompts = prompts_for(model.config.vocab_size, lengths)
     result = generated(tmp_path, model, prompts, SamplingSettings(max_new_tokens=NEW, temperature=0), "float64",
                        weights)
     assert result.tokens.shape == (len(prompts), NEW) and result.lengths.tolist() == [NEW] * len(prompts)
@@ -69,11 +72,17 @@ def test_the_cache_holds_a_fixed_state_per_linear_layer(tmp_path):
 
 def test_the_cuda_graph_pass_with_its_index_on_the_device_decodes_the_same(tmp_path, monkeypatch):
     """The decode pass a CUDA graph captures (the cache index a 0-d tensor; the recurrent states updated in place),
-    run eagerly on the CPU in place of the graph: the same greedy rows as transformers."""
+    run eagerly on the CPU in place of the graph, after the graph's warm-up steps under the same kept_as_found
+    (engine/rollout/graphs.py): the same greedy rows as transformers, so `kept` covers every state a step changes in
+    place (measured by hand: restoring the delta-rule states only, a row parts from transformers at its 3rd token)."""
     import megatrain_ray.engine.rollout.passes as passes
+    from megatrain_ray.engine.rollout.graphs import WARMUP, kept_as_found
 
     def index_on_device(decode, applies, rows, first_index, device, kept=()):
-        assert kept, "the recurrent states are handed to the graph"
+        token, index = torch.zeros(rows, dtype=torch.int64, device=device), torch.tensor(first_index, device=device)
+        with kept_as_found(kept):  # as DecodeGraph's warm-up
+            for _ in range(WARMUP):
+                decode(token, index)
         return lambda token, index: decode(token, torch.tensor(index, device=device))
 
     monkeypatch.setattr(passes, "graph_or_eager", index_on_device)
@@ -109,20 +118,30 @@ def test_sampled_logps_match_transformers_within_float32_noise(tmp_path, name):
                         torch.cat(ref64))
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
-def test_grpo_trains_a_hybrid_with_resident_and_streamed_rollout_weights(tmp_path, prompts_dir, name):
+LORA = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": [
+    "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]}}
+"""Qwen3-Next's attention and linear-attention projections (its shared expert takes no adapter here)."""
+
+
+@pytest.mark.parametrize("name, finetune", [("qwen3_5", {}), ("qwen3_5_moe", {}), ("qwen3_next", LORA)],
+                         ids=["qwen3_5-full", "qwen3_5_moe-full", "qwen3_next-lora"])
+def test_grpo_trains_a_hybrid_with_resident_and_streamed_rollout_weights(tmp_path, prompts_dir, name, finetune):
     """Three GRPO steps of a tiny hybrid on the prepared prompts (tests/integration/test_grpo_train.py's task),
     rolling out from the resident copy and from the streamed stages: the same completions, rewards and losses at each
     step; the rollout's log-probabilities are the trainer's recomputed ones up to float32 rounding (the chunked rule
-    over the whole sequence against the prefill and one recurrence step a token); the weights move."""
+    over the whole sequence against the prefill and one recurrence step a token); the weights (LoRA: the adapters)
+    move."""
     hf = hf_hybrid_model(name, vocab_size=512, max_position_embeddings=256)
     model = dataclasses.asdict(model_config_from_hf(hf.config.to_dict()))
     runs = {}
     for weights in ("streamed", "resident"):
-        with Trainer(grpo_config(tmp_path / weights, prompts_dir, rollout_weights=weights, model=model)) as trainer:
-            before = trainer.master_weights()
+        cfg = grpo_config(tmp_path / weights, prompts_dir, rollout_weights=weights, model=model,
+                          sections={"finetune": finetune} if finetune else None)
+        with Trainer(cfg) as trainer:
+            state = trainer.adapters if finetune else trainer.master_weights
+            before = state()
             runs[weights] = trainer.train()
-            after = trainer.master_weights()
+            after = state()
         assert any(not torch.equal(before[k], after[k]) for k in before)
     for key in ("loss", "reward", "rollout_tokens", "completions/mean_length"):
         assert [r[key] for r in runs["resident"]] == [r[key] for r in runs["streamed"]], key

@@ -11,7 +11,8 @@ its tokens by expert into data-dependent shapes) and RoPE tables that do not swi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -22,31 +23,42 @@ WARMUP = 2
 """Eager runs on a side stream before the capture (cuBLAS and the attention kernels pick their work space)."""
 
 
+@contextmanager
+def kept_as_found(kept: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    """Put `kept` back as it was on entry, however the block ends: state that a warm-up step changes in place (the
+    linear-attention layers' recurrent states). The copy waits in host memory, not beside the cache on the GPU."""
+    saved = [t.to("cpu", copy=True) for t in kept]
+    try:
+        yield
+    finally:
+        for tensor, value in zip(kept, saved):
+            tensor.copy_(value)
+
+
 class DecodeGraph:
     """`decode(token [rows], index 0-d tensor) -> logits [rows, vocab]` captured; call with the token and the Python
     index of the cache slot it goes to. `first_index`: where the first replay writes (the warm-up and capture write
     there too, and the first replay overwrites it before anything reads it). `kept`: state a step updates in place
-    rather than writes at the index (the linear-attention layers' recurrent states): saved before the warm-up runs
-    and put back after the capture (which runs nothing), so the first replay starts from the prefill's."""
+    rather than writes at the index (the linear-attention layers' recurrent states): kept_as_found around the warm-up
+    runs and the capture (which runs nothing), so the first replay starts from the prefill's, and so does the eager
+    decoding where the capture fails."""
 
     def __init__(self, decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int, first_index: int,
                  device: torch.device, kept: tuple[torch.Tensor, ...] = ()):
         self.token = torch.zeros(rows, dtype=torch.int64, device=device)
         self.index = torch.full((), first_index, dtype=torch.int64, device=device)
-        saved = [t.clone() for t in kept]
-        try:
+        with kept_as_found(kept):
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP):
-                    decode(self.token, self.index)
-            torch.cuda.current_stream(device).wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP):
+                        decode(self.token, self.index)
+            finally:  # a warm-up that raised may leave steps queued on the side stream: none may outlive the restore
+                torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.logits = decode(self.token, self.index)
-        finally:  # also where the capture failed: the eager decoding then goes on from the prefill's state
-            for tensor, value in zip(kept, saved):
-                tensor.copy_(value)
 
     def __call__(self, token: torch.Tensor, index: int) -> torch.Tensor:
         self.token.copy_(token)
