@@ -39,7 +39,11 @@ class LoraConfig:
     router), gate_proj + up_proj (Mixtral w1 + w3: the fused experts' gate_up_proj, one adapter per expert) and
     down_proj (w2), all of which all-linear includes; deepseek_v3 and glm4_moe as qwen3_moe, deepseek_v3's attention
     projections being its latent attention's (q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj),
-    their shared experts and dense first layers' MLPs never adapted, as in peft (docs/fine-tuning.md)."""
+    their shared experts and dense first layers' MLPs never adapted, as in peft. Hybrids: the attention projections
+    and the Gated DeltaNet's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; qwen3_next in_proj_qkvz,
+    in_proj_ba, out_proj); qwen3_5 also its MLP's, qwen3_5_moe its shared expert's gate_proj, up_proj, down_proj and
+    shared_expert_gate; all-linear is all of them (refused on qwen3_next, whose peft all-linear also takes the
+    router and experts) (docs/fine-tuning.md)."""
     bias: Literal["none"] = "none"
     """PEFT's bias setting; only `none` (biases stay frozen)."""
     use_rslora: bool = False

@@ -23,9 +23,12 @@ The resolved names: the attention projections, and `gate`, `gate_up_proj`, `down
 
 Hybrid families (qwen3_5, qwen3_5_moe, qwen3_next): a full-attention layer has q/k/v/o_proj (q_proj holds the output
 gate's rows too), a linear-attention layer its Gated DeltaNet's projections (LINEAR_MIXER_PROJECTIONS), each nn.Linear,
-so peft adapts each on the layers that have it. Qwen3.5's dense MLP is gate/up/down_proj. On the MoE hybrids peft's
-all-linear also takes the shared expert's projections (qwen3_next: the router and experts too), which are not built
-here: all-linear is refused there, the attention and linear-attention projections are taken by name.
+so peft adapts each on the layers that have it. Qwen3.5's dense MLP is gate/up/down_proj. On Qwen3.5-MoE (which
+peft 0.21.2 has no weight conversion for) gate/up/down_proj are its shared expert's (mlp.shared_expert.*) and
+shared_expert_gate its gate, each nn.Linear; the router and experts are no nn.Linear and take no adapter, so its
+all-linear is the attention, linear-attention and shared-expert projections. On Qwen3-Next peft's all-linear also
+takes the router and experts (as Qwen3-MoE's), which are not built here: all-linear is refused there, the attention
+and linear-attention projections are taken by name.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ LINEAR_MIXER_PROJECTIONS = {"qwen3_5": ("in_proj_qkv", "in_proj_z", "in_proj_b",
                             "qwen3_5_moe": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
                             "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj")}
 """A hybrid family's linear-attention (Gated DeltaNet) projections (model/linear_attention.py), by PEFT's names."""
+SHARED_EXPERT_PROJECTIONS = {"gate_proj": "mlp.shared_expert.gate_proj", "up_proj": "mlp.shared_expert.up_proj",
+                             "down_proj": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"}
+"""Qwen3.5-MoE's shared expert and its gate: PEFT's target names and the modules they reach."""
 _QWEN2_MOE_NAMES = {"gate": "gate", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 ROUTER_AND_EXPERT_NAMES = {"qwen3_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
                            "deepseek_v3": ("gate", "gate_proj", "up_proj", "down_proj"),
@@ -83,17 +89,17 @@ def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"],
 
 
 def _hybrid_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
-    known = (*ATTENTION_PROJECTIONS, *LINEAR_MIXER_PROJECTIONS[family],
-             *(("gate_proj", "up_proj", "down_proj") if family == "qwen3_5" else ()))
+    mlp = {"qwen3_5": ("gate_proj", "up_proj", "down_proj"), "qwen3_5_moe": tuple(SHARED_EXPERT_PROJECTIONS),
+           "qwen3_next": ()}[family]
+    known = (*ATTENTION_PROJECTIONS, *LINEAR_MIXER_PROJECTIONS[family], *mlp)
     if target_modules == "all-linear":
-        if family != "qwen3_5":
-            refuse(key, target_modules, f"peft's all-linear on {family} also adapts the MoE layers' shared expert"
-                   f"{' and its router and experts' if family == 'qwen3_next' else ''}, which this version does not "
-                   f"build; name the projections: {', '.join(known)}")
+        if family == "qwen3_next":
+            refuse(key, target_modules, f"peft's all-linear on {family} also adapts the MoE layers' router and "
+                   f"experts, which this version does not build; name the projections: {', '.join(known)}")
         return known
     for name in target_modules:
         if name not in known:
-            moe = family != "qwen3_5" and name not in LINEAR_MIXER_PROJECTIONS[family]
+            moe = family == "qwen3_next" and name not in LINEAR_MIXER_PROJECTIONS[family]
             refuse(key, target_modules, f"{name!r} is not " + (
                 f"built as a LoRA target of {family}'s MoE layers (their router, experts and shared expert); "
                 if moe else f"a linear module of a {family} layer; ") + f"choose from {', '.join(known)}")

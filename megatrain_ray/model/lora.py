@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.latent_attention_section import latent_projection_shapes
-from megatrain_ray.config.lora_targets import LINEAR_MIXER_PROJECTIONS
+from megatrain_ray.config.lora_targets import LINEAR_MIXER_PROJECTIONS, SHARED_EXPERT_PROJECTIONS
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.sections import Config
 from megatrain_ray.model.layout import linear_attention_tensors
@@ -57,16 +57,24 @@ def adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int | None = Non
             "qkv_proj": (q + 2 * kv, h), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
             "gate_up_proj": (2 * f, h)}  # a hybrid's gated attention: q_proj holds each head's query and gate
     linear = _ATTENTION if model.is_moe else dims  # a MoE family's MLP names are its router and experts
+    names = {short: module_name(short) for short in dims}
     if model.latent_attention is not None:  # DeepSeek-V3: the latent attention's projections this model has
         dims = linear = latent_projection_shapes(model)
     if hybrid:
         mixer = {name.split(".")[1]: shape for name, shape, _ in linear_attention_tensors(model)
                  if name.split(".")[1] in _LINEAR_MIXER}
         dims, linear = {**dims, **mixer}, (*linear, *mixer)
+        if model.family == "qwen3_5_moe" and (layer is None or model.layer_is_moe(layer)):
+            # its MLP names reach the shared expert and its gate (config/lora_targets.SHARED_EXPERT_PROJECTIONS)
+            s = model.shared_expert_intermediate_size
+            dims.update(gate_proj=(s, h), up_proj=(s, h), down_proj=(h, s), shared_expert_gate=(1, h))
+            names.update(SHARED_EXPERT_PROJECTIONS)
+            linear = (*linear, *SHARED_EXPERT_PROJECTIONS)
         if layer is not None:  # a linear-attention layer has no self_attn, a full-attention one no linear_attn
             mixes = model.layer_types[layer] == "linear_attention"
             linear = tuple(n for n in linear if (n in mixer) == mixes or (n not in mixer and n not in _ATTENTION))
-    return {module_name(short): dims[short] for short in lora.targets(model.family) if short in linear}
+    return {names.get(short) or module_name(short): dims[short] for short in lora.targets(model.family)
+            if short in linear}
 
 
 def layer_adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int) -> dict[str, tuple[tuple[int, int],
@@ -254,7 +262,8 @@ def peft_adapter_config(model: ModelConfig, lora: LoraConfig, base: str) -> dict
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.r,
         "lora_alpha": alpha, "lora_dropout": lora.lora_dropout, "bias": lora.bias, "use_rslora": lora.use_rslora,
         "target_modules": sorted(linear), "modules_to_save": list(lora.modules_to_save) or None,
-        "target_parameters": sorted(params[t] for t in targets if t in params) or None,
+        # (a name that reaches an nn.Linear here is no parameter target: Qwen3.5-MoE's down_proj is its shared expert's)
+        "target_parameters": sorted(params[t] for t in targets if t in params and t not in linear) or None,
         "fan_in_fan_out": False,
         "init_lora_weights": True, "inference_mode": True, "use_dora": False, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {k: n * lora.r for k, n in fused.items()},

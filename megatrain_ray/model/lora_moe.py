@@ -49,8 +49,9 @@ class ParamAdapter:
 
 def param_adapters(model, targets: tuple[str, ...], r: int, layer: int) -> list[ParamAdapter]:
     """The router and expert adapters of decoder layer `layer` (none on a dense layer), for the targets' short
-    names (config/lora_targets.py: `gate`, `gate_up_proj`, `down_proj` once resolved)."""
-    if not model.is_moe or not model.layer_is_moe(layer):
+    names (config/lora_targets.py: `gate`, `gate_up_proj`, `down_proj` once resolved). Qwen3.5-MoE has none: its
+    MLP names reach the shared expert (config/lora_targets.SHARED_EXPERT_PROJECTIONS)."""
+    if not model.is_moe or not model.layer_is_moe(layer) or model.family == "qwen3_5_moe":
         return []
     e, h, f = model.num_experts, model.hidden_size, model.expert_intermediate_size
     out = []

@@ -326,17 +326,19 @@ def experts(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, w: Mapp
 
 
 def moe_mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: MoeSpec,
-            record: RouterRecord | None = None) -> torch.Tensor:
-    """The MoE MLP of normed rows h [..., hidden] (the layer's residual add is the caller's)."""
+            record: RouterRecord | None = None, proj=None) -> torch.Tensor:
+    """The MoE MLP of normed rows h [..., hidden] (the layer's residual add is the caller's). `proj`: how the shared
+    expert's projections are computed (model/lora.projection: with their LoRA adapters where bound; default the
+    plain matrix products)."""
     shape = h.shape
     flat = h.reshape(-1, shape[-1])
     weights, index = route(flat, w, spec, record)
     out = experts(flat, weights, index, w, spec)
     if spec.shared_expert:  # as transformers: the routed sum plus sigmoid(gate(x)) * the shared SwiGLU expert
-        gated = F.silu(F.linear(flat, w["mlp.shared_expert.gate_proj.weight"])) \
-            * F.linear(flat, w["mlp.shared_expert.up_proj.weight"])
-        shared = F.linear(gated, w["mlp.shared_expert.down_proj.weight"])
-        out = out + torch.sigmoid(F.linear(flat, w["mlp.shared_expert_gate.weight"])) * shared
+        proj = proj or (lambda x, module: F.linear(x, w[f"{module}.weight"]))
+        gated = F.silu(proj(flat, "mlp.shared_expert.gate_proj")) * proj(flat, "mlp.shared_expert.up_proj")
+        shared = proj(gated, "mlp.shared_expert.down_proj")
+        out = out + torch.sigmoid(proj(flat, "mlp.shared_expert_gate")) * shared
     if spec.shared_experts:  # DeepSeek-V3: the routed sum plus the shared SwiGLU experts, no gate
         gated = F.silu(F.linear(flat, w["mlp.shared_experts.gate_proj.weight"])) \
             * F.linear(flat, w["mlp.shared_experts.up_proj.weight"])

@@ -150,7 +150,7 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
     if spec.moe is not None:
         w = with_param_adapters(w, spec.lora_scaling)  # LoRA on the router or experts (model/lora_moe.py)
         return x + moe_mlp(rms_norm(x, w["post_attention_layernorm.weight"], spec.eps, spec.plus_one), w, spec.moe,
-                           router)
+                           router, projection(w, spec))
     if spec.gemma:  # norms before and after the GeLU-tanh MLP
         h = rms_norm(x, w["pre_feedforward_layernorm.weight"], spec.eps, True)
         m = F.gelu(project(h, w, "mlp.gate_proj", spec), approximate="tanh") * project(h, w, "mlp.up_proj", spec)

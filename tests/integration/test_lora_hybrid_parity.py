@@ -3,7 +3,8 @@ layers) against transformers + peft 0.21.2, in float64.
 
 The adapters sit where peft puts them: a full-attention layer's q/k/v/o_proj (q_proj holds each head's query and its
 output gate), a linear-attention layer's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj (Qwen3-Next:
-in_proj_qkvz, in_proj_ba, out_proj), Qwen3.5's dense MLP; all-linear on Qwen3.5 is all of them, as peft's. The
+in_proj_qkvz, in_proj_ba, out_proj), Qwen3.5's dense MLP, Qwen3.5-MoE's shared expert and its gate; all-linear on
+Qwen3.5 and Qwen3.5-MoE is all of them, as peft's. The
 tiny models of tests/reference_hybrid.py (hidden 72, GQA, key and value heads of different widths), 136 tokens a step
 (three chunks of the delta rule), 12 steps, lr 1e-2. The reference is peft's model over tests/reference_hybrid's
 float64_hybrid (the delta rule, the norms, the RoPE tables and the softmax in float64, where transformers keeps them
@@ -74,6 +75,7 @@ def lora_run(tmp_path: Path, name: str, targets, aux: bool):
 @pytest.mark.parametrize("name,targets,aux", [
     ("qwen3_5", "all-linear", False),
     ("qwen3_5_moe", ["q_proj", "v_proj", *MIXER["qwen3_5_moe"]], True),
+    ("qwen3_5_moe", "all-linear", True),  # the shared expert's three projections and its gate too
     ("qwen3_next", ["k_proj", "o_proj", *MIXER["qwen3_next"]], True),
 ])
 def test_hybrid_lora_matches_peft_in_float64(tmp_path, name, targets, aux):
@@ -87,6 +89,8 @@ def test_hybrid_lora_matches_peft_in_float64(tmp_path, name, targets, aux):
         assert relative_error(value, initial[key]) > 1e-4, f"{key} barely moved"
     mixer = [k for k in final if ".linear_attn." in k]
     assert mixer and [k for k in final if ".self_attn." in k]  # both kinds of layer adapted
+    shared = [k for k in final if ".mlp.shared_expert" in k]
+    assert len(shared) == (8 * model_layers(base) if name == "qwen3_5_moe" and targets == "all-linear" else 0)
     print(f"{name}: worst adapter error {worst:.2e}, {len(final)} adapter tensors ({len(mixer)} on the mixers)")
     # the export: peft builds the same adapters from its adapter_config.json and loads every saved tensor
     export = tmp_path / "export" / "adapter"  # beside it "merged": the base with the adapters folded in
@@ -97,7 +101,7 @@ def test_hybrid_lora_matches_peft_in_float64(tmp_path, name, targets, aux):
 
 
 @pytest.mark.parametrize("name,targets,match", [
-    ("qwen3_5_moe", "all-linear", r"all-linear on qwen3_5_moe also adapts the MoE layers' shared expert"),
+    ("qwen3_next", "all-linear", r"all-linear on qwen3_next also adapts the MoE layers' router and experts"),
     ("qwen3_next", ["gate_proj"], r"'gate_proj' is not built as a LoRA target of qwen3_next's MoE layers"),
     ("qwen3_5", ["in_proj_qkvz"], r"'in_proj_qkvz' is not a linear module of a qwen3_5 layer"),
 ])
@@ -110,14 +114,17 @@ def test_hybrid_lora_targets_that_are_not_built_are_refused(tmp_path, name, targ
         load_config(raw=raw)
 
 
+def model_layers(base: Path) -> int:
+    return transformers.AutoConfig.from_pretrained(base).num_hidden_layers
+
+
 KEPT = ("mlp.gate.weight", "linear_attn.conv1d.weight")
 """What an NF4 base keeps in the compute dtype besides the vectors: the router and the convolution kernel, neither an
 nn.Linear (quant/nf4_stage.KEPT_MATRICES)."""
 
 
 @pytest.mark.float32_parity
-@pytest.mark.parametrize("name,targets", [("qwen3_5", "all-linear"),
-                                          ("qwen3_5_moe", ["q_proj", "o_proj", *MIXER["qwen3_5_moe"]])])
+@pytest.mark.parametrize("name,targets", [("qwen3_5", "all-linear"), ("qwen3_5_moe", "all-linear")])
 def test_hybrid_lora_on_an_nf4_base_equals_peft_on_the_dequantized_model(tmp_path, name, targets):
     """QLoRA on a hybrid: every decoder matrix and fused expert tensor streams in NF4 (the Gated DeltaNet's
     projections, the shared expert and its gate included), the router and the convolution kernel in the compute dtype;
