@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import gc
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,7 +73,8 @@ def megatrain_steps(args, save=lambda setup, records, phase: None) -> tuple[dict
     training step, so a run cut off by the command's limit still leaves what it measured."""
     rows, width = args.prompts * args.generations, args.prompt_len + args.completion_len
     cfg = load_config(ROOT / args.config, [f"data.batch_size={rows}", f"data.seq_len={width}", "runtime.mode=local",
-                                           "train.output_dir=/tmp/grpo-step-bench", "checkpoint.at_end=false",
+                                           f"train.output_dir={tempfile.mkdtemp(prefix='grpo-step-bench-')}",
+                                           "checkpoint.at_end=false",
                                            f"finetune.grpo.num_generations={args.generations}",
                                            f"finetune.grpo.max_completion_length={args.completion_len}",
                                            *args.overrides])

@@ -281,7 +281,7 @@ class EngineConfig:
     product in every decode step (two small float32 products per projection). Elsewhere (a streamed or NF4 base,
     MoE) the adapters are always computed apart."""
 
-    nf4_kernels: Literal["auto", "triton", "torch"] = "torch"
+    nf4_kernels: Literal["auto", "triton", "torch"] = "auto"
     """How an NF4 base (finetune.lora.base_quantization=nf4) is read on the device. torch: each use dequantizes the
     whole layer into its weight slot with torch operations (through torch.compile with engine.compile). triton: the
     Triton kernels of quant/nf4_triton.py: a one-pass dequantization into the slot (bit for bit the torch values),
@@ -291,9 +291,10 @@ class EngineConfig:
     torch. A float64 compute dtype (exact test runs) always decodes in torch. Measured on an H200 (one gpt-oss-120b
     layer, benchmarks/nf4_decode.py): the dequantization at 1,071 G values/s against compiled torch's 133, bit for bit
     equal; a decode step's MoE half at 32 rows 2.5 ms with the routed experts read in NF4, 4.6 ms dequantizing them
-    with the kernel, 27.0 ms in torch. The default stays torch: the one GRPO run with the kernels (gpt-oss-120b)
-    showed a rollout/trainer log-probability gap of 0.58 nats a token that no run has yet compared with torch's.
-    Checked in Triton's interpreter on the CPU and on CUDA (tests/unit/test_nf4_triton.py,
+    with the kernel, 27.0 ms in torch. The rollout/trainer log-probability gap of a bf16 GRPO step on gpt-oss-120b's
+    shape (8 layers, H100) is the kernels' and torch's alike: 0.60 and 0.61 nats a token on average (0.12 with 2
+    layers; 5e-6 in float32: bf16 rounding through the random-init layers, not the kernels). Checked in Triton's
+    interpreter on the CPU and on CUDA (H200 and H100: tests/unit/test_nf4_triton.py,
     tests/integration/test_rollout_nf4_experts.py)."""
 
     def __post_init__(self) -> None:

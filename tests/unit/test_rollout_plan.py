@@ -73,6 +73,12 @@ def test_the_plan_says_where_a_lora_rollout_reads_its_base_and_what_an_nf4_base_
     # every decoder layer's values, by the shape's own arithmetic: attention with its q/k/v biases, the MLP, 2 norms
     h, f, kv = 3584, 18944, 4 * 128
     layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * f + 2 * h
+    # engine.nf4_kernels auto (the default) on a GPU: the Triton kernel's rate
+    assert (f"in NF4, so each decode step dequantizes {28 * layer / 1e9:.1f} B values (about "
+            f"{28 * layer / 1070.9e9:.2f} s a step at the 1071 G values/s measured on an H200, Triton)") in \
+        format_plan(plan)
+    nf4.engine.nf4_kernels = "torch"
+    plan = plan_run(nf4, h200)
     compiled = plan.run.device_compiles
     seconds = 28 * layer / (132.6e9 if compiled else 90.1e9)
     assert (f"in NF4, so each decode step dequantizes {28 * layer / 1e9:.1f} B values (about {seconds:.2f} s a step "
