@@ -32,13 +32,7 @@ pytestmark = pytest.mark.gpu
 def test_greedy_rows_on_cuda_equal_transformers_generate(tmp_path, name, weights):
     model = float64_twin(build(name))
     prompts = prompts_for(model.config.vocab_size)
-    cfg = tiny_config(tmp_path, model=dataclasses.asdict(model_config_from_hf(model.config.to_dict())),
-                      precision={"master_dtype": "float64", "compute_dtype": "float64"},
-                      engine={"device": "cuda", "poison_buffers": True, "rollout_weights": weights,
-                              "gpu_resident": "none"})
-    with Trainer(cfg) as trainer:
-        trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
-        result = trainer.gpu.generate(prompts, SamplingSettings(max_new_tokens=NEW, temperature=0)).result()
+    result = greedy_on_cuda(tmp_path, model, prompts, weights)
     print(f"{name} {weights}: cuda_graph {result.stats['cuda_graph']:.0f}, "
           f"{result.stats['tokens_per_s']:.0f} tok/s")
     assert result.stats["weights_resident"] == (weights == "resident")
@@ -59,14 +53,20 @@ def test_a_hybrids_greedy_rows_on_cuda_equal_transformers_generate(tmp_path, wei
 
     model = float64_hybrid(hf_hybrid_model("qwen3_5"))
     prompts = prompts_for(model.config.vocab_size, LENGTHS)
+    result = greedy_on_cuda(tmp_path, model, prompts, weights)
+    print(f"qwen3_5 {weights}: cuda_graph {result.stats['cuda_graph']:.0f}")
+    assert result.stats["cuda_graph"] == (weights == "resident")
+    for row, prompt in enumerate(prompts):
+        assert_greedy_row(result.tokens[row], model, prompt, f"qwen3_5 on cuda ({weights}): row {row}")
+
+
+def greedy_on_cuda(tmp_path, model, prompts, weights: str):
+    """Greedy generation of NEW tokens for each prompt on CUDA in float64, `model`'s weights loaded, every stage
+    streamed for training (engine.rollout_weights: `weights`)."""
     cfg = tiny_config(tmp_path, model=dataclasses.asdict(model_config_from_hf(model.config.to_dict())),
                       precision={"master_dtype": "float64", "compute_dtype": "float64"},
                       engine={"device": "cuda", "poison_buffers": True, "rollout_weights": weights,
                               "gpu_resident": "none"})
     with Trainer(cfg) as trainer:
         trainer.load_weights({k: v for k, v in model.state_dict().items() if k in trainer.master_weights()})
-        result = trainer.gpu.generate(prompts, SamplingSettings(max_new_tokens=NEW, temperature=0)).result()
-    print(f"qwen3_5 {weights}: cuda_graph {result.stats['cuda_graph']:.0f}")
-    assert result.stats["cuda_graph"] == (weights == "resident")
-    for row, prompt in enumerate(prompts):
-        assert_greedy_row(result.tokens[row], model, prompt, f"qwen3_5 on cuda ({weights}): row {row}")
+        return trainer.gpu.generate(prompts, SamplingSettings(max_new_tokens=NEW, temperature=0)).result()

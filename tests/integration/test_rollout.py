@@ -138,7 +138,12 @@ def test_sampled_logps_match_transformers_within_float32_noise(tmp_path, name):
     assert torch.equal(result.tokens, again.tokens) and torch.equal(result.logps, again.logps)
     other = generated(tmp_path / "c", model, prompts, dataclasses.replace(sampling, seed=6), "float32")
     assert not torch.equal(result.tokens, other.tokens)
-    twin = float64_twin(model)
+    assert_sampled_logps_within_noise(name, result, prompts, sampling, model, float64_twin(model))
+
+
+def assert_sampled_logps_within_noise(name: str, result, prompts, sampling: SamplingSettings, model, twin) -> None:
+    """Each sampled token's rollout log-probability against transformers' float32 `model` over the prompt and the
+    completion (at the sampling temperature), within the noise of that model against its float64 `twin`."""
     ours, ref32, ref64 = [], [], []
     with torch.no_grad(), one_thread():
         for row, prompt in enumerate(prompts):

@@ -28,12 +28,16 @@ from megatrain_ray.driver.trainer import Trainer  # noqa: E402
 from megatrain_ray.engine.rollout.interface import SamplingSettings  # noqa: E402
 from megatrain_ray.model.layer_spec import LayerSpec  # noqa: E402
 from megatrain_ray.model.recurrent_decode import RecurrentCache  # noqa: E402
-from tests.conftest import one_thread  # noqa: E402
 from tests.integration.test_grpo_prompts import tokenizer_dir  # noqa: E402, F401  (a fixture)
 from tests.integration.test_grpo_train import grpo_config, prompts_dir  # noqa: E402, F401  (a fixture)
-from tests.integration.test_rollout import NEW, assert_greedy_row, generated, prompts_for  # noqa: E402
+from tests.integration.test_rollout import (  # noqa: E402
+    NEW,
+    assert_greedy_row,
+    assert_sampled_logps_within_noise,
+    generated,
+    prompts_for,
+)
 from tests.integration.test_rollout_deepseek import assert_logps  # noqa: E402
-from tests.numerics import assert_within_noise  # noqa: E402
 from tests.reference_hybrid import float64_hybrid, hf_hybrid_model  # noqa: E402
 
 LENGTHS = (70, 5, 33)
@@ -104,18 +108,7 @@ def test_sampled_logps_match_transformers_within_float32_noise(tmp_path, name):
     prompts = prompts_for(model.config.vocab_size, LENGTHS)
     sampling = SamplingSettings(max_new_tokens=NEW, temperature=0.7, top_k=50, top_p=0.95, seed=5)
     result = generated(tmp_path, model, prompts, sampling, "float32")
-    twin = float64_hybrid(model)
-    ours, ref32, ref64 = [], [], []
-    with torch.no_grad(), one_thread():
-        for row, prompt in enumerate(prompts):
-            completion = result.tokens[row, :int(result.lengths[row])]
-            ids = torch.tensor([prompt + completion.tolist()])
-            for reference, out in ((model, ref32), (twin, ref64)):
-                logits = reference(ids).logits[0, len(prompt) - 1:-1] / sampling.temperature
-                out.append(logits.log_softmax(-1).gather(1, completion[:, None]).squeeze(1))
-            ours.append(result.logps[row, :len(completion)])
-    assert_within_noise(f"{name}: sampled tokens' log-probabilities", torch.cat(ours), torch.cat(ref32),
-                        torch.cat(ref64))
+    assert_sampled_logps_within_noise(name, result, prompts, sampling, model, float64_hybrid(model))
 
 
 LORA = {"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": [
