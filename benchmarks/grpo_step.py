@@ -13,9 +13,10 @@ tokens: its generated tok/s against the rollout's.
 With --set finetune.method=lora ... the step is a LoRA one (the adapters train on the GPU; with every base layer
 GPU-resident the decode step is one CUDA graph too). Each step records the GPU's peak allocation in the rollout and
 in the training step beside `megatrain plan`'s figures for them (the training peak; for the rollout the plan's fixed
-buffers plus its KV cache), and the host memory beside the plan's. --probe-lora adapters,merged times a short decode
-under each engine.rollout_lora in the same call before the steps; --lora-b-std draws B away from its zeros (where a
-merged adapter is exactly the base), so the step's rollout/trainer log-prob gap includes the merge's rounding.
+buffers plus its KV cache and prefill working set), and the host memory beside the plan's. --probe-lora
+adapters,merged times a short decode under each engine.rollout_lora in the same call before the steps;
+--lora-b-std draws B away from its zeros (where a merged adapter is exactly the base), so the step's
+rollout/trainer log-prob gap includes the merge's rounding.
 
 Writes benchmarks/results/grpo-step-<device>-<time>.json.
 """
@@ -50,12 +51,13 @@ ACTIVATION_TERMS = ("kept layer inputs", "layer backward working set", "loss hea
 
 def plan_figures(trainer, cfg) -> dict:
     """What `megatrain plan` predicts for this run, in GiB: the training peak, the rollout's (the fixed buffers, which
-    stay allocated, plus the KV cache), the host memory."""
+    stay allocated, plus the KV cache and the prefill's working set), the host memory."""
     plan, g = trainer.plan, 2**30
     fixed = sum(v for k, v in plan.gpu.items() if k not in ACTIVATION_TERMS)
-    kv = rollout_bytes(cfg, trainer.run_spec)["KV cache"]
-    return {"plan_gpu_peak_gib_train": plan.gpu_peak / g, "plan_gpu_peak_gib_rollout": (fixed + kv) / g,
-            "plan_kv_cache_gib": kv / g, "plan_host_gib": plan.host_total / g,
+    sizes = rollout_bytes(cfg, trainer.run_spec)
+    kv, prefill = sizes["KV cache"], sizes["prefill working set"]
+    return {"plan_gpu_peak_gib_train": plan.gpu_peak / g, "plan_gpu_peak_gib_rollout": (fixed + kv + prefill) / g,
+            "plan_kv_cache_gib": kv / g, "plan_prefill_gib": prefill / g, "plan_host_gib": plan.host_total / g,
             "plan_gpu_terms_gib": {k: v / g for k, v in plan.gpu.items()}}
 
 

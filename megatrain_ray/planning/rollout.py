@@ -12,7 +12,8 @@ from megatrain_ray.model.decode import cache_capacity
 from megatrain_ray.model.layer_spec import LayerSpec
 from megatrain_ray.model.recurrent_decode import RecurrentCache
 from megatrain_ray.model.layout import build_layout
-from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES
+from megatrain_ray.model.delta_rule import linear_mixer_saved_bytes
+from megatrain_ray.planning.gpu_memory import GPU_RESERVE_BYTES, attention_widths, mlp_piece_width
 from megatrain_ray.quant.nf4 import nf4_nbytes
 from megatrain_ray.quant.nf4_stage import EXPERT_MATRICES, TRITON_DTYPES, experts_readable_in_nf4
 from megatrain_ray.store.nf4_base import packs_stage
@@ -39,17 +40,54 @@ def nf4_dequant_rate(cfg: Config, run: RunSpec) -> tuple[float, str]:
     return NF4_DEQUANT_VALUES_PER_S[compiled], "compiled torch" if compiled else "eager torch"
 
 
-def rollout_tokens(cfg: Config) -> int:
-    """The KV cache's length: the longest prompt (max_prompt_length, else what data.seq_len leaves after the
-    completion) plus max_completion_length, rounded up to whole key chunks (model/decode.cache_capacity)."""
+def prompt_tokens(cfg: Config) -> int:
+    """The longest prompt: max_prompt_length, else what data.seq_len leaves after the completion."""
     grpo = cfg.finetune.grpo
-    prompt = grpo.max_prompt_length or max(cfg.data.seq_len - grpo.max_completion_length, 1)
-    return cache_capacity(prompt + grpo.max_completion_length)
+    return grpo.max_prompt_length or max(cfg.data.seq_len - grpo.max_completion_length, 1)
+
+
+def rollout_tokens(cfg: Config) -> int:
+    """The KV cache's length: the longest prompt plus max_completion_length, rounded up to whole key chunks
+    (model/decode.cache_capacity)."""
+    return cache_capacity(prompt_tokens(cfg) + cfg.finetune.grpo.max_completion_length)
+
+
+PREFILL_SCORE_TENSORS = 2
+"""Score-sized tensors [rows, heads, P, P + 1] that the rollout's explicit attention (gpt-oss's sinks: the prefill
+always takes model/sinks.explicit_sink_attention; Gemma 2's soft-cap) holds at once without autograd: an operation's
+input and its output. On an H100 the prefill of 32 rows x 512 tokens of gpt-oss-120b's shape peaked 1.66 GiB above
+the fixed buffers and the cache with 8 layers and with 2, where two such bf16 tensors are 2.0 GiB
+(gap-triton-2l-h100-80gb-hbm3-20261207-164951.json, gpt-oss-8l-gap-triton-h100-80gb-hbm3-20261207-164524.json)."""
+
+
+def prefill_bytes(cfg: Config, run: RunSpec) -> int:
+    """The rollout prefill's working set: the largest transient of one layer's forward over every row's prompt at
+    once (no autograd, nothing kept between layers): the attention's q, k, v and output (with an explicit
+    attention, PREFILL_SCORE_TENSORS score tensors), a linear-attention layer's chunked delta rule with its
+    projections (model/delta_rule.linear_mixer_saved_bytes, the tensors its forward makes), or an MLP piece's gate,
+    up and product. The decode steps' own (one token a row) are small beside it."""
+    m = cfg.model
+    compute_b = DTYPE_BYTES[run.compute_dtype]
+    rows, prompt = cfg.data.batch_size // max(run.world, 1), prompt_tokens(cfg)
+    tokens = rows * prompt
+    q, kv = attention_widths(m)
+    attention = tokens * (2 * q + 2 * kv) * compute_b
+    if m.family == "gpt_oss" or m.attn_logit_softcapping:
+        attention += PREFILL_SCORE_TENSORS * rows * m.num_attention_heads * prompt * (prompt + 1) * compute_b
+    mixer = 0
+    if m.linear_attention is not None:
+        la = m.linear_attention
+        mixer = int(tokens * linear_mixer_saved_bytes(la.num_value_heads, la.key_head_dim, la.value_head_dim,
+                                                      la.conv_width, la.value_width, max(4, compute_b), compute_b))
+    mlp_tokens = min(cfg.engine.mlp_chunk_tokens or tokens, tokens)
+    mlp = mlp_tokens * (mlp_piece_width(cfg) // 2) * compute_b  # the forward's half of the backward's tensors
+    return max(attention, mixer, mlp)
 
 
 def rollout_bytes(cfg: Config, run: RunSpec) -> dict[str, int]:
-    """{'KV cache': ..., 'resident weights copy': ...} of one GPU worker (its data.batch_size / ranks rows). The KV
-    cache includes the linear-attention layers' recurrent states, which do not grow with the tokens."""
+    """{'KV cache': ..., 'prefill working set': ..., 'resident weights copy': ...} of one GPU worker (its
+    data.batch_size / ranks rows). The KV cache includes the linear-attention layers' recurrent states, which do not
+    grow with the tokens; the prefill's working set (prefill_bytes) exists while the prompts go through."""
     m = cfg.model
     compute_b = DTYPE_BYTES[run.compute_dtype]
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
@@ -65,7 +103,7 @@ def rollout_bytes(cfg: Config, run: RunSpec) -> dict[str, int]:
     layout = build_layout(m)
     resident_layers = set(range(1, 1 + run.resident_layers))  # stage indices of the GPU-resident tier's layers
     copy = 0 if run.frozen_base else sum(s.numel for s in layout.stages if s.index not in resident_layers) * compute_b
-    return {"KV cache": kv, "resident weights copy": copy}
+    return {"KV cache": kv, "prefill working set": prefill_bytes(cfg, run), "resident weights copy": copy}
 
 
 def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_peak: int) -> list[str]:
@@ -80,6 +118,8 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
     lines = [f"GRPO rollout ({rows} completions of up to {rollout_tokens(cfg):,} tokens with their prompt; "
              f"engine.rollout_weights={setting}):",
              f"  {'KV cache':<38}{sizes['KV cache'] / GiB:10.2f} GiB",
+             f"  {'prefill working set':<38}{sizes['prefill working set'] / GiB:10.2f} GiB  (while the prompts go "
+             "through)",
              f"  {'resident weights copy':<38}{sizes['resident weights copy'] / GiB:10.2f} GiB"
              + ("  (LoRA: the base is read where training keeps it)" if run.frozen_base else "")]
     if gpu_memory:
@@ -114,10 +154,12 @@ def separate_lines(cfg: Config, run: RunSpec, sizes: dict[str, int], rows: int, 
     lines = [f"GRPO rollout on a GPU of its own (rl.rollout=separate; {rows} completions of up to "
              f"{rollout_tokens(cfg):,} tokens with their prompt{ahead}):",
              f"  {'KV cache':<38}{sizes['KV cache'] / GiB:10.2f} GiB",
+             f"  {'prefill working set':<38}{sizes['prefill working set'] / GiB:10.2f} GiB",
              f"  {'the model in ' + run.compute_dtype:<38}{sizes['resident weights copy'] / GiB:10.2f} GiB"
              if not run.frozen_base else "  the frozen base as the trainer's GPU holds it, and the adapters"]
     if gpu_memory and not run.frozen_base:
-        need, free = sizes["KV cache"] + sizes["resident weights copy"], gpu_memory - GPU_RESERVE_BYTES
+        need = sizes["KV cache"] + sizes["prefill working set"] + sizes["resident weights copy"]
+        free = gpu_memory - GPU_RESERVE_BYTES
         lines.append(f"  {'of the rollout GPU':<38}{free / GiB:10.2f} GiB" + (
             "" if need <= free else "  -> does not fit: lower data.batch_size or finetune.grpo.max_completion_length, "
             "or set rl.rollout: colocated"))
