@@ -27,6 +27,7 @@ import torch
 
 from megatrain_ray.exceptions import ConfigError
 from megatrain_ray.model.layout import ModelLayout, StageLayout
+from megatrain_ray.observe.log import get_logger
 from megatrain_ray.quant.nf4_stage import (
     EXPERT_MATRICES,
     TRITON_DTYPES,
@@ -37,6 +38,8 @@ from megatrain_ray.quant.nf4_stage import (
 from megatrain_ray.quant.nf4_triton import NF4Experts, dequantize_blocks_into, triton_available
 from megatrain_ray.store.nf4_base import NF4_KIND, stage_format
 from megatrain_ray.store.segments import HostStore
+
+log = get_logger(__name__)
 
 
 class PackedArrival:
@@ -51,6 +54,10 @@ class PackedArrival:
             s.index: stage_format(s, compute_dtype) for s in layout.stages if store.has(NF4_KIND, s.index)}
         # engine.nf4_kernels resolved first: a refusal comes before the resident layers' bytes are copied
         self.decode_into = dequantize_blocks_into if uses_triton(kernels, device, compute_dtype) else None
+        if self.formats:  # which decoder runs is no longer only the user's choice (auto): say it once
+            log.info("NF4 base: %d packed stages decoded by %s (engine.nf4_kernels=%s)", len(self.formats),
+                     "the Triton kernels" if self.decode_into is not None else
+                     "torch (compiled)" if decode is not None else "torch", kernels)
         self.on_device = {s.index: store.get(NF4_KIND, s.index).to(device)
                           for s in layout.resident_stages(resident_layers) if s.index in self.formats}
         largest = max((f.nbytes for i, f in self.formats.items() if i not in self.on_device), default=0)

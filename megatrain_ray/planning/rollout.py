@@ -10,6 +10,7 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.dtypes import DTYPE_BYTES, TORCH_DTYPES
 from megatrain_ray.model.decode import cache_capacity
 from megatrain_ray.model.layer_spec import LayerSpec
+from megatrain_ray.model.lora_moe import param_adapters
 from megatrain_ray.model.recurrent_decode import RecurrentCache
 from megatrain_ray.model.layout import build_layout
 from megatrain_ray.model.delta_rule import linear_mixer_saved_bytes
@@ -30,10 +31,11 @@ NF4_TRITON_DEQUANT_VALUES_PER_S = 1070.9e9
 the compiled torch decoding's values, on an H200 (nf4-decode-gpt-oss-120b-qlora-h200-20261207-040720.json)."""
 
 
-def nf4_dequant_rate(cfg: Config, run: RunSpec) -> tuple[float, str]:
+def nf4_dequant_rate(cfg: Config, run: RunSpec, on_gpu: bool = True) -> tuple[float, str]:
     """(values per second, which code) a decode step dequantizes an NF4 base's layers at: the Triton kernel where
-    engine.nf4_kernels lets it run (a GPU, a compute dtype it writes), else compiled or eager torch."""
-    if cfg.engine.device != "cpu" and cfg.engine.nf4_kernels != "torch" and \
+    engine.nf4_kernels lets it run (a GPU, a compute dtype it writes), else compiled or eager torch. `on_gpu`: the
+    plan's machine has a GPU (engine.device auto on a machine without one computes on the CPU)."""
+    if on_gpu and cfg.engine.device != "cpu" and cfg.engine.nf4_kernels != "torch" and \
             TORCH_DTYPES[run.compute_dtype] in TRITON_DTYPES:
         return NF4_TRITON_DEQUANT_VALUES_PER_S, "Triton"
     compiled = run.device_compiles
@@ -124,6 +126,7 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
              + ("  (LoRA: the base is read where training keeps it)" if run.frozen_base else "")]
     if gpu_memory:
         free = gpu_memory - training_peak - GPU_RESERVE_BYTES
+        # the engine's rule (engine/rollout/weights.choose_resident): its 10 % margin covers the prefill's transient
         fits = sizes["KV cache"] + sizes["resident weights copy"] <= free * (1 - MARGIN)
         if run.frozen_base:
             choice = ""  # the base is read where training keeps it: base_reads below
@@ -134,11 +137,11 @@ def rollout_lines(cfg: Config, run: RunSpec, gpu_memory: int | None, training_pe
         else:
             choice = f"  -> weights {'resident' if setting == 'resident' else 'streamed'}"
         lines.append(f"  {'free beside the training peak':<38}{free / GiB:10.2f} GiB{choice}")
-        if sizes["KV cache"] > free:
-            lines.append("  the KV cache does not fit beside the training peak: lower data.batch_size or "
-                         "finetune.grpo.max_completion_length")
+        if sizes["KV cache"] + sizes["prefill working set"] > free:
+            lines.append("  the KV cache and the prefill's working set do not fit beside the training peak: lower "
+                         "data.batch_size, finetune.grpo.max_completion_length or max_prompt_length")
     if run.frozen_base:
-        lines.append(base_reads(cfg, run))
+        lines.append(base_reads(cfg, run, on_gpu=gpu_memory is not None))
     if cfg.engine.device != "cpu":  # a CPU run's plan has no speed section
         lines.append(f"  the expected speed below is the training pass alone: a step's rollout adds up to "
                      f"{cfg.finetune.grpo.max_completion_length:,} decode steps (measured ones: docs/benchmarks.md, "
@@ -168,17 +171,21 @@ def separate_lines(cfg: Config, run: RunSpec, sizes: dict[str, int], rows: int, 
     return lines + [""]
 
 
-def experts_read_in_place(cfg: Config, run: RunSpec, stage) -> bool:
+def experts_read_in_place(cfg: Config, run: RunSpec, stage, on_gpu: bool = True) -> bool:
     """A decode step reads this packed layer's experts in NF4 (engine/packed_stream.PackedArrival.keeps_experts,
     engine/rollout/passes.py): engine.nf4_kernels triton or auto on a GPU (whose torch brings triton), the layer's
-    packed bytes GPU-resident, MoE experts the kernels read, no adapter on them, a compute dtype they take."""
-    adapted = any(t in ("gate_up_proj", "down_proj") for t in cfg.finetune.lora.targets(cfg.model.family))
-    return (cfg.engine.device != "cpu" and cfg.engine.nf4_kernels != "torch" and stage.index <= run.resident_layers
+    packed bytes GPU-resident, MoE experts the kernels read, no adapter on them (the engine's own test: an adapter
+    under mlp.experts; Qwen3.5-MoE's MLP names reach its shared expert), a compute dtype they take."""
+    lora = cfg.finetune.lora
+    adapted = any(p.module.startswith("mlp.experts")
+                  for p in param_adapters(cfg.model, lora.targets(cfg.model.family), lora.r, stage.index - 1))
+    return (on_gpu and cfg.engine.device != "cpu" and cfg.engine.nf4_kernels != "torch"
+            and stage.index <= run.resident_layers
             and experts_readable_in_nf4(stage.slots) and not adapted
             and TORCH_DTYPES[run.compute_dtype] in TRITON_DTYPES)
 
 
-def base_reads(cfg: Config, run: RunSpec) -> str:
+def base_reads(cfg: Config, run: RunSpec, on_gpu: bool = True) -> str:
     """Where a LoRA rollout reads its frozen base at each decode step: the GPU-resident tier's layers where they
     are, the others copied in through the weight buffers; an NF4 base's layers dequantized at each use."""
     layers = cfg.model.num_layers
@@ -188,8 +195,8 @@ def base_reads(cfg: Config, run: RunSpec) -> str:
              if resident else "every layer copied in at each decode step (engine.gpu_resident keeps none)")
     packed = [s for s in build_layout(cfg.model).stages if packs_stage(run, s)]
     if packed:
-        values, (rate, code) = sum(s.numel for s in packed), nf4_dequant_rate(cfg, run)
-        in_place = [s for s in packed if experts_read_in_place(cfg, run, s)]
+        values, (rate, code) = sum(s.numel for s in packed), nf4_dequant_rate(cfg, run, on_gpu)
+        in_place = [s for s in packed if experts_read_in_place(cfg, run, s, on_gpu)]
         if not in_place:
             return (f"  base in the rollout: {where}; in NF4, so each decode step dequantizes {values / 1e9:.1f} B "
                     f"values (about {values / rate:.2f} s a step at the {rate / 1e9:.0f} G values/s measured on an "

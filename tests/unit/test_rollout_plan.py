@@ -3,6 +3,7 @@ independent arithmetic, and where auto puts the weights; the KV cache as the GPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -124,6 +125,26 @@ def test_a_decode_step_over_resident_nf4_moe_layers_reads_the_routed_experts_in_
                 grpo_moe(6, targets=("q_proj", "gate_proj", "up_proj"))):
         other = format_plan(plan_run(cfg, h200))
         assert "in NF4, so each decode step dequantizes" in other and "where they lie" not in other
+    # engine.device auto on a machine without a GPU computes on the CPU: torch's rate, no kernels
+    no_gpu = format_plan(plan_run(grpo_moe(6), dataclasses.replace(h200, gpu_memory=None)))
+    base = next(line for line in no_gpu.splitlines() if "base in the rollout" in line)
+    assert "where they lie" not in base and "Triton" not in base and "torch)" in base, base
+
+
+def test_qwen3_5_moe_mlp_adapters_are_on_its_shared_expert_so_its_experts_are_still_read_in_place():
+    """On Qwen3.5-MoE down_proj and all-linear reach the shared expert (config/lora_targets), not the routed experts:
+    the decode step still reads those in NF4 where they lie, as the engine does (engine/rollout/passes.py)."""
+    types = "[" + ",".join(["linear_attention"] * 3 + ["full_attention"]) + "]"
+    for targets in ("[q_proj,v_proj]", "[q_proj,down_proj]", "all-linear"):
+        cfg = load_config(Path(REPO) / "configs/shapes/qwen3.5-397b-a17b.yaml", [
+            "model.num_layers=4", f"model.layer_types={types}", "model.num_experts=64",
+            "finetune.objective=grpo", "finetune.grpo.reward_funcs=[tests.reference_grpo:first_reward]",
+            "finetune.grpo.num_generations=2", "finetune.grpo.max_prompt_length=512",
+            "finetune.grpo.max_completion_length=512", "data.batch_size=16", "data.seq_len=1024",
+            "precision.compute_dtype=bfloat16", "finetune.method=lora", "finetune.lora.base_quantization=nf4",
+            f"finetune.lora.target_modules={targets}", "engine.gpu_resident=4"])
+        text = format_plan(plan_run(cfg, Machine.from_preset("h200-128gb")))
+        assert "reads the routed experts of 4 MoE layers in NF4 where they lie" in text, targets
 
 
 def test_a_separate_rollout_is_planned_on_a_gpu_of_its_own():
