@@ -53,6 +53,9 @@ LINEAR_MIXER_PROJECTIONS = {"qwen3_5": ("in_proj_qkv", "in_proj_z", "in_proj_b",
 SHARED_EXPERT_PROJECTIONS = {"gate_proj": "mlp.shared_expert.gate_proj", "up_proj": "mlp.shared_expert.up_proj",
                              "down_proj": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"}
 """Qwen3.5-MoE's shared expert and its gate: PEFT's target names and the modules they reach."""
+MLP_NAMES_ON_SHARED_EXPERT = frozenset({"qwen3_5_moe"})
+"""Families whose MLP target names reach the shared expert (SHARED_EXPERT_PROJECTIONS) and never the routed experts
+or the router (peft has no weight conversion for them): model/lora.adapter_shapes, model/lora_moe.param_adapters."""
 _QWEN2_MOE_NAMES = {"gate": "gate", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 ROUTER_AND_EXPERT_NAMES = {"qwen3_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
                            "deepseek_v3": ("gate", "gate_proj", "up_proj", "down_proj"),
@@ -89,8 +92,8 @@ def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"],
 
 
 def _hybrid_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
-    mlp = {"qwen3_5": ("gate_proj", "up_proj", "down_proj"), "qwen3_5_moe": tuple(SHARED_EXPERT_PROJECTIONS),
-           "qwen3_next": ()}[family]
+    mlp = tuple(SHARED_EXPERT_PROJECTIONS) if family in MLP_NAMES_ON_SHARED_EXPERT else \
+        {"qwen3_5": ("gate_proj", "up_proj", "down_proj"), "qwen3_next": ()}[family]
     known = (*ATTENTION_PROJECTIONS, *LINEAR_MIXER_PROJECTIONS[family], *mlp)
     if target_modules == "all-linear":
         if family == "qwen3_next":

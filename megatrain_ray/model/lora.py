@@ -26,7 +26,11 @@ import torch.nn.functional as F
 
 from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.latent_attention_section import latent_projection_shapes
-from megatrain_ray.config.lora_targets import LINEAR_MIXER_PROJECTIONS, SHARED_EXPERT_PROJECTIONS
+from megatrain_ray.config.lora_targets import (
+    LINEAR_MIXER_PROJECTIONS,
+    MLP_NAMES_ON_SHARED_EXPERT,
+    SHARED_EXPERT_PROJECTIONS,
+)
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.sections import Config
 from megatrain_ray.model.layout import linear_attention_tensors
@@ -64,7 +68,7 @@ def adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int | None = Non
         mixer = {name.split(".")[1]: shape for name, shape, _ in linear_attention_tensors(model)
                  if name.split(".")[1] in _LINEAR_MIXER}
         dims, linear = {**dims, **mixer}, (*linear, *mixer)
-        if model.family == "qwen3_5_moe" and (layer is None or model.layer_is_moe(layer)):
+        if model.family in MLP_NAMES_ON_SHARED_EXPERT and (layer is None or model.layer_is_moe(layer)):
             # its MLP names reach the shared expert and its gate (config/lora_targets.SHARED_EXPERT_PROJECTIONS)
             s = model.shared_expert_intermediate_size
             dims.update(gate_proj=(s, h), up_proj=(s, h), down_proj=(h, s), shared_expert_gate=(1, h))

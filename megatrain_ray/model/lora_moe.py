@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_ray.config.lora_targets import MLP_NAMES_ON_SHARED_EXPERT
+
 ROUTER, EXPERTS, INNER = "mlp.gate", "mlp.experts", "mlp.experts.base_layer"
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
@@ -49,9 +51,9 @@ class ParamAdapter:
 
 def param_adapters(model, targets: tuple[str, ...], r: int, layer: int) -> list[ParamAdapter]:
     """The router and expert adapters of decoder layer `layer` (none on a dense layer), for the targets' short
-    names (config/lora_targets.py: `gate`, `gate_up_proj`, `down_proj` once resolved). Qwen3.5-MoE has none: its
-    MLP names reach the shared expert (config/lora_targets.SHARED_EXPERT_PROJECTIONS)."""
-    if not model.is_moe or not model.layer_is_moe(layer) or model.family == "qwen3_5_moe":
+    names (config/lora_targets.py: `gate`, `gate_up_proj`, `down_proj` once resolved). None in the
+    MLP_NAMES_ON_SHARED_EXPERT families (Qwen3.5-MoE): their MLP names reach the shared expert."""
+    if not model.is_moe or not model.layer_is_moe(layer) or model.family in MLP_NAMES_ON_SHARED_EXPERT:
         return []
     e, h, f = model.num_experts, model.hidden_size, model.expert_intermediate_size
     out = []
