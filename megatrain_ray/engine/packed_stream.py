@@ -10,7 +10,8 @@ stage. The dequantization's temporaries are bounded by nf4_stage's chunking (deq
 GPU-resident packed layers (engine.gpu_resident with an NF4 base): their packed bytes are copied to the device once,
 at the start, and kept there; each use dequantizes them into the slot as above, without the copy.
 
-With engine.nf4_kernels=triton (or auto, on a CUDA device with triton) the block decoding is quant/nf4_triton's
+With engine.nf4_kernels=triton (or auto, on a CUDA device with triton where the kernels pass their start-up
+probe, quant/nf4_triton_probe.py) the block decoding is quant/nf4_triton's
 one-pass kernel, writing the slot in place (bit for bit the values of the torch decoding; by its reads and writes
 about 2.5 bytes of device memory traffic a value against the compiled torch decoding's 6.5, an estimate not yet
 measured). A rollout's decode step over GPU-resident packed MoE layers (`load(..., keep_experts=True)`)
@@ -36,6 +37,7 @@ from megatrain_ray.quant.nf4_stage import (
     experts_readable_in_nf4,
 )
 from megatrain_ray.quant.nf4_triton import NF4Experts, dequantize_blocks_into, triton_available
+from megatrain_ray.quant.nf4_triton_probe import kernels_failure
 from megatrain_ray.store.nf4_base import NF4_KIND, stage_format
 from megatrain_ray.store.segments import HostStore
 
@@ -118,15 +120,26 @@ class PackedArrival:
 
 
 def uses_triton(kernels: str, device: torch.device, compute_dtype: torch.dtype) -> bool:
-    """engine.nf4_kernels resolved: triton where it runs (auto), or because it was asked for (an error if it cannot
-    run); never for float64 (the tests' exact runs), which the kernels do not take."""
+    """engine.nf4_kernels resolved: triton where it runs and passes its probe (auto; quant/nf4_triton_probe.py),
+    or because it was asked for (an error if it cannot run or fails the probe); never for float64 (the tests'
+    exact runs), which the kernels do not take."""
     if kernels == "torch" or compute_dtype not in TRITON_DTYPES:
         return False
-    if kernels == "triton" and not triton_available(device):
-        missing = " without triton" if device.type == "cuda" else ""
-        raise ConfigError(f"engine.nf4_kernels=triton needs triton and a CUDA device; this worker runs on "
-                          f"{device}{missing}: set engine.nf4_kernels to auto or torch")
-    return triton_available(device)
+    if not triton_available(device):
+        if kernels == "triton":
+            missing = " without triton" if device.type == "cuda" else ""
+            raise ConfigError(f"engine.nf4_kernels=triton needs triton and a CUDA device; this worker runs on "
+                              f"{device}{missing}: set engine.nf4_kernels to auto or torch")
+        return False
+    failure = kernels_failure(device, compute_dtype)
+    if failure is None:
+        return True
+    if kernels == "triton":
+        raise ConfigError(f"engine.nf4_kernels=triton: the NF4 Triton kernels fail on {device} ({failure}); set "
+                          "engine.nf4_kernels to torch, or auto, which then decodes in torch")
+    log.warning("NF4 Triton kernels unusable on %s (%s): the NF4 base is decoded in torch (engine.nf4_kernels=auto)",
+                device, failure)
+    return False
 
 
 def stage_experts(packed: torch.Tensor, fmt: NF4StageFormat, i: int) -> NF4Experts:

@@ -1,0 +1,56 @@
+"""Whether the NF4 Triton kernels (quant/nf4_triton.py) work on this device: compiled and giving the torch
+decoding's values, tried once per device and dtype on a small tensor before a run relies on them.
+
+engine.nf4_kernels=auto falls back to the torch decoding when they do not (a Triton or driver version that
+cannot compile them, an architecture they were never run on); engine.nf4_kernels=triton turns the failure into
+one clear error at start-up instead of a crash inside the first layer's dequantization.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from megatrain_ray.quant import nf4_triton
+from megatrain_ray.quant.nf4 import dequantize_nf4, nf4_absmax, quantize_nf4
+
+# A fused [E, A, B] expert tensor of two experts: whole 64-value blocks on the contiguous axis, as the layers have
+_PROBE_SHAPE = (2, 64, 128)
+_PROBE_ROWS = 5  # 3 rows to expert 0, 2 to expert 1
+# products accumulate in float32 from weights rounded to the dtype: against a float32 product of the same rounded
+# weights, only the output's rounding and the order of the sums differ (bf16: 2^-8 relative)
+_PRODUCT_RTOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+
+
+def kernels_failure(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when both kernels run on `device` for `dtype` and agree with torch (the decoding bit for bit, the
+    expert products within their rounding); else what went wrong, in a sentence."""
+    return _probe(torch.device(device), dtype)
+
+
+@cache
+def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(_PROBE_SHAPE, generator=gen) * 0.05).to(dtype)
+    q = quantize_nf4(weight)
+    q = type(q)(q.packed.to(device), q.absmax.to(device), q.absmax_scales.to(device),
+                q.absmax_offset.to(device), q.shape, q.dtype, q.blocksize)
+    try:
+        decoded = torch.empty(weight.numel(), dtype=dtype, device=device)
+        nf4_triton.dequantize_blocks_into(q.packed, nf4_absmax(q), decoded, q.blocksize)
+        reference = dequantize_nf4(q)
+        rows = (torch.randn(_PROBE_ROWS, _PROBE_SHAPE[1], generator=gen)).to(dtype).to(device)
+        ends = torch.tensor([3, _PROBE_ROWS], dtype=torch.int32, device=device)
+        product = nf4_triton.NF4Experts.of(q).products(rows, ends, transposed=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a kernel's launch error surfaces here, inside the try
+    except Exception as err:  # noqa: BLE001 - any failure of the kernels means: do not use them
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'no message'}"
+    if not torch.equal(decoded.view(_PROBE_SHAPE), reference):
+        return "the block decoding's values differ from the torch decoding's"
+    expert = torch.tensor([0, 0, 0, 1, 1], device=device)
+    expected = torch.einsum("ra,rab->rb", rows.float(), reference.float()[expert])
+    if not torch.allclose(product.float(), expected, rtol=_PRODUCT_RTOL[dtype], atol=_PRODUCT_RTOL[dtype] * 0.1):
+        return "the expert products differ from a torch product of the same weights"
+    return None
