@@ -64,7 +64,8 @@ the fixed buffers and the cache with 8 layers and with 2, where two such bf16 te
 
 def prefill_bytes(cfg: Config, run: RunSpec) -> int:
     """The rollout prefill's working set: the largest transient of one layer's forward over every row's prompt at
-    once (no autograd, nothing kept between layers): the attention's q, k, v and output (with an explicit
+    once (no autograd, nothing kept between layers): the attention's q, k, v and output (a gated attention's gate
+    too: LayerSpec.output_gate, the hybrids' full-attention layers; with an explicit
     attention, PREFILL_SCORE_TENSORS score tensors), a linear-attention layer's chunked delta rule with its
     projections (model/delta_rule.linear_mixer_saved_bytes, the tensors its forward makes), or an MLP piece's gate,
     up and product. The decode steps' own (one token a row) are small beside it."""
@@ -73,7 +74,9 @@ def prefill_bytes(cfg: Config, run: RunSpec) -> int:
     rows, prompt = cfg.data.batch_size // max(run.world, 1), prompt_tokens(cfg)
     tokens = rows * prompt
     q, kv = attention_widths(m)
-    attention = tokens * (2 * q + 2 * kv) * compute_b
+    # a gated attention's q_proj is twice the query's width: its gate half lives until the output is gated
+    gate = q if m.linear_attention is not None else 0
+    attention = tokens * (2 * q + 2 * kv + gate) * compute_b
     if m.family == "gpt_oss" or m.attn_logit_softcapping:
         attention += PREFILL_SCORE_TENSORS * rows * m.num_attention_heads * prompt * (prompt + 1) * compute_b
     mixer = 0

@@ -223,3 +223,22 @@ def test_a_hybrids_prefill_is_its_delta_rules_tensors():
     plan = plan_run(cfg, Machine.from_preset("h200-128gb"))
     assert rollout_bytes(cfg, plan.run)["prefill working set"] == int(16 * 512 * per_token)
     assert "prefill working set" in format_plan(plan)
+
+
+def test_a_gated_attentions_prefill_counts_its_gate(monkeypatch):
+    """Qwen3.5-27B's full-attention layers (output gate): q_proj makes the query and the gate, so the attention's
+    prefill term is per token 3 query widths + 2 key/value widths (2 + 2 for an ungated attention). The linear
+    mixer and the MLP terms set to 0 so that the attention leads."""
+    from megatrain_ray.planning import rollout as rollout_plan
+    from megatrain_ray.planning.gpu_memory import attention_widths
+
+    cfg = load_config(Path(REPO) / "configs/shapes/qwen3.5-27b.yaml", [
+        "finetune.objective=grpo", "finetune.grpo.reward_funcs=[tests.reference_grpo:first_reward]",
+        "finetune.grpo.num_generations=2", "finetune.grpo.max_prompt_length=512",
+        "finetune.grpo.max_completion_length=1024", "data.batch_size=16", "data.seq_len=1536",
+        "precision.compute_dtype=bfloat16", "precision.stream_dtype=bfloat16"])
+    monkeypatch.setattr(rollout_plan, "linear_mixer_saved_bytes", lambda *args: 0)
+    monkeypatch.setattr(rollout_plan, "mlp_piece_width", lambda cfg: 0)
+    q, kv = attention_widths(cfg.model)
+    run = plan_run(cfg, Machine.from_preset("h200-128gb")).run
+    assert rollout_plan.prefill_bytes(cfg, run) == 16 * 512 * (3 * q + 2 * kv) * 2
