@@ -42,8 +42,9 @@ class LoraConfig:
     their shared experts and dense first layers' MLPs never adapted, as in peft. Hybrids: the attention projections
     and the Gated DeltaNet's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; qwen3_next in_proj_qkvz,
     in_proj_ba, out_proj); qwen3_5 also its MLP's, qwen3_5_moe its shared expert's gate_proj, up_proj, down_proj and
-    shared_expert_gate; all-linear is all of them (refused on qwen3_next, whose peft all-linear also takes the
-    router and experts) (docs/fine-tuning.md)."""
+    shared_expert_gate; qwen3_next shared_expert_gate and, as qwen3_moe, `gate`, gate_proj + up_proj, down_proj (the
+    router and the routed experts: its shared expert's projections and dense layers' MLPs are never adapted, as in
+    peft); all-linear is all of them (docs/fine-tuning.md)."""
     bias: Literal["none"] = "none"
     """PEFT's bias setting; only `none` (biases stay frozen)."""
     use_rslora: bool = False
@@ -81,7 +82,7 @@ class LoraConfig:
 
     def targets(self, family: str) -> tuple[str, ...]:
         """The targeted projections' short names for a model family, in the layer's order (config/lora_targets.py:
-        on the mixture-of-experts families, the attention projections)."""
+        on the mixture-of-experts families, the router and experts as `gate`, `gate_up_proj`, `down_proj`)."""
         targets = lora_targets(family, self.target_modules, f"{self.SECTION}.target_modules")
         refuse_param_adapter_settings(family, targets, self.use_rslora, self.lora_dropout, self.SECTION)
         return targets

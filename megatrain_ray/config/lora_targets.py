@@ -26,9 +26,12 @@ gate's rows too), a linear-attention layer its Gated DeltaNet's projections (LIN
 so peft adapts each on the layers that have it. Qwen3.5's dense MLP is gate/up/down_proj. On Qwen3.5-MoE (which
 peft 0.21.2 has no weight conversion for) gate/up/down_proj are its shared expert's (mlp.shared_expert.*) and
 shared_expert_gate its gate, each nn.Linear; the router and experts are no nn.Linear and take no adapter, so its
-all-linear is the attention, linear-attention and shared-expert projections. On Qwen3-Next peft's all-linear also
-takes the router and experts (as Qwen3-MoE's), which are not built here: all-linear is refused there, the attention
-and linear-attention projections are taken by name.
+all-linear is the attention, linear-attention and shared-expert projections. Qwen3-Next's MoE layers are mapped as
+Qwen3-MoE's (PARAM_TARGETS): `gate` is the router, gate_proj + up_proj / down_proj the fused experts, so its shared
+expert's gate/up/down_proj and the dense layers' (mlp_only_layers) MLPs get no adapter under any name; its
+shared_expert_gate is an nn.Linear (SHARED_EXPERT_TARGETS). Its all-linear: the attention and linear-attention
+projections, shared_expert_gate, the router and the experts (a dense Qwen3-Next, num_experts 0: the first two only).
+HYBRID_MLP_LINEAR holds each hybrid's MLP names that reach an nn.Linear.
 """
 
 from __future__ import annotations
@@ -52,26 +55,36 @@ LINEAR_MIXER_PROJECTIONS = {"qwen3_5": ("in_proj_qkv", "in_proj_z", "in_proj_b",
 """A hybrid family's linear-attention (Gated DeltaNet) projections (model/linear_attention.py), by PEFT's names."""
 SHARED_EXPERT_PROJECTIONS = {"gate_proj": "mlp.shared_expert.gate_proj", "up_proj": "mlp.shared_expert.up_proj",
                              "down_proj": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"}
-"""Qwen3.5-MoE's shared expert and its gate: PEFT's target names and the modules they reach."""
-MLP_NAMES_ON_SHARED_EXPERT = frozenset({"qwen3_5_moe"})
-"""Families whose MLP target names reach the shared expert (SHARED_EXPERT_PROJECTIONS) and never the routed experts
-or the router (peft has no weight conversion for them): model/lora.adapter_shapes, model/lora_moe.param_adapters."""
+"""A hybrid MoE layer's shared expert and its gate: PEFT's target names and the modules they reach."""
+SHARED_EXPERT_TARGETS = {"qwen3_5_moe": tuple(SHARED_EXPERT_PROJECTIONS), "qwen3_next": ("shared_expert_gate",)}
+"""The target names that reach a hybrid family's shared expert or its gate (nn.Linear, on its MoE layers): all four on
+Qwen3.5-MoE, the gate alone on Qwen3-Next (peft maps gate_proj, up_proj and down_proj onto its routed experts:
+PARAM_TARGETS). model/lora.adapter_shapes."""
+HYBRID_MLP_LINEAR = {"qwen3_5": ("gate_proj", "up_proj", "down_proj"), **SHARED_EXPERT_TARGETS}
+"""A hybrid family's MLP target names that reach an nn.Linear: Qwen3.5's dense MLP, the shared expert's."""
 _QWEN2_MOE_NAMES = {"gate": "gate", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 ROUTER_AND_EXPERT_NAMES = {"qwen3_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
+                           "qwen3_next": ("gate", "gate_proj", "up_proj", "down_proj"),
                            "deepseek_v3": ("gate", "gate_proj", "up_proj", "down_proj"),
                            "glm4_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
                            "mixtral": ("gate", "w1", "w2", "w3"),
                            "gpt_oss": ("router", "experts", "gate_up_proj", "down_proj")}
 """The target_modules names that reach a MoE layer's router or fused experts in PEFT (gpt_oss: that PEFT refuses)."""
 PARAM_TARGETS = {"qwen3_moe": _QWEN2_MOE_NAMES, "deepseek_v3": _QWEN2_MOE_NAMES, "glm4_moe": _QWEN2_MOE_NAMES,
+                 "qwen3_next": _QWEN2_MOE_NAMES,
                  "mixtral": {"gate": "gate", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}}
 """PEFT's transformers-4 names -> the resolved router / expert target (model/lora_moe.py)."""
 FUSED_PAIRS = {"qwen3_moe": ("gate_proj", "up_proj"), "deepseek_v3": ("gate_proj", "up_proj"),
-               "glm4_moe": ("gate_proj", "up_proj"), "mixtral": ("w1", "w3")}
+               "glm4_moe": ("gate_proj", "up_proj"), "qwen3_next": ("gate_proj", "up_proj"), "mixtral": ("w1", "w3")}
 ROUTER_AND_EXPERTS = ("gate", "gate_up_proj", "down_proj")
+MLP_NAMES_ON_SHARED_EXPERT = frozenset(SHARED_EXPERT_TARGETS) - frozenset(PARAM_TARGETS)
+"""Families whose MLP target names reach the shared expert (SHARED_EXPERT_PROJECTIONS) and never the routed experts
+or the router (peft has no weight conversion for them: Qwen3.5-MoE): model/lora_moe.param_adapters."""
 _SHARED = (" (the shared experts and the dense first layers' MLPs take no adapter: peft maps every target named "
            "gate_proj, up_proj or down_proj onto the routed experts)")
-_SHARED_NOTE = {"deepseek_v3": _SHARED, "glm4_moe": _SHARED}
+_SHARED_NOTE = {"deepseek_v3": _SHARED, "glm4_moe": _SHARED,
+                "qwen3_next": " (the shared expert's projections and the dense layers' MLPs take no adapter: peft "
+                              "maps every target named gate_proj, up_proj or down_proj onto the routed experts)"}
 
 
 def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
@@ -92,21 +105,15 @@ def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"],
 
 
 def _hybrid_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
-    mlp = tuple(SHARED_EXPERT_PROJECTIONS) if family in MLP_NAMES_ON_SHARED_EXPERT else \
-        {"qwen3_5": ("gate_proj", "up_proj", "down_proj"), "qwen3_next": ()}[family]
-    known = (*ATTENTION_PROJECTIONS, *LINEAR_MIXER_PROJECTIONS[family], *mlp)
+    linear = (*ATTENTION_PROJECTIONS, *LINEAR_MIXER_PROJECTIONS[family], *HYBRID_MLP_LINEAR[family])
+    params = PARAM_TARGETS.get(family, {})
     if target_modules == "all-linear":
-        if family == "qwen3_next":
-            refuse(key, target_modules, f"peft's all-linear on {family} also adapts the MoE layers' router and "
-                   f"experts, which this version does not build; name the projections: {', '.join(known)}")
-        return known
+        return (*linear, *(ROUTER_AND_EXPERTS if params else ()))
     for name in target_modules:
-        if name not in known:
-            moe = family == "qwen3_next" and name not in LINEAR_MIXER_PROJECTIONS[family]
-            refuse(key, target_modules, f"{name!r} is not " + (
-                f"built as a LoRA target of {family}'s MoE layers (their router, experts and shared expert); "
-                if moe else f"a linear module of a {family} layer; ") + f"choose from {', '.join(known)}")
-    return tuple(name for name in known if name in target_modules)
+        if name not in linear and name not in params:
+            refuse(key, target_modules, f"{name!r} is not a module of a {family} layer peft adapts; choose from "
+                   f"{', '.join((*linear, *params))} or all-linear" + _SHARED_NOTE.get(family, ""))
+    return (*(n for n in linear if n in target_modules), *_param_targets(family, target_modules, key))
 
 
 def _moe_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
@@ -129,13 +136,21 @@ def _moe_targets(family: str, target_modules: list[str] | Literal["all-linear"],
         if name not in attention and name not in mapping:
             refuse(key, target_modules, f"{name!r} is not a module of a {family} layer peft adapts; choose from "
                    f"{', '.join((*attention, *mapping))} or all-linear" + _SHARED_NOTE.get(family, ""))
+    return (*(n for n in attention if n in target_modules), *_param_targets(family, target_modules, key))
+
+
+def _param_targets(family: str, target_modules: list[str], key: str) -> tuple[str, ...]:
+    """The router and expert targets (ROUTER_AND_EXPERTS' names, in that order) that the named targets map to in
+    peft's conversion (PARAM_TARGETS; none in a family without one); the fused pair both or neither, as peft."""
+    mapping = PARAM_TARGETS.get(family)
+    if not mapping:
+        return ()
     pair = FUSED_PAIRS[family]
     if (pair[0] in target_modules) != (pair[1] in target_modules):
         refuse(key, target_modules, f"{pair[0]} and {pair[1]} are fused into {family}'s mlp.experts.gate_up_proj: "
                "target both or neither (as peft requires)")
     resolved = {mapping[name] for name in target_modules if name in mapping}
-    return (*(n for n in attention if n in target_modules), *(n for n in ROUTER_AND_EXPERTS if n in resolved))
-
+    return tuple(n for n in ROUTER_AND_EXPERTS if n in resolved)
 
 
 def refuse_param_adapter_settings(family: str, targets: tuple[str, ...], use_rslora: bool, lora_dropout: float,

@@ -28,8 +28,9 @@ from megatrain_ray.config.finetune_section import LoraConfig
 from megatrain_ray.config.latent_attention_section import latent_projection_shapes
 from megatrain_ray.config.lora_targets import (
     LINEAR_MIXER_PROJECTIONS,
-    MLP_NAMES_ON_SHARED_EXPERT,
+    PARAM_TARGETS,
     SHARED_EXPERT_PROJECTIONS,
+    SHARED_EXPERT_TARGETS,
 )
 from megatrain_ray.config.model_section import ModelConfig
 from megatrain_ray.config.sections import Config
@@ -60,7 +61,8 @@ def adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int | None = Non
     dims = {"q_proj": (2 * q if hybrid else q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "qkv_proj": (q + 2 * kv, h), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
             "gate_up_proj": (2 * f, h)}  # a hybrid's gated attention: q_proj holds each head's query and gate
-    linear = _ATTENTION if model.is_moe else dims  # a MoE family's MLP names are its router and experts
+    # a MoE family's MLP names are its router and experts (a dense Qwen3-Next's too: peft maps them so)
+    linear = _ATTENTION if model.is_moe or model.family in PARAM_TARGETS else dims
     names = {short: module_name(short) for short in dims}
     if model.latent_attention is not None:  # DeepSeek-V3: the latent attention's projections this model has
         dims = linear = latent_projection_shapes(model)
@@ -68,12 +70,14 @@ def adapter_shapes(model: ModelConfig, lora: LoraConfig, layer: int | None = Non
         mixer = {name.split(".")[1]: shape for name, shape, _ in linear_attention_tensors(model)
                  if name.split(".")[1] in _LINEAR_MIXER}
         dims, linear = {**dims, **mixer}, (*linear, *mixer)
-        if model.family in MLP_NAMES_ON_SHARED_EXPERT and (layer is None or model.layer_is_moe(layer)):
-            # its MLP names reach the shared expert and its gate (config/lora_targets.SHARED_EXPERT_PROJECTIONS)
+        shared = SHARED_EXPERT_TARGETS.get(model.family, ())
+        if shared and (model.is_moe if layer is None else model.layer_is_moe(layer)):
+            # names that reach the shared expert or its gate (config/lora_targets.SHARED_EXPERT_TARGETS)
             s = model.shared_expert_intermediate_size
-            dims.update(gate_proj=(s, h), up_proj=(s, h), down_proj=(h, s), shared_expert_gate=(1, h))
-            names.update(SHARED_EXPERT_PROJECTIONS)
-            linear = (*linear, *SHARED_EXPERT_PROJECTIONS)
+            sizes = dict(gate_proj=(s, h), up_proj=(s, h), down_proj=(h, s), shared_expert_gate=(1, h))
+            dims.update({n: sizes[n] for n in shared})
+            names.update({n: SHARED_EXPERT_PROJECTIONS[n] for n in shared})
+            linear = (*linear, *shared)
         if layer is not None:  # a linear-attention layer has no self_attn, a full-attention one no linear_attn
             mixes = model.layer_types[layer] == "linear_attention"
             linear = tuple(n for n in linear if (n in mixer) == mixes or (n not in mixer and n not in _ATTENTION))

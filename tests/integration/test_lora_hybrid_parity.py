@@ -4,7 +4,8 @@ layers) against transformers + peft 0.21.2, in float64.
 The adapters sit where peft puts them: a full-attention layer's q/k/v/o_proj (q_proj holds each head's query and its
 output gate), a linear-attention layer's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj (Qwen3-Next:
 in_proj_qkvz, in_proj_ba, out_proj), Qwen3.5's dense MLP, Qwen3.5-MoE's shared expert and its gate; all-linear on
-Qwen3.5 and Qwen3.5-MoE is all of them, as peft's. The
+Qwen3.5 and Qwen3.5-MoE is all of them, as peft's (Qwen3-Next's all-linear, with its router, experts and shared
+expert gate: tests/integration/test_lora_qwen3_next.py). The
 tiny models of tests/reference_hybrid.py (hidden 72, GQA, key and value heads of different widths), 136 tokens a step
 (three chunks of the delta rule), 12 steps, lr 1e-2. The reference is peft's model over tests/reference_hybrid's
 float64_hybrid (the delta rule, the norms, the RoPE tables and the softmax in float64, where transformers keeps them
@@ -40,11 +41,12 @@ MIXER = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_
          "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
 
 
-def lora_run(tmp_path: Path, name: str, targets, aux: bool):
-    """megatrain's float64 LoRA run on the tiny model `name` and peft's from the same adapters on the same batches:
-    (our losses, peft's, our final adapters, peft's, the initial ones, the base directory)."""
+def lora_run(tmp_path: Path, name: str, targets, aux: bool, **overrides):
+    """megatrain's float64 LoRA run on the tiny model `name` (its config's `overrides`) and peft's from the same
+    adapters on the same batches: (our losses, peft's, our final adapters, peft's, the initial ones, the base
+    directory)."""
     extra = dict(output_router_logits=True, router_aux_loss_coef=AUX_COEF) if aux else {}
-    model = hf_hybrid_model(name, **extra)
+    model = hf_hybrid_model(name, **extra, **overrides)
     base = tmp_path / "base"
     model.save_pretrained(base)
     raw = tiny_raw(finetune={"method": "lora", "lora": {"r": 4, "lora_alpha": 8, "target_modules": targets}},
@@ -101,9 +103,11 @@ def test_hybrid_lora_matches_peft_in_float64(tmp_path, name, targets, aux):
 
 
 @pytest.mark.parametrize("name,targets,match", [
-    ("qwen3_next", "all-linear", r"all-linear on qwen3_next also adapts the MoE layers' router and experts"),
-    ("qwen3_next", ["gate_proj"], r"'gate_proj' is not built as a LoRA target of qwen3_next's MoE layers"),
-    ("qwen3_5", ["in_proj_qkvz"], r"'in_proj_qkvz' is not a linear module of a qwen3_5 layer"),
+    ("qwen3_next", ["gate_proj"], r"gate_proj and up_proj are fused into qwen3_next's mlp.experts.gate_up_proj"),
+    ("qwen3_next", ["shared_expert"], r"'shared_expert' is not a module of a qwen3_next layer peft adapts.*"
+                                      r"shared_expert_gate, gate, gate_proj, up_proj, down_proj or all-linear"),
+    ("qwen3_5", ["in_proj_qkvz"], r"'in_proj_qkvz' is not a module of a qwen3_5 layer peft adapts"),
+    ("qwen3_5_moe", ["gate"], r"'gate' is not a module of a qwen3_5_moe layer peft adapts"),
 ])
 def test_hybrid_lora_targets_that_are_not_built_are_refused(tmp_path, name, targets, match):
     model = hf_hybrid_model(name)
@@ -124,10 +128,12 @@ nn.Linear (quant/nf4_stage.KEPT_MATRICES)."""
 
 
 @pytest.mark.float32_parity
-@pytest.mark.parametrize("name,targets", [("qwen3_5", "all-linear"), ("qwen3_5_moe", "all-linear")])
+@pytest.mark.parametrize("name,targets", [("qwen3_5", "all-linear"), ("qwen3_5_moe", "all-linear"),
+                                          ("qwen3_next", "all-linear")])  # its router, experts and expert gate too
 def test_hybrid_lora_on_an_nf4_base_equals_peft_on_the_dequantized_model(tmp_path, name, targets):
     """QLoRA on a hybrid: every decoder matrix and fused expert tensor streams in NF4 (the Gated DeltaNet's
-    projections, the shared expert and its gate included), the router and the convolution kernel in the compute dtype;
+    projections, the shared expert and its gate included; Qwen3-Next: adapters on the NF4 experts and on the
+    router), the router and the convolution kernel in the compute dtype;
     fp32 logits with random non-zero adapters within 4x the float32 noise of peft on the dequantized model (its float64
     twin), far from peft on the original base (test_qlora.assert_nf4_logits_match_the_dequantized_model)."""
     model = hf_hybrid_model(name)
