@@ -38,6 +38,7 @@ log = get_logger(__name__)
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": every Ray socket on 127.0.0.1 (driver/runtime.py)
 TEMP_DIR_KEY = "MEGATRAIN_CLUSTER_DIR"
+CLIENT_SERVER = b"ray.util.client.server"  # the module `ray start --head` runs as the Ray client server
 
 
 def env_file() -> Path:
@@ -62,14 +63,20 @@ def _port(preferred: int, fallback: int) -> int:
             return fallback
 
 
-def _cluster_processes(temp_dir: Path) -> list[int]:
+def _cluster_processes(temp_dir: Path, gcs_address: str | None = None) -> list[int]:
     """The cluster's processes: those whose command line names its temporary tree (GCS, raylet, dashboard,
-    monitors) and every process below them (agents, workers, job drivers), guardians excepted: a guardian
-    ends after its owner, by itself, and removes the owner's segments then (system/guardian.py)."""
+    monitors), its Ray client server (named by the GCS address it serves, `gcs_address`: its command line has no
+    temporary tree, and `ray start` leaves it to init), and every process below them (agents, workers, job
+    drivers), guardians excepted: a guardian ends after its owner, by itself, and removes the owner's segments then
+    (system/guardian.py)."""
     marker = str(temp_dir).encode()
+    client = f"--address={gcs_address}\0".encode() if gcs_address else None
     children = children_map()
-    roots = [pid for pid in {p for kids in children.values() for p in kids}
-             if pid != os.getpid() and marker in cmdline(pid)]
+
+    def belongs(pid: int) -> bool:
+        line = cmdline(pid)
+        return marker in line or (client is not None and CLIENT_SERVER in line and client in line)
+    roots = [pid for pid in {p for kids in children.values() for p in kids} if pid != os.getpid() and belongs(pid)]
     found: set[int] = set()
     while roots:
         pid = roots.pop()
@@ -79,21 +86,27 @@ def _cluster_processes(temp_dir: Path) -> list[int]:
     return sorted(found)
 
 
-def _recorded_temp_dir() -> Path:
-    """The temporary tree of the running cluster, as cluster.env records it."""
+def _recorded(key: str) -> str | None:
+    """An export of the running cluster, as cluster.env records it."""
     path = env_file()
     if path.is_file():
         for line in path.read_text().splitlines():
-            if line.startswith(f"export {TEMP_DIR_KEY}="):
-                return Path(shlex.split(line.split("=", 1)[1])[0])
-    return cluster_temp_dir()
+            if line.startswith(f"export {key}="):
+                return shlex.split(line.split("=", 1)[1])[0]
+    return None
+
+
+def _recorded_processes() -> list[int]:
+    """The processes of the cluster cluster.env describes (its temporary tree by default)."""
+    temp_dir = _recorded(TEMP_DIR_KEY)
+    return _cluster_processes(Path(temp_dir) if temp_dir else cluster_temp_dir(), _recorded("RAY_ADDRESS"))
 
 
 def start(num_gpus: int | None = None, allow_unauthenticated: bool = False,
           private_parent: Path | None = None) -> dict[str, str]:
     """Start the head; the exports of cluster.env. `private_parent`: the 0700 directory holding Ray's temporary
     tree (default /tmp/megatrain-<uid>; short, as Ray's socket paths live below it)."""
-    if env_file().exists() and _cluster_processes(_recorded_temp_dir()):
+    if env_file().exists() and _recorded_processes():
         raise ConfigError(f"a megatrain cluster already runs (see {env_file()}); stop it with `megatrain cluster "
                           "stop` first")
     token = auth_wanted(allow_unauthenticated)
@@ -138,13 +151,12 @@ def stop(wait_s: float = 15.0) -> int:
     """End the cluster's processes (SIGTERM, then SIGKILL after `wait_s`); how many there were. The GCS last, as
     `ray stop` does: sent SIGTERM while the raylet and its agents are going down, Ray's GCS waits on a flush of its
     events that never ends and is only killed after `wait_s`; alone, it ends at once (well under a second)."""
-    temp_dir = _recorded_temp_dir()
-    pids = _cluster_processes(temp_dir)
+    pids = _recorded_processes()
     gcs = [pid for pid in pids if _is_gcs(pid)]
     deadline = time.monotonic() + wait_s
-    _terminate([pid for pid in pids if pid not in gcs], temp_dir, deadline, keep=set(gcs))
-    _terminate(gcs, temp_dir, deadline)
-    for pid in _cluster_processes(temp_dir):
+    _terminate([pid for pid in pids if pid not in gcs], deadline, keep=set(gcs))
+    _terminate(gcs, deadline)
+    for pid in _recorded_processes():
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -157,14 +169,14 @@ def _is_gcs(pid: int) -> bool:
     return os.path.basename(cmdline(pid).split(b"\0", 1)[0]) == b"gcs_server"
 
 
-def _terminate(pids: list[int], temp_dir: Path, deadline: float, keep: set[int] = frozenset()) -> None:
+def _terminate(pids: list[int], deadline: float, keep: set[int] = frozenset()) -> None:
     """SIGTERM to `pids`, then wait until the cluster's processes are `keep` alone, or until `deadline`."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    while time.monotonic() < deadline and set(_cluster_processes(temp_dir)) - keep:
+    while time.monotonic() < deadline and set(_recorded_processes()) - keep:
         time.sleep(0.1)
 
 
