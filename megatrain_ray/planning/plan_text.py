@@ -20,7 +20,7 @@ from megatrain_ray.planning.resident_text import resident_lines
 from megatrain_ray.planning.rollout import rollout_lines
 from megatrain_ray.planning.speculation import fastest_speculation
 from megatrain_ray.planning.profiles import PRESETS, REFERENCE_OPTIMIZER_BYTES
-from megatrain_ray.planning.speed import SpeedEstimate, estimate
+from megatrain_ray.planning.speed import SHORTEST_CHECKED_STEP_S, SpeedEstimate, estimate
 from megatrain_ray.planning.vision import VISION_KEYS, vision_lines
 from megatrain_ray.store.disk_use import export_bytes, export_dtype
 from megatrain_ray.units import GiB, human_count
@@ -149,7 +149,7 @@ def tier_lines(plan: Plan) -> list[str]:
              + (f" + {disk_now / 1e9:.1f} GB disk ({disk_now / params:.1f} B/param)" if disk_now else "")]
     profile = plan.profile
     if profile is not None:
-        lines[0] += f"; expected {plan.expected.tok_per_s:,.0f} tok/s"
+        lines[0] += f"; expected {plan.expected.speed_text}"
     alternatives = lean_alternatives(cfg)
     for dtype in () if lean else ("float32", "bfloat16") if cfg.precision.master_dtype == "float32" else ("float32",):
         for tier in ("ram", "disk"):
@@ -179,10 +179,10 @@ def tier_lines(plan: Plan) -> list[str]:
     if fastest is not None and fastest[0] != cfg.optimizer.speculative_stages:  # RAM for speed (clipping on)
         alternatives.append((f"speculative_stages {fastest[0]}", fastest[1]))
     for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
-        ram, disk, tok_per_s = alternative_figures(plan, other)
+        ram, disk, est = alternative_estimate(plan, other)
         d_ram, d_disk = ram - ram_now, disk - disk_now
         change = f"{d_ram / g:+.2f} GiB RAM" + (f", {d_disk / 1e9:+.1f} GB disk" if d_disk else "")
-        speed = f"  {tok_per_s:9,.0f} tok/s" if profile else ""
+        speed = "" if est is None else f"  {'(no tok/s)' if est.below_resolution else f'{est.tok_per_s:9,.0f} tok/s'}"
         lines.append(f"  {label + ':':<40}{change:<34}{ram / params:5.1f} B/param RAM"
                      + speed + ("  (not full precision)" if other.optimizer.moment_dtype == "bfloat16"
                                 or other.optimizer.state == "lean" else "")
@@ -259,11 +259,14 @@ def alternative_store(plan: Plan, other: Config) -> tuple[int, int, RunSpec]:
 
 def alternative_figures(plan: Plan, other: Config) -> tuple[int, int, float]:
     """alternative_store's RAM and disk bytes, and the alternative's expected tok/s (0 without measured rates)."""
+    ram, disk, est = alternative_estimate(plan, other)
+    return ram, disk, est.tok_per_s if est is not None else 0.0
+
+
+def alternative_estimate(plan: Plan, other: Config) -> tuple[int, int, SpeedEstimate | None]:
+    """alternative_store's RAM and disk bytes, and the alternative's speed estimate (None without measured rates)."""
     ram, disk, run = alternative_store(plan, other)
-    profile = plan.profile
-    tok_per_s = estimate(other, profile, offload=plan.offload, run=run).tok_per_s \
-        if profile else 0.0
-    return ram, disk, tok_per_s
+    return ram, disk, estimate(other, plan.profile, offload=plan.offload, run=run) if plan.profile else None
 
 
 def host_fixes(plan: Plan) -> list[str]:
@@ -323,7 +326,12 @@ def format_speed(est: SpeedEstimate) -> list[str]:
     return [
         f"expected speed: a prediction of megatrain_ray/planning/speed.py from measured rates, clipping "
         f"{'on' if est.clip else 'off'}",
-        f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)",
+        f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)"
+        if not est.below_resolution else
+        f"  {'tok/s':<38}{'not predicted':>13}   (a modeled step of {est.step_seconds * 1e3:.3g} ms: shorter than "
+        f"any the speed model is checked on, {SHORTEST_CHECKED_STEP_S} s and up, a step where the per-step costs it "
+        f"leaves out, kernel launches and the driver's Ray round trips of {p.host.control_seconds * 1e3:.2g} ms "
+        "each, would dominate)",
         f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: "
         f"{p.gpu.tflops(est.compiled, est.moe, est.lora):.4g} model TFLOPS on busy time, "
         f"{'MoE layers' if est.moe else 'layers'} {'compiled' if est.compiled else 'eager'}"

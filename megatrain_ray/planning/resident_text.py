@@ -29,8 +29,8 @@ def resident_lines(plan: Plan) -> list[str]:
         if fits and profile is not None:  # it fits, but the speed model says streaming is faster
             fit_run = dataclasses.replace(run, resident_layers=fits)
             why = (f"{fits} layers would fit, but the speed model predicts "
-                   f"{estimate(cfg, profile, offload=plan.offload, run=fit_run).tok_per_s:,.0f} tok/s with them against "
-                   f"{plan.expected.tok_per_s:,.0f} streamed")
+                   f"{estimate(cfg, profile, offload=plan.offload, run=fit_run).speed_text} with them against "
+                   f"{plan.expected.speed_text} streamed")
         else:
             why = resident_tier_refusal(cfg, run.world) or ("no GPU" if not plan.machine.gpu_memory
                                                             or cfg.engine.device == "cpu" else
@@ -61,9 +61,8 @@ def resident_lines(plan: Plan) -> list[str]:
             "recomputes nothing" if kept else "none: every layer recomputes its forward in the backward")
             + (" (as many as fit the GPU memory left)" if cfg.engine.kept_activations == "auto" else ""))
     if profile is not None:
-        with_tier = plan.expected.tok_per_s
-        without = estimate(cfg, profile, offload=plan.offload, resident=0, run=run).tok_per_s
-        lines.append(f"  expected {with_tier:,.0f} tok/s with them, {without:,.0f} tok/s with every stage streamed"
+        without = estimate(cfg, profile, offload=plan.offload, resident=0, run=run)
+        lines.append(f"  expected {plan.expected.speed_text} with them, {without.speed_text} with every stage streamed"
                      + ("" if run.frozen_base else f" (their updates on the GPU at "
                                                    f"{GPU_ADAMW_GBPS[profile.gpu.kind]:g} GB/s, an assumption)"))
     return [*lines, ""]

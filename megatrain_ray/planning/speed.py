@@ -313,6 +313,11 @@ class _Replay:
         return end
 
 
+SHORTEST_CHECKED_STEP_S = 0.15
+"""The speed model is checked against measured steps of 0.167 s and longer (tests/unit/test_speed.py replays every
+measured point); a shorter modeled step is printed as not predicted."""
+
+
 @dataclass(frozen=True)
 class SpeedEstimate:
     profile: SpeedProfile
@@ -342,6 +347,19 @@ class SpeedEstimate:
     @property
     def tok_per_s(self) -> float:
         return self.tokens_per_step / self.step_seconds
+
+    @property
+    def below_resolution(self) -> bool:
+        """The modeled step is shorter than any the speed model is checked on (SHORTEST_CHECKED_STEP_S): per-step
+        costs it leaves out (kernel launches, the driver's Ray round trips) would dominate it."""
+        return self.step_seconds < SHORTEST_CHECKED_STEP_S
+
+    @property
+    def speed_text(self) -> str:
+        """'N tok/s', or why there is no figure (below_resolution)."""
+        if self.below_resolution:
+            return f"no tok/s predicted (a modeled step of {self.step_seconds * 1e3:.3g} ms)"
+        return f"{self.tok_per_s:,.0f} tok/s"
 
     @property
     def model_tflops(self) -> float:
