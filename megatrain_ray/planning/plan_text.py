@@ -306,7 +306,7 @@ def host_fixes(plan: Plan) -> list[str]:
                                                                           host=dataclasses.replace(
                                    host, moments_tier="disk", disk_dir=host.disk_dir or "DISK_DIR"))))
     if optimizer.state == "full":
-        candidates += [(f"optimizer.state=lean with optimizer.lean_moments=int8 (a bf16 master with its compensation, "
+        candidates += [("optimizer.state=lean with optimizer.lean_moments=int8 (a bf16 master with its compensation, "
                         "8-bit moments; not full precision)", other) for label, other in lean_alternatives(cfg)
                        if other.optimizer.lean_moments == "int8"]
     ram_now = plan.shm_total + plan.staging
