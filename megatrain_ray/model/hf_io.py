@@ -369,8 +369,12 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
         # `dtype` for transformers 5, `torch_dtype` for readers on transformers 4 (serving stacks lag behind).
         hf.update(dtype=dtype, torch_dtype=dtype)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
-        for name in TOKENIZER_FILES if source_dir else ():
-            if (Path(source_dir) / name).is_file():
-                shutil.copyfile(Path(source_dir) / name, tmp / name)
-    log.info("export: %s (%d tensors, %.2f GB %s, %d shard(s))", out, len(names), total / 1e9, dtype, len(groups))
+        copied = [name for name in (TOKENIZER_FILES if source_dir else ()) if (Path(source_dir) / name).is_file()]
+        for name in copied:
+            shutil.copyfile(Path(source_dir) / name, tmp / name)
+    size = f"{total / 1e9:.2f} GB" if total >= 10**8 else f"{total / 1e6:.1f} MB"
+    log.info("export: %s (%d tensors, %s %s, %d shard(s))", out, len(names), size, dtype, len(groups))
+    if not any(name.startswith(("tokenizer", "vocab")) for name in copied):  # say so: a user loading it with AutoTokenizer would otherwise find out there
+        log.info("export: no tokenizer files written: %s", f"{source_dir} has none" if source_dir else
+                 "the run has no model.path (a byte-level model: token id = byte value, no tokenizer)")
     return out

@@ -178,3 +178,25 @@ def test_export_never_overwrites(tmp_path):
     with pytest.raises(ConfigError, match="train.export_dir .* already exists"):  # before training, not after
         Trainer(finetune_config(tmp_path, source, train={"export_dir": str(tmp_path / "out")}))
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+def test_an_export_without_tokenizer_files_says_why(tmp_path, caplog):
+    """An export whose source has no tokenizer files, and a byte-level run's (no model.path), each say that no
+    tokenizer files were written and why; its size is printed in MB when under 0.1 GB."""
+    import logging
+
+    from megatrain_ray.model.hf_io import export_hf
+    from megatrain_ray.model.layout import build_layout
+
+    source = save_hf("llama-gqa", tmp_path / "src")
+    with caplog.at_level(logging.INFO):
+        export_weights_dir(source, tmp_path / "out")
+    assert f"no tokenizer files written: {source} has none" in caplog.text and " MB float32" in caplog.text
+    caplog.clear()
+    model = load_config(raw=tiny_raw()).model
+    tensors = {stage.hf_name(slot): torch.zeros(slot.shape) for stage in build_layout(model).stages
+               for slot in stage.slots}
+    with caplog.at_level(logging.INFO):
+        export_hf(tensors, model, tmp_path / "bytes")
+    assert "no tokenizer files written: the run has no model.path (a byte-level model" in caplog.text
+    assert not [p for p in os.listdir(tmp_path / "bytes") if "token" in p]
