@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatrain_ray.exceptions import DataError, excerpt
 from megatrain_ray.system.model_sources import HUB_NAME, hub_snapshot
+from megatrain_ray.extras import install_hint
 
 DATA_PATTERNS = ["*.parquet", "*.json", "*.jsonl", "*.jsonl.gz", "*.json.gz", "*.csv", "*.arrow", "*.txt",
                  "README.md", "*.yaml"]
@@ -46,7 +47,7 @@ def hub_dataset_files(spec: str, split: str, subset: str | None = None, revision
     try:
         import datasets
     except ImportError:
-        raise DataError("--hf-dataset needs the datasets library: pip install 'megatrain-ray[datasets]'") from None
+        raise DataError(f"--hf-dataset needs the datasets library: {install_hint('datasets')}") from None
     directory = dataset_dir(spec, revision)
     try:
         data_files = {str(name): files for name, files in

@@ -33,12 +33,13 @@ from megatrain_ray.config.loop_sections import TRACKERS
 from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError, MegatrainError
 from megatrain_ray.observe.log import get_logger
+from megatrain_ray.extras import install_hint
 
 log = get_logger(__name__)
 
 # The packages each tracker imports (all in the `track` extra).
 PACKAGES = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "wandb": ("wandb",)}
-EXTRA = "pip install 'megatrain-ray[track]'"
+EXTRA = install_hint("track")
 DEFAULT_PROJECT = "megatrain"
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_ray.exceptions import MegatrainError
+from megatrain_ray.extras import install_hint
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +28,7 @@ def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as exc:
-        raise MegatrainError("plotting needs matplotlib: pip install 'megatrain-ray[plot]'") from exc
+        raise MegatrainError(f"plotting needs matplotlib: {install_hint('plot')}") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from megatrain_ray.exceptions import CheckpointError, MegatrainError, excerpt
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import lock_is_held, tree_bytes, write_atomic
+from megatrain_ray.extras import install_hint
 
 log = get_logger(__name__)
 
@@ -98,7 +99,7 @@ def hub_snapshot(name: str, revision: str | None, patterns: list[str], where: st
         )
     except ImportError:
         raise error(f"{where}={name!r} is no local path; hub names need huggingface_hub: "
-                    "pip install 'megatrain-ray[hf]'") from None
+                    f"{install_hint('hf')}") from None
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     at = f" at revision {revision!r}" if revision else ""
     try:
@@ -196,7 +197,7 @@ def gguf_to_hf_dir(gguf: Path, where: str, error: type[MegatrainError]) -> Path:
         import transformers  # noqa: F401
     except ImportError:
         raise error(f"{where}={str(gguf)!r}: reading GGUF needs transformers, gguf and accelerate: "
-                    "pip install 'megatrain-ray[gguf]'") from None
+                    f"{install_hint('gguf')}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     with _one_conversion_of(target, gguf):
         if (target / "config.json").is_file():  # converted by the process this one waited for

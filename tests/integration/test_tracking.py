@@ -253,7 +253,7 @@ def test_a_missing_tracker_package_is_refused_before_the_run_starts(tmp_path, mo
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     cfg = tracked_config(tmp_path, ["wandb"])
-    with pytest.raises(ConfigError, match=r"train\.report_to.*wandb package is not installed.*megatrain-ray\[track\]"):
+    with pytest.raises(ConfigError, match=r"train\.report_to.*wandb package is not installed.*pip install .*\[track\]"):
         Trainer(cfg)
     assert not (tmp_path / "run").exists()
 

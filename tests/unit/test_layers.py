@@ -8,7 +8,7 @@
     megatrain_ray/planning/ (memory plan, speed model) reads config + model (+ store layout helpers and
     quant/'s byte counts).
     Leaves anyone may import: observe/ (logs, metrics), system/ (topology, files), exceptions.py,
-    dtypes.py, messages.py, units.py.
+    dtypes.py, messages.py, units.py, extras.py (how to install an optional extra).
 
 Every .py file under megatrain_ray/ and actors/ is parsed with `ast` (nothing is imported, so the
 check is cheap and sees imports that never run): `import x` and `from x import y` anywhere in the
@@ -35,7 +35,7 @@ ROOTS = ("megatrain_ray", "actors")
 OURS = set(ROOTS)
 
 DATA_PLANE = ("engine", "store", "optim", "data", "quant")
-LEAF_MODULES = ("exceptions", "dtypes", "messages", "units")
+LEAF_MODULES = ("exceptions", "dtypes", "messages", "units", "extras")
 LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
 
 

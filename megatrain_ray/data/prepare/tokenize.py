@@ -29,6 +29,7 @@ from megatrain_ray.data.prepare.prompts import prompts_chunk
 from megatrain_ray.data.prepare.records import BadRecord, Columns, Item, parse_item, record_text, to_messages
 from megatrain_ray.data.prepare.vision_docs import VisionJob, vision_chunk
 from megatrain_ray.exceptions import DataError
+from megatrain_ray.extras import install_hint
 
 NO_TEMPLATE = ("the tokenizer has no chat template (chat_template in tokenizer_config.json or chat_template.jinja); "
                "use --format text, or add a template to the model directory")
@@ -108,7 +109,7 @@ def load_tokenizer(directory: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
-        raise DataError("megatrain prepare needs transformers: pip install 'megatrain-ray[hf]'") from exc
+        raise DataError(f"megatrain prepare needs transformers: {install_hint('hf')}") from exc
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     if not tok.is_fast:
         raise DataError(f"the tokenizer in {directory} has no fast (tokenizer.json) version; prepare needs "
