@@ -11,7 +11,8 @@ from megatrain_ray.config.sections import Config
 from megatrain_ray.planning.gpu_memory import peak_allocated
 from megatrain_ray.planning.machine import Machine
 from megatrain_ray.planning.profiles import SpeedProfile
-from megatrain_ray.planning.speed import SpeedEstimate, estimate
+from megatrain_ray.planning.speed import estimate
+from megatrain_ray.planning.speed_estimate import SpeedEstimate
 from megatrain_ray.planning.vision import VisionCounts
 from megatrain_ray.units import GiB
 

@@ -20,7 +20,8 @@ from megatrain_ray.planning.resident_text import resident_lines
 from megatrain_ray.planning.rollout import rollout_lines
 from megatrain_ray.planning.speculation import fastest_speculation
 from megatrain_ray.planning.profiles import PRESETS, REFERENCE_OPTIMIZER_BYTES
-from megatrain_ray.planning.speed import SHORTEST_CHECKED_STEP_S, SpeedEstimate, estimate
+from megatrain_ray.planning.speed import estimate
+from megatrain_ray.planning.speed_estimate import SHORTEST_CHECKED_STEP_S, SpeedEstimate
 from megatrain_ray.planning.vision import VISION_KEYS, vision_lines
 from megatrain_ray.store.disk_use import export_bytes, export_dtype
 from megatrain_ray.units import GiB, human_count
@@ -175,7 +176,9 @@ def tier_lines(plan: Plan) -> list[str]:
     def weigh(other: Config) -> tuple[int, float]:
         ram, _, tok_per_s = alternative_figures(plan, other)
         return ram, tok_per_s
-    fastest = fastest_speculation(cfg, weigh, ram_left) if profile is not None else None
+    # no speculation advice where the speed model has no figure for this step (below_resolution)
+    fastest = fastest_speculation(cfg, weigh, ram_left) \
+        if profile is not None and not plan.expected.below_resolution else None
     if fastest is not None and fastest[0] != cfg.optimizer.speculative_stages:  # RAM for speed (clipping on)
         alternatives.append((f"speculative_stages {fastest[0]}", fastest[1]))
     for label, other in [(label, without_refused_tier(other)) for label, other in alternatives]:
@@ -329,9 +332,8 @@ def format_speed(est: SpeedEstimate) -> list[str]:
         f"  {'tok/s':<38}{est.tok_per_s:10,.0f}      ({est.model_tflops:.0f} model TFLOPS, {est.step_seconds:.2f} s/step)"
         if not est.below_resolution else
         f"  {'tok/s':<38}{'not predicted':>13}   (a modeled step of {est.step_seconds * 1e3:.3g} ms: shorter than "
-        f"any the speed model is checked on, {SHORTEST_CHECKED_STEP_S} s and up, a step where the per-step costs it "
-        f"leaves out, kernel launches and the driver's Ray round trips of {p.host.control_seconds * 1e3:.2g} ms "
-        "each, would dominate)",
+        f"any the speed model is checked on, {SHORTEST_CHECKED_STEP_S} s and up: in a step that short, costs it "
+        "leaves out, each kernel's launch and the per-layer Python work, would decide the speed)",
         f"  {'GPU compute per step':<38}{est.compute_seconds:10.2f} s    ({p.gpu.kind.upper()}: "
         f"{p.gpu.tflops(est.compiled, est.moe, est.lora):.4g} model TFLOPS on busy time, "
         f"{'MoE layers' if est.moe else 'layers'} {'compiled' if est.compiled else 'eager'}"

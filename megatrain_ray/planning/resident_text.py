@@ -29,8 +29,8 @@ def resident_lines(plan: Plan) -> list[str]:
         if fits and profile is not None:  # it fits, but the speed model says streaming is faster
             fit_run = dataclasses.replace(run, resident_layers=fits)
             why = (f"{fits} layers would fit, but the speed model predicts "
-                   f"{estimate(cfg, profile, offload=plan.offload, run=fit_run).speed_text} with them against "
-                   f"{plan.expected.speed_text} streamed")
+                   f"{estimate(cfg, profile, offload=plan.offload, run=fit_run).tok_per_s:,.0f} tok/s with them "
+                   f"against {plan.expected.tok_per_s:,.0f} streamed")
         else:
             why = resident_tier_refusal(cfg, run.world) or ("no GPU" if not plan.machine.gpu_memory
                                                             or cfg.engine.device == "cpu" else
@@ -52,7 +52,8 @@ def resident_lines(plan: Plan) -> list[str]:
                                          " (GRPO's rollout streams them)" if cfg.finetune.objective == "grpo" else "")
                                      if len(stages) == len(layout.layers) else
                                      "as many layers as fit the GPU memory the plan leaves")
-                     + (", and the speed model predicts it faster than streaming" if profile is not None else ""))
+                     + (", and the speed model predicts it faster than streaming"
+                        if profile is not None and not plan.expected.below_resolution else ""))
     if not run.frozen_base:
         kept = layout.kept_stages(run.resident_layers, run.kept_layers)
         graphs = plan.gpu.get("kept layer graphs", 0)
