@@ -38,6 +38,7 @@ log = get_logger(__name__)
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": every Ray socket on 127.0.0.1 (driver/runtime.py)
 TEMP_DIR_KEY = "MEGATRAIN_CLUSTER_DIR"
+CLIENT_PORT_KEY = "MEGATRAIN_CLIENT_SERVER_PORT"
 CLIENT_SERVER = b"ray.util.client.server"  # the module `ray start --head` runs as the Ray client server
 
 
@@ -63,20 +64,21 @@ def _port(preferred: int, fallback: int) -> int:
             return fallback
 
 
-def _cluster_processes(temp_dir: Path, gcs_address: str | None = None) -> list[int]:
+def _cluster_processes(temp_dir: Path, client: tuple[str, str] | None = None) -> list[int]:
     """The cluster's processes: those whose command line names its temporary tree (GCS, raylet, dashboard,
-    monitors), its Ray client server (named by the GCS address it serves, `gcs_address`: its command line has no
-    temporary tree, and `ray start` leaves it to init), and every process below them (agents, workers, job
-    drivers), guardians excepted: a guardian ends after its owner, by itself, and removes the owner's segments then
-    (system/guardian.py)."""
+    monitors), its Ray client server (`client`: the GCS address it serves and its own port; its command line names
+    no temporary tree, and `ray start` leaves it to init), and every process below them (agents, workers, job
+    drivers), the user's own only, guardians excepted: a guardian ends after its owner, by itself, and removes the
+    owner's segments then (system/guardian.py)."""
     marker = str(temp_dir).encode()
-    client = f"--address={gcs_address}\0".encode() if gcs_address else None
+    flags = [f"--address={client[0]}\0".encode(), f"--port={client[1]}\0".encode()] if client else []
     children = children_map()
 
     def belongs(pid: int) -> bool:
         line = cmdline(pid)
-        return marker in line or (client is not None and CLIENT_SERVER in line and client in line)
-    roots = [pid for pid in {p for kids in children.values() for p in kids} if pid != os.getpid() and belongs(pid)]
+        return marker in line or bool(flags) and CLIENT_SERVER in line and all(f in line for f in flags)
+    roots = [pid for pid in {p for kids in children.values() for p in kids}
+             if pid != os.getpid() and _owned(pid) and belongs(pid)]
     found: set[int] = set()
     while roots:
         pid = roots.pop()
@@ -84,6 +86,14 @@ def _cluster_processes(temp_dir: Path, gcs_address: str | None = None) -> list[i
             found.add(pid)
             roots += children.get(pid, [])
     return sorted(found)
+
+
+def _owned(pid: int) -> bool:
+    """The process is this user's (another user's Ray is never ours to stop)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def _recorded(key: str) -> str | None:
@@ -98,8 +108,9 @@ def _recorded(key: str) -> str | None:
 
 def _recorded_processes() -> list[int]:
     """The processes of the cluster cluster.env describes (its temporary tree by default)."""
-    temp_dir = _recorded(TEMP_DIR_KEY)
-    return _cluster_processes(Path(temp_dir) if temp_dir else cluster_temp_dir(), _recorded("RAY_ADDRESS"))
+    temp_dir, address, client_port = _recorded(TEMP_DIR_KEY), _recorded("RAY_ADDRESS"), _recorded(CLIENT_PORT_KEY)
+    return _cluster_processes(Path(temp_dir) if temp_dir else cluster_temp_dir(),
+                              (address, client_port) if address and client_port else None)
 
 
 def start(num_gpus: int | None = None, allow_unauthenticated: bool = False,
@@ -134,7 +145,8 @@ def start(num_gpus: int | None = None, allow_unauthenticated: bool = False,
     install_dashboard(temp_dir / "session_latest")
     exports = {LOOPBACK_ENV: "0", "RAY_ADDRESS": f"127.0.0.1:{ports['port']}",
                "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{ports['dashboard-port']}",
-               "MEGATRAIN_METRICS_PORT": str(ports["metrics-export-port"]), TEMP_DIR_KEY: str(temp_dir)}
+               "MEGATRAIN_METRICS_PORT": str(ports["metrics-export-port"]), TEMP_DIR_KEY: str(temp_dir),
+               CLIENT_PORT_KEY: str(ports["ray-client-server-port"])}
     if token:
         exports["RAY_AUTH_MODE"] = "token"
     path = env_file()
@@ -159,7 +171,7 @@ def stop(wait_s: float = 15.0) -> int:
     for pid in _recorded_processes():
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or no longer ours (its pid reused)
             pass
     env_file().unlink(missing_ok=True)
     return len(pids)
@@ -174,7 +186,7 @@ def _terminate(pids: list[int], deadline: float, keep: set[int] = frozenset()) -
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or no longer ours (its pid reused)
             pass
     while time.monotonic() < deadline and set(_recorded_processes()) - keep:
         time.sleep(0.1)

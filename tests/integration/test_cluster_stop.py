@@ -1,5 +1,6 @@
 """`megatrain cluster stop` ends every process of the cluster it started, the Ray client server included (its
-command line names no temporary tree: `ray start --head` leaves it to init), and no process of another cluster.
+command line names no temporary tree: `ray start --head` leaves it to init; it is told by the GCS address and its
+own port, both in cluster.env).
 
 The leftovers are found by reading /proc directly, not through driver/head.py's own process search.
 """
@@ -43,7 +44,8 @@ def test_cluster_stop_leaves_no_process_of_the_cluster_behind(tmp_path):
         assert started.returncode == 0, started.stderr[-3000:]
         exports = dict(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines()
                        if line.startswith("export "))
-        markers = (exports["MEGATRAIN_CLUSTER_DIR"].encode(), f"--address={exports['RAY_ADDRESS']}\0".encode())
+        markers = (exports["MEGATRAIN_CLUSTER_DIR"].encode(), f"--address={exports['RAY_ADDRESS']}\0".encode(),
+                   f"--port={exports['MEGATRAIN_CLIENT_SERVER_PORT']}\0".encode())
         running = processes_naming(*markers)
         assert any(b"ray.util.client.server" in line for line in running.values()), running  # what is checked
         stopped = subprocess.run([*megatrain, "stop"], env=env, capture_output=True, text=True, timeout=120)
