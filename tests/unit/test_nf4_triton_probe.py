@@ -58,11 +58,32 @@ def test_a_decoding_one_value_off_fails_the_probe(kernels):
     assert "block decoding" in nf4_triton_probe.kernels_failure(CPU, torch.bfloat16)
 
 
-def test_wrong_expert_products_fail_the_probe(kernels):
-    def other_expert(self, rows, ends, transposed):  # every row through expert 0
-        return products_like_torch(self, rows, torch.full_like(ends, rows.shape[0]), transposed)
+@pytest.mark.parametrize("broken", [True, False], ids=["transposed", "not-transposed"])
+def test_wrong_expert_products_of_either_layout_fail_the_probe(kernels, broken):
+    def other_expert(self, rows, ends, transposed):  # every row through expert 0, in the broken layout only
+        if transposed == broken:
+            ends = torch.full_like(ends, rows.shape[0])
+        return products_like_torch(self, rows, ends, transposed)
     kernels.setattr(nf4_triton.NF4Experts, "products", other_expert)
-    assert "expert products" in nf4_triton_probe.kernels_failure(CPU, torch.bfloat16)
+    failure = nf4_triton_probe.kernels_failure(CPU, torch.bfloat16)
+    assert "expert products" in failure and ("gpt-oss" if broken else "Qwen3-MoE") in failure
+
+
+def test_a_wrong_scale_group_fails_the_probe(kernels):
+    """A decoding that reads every block's absmax from the first double-quantization group: the probe's tensor
+    has three groups, so it is caught."""
+    def first_group_only(codes, absmax, out, blocksize=64):
+        decode_like_torch(codes, absmax[:256].repeat(absmax.numel() // 256 + 1)[:absmax.numel()], out, blocksize)
+    kernels.setattr(nf4_triton, "dequantize_blocks_into", first_group_only)
+    assert "block decoding" in nf4_triton_probe.kernels_failure(CPU, torch.bfloat16)
+
+
+def test_a_sticky_cuda_error_is_raised_not_taken_for_a_fallback(kernels):
+    def illegal_access(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    kernels.setattr(nf4_triton, "dequantize_blocks_into", illegal_access)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        nf4_triton_probe.kernels_failure(CPU, torch.bfloat16)
 
 
 def test_a_kernel_that_does_not_compile_falls_back_under_auto_and_is_an_error_under_triton(kernels, caplog):
