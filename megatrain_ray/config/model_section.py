@@ -326,6 +326,12 @@ class ModelConfig:
         """RMSNorms that scale by (1 + weight), their weights zeros at the start (Gemma, the hybrid families)."""
         return self.is_gemma or self.family in HYBRID_FAMILIES
 
+    @property
+    def gated_attention(self) -> bool:
+        """The full-attention layers gate their output (the hybrid families: q_proj makes each head's query and its
+        gate; model/attention.split_gated_query)."""
+        return self.linear_attention is not None
+
     def layer_is_linear(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) is a linear-attention (Gated DeltaNet) layer, by layer_types."""
         return self.linear_attention is not None and self.layer_types[layer] == "linear_attention"

@@ -376,5 +376,6 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
     log.info("export: %s (%d tensors, %s %s, %d shard(s))", out, len(names), size, dtype, len(groups))
     if not any(name.startswith(("tokenizer", "vocab")) for name in copied):  # say so: a user loading it with AutoTokenizer would otherwise find out there
         log.info("export: no tokenizer files written: %s", f"{source_dir} has none" if source_dir else
+                 f"the run's model.path {model_cfg.path} is no directory here" if model_cfg.path else
                  "the run has no model.path (a byte-level model: token id = byte value, no tokenizer)")
     return out

@@ -58,14 +58,13 @@ class LayerSpec:
     def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "LayerSpec":
         """The spec of decoder layer `layer` (from 0): Gemma's layers differ in window and RoPE by layer_types."""
         slides = cfg.layer_slides(layer)
-        hybrid = cfg.linear_attention is not None
         scale = latent_scale(cfg) if cfg.latent_attention is not None else cfg.attention_scale
         return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.rms_norm_eps,
                    cfg.qk_norm, cfg.attention_bias, cfg.sliding_window if slides else 0, gemma=cfg.is_gemma,
                    scale=scale, softcap=cfg.attn_logit_softcapping,
                    local_rope=slides and uses_local_rope(cfg),
                    moe=MoeSpec.from_config(cfg) if cfg.layer_is_moe(layer) else None,
-                   plus_one=cfg.zero_centered_norms, output_gate=hybrid,
+                   plus_one=cfg.zero_centered_norms, output_gate=cfg.gated_attention,
                    linear=LinearAttentionSpec.from_config(cfg) if cfg.layer_is_linear(layer) else None,
                    latent=LatentSpec.from_config(cfg) if cfg.latent_attention is not None else None)
 

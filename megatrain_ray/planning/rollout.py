@@ -75,7 +75,7 @@ def prefill_bytes(cfg: Config, run: RunSpec) -> int:
     tokens = rows * prompt
     q, kv = attention_widths(m)
     # a gated attention's q_proj is twice the query's width: its gate half lives until the output is gated
-    gate = q if m.linear_attention is not None else 0
+    gate = q if m.gated_attention else 0
     attention = tokens * (2 * q + 2 * kv + gate) * compute_b
     if m.family == "gpt_oss" or m.attn_logit_softcapping:
         attention += PREFILL_SCORE_TENSORS * rows * m.num_attention_heads * prompt * (prompt + 1) * compute_b
