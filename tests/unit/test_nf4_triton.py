@@ -223,6 +223,13 @@ def contiguous_axis_off_the_blocksize_is_a_clear_error():
 
 
 @check
+def the_start_up_probe_passes_the_kernels():
+    from megatrain_ray.quant.nf4_triton_probe import kernels_failure
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert kernels_failure(DEVICE, dtype) is None, (dtype, kernels_failure(DEVICE, dtype))
+
+
+@check
 def availability_follows_triton_and_the_device():
     import os
     assert triton_available(DEVICE)
@@ -279,6 +286,7 @@ def verdicts() -> dict[str, str]:
     "unrouted_experts_leave_the_rest_unchanged",
     "unrouted_experts_read_no_weight_bytes",
     "contiguous_axis_off_the_blocksize_is_a_clear_error",
+    "the_start_up_probe_passes_the_kernels",
     "availability_follows_triton_and_the_device",
 ])
 def test_nf4_triton(verdicts: dict[str, str], name: str) -> None:
