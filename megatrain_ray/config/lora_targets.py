@@ -80,11 +80,11 @@ ROUTER_AND_EXPERTS = ("gate", "gate_up_proj", "down_proj")
 MLP_NAMES_ON_SHARED_EXPERT = frozenset(SHARED_EXPERT_TARGETS) - frozenset(PARAM_TARGETS)
 """Families whose MLP target names reach the shared expert (SHARED_EXPERT_PROJECTIONS) and never the routed experts
 or the router (peft has no weight conversion for them: Qwen3.5-MoE): model/lora_moe.param_adapters."""
-_SHARED = (" (the shared experts and the dense first layers' MLPs take no adapter: peft maps every target named "
-           "gate_proj, up_proj or down_proj onto the routed experts)")
-_SHARED_NOTE = {"deepseek_v3": _SHARED, "glm4_moe": _SHARED,
-                "qwen3_next": " (the shared expert's projections and the dense layers' MLPs take no adapter: peft "
-                              "maps every target named gate_proj, up_proj or down_proj onto the routed experts)"}
+_SHARED = (" ({} and the dense {}MLPs take no adapter: peft maps every target named gate_proj, up_proj or "
+           "down_proj onto the routed experts)")
+_SHARED_NOTE = {"deepseek_v3": _SHARED.format("the shared experts", "first layers' "),
+                "glm4_moe": _SHARED.format("the shared experts", "first layers' "),
+                "qwen3_next": _SHARED.format("the shared expert's projections", "layers' ")}
 
 
 def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
