@@ -290,9 +290,9 @@ class EngineConfig:
     expert dequantized for each generated token. Needs triton and a CUDA device. auto: triton where it runs, else
     torch. At start-up the kernels are tried once on a small tensor against the torch decoding
     (quant/nf4_triton_probe.py): where they do not compile or disagree, auto decodes in torch with a warning and
-    triton stops with an error naming the failure. A float64 compute dtype (exact test runs) always decodes in torch. Measured on an H200 (one gpt-oss-120b
-    layer, benchmarks/nf4_decode.py): the dequantization at 1,071 G values/s against compiled torch's 133, bit for bit
-    equal; a decode step's MoE half at 32 rows 2.5 ms with the routed experts read in NF4, 4.6 ms dequantizing them
+    triton stops with an error naming the failure. A float64 compute dtype (exact test runs) always decodes in
+    torch. Measured on an H200 (one gpt-oss-120b layer, benchmarks/nf4_decode.py): the dequantization at 1,071 G
+    values/s against compiled torch's 133, bit for bit equal; a decode step's MoE half at 32 rows 2.5 ms with the routed experts read in NF4, 4.6 ms dequantizing them
     with the kernel, 27.0 ms in torch. The rollout/trainer log-probability gap of a bf16 GRPO step on gpt-oss-120b's
     shape (8 layers, H100) is the kernels' and torch's alike: 0.60 and 0.61 nats a token on average (0.12 with 2
     layers; 5e-6 in float32: bf16 rounding through the random-init layers, not the kernels). Checked in Triton's

@@ -106,14 +106,7 @@ def lora_targets(family: str, target_modules: list[str] | Literal["all-linear"],
 
 def _hybrid_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
     linear = (*ATTENTION_PROJECTIONS, *LINEAR_MIXER_PROJECTIONS[family], *HYBRID_MLP_LINEAR[family])
-    params = PARAM_TARGETS.get(family, {})
-    if target_modules == "all-linear":
-        return (*linear, *(ROUTER_AND_EXPERTS if params else ()))
-    for name in target_modules:
-        if name not in linear and name not in params:
-            refuse(key, target_modules, f"{name!r} is not a module of a {family} layer peft adapts; choose from "
-                   f"{', '.join((*linear, *params))} or all-linear" + _SHARED_NOTE.get(family, ""))
-    return (*(n for n in linear if n in target_modules), *_param_targets(family, target_modules, key))
+    return _linear_and_param_targets(family, target_modules, key, linear)
 
 
 def _moe_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str) -> tuple[str, ...]:
@@ -128,15 +121,22 @@ def _moe_targets(family: str, target_modules: list[str] | Literal["all-linear"],
                 refuse(key, target_modules, why + f"choose from {', '.join(ATTENTION_PROJECTIONS)} (or all-linear, "
                        "which is those four on gpt_oss)")
         return tuple(name for name in ATTENTION_PROJECTIONS if name in target_modules)
-    mapping = PARAM_TARGETS[family]
     attention = LATENT_PROJECTIONS if family == "deepseek_v3" else ATTENTION_PROJECTIONS
+    return _linear_and_param_targets(family, target_modules, key, attention)
+
+
+def _linear_and_param_targets(family: str, target_modules: list[str] | Literal["all-linear"], key: str,
+                              linear: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets of a family whose nn.Linear targets are `linear` and whose router and experts peft maps by
+    PARAM_TARGETS (where it has a mapping): all-linear is both; a name that reaches neither is refused."""
+    params = PARAM_TARGETS.get(family, {})
     if target_modules == "all-linear":
-        return (*attention, *ROUTER_AND_EXPERTS)
+        return (*linear, *(ROUTER_AND_EXPERTS if params else ()))
     for name in target_modules:
-        if name not in attention and name not in mapping:
+        if name not in linear and name not in params:
             refuse(key, target_modules, f"{name!r} is not a module of a {family} layer peft adapts; choose from "
-                   f"{', '.join((*attention, *mapping))} or all-linear" + _SHARED_NOTE.get(family, ""))
-    return (*(n for n in attention if n in target_modules), *_param_targets(family, target_modules, key))
+                   f"{', '.join((*linear, *params))} or all-linear" + _SHARED_NOTE.get(family, ""))
+    return (*(n for n in linear if n in target_modules), *_param_targets(family, target_modules, key))
 
 
 def _param_targets(family: str, target_modules: list[str], key: str) -> tuple[str, ...]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatrain_ray.exceptions import DataError, excerpt
-from megatrain_ray.system.model_sources import HUB_NAME, hub_snapshot
 from megatrain_ray.extras import install_hint
+from megatrain_ray.system.model_sources import HUB_NAME, hub_snapshot
 
 DATA_PATTERNS = ["*.parquet", "*.json", "*.jsonl", "*.jsonl.gz", "*.json.gz", "*.csv", "*.arrow", "*.txt",
                  "README.md", "*.yaml"]

@@ -106,18 +106,19 @@ def _recorded(key: str) -> str | None:
     return None
 
 
-def _recorded_processes() -> list[int]:
-    """The processes of the cluster cluster.env describes (its temporary tree by default)."""
+def _recorded_marks() -> tuple[Path, tuple[str, str] | None]:
+    """What tells the processes of the cluster cluster.env describes (_cluster_processes' arguments): its temporary
+    tree (the default one where none is recorded) and its client server's GCS address and port."""
     temp_dir, address, client_port = _recorded(TEMP_DIR_KEY), _recorded("RAY_ADDRESS"), _recorded(CLIENT_PORT_KEY)
-    return _cluster_processes(Path(temp_dir) if temp_dir else cluster_temp_dir(),
-                              (address, client_port) if address and client_port else None)
+    return (Path(temp_dir) if temp_dir else cluster_temp_dir(),
+            (address, client_port) if address and client_port else None)
 
 
 def start(num_gpus: int | None = None, allow_unauthenticated: bool = False,
           private_parent: Path | None = None) -> dict[str, str]:
     """Start the head; the exports of cluster.env. `private_parent`: the 0700 directory holding Ray's temporary
     tree (default /tmp/megatrain-<uid>; short, as Ray's socket paths live below it)."""
-    if env_file().exists() and _recorded_processes():
+    if env_file().exists() and _cluster_processes(*_recorded_marks()):
         raise ConfigError(f"a megatrain cluster already runs (see {env_file()}); stop it with `megatrain cluster "
                           "stop` first")
     token = auth_wanted(allow_unauthenticated)
@@ -163,12 +164,13 @@ def stop(wait_s: float = 15.0) -> int:
     """End the cluster's processes (SIGTERM, then SIGKILL after `wait_s`); how many there were. The GCS last, as
     `ray stop` does: sent SIGTERM while the raylet and its agents are going down, Ray's GCS waits on a flush of its
     events that never ends and is only killed after `wait_s`; alone, it ends at once (well under a second)."""
-    pids = _recorded_processes()
+    marks = _recorded_marks()
+    pids = _cluster_processes(*marks)
     gcs = [pid for pid in pids if _is_gcs(pid)]
     deadline = time.monotonic() + wait_s
-    _terminate([pid for pid in pids if pid not in gcs], deadline, keep=set(gcs))
-    _terminate(gcs, deadline)
-    for pid in _recorded_processes():
+    _terminate([pid for pid in pids if pid not in gcs], marks, deadline, keep=set(gcs))
+    _terminate(gcs, marks, deadline)
+    for pid in _cluster_processes(*marks):
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):  # gone, or no longer ours (its pid reused)
@@ -181,14 +183,16 @@ def _is_gcs(pid: int) -> bool:
     return os.path.basename(cmdline(pid).split(b"\0", 1)[0]) == b"gcs_server"
 
 
-def _terminate(pids: list[int], deadline: float, keep: set[int] = frozenset()) -> None:
-    """SIGTERM to `pids`, then wait until the cluster's processes are `keep` alone, or until `deadline`."""
+def _terminate(pids: list[int], marks: tuple[Path, tuple[str, str] | None], deadline: float,
+               keep: set[int] = frozenset()) -> None:
+    """SIGTERM to `pids`, then wait until the cluster's processes (those `marks` tell: _recorded_marks) are `keep`
+    alone, or until `deadline`."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):  # gone, or no longer ours (its pid reused)
             pass
-    while time.monotonic() < deadline and set(_recorded_processes()) - keep:
+    while time.monotonic() < deadline and set(_cluster_processes(*marks)) - keep:
         time.sleep(0.1)
 
 

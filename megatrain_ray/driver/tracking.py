@@ -32,8 +32,8 @@ from typing import Any
 from megatrain_ray.config.loop_sections import TRACKERS
 from megatrain_ray.config.sections import Config
 from megatrain_ray.exceptions import ConfigError, MegatrainError
-from megatrain_ray.observe.log import get_logger
 from megatrain_ray.extras import install_hint
+from megatrain_ray.observe.log import get_logger
 
 log = get_logger(__name__)
 

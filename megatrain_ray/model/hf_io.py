@@ -374,7 +374,8 @@ def export_hf(tensors: Mapping[str, torch.Tensor], model_cfg: ModelConfig, out_d
             shutil.copyfile(Path(source_dir) / name, tmp / name)
     size = f"{total / 1e9:.2f} GB" if total >= 10**8 else f"{total / 1e6:.1f} MB"
     log.info("export: %s (%d tensors, %s %s, %d shard(s))", out, len(names), size, dtype, len(groups))
-    if not any(name.startswith(("tokenizer", "vocab")) for name in copied):  # say so: a user loading it with AutoTokenizer would otherwise find out there
+    # say so: a user loading the export with AutoTokenizer would otherwise find out only there
+    if not any(name.startswith(("tokenizer", "vocab")) for name in copied):
         log.info("export: no tokenizer files written: %s", f"{source_dir} has none" if source_dir else
                  f"the run's model.path {model_cfg.path} is no directory here" if model_cfg.path else
                  "the run has no model.path (a byte-level model: token id = byte value, no tokenizer)")

@@ -32,9 +32,7 @@ def kernels_failure(device: torch.device, dtype: torch.dtype) -> str | None:
 def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(_PROBE_SHAPE, generator=gen) * 0.05).to(dtype)
-    q = quantize_nf4(weight)
-    q = type(q)(q.packed.to(device), q.absmax.to(device), q.absmax_scales.to(device),
-                q.absmax_offset.to(device), q.shape, q.dtype, q.blocksize)
+    q = quantize_nf4(weight.to(device))
     _, width_a, width_b = _PROBE_SHAPE
     rows = {True: torch.randn(_PROBE_ROWS, width_a, generator=gen).to(dtype).to(device),  # weight[e] is [in, out]
             False: torch.randn(_PROBE_ROWS, width_b, generator=gen).to(dtype).to(device)}  # [out, in]

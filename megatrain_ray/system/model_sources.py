@@ -36,9 +36,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatrain_ray.exceptions import CheckpointError, MegatrainError, excerpt
+from megatrain_ray.extras import install_hint
 from megatrain_ray.observe.log import get_logger
 from megatrain_ray.system.files import lock_is_held, tree_bytes, write_atomic
-from megatrain_ray.extras import install_hint
 
 log = get_logger(__name__)
 
